@@ -1,0 +1,31 @@
+"""tpattn — tensor-parallel attention, built, sharded, checked and broken.
+
+``import tpattn`` loads torch and nothing heavier; plotting (``tpattn.viz``) and widgets
+(``tpattn.widgets``) load only when imported.
+"""
+from .config import Config
+from .layers import apply_rope, attention, repeat_kv, rms_norm
+from .params import clone_trainable, init_params, shard_params
+from .dense import dense_forward
+from .tp import copy_to_ranks, reduce_output_partials, tp_forward
+from .check import (
+    EQUIVALENCE,
+    MEASURES,
+    MISSING_INPUT_GRAD_REDUCE,
+    MISSING_OUTPUT_REDUCE,
+    MODES,
+    SEEDS,
+    TOLERANCE,
+    inspect_fixture,
+    run,
+    run_matrix,
+)
+
+__all__ = [
+    "Config", "rms_norm", "apply_rope", "repeat_kv", "attention",
+    "init_params", "clone_trainable", "shard_params", "dense_forward",
+    "copy_to_ranks", "reduce_output_partials", "tp_forward",
+    "run", "run_matrix", "inspect_fixture",
+    "MODES", "EQUIVALENCE", "MISSING_OUTPUT_REDUCE", "MISSING_INPUT_GRAD_REDUCE",
+    "SEEDS", "MEASURES", "TOLERANCE",
+]

@@ -1,0 +1,82 @@
+"""Parameters of the block: deterministic init, trainable copies, and head-group sharding.
+
+Weight layouts follow ``torch.nn.functional.linear`` (``y = x @ w.T``)::
+
+    norm  [hidden]                          RMSNorm scale
+    wq    [query_heads * head_dim, hidden]  rows grouped by query head
+    wk    [kv_heads * head_dim, hidden]     rows grouped by KV head
+    wv    [kv_heads * head_dim, hidden]
+    wo    [hidden, query_heads * head_dim]  columns grouped by query head
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import Config
+
+#: Standard deviation of the seed's weight init.
+INIT_STD = 0.15
+
+#: Parameter names, in the order the block uses them.
+PARAM_NAMES = ("norm", "wq", "wk", "wv", "wo")
+
+
+def init_params(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic parameters from ``seed`` (its own generator, global RNG untouched).
+
+    Weights are ``N(0, 1) * 0.15`` drawn in float32 in the order wq, wk, wv, wo, then cast to
+    ``cfg.dtype``, so a float64 run sees the same numbers as a float32 one; ``norm`` is ones.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * INIT_STD).to(cfg.torch_dtype)
+
+    return {
+        "norm": torch.ones(cfg.hidden, dtype=cfg.torch_dtype),
+        "wq": rand(cfg.query_heads * cfg.head_dim, cfg.hidden),
+        "wk": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden),
+        "wv": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden),
+        "wo": rand(cfg.hidden, cfg.query_heads * cfg.head_dim),
+    }
+
+
+def clone_trainable(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Independent leaf copies with ``requires_grad=True`` (one per model being compared)."""
+    return {name: t.clone().detach().requires_grad_(True) for name, t in params.items()}
+
+
+def rank_head_slices(cfg: Config, rank: int) -> tuple[slice, slice]:
+    """Rows of wq (and columns of wo), and rows of wk/wv, that TP rank ``rank`` owns.
+
+    Rank ``r`` owns query heads ``[r*Hq/W, (r+1)*Hq/W)`` and KV heads ``[r*Hkv/W, (r+1)*Hkv/W)``.
+    Because ``repeat_kv`` maps query head ``h`` to KV head ``h // (Hq/Hkv)``, those are exactly the
+    KV heads its query heads read: every rank holds complete query/KV groups.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cfg.world_size:
+        raise ValueError(f"rank must be an integer in [0, world_size={cfg.world_size}) (got {rank!r})")
+    d, q, kv = cfg.head_dim, cfg.local_query_heads, cfg.local_kv_heads
+    return slice(rank * q * d, (rank + 1) * q * d), slice(rank * kv * d, (rank + 1) * kv * d)
+
+
+def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
+    """Split dense parameters into ``cfg.world_size`` rank-local shards (views, not copies).
+
+    - ``wq``, ``wk``, ``wv``: column-parallel — each rank takes the *rows* of its heads;
+    - ``wo``: row-parallel — each rank takes the *columns* of its query heads;
+    - ``norm``: replicated — every rank uses the same tensor.
+
+    Shards are views of ``params``, so gradients of the shards land in the dense tensors.
+    Returns one dict per rank with the keys of ``params``.
+    """
+    shards = []
+    for rank in range(cfg.world_size):
+        q_rows, kv_rows = rank_head_slices(cfg, rank)
+        shards.append({
+            "norm": params["norm"],
+            "wq": params["wq"][q_rows],
+            "wk": params["wk"][kv_rows],
+            "wv": params["wv"][kv_rows],
+            "wo": params["wo"][:, q_rows],
+        })
+    return shards
