@@ -1,0 +1,45 @@
+# Two commands do everything on a fresh machine:  make book  ·  make test
+# Setup is idempotent: the venv is made once, requirements are reinstalled only when
+# requirements.txt or pyproject.toml change (a stamp file records the last install).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+VENDOR := vendor
+MATHJAX := $(VENDOR)/mathjax/tex-chtml.js
+JB := $(VENV)/bin/jupyter-book
+JOBS ?= 2
+
+.PHONY: setup book test test-unit test-notebooks test-browser lab bench clean
+
+setup: $(STAMP) $(MATHJAX)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	@touch $(STAMP)
+
+# MathJax 3 from the npm registry (not committed): the book renders math offline.
+$(MATHJAX):
+	@mkdir -p $(VENDOR)
+	cd $(VENDOR) && npm pack --silent mathjax@3.2.2 >/dev/null && rm -rf mathjax && mkdir mathjax \
+	  && tar -xzf mathjax-3.2.2.tgz -C mathjax --strip-components=1 && rm mathjax-3.2.2.tgz
+
+book: setup
+	$(JB) build . -W -n --keep-going
+
+# One pytest run: unit/property/CLI/distributed tests, every chapter notebook under nbval,
+# and the browser test of the HTML that `book` just built.
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+test: book
+	$(PY) -m pytest -q $(NBVAL) tests book
+
+lab: setup
+	$(VENV)/bin/jupyter lab book/
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf _build

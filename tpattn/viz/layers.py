@@ -1,0 +1,4 @@
+"""Figures for layers (see tpattn.viz)."""
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,46 @@
+"""The book's figure style: one look for every chapter."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+__all__ = ["RANK_COLORS", "PASS_COLOR", "FAIL_COLOR", "DENSE_COLOR", "use_book_style",
+           "rank_color", "new_figure"]
+
+#: One color per TP rank (tab10), reused by every figure that shows ranks.
+RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+PASS_COLOR = "#2ca02c"
+FAIL_COLOR = "#d62728"
+DENSE_COLOR = "#444444"
+
+_STYLE = {
+    "figure.dpi": 100,
+    "savefig.dpi": 100,
+    "figure.figsize": (7.0, 3.2),
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": False,
+    "image.cmap": "viridis",
+    "svg.hashsalt": "tpattn",
+}
+
+
+def use_book_style() -> None:
+    """Apply the book's rcParams (idempotent)."""
+    plt.rcParams.update(_STYLE)
+
+
+def rank_color(rank: int) -> str:
+    """The color of TP rank ``rank``."""
+    return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, **kwargs):
+    """``plt.subplots`` in the book style, constrained layout; returns ``(fig, axes)``."""
+    use_book_style()
+    kwargs.setdefault("layout", "constrained")
+    return plt.subplots(nrows, ncols, **kwargs)
+
+
+use_book_style()
