@@ -1,4 +1,230 @@
-"""Figures for layers (see tpattn.viz)."""
+"""Figures for Part I, the dense block (chapters 2–5): RMSNorm, RoPE, attention, the step.
+
+Every function builds its figure with ``tpattn.viz.style.new_figure``, returns the ``Figure``
+and never calls ``show``. Data come from the package's own functions, never re-implemented.
+"""
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+from ..check import PARAM_SEED_OFFSET, check_seed, make_inputs
+from ..config import Config
+from ..dense import project_qkv
+from ..layers import apply_rope, attention_probs, repeat_kv, rms_norm, rope_angles
+from ..params import PARAM_NAMES, init_params
+from .style import DENSE_COLOR, new_figure
+
+__all__ = [
+    "KV_HEAD_COLORS",
+    "kv_head_color",
+    "token_rms_figure",
+    "rope_rotation_figure",
+    "rope_relative_position_figure",
+    "attention_heatmaps",
+    "gradient_figure",
+]
+
+#: One color per KV head (Dark2), for frames that group the query heads sharing it. Distinct
+#: from ``RANK_COLORS`` on purpose: a KV head is not a rank (chapter 6 maps one to the other).
+KV_HEAD_COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
+
+
+def kv_head_color(kv_head: int) -> str:
+    """The frame color of KV head ``kv_head`` (and of every query head that reads it)."""
+    return KV_HEAD_COLORS[kv_head % len(KV_HEAD_COLORS)]
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` if it is an int in ``[low, high]``, else ``ValueError`` naming ``name``."""
+    rule = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        raise ValueError(f"{name} must be {rule} (got {value!r})")
+    return value
+
+
+def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
+    """Per-token root mean square before and after RMSNorm.
+
+    x, normalized: ``[S, B, hidden]`` (the same shape). One bar pair per token (``s, b``),
+    a dashed line at 1 — where RMSNorm with unit weight puts every token.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a tensor [S, B, hidden] (got shape {getattr(x, 'shape', None)})")
+    if not isinstance(normalized, torch.Tensor) or normalized.shape != x.shape:
+        raise ValueError(f"normalized must have the shape of x {tuple(x.shape)} "
+                         f"(got {tuple(getattr(normalized, 'shape', ()))})")
+    seq, batch = x.shape[0], x.shape[1]
+    rms_before = x.detach().double().pow(2).mean(-1).sqrt().T.reshape(-1)  # batch-major order
+    rms_after = normalized.detach().double().pow(2).mean(-1).sqrt().T.reshape(-1)
+    fig, ax = new_figure(figsize=(7.0, 3.0))
+    pos = torch.arange(seq * batch, dtype=torch.float64)
+    ax.bar(pos - 0.2, rms_before, width=0.4, color="#bbbbbb", label="x (before)")
+    ax.bar(pos + 0.2, rms_after, width=0.4, color=DENSE_COLOR, label="RMSNorm(x) (after)")
+    ax.axhline(1.0, color="k", ls="--", lw=0.8)
+    ax.set_xticks(pos.tolist(), [f"s{s}\nb{b}" for b in range(batch) for s in range(seq)], fontsize=8)
+    ax.set_xlabel("token (position s, batch b)")
+    ax.set_ylabel("RMS over hidden")
+    ax.set_title("Every token leaves RMSNorm with RMS 1")
+    ax.legend(loc="upper right", fontsize=8, frameon=False)
+    return fig
+
+
+def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 16):
+    """RoPE as rotations: each channel pair of a unit vector, rotated to ``position``.
+
+    The input has every pair ``(x_i, x_{i+D/2}) = (1, 0)``; ``apply_rope`` (the package's)
+    turns pair ``i`` at position ``m`` by the angle ``m · 10000^(-i/(D/2))``. Left: the pairs as
+    arrows on the unit circle at ``position``, their paths over ``0..max_position`` dotted.
+    Right: each pair's angle (wrapped to ``(-π, π]``) against position. One color per pair
+    (frequency); the fastest pair is 0.
+    """
+    _check_int("max_position", max_position, 1)
+    _check_int("position", position, 0, max_position)
+    _check_int("head_dim", head_dim, 2)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE's channel pairs (got {head_dim})")
+    half = head_dim // 2
+    unit = torch.zeros(max_position + 1, 1, 1, head_dim, dtype=torch.float64)
+    unit[..., :half] = 1.0
+    rotated = apply_rope(unit)[:, 0, 0]                       # [P, D]
+    cos, sin = rotated[:, :half], rotated[:, half:]           # [P, half] each
+    wrapped = torch.atan2(sin, cos)                           # angle in (-pi, pi]
+    freqs = rope_angles(2, head_dim, dtype=torch.float64)[1, 0, 0]  # angle per position step
+    colors = plt.get_cmap("viridis")(torch.linspace(0.0, 0.9, half).tolist())
+
+    fig, (circle, angles) = new_figure(2, figsize=(8.0, 3.6), width_ratios=[1, 1.4])
+    t = torch.linspace(0, 2 * math.pi, 200)
+    circle.plot(t.cos(), t.sin(), color="#cccccc", lw=1)
+    for i in range(half):
+        circle.plot(cos[:, i], sin[:, i], ls="none", marker=".", ms=3, color=colors[i], alpha=0.35)
+        c, s = cos[position, i].item(), sin[position, i].item()
+        circle.annotate("", xy=(c, s), xytext=(0, 0),
+                        arrowprops=dict(arrowstyle="-|>", color=colors[i], lw=1.8))
+        label = f"pair {i}: {freqs[i].item():.3g} rad/pos"
+        angles.plot(range(max_position + 1), wrapped[:, i], marker=".", ms=4, lw=1,
+                    color=colors[i], label=label if half <= 8 else None)
+    circle.set_aspect("equal")
+    circle.set_xlim(-1.15, 1.15)
+    circle.set_ylim(-1.15, 1.15)
+    circle.set_xlabel(r"channel $i$")
+    circle.set_ylabel(r"channel $i + D/2$")
+    circle.set_title(f"position m = {position}")
+    angles.axvline(position, color="k", ls="--", lw=0.8)
+    angles.set_ylim(-math.pi - 0.2, math.pi + 0.2)
+    angles.set_yticks([-math.pi, 0, math.pi], [r"$-\pi$", "0", r"$\pi$"])
+    angles.set_xlabel("position m")
+    angles.set_ylabel("angle of the pair (wrapped)")
+    angles.set_title(f"{half} pairs, {half} frequencies (head_dim {head_dim})")
+    if half <= 8:
+        angles.legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return fig
+
+
+def rope_relative_position_figure(scores: torch.Tensor):
+    """Heat map of ``scores[m, n] = RoPE(q)_m · RoPE(k)_n`` for one fixed ``q`` and ``k``.
+
+    scores: ``[M, N]``. Constant along every diagonal ``m - n = const`` when the score depends
+    only on the offset — RoPE's relative-position property.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        raise ValueError(f"scores must be a tensor [M, N] (got shape {getattr(scores, 'shape', None)})")
+    fig, ax = new_figure(figsize=(4.6, 3.8))
+    im = ax.imshow(scores.detach().double(), cmap="RdBu_r", origin="upper",
+                   vmin=-scores.abs().max().item(), vmax=scores.abs().max().item())
+    ax.set_xlabel("key position n")
+    ax.set_ylabel("query position m")
+    ax.set_title(r"$\mathrm{RoPE}(q)_m \cdot \mathrm{RoPE}(k)_n$: constant along diagonals")
+    fig.colorbar(im, ax=ax, shrink=0.85)
+    return fig
+
+
+def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
+    """Causal attention probabilities of every query head of the dense block, seed's inputs.
+
+    Inputs from ``tpattn.check.make_inputs(cfg, seed)``, weights from
+    ``init_params(cfg, seed + 100)``; probabilities from the package's ``rms_norm``,
+    ``project_qkv``, ``repeat_kv`` and ``attention_probs`` for batch element ``batch_index``.
+    One panel per query head (rows: query position, columns: key position), titled with the
+    KV head it reads; panels sharing a KV head have the same frame color.
+    """
+    if not isinstance(cfg, Config):
+        raise ValueError(f"cfg must be a tpattn.Config (got {type(cfg).__name__})")
+    check_seed(seed)
+    _check_int("batch_index", batch_index, 0, cfg.batch - 1)
+    x, _ = make_inputs(cfg, seed)
+    p = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    with torch.no_grad():
+        n = rms_norm(x, p["norm"], cfg.eps)
+        q, k, _ = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
+        probs = attention_probs(q, repeat_kv(k, cfg.group_size))[batch_index]  # [Hq, S, S]
+
+    heads = cfg.query_heads
+    ncols = min(heads, 8)
+    nrows = math.ceil(heads / ncols)
+    panel = 2.0 if cfg.seq <= 16 else 1.6
+    fig, axes = new_figure(ncols, nrows, figsize=(panel * ncols + 0.8, panel * nrows + 0.6),
+                           squeeze=False)
+    future = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#eeeeee")
+    im = None
+    for h, ax in enumerate(axes.flat):
+        if h >= heads:
+            ax.set_visible(False)
+            continue
+        kv = h // cfg.group_size
+        shown = probs[h].double().masked_fill(future, float("nan"))  # masked: drawn light grey
+        im = ax.imshow(shown, vmin=0.0, vmax=1.0, cmap=cmap)
+        if cfg.seq <= 6:
+            for s in range(cfg.seq):
+                for t in range(s + 1):
+                    val = probs[h, s, t].item()
+                    ax.text(t, s, f"{val:.2f}", ha="center", va="center", fontsize=6.5,
+                            color="k" if val > 0.6 else "w")
+        ax.set_title(f"q head {h} → KV head {kv}", fontsize=9, color=kv_head_color(kv))
+        for spine in ax.spines.values():
+            spine.set_visible(True)
+            spine.set_color(kv_head_color(kv))
+            spine.set_linewidth(3)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if h % ncols == 0:
+            ax.set_ylabel("query position")
+        if h // ncols == nrows - 1:
+            ax.set_xlabel("key position")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="probability")
+    fig.suptitle(f"Causal attention, seed {seed}, batch {batch_index}: "
+                 f"{heads} query heads share {cfg.kv_heads} KV heads", fontsize=10)
+    return fig
+
+
+def gradient_figure(grads: dict[str, torch.Tensor]):
+    """One panel per parameter: its gradient (signed, shared symmetric color scale per panel).
+
+    grads: ``{name: tensor}`` with the keys of ``init_params`` (``norm [hidden]``, weights
+    ``[out, in]``). ``norm`` is drawn as bars, the weight matrices as heat maps, each titled
+    with the gradient's Frobenius norm.
+    """
+    if not isinstance(grads, dict) or set(grads) != set(PARAM_NAMES):
+        raise ValueError(f"grads must be a dict with keys {list(PARAM_NAMES)} "
+                         f"(got {sorted(grads) if isinstance(grads, dict) else type(grads).__name__})")
+    fig, axes = new_figure(len(PARAM_NAMES), figsize=(10.0, 3.0),
+                           width_ratios=[1.4, 1, 1, 1, 1.6])
+    for ax, name in zip(axes, PARAM_NAMES):
+        g = grads[name].detach().double()
+        lim = max(g.abs().max().item(), 1e-12)
+        title = f"{name}  ‖g‖={g.norm().item():.3f}"
+        if g.dim() == 1:
+            ax.bar(range(g.numel()), g, color=DENSE_COLOR)
+            ax.axhline(0, color="k", lw=0.6)
+            ax.set_xlabel("hidden channel")
+        else:
+            im = ax.imshow(g, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
+            ax.set_xlabel("in")
+            ax.set_ylabel("out")
+            fig.colorbar(im, ax=ax, shrink=0.8)
+        ax.set_title(title, fontsize=9)
+    return fig
