@@ -1,4 +1,361 @@
-"""Figures for sharding (see tpattn.viz)."""
+"""Figures for Part II — sharding the block across TP ranks and breaking it (chapters 6–10).
+
+Every function builds a new figure in the book style and returns it (never shows it).
+Tensors are read, never modified; they may require grad.
+"""
 from __future__ import annotations
 
-__all__: list[str] = []
+from typing import Mapping, Sequence
+
+import matplotlib.patches as mpatches
+import torch
+
+from ..check import MEASURES, MODES, TOLERANCE
+from ..config import Config
+from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
+
+__all__ = [
+    "MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
+    "format_measure", "measures_table",
+    "heads_to_ranks_figure", "weight_shards_figure",
+    "measures_figure", "compare_measures_figure",
+    "heatmaps_figure", "partial_vs_full_figure", "drift_figure", "matrix_figure",
+]
+
+#: Short labels of the five measures, in ``MEASURES`` order.
+MEASURE_LABELS = {
+    "forward_max_abs_diff": "forward output",
+    "loss_abs_diff": "loss",
+    "input_grad_max_abs_diff": "input grad dX",
+    "parameter_grad_max_abs_diff": "parameter grads dW",
+    "post_step_weight_max_abs_diff": "weights after a step",
+}
+
+#: Where a value of exactly 0 is drawn on a log axis (and labelled "0").
+ZERO_FLOOR = 1e-12
+
+#: One color per TP mode.
+MODE_COLORS = {
+    "equivalence": PASS_COLOR,
+    "missing_output_reduce": FAIL_COLOR,
+    "missing_input_grad_reduce": "#9467bd",
+}
+
+
+def format_measure(value: float, tolerance: float = TOLERANCE) -> str:
+    """A measure as text that does not depend on the CPU's last bits.
+
+    Values below ``tolerance`` are float32 rounding noise (their exact size can differ between
+    machines), so they print as ``"< 1e-06"``; larger values print with 3 significant digits (``"7.01e-01"``).
+    """
+    if value < tolerance:
+        return f"< {tolerance:.0e}"
+    return f"{value:.2e}"
+
+
+def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURES) -> str:
+    """A fixed-width text table of ``run()`` results: one row per result, one column per measure,
+    values through ``format_measure``, then the verdict."""
+    headers = ["seed", "mode"] + [MEASURE_LABELS.get(m, m) for m in measures] + ["verdict"]
+    rows = [[str(r["seed"]), r["mode"]] + [format_measure(r[m]) for m in measures]
+            + ["PASSED" if r["passed"] else "FAILED"] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    lines = [headers, ["-" * w for w in widths]] + rows
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+                     for line in lines)
+
+
+# --- chapter 6: heads, ranks, shards -------------------------------------------------------
+
+
+def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None):
+    """Query heads (top row) and KV heads (bottom row) as boxes colored by the TP rank that owns
+    them, with a line from each query head to the KV head it reads (``h // group_size``).
+
+    ``query_ranks[h]`` is the rank that holds query head ``h``; by default the package's
+    sharding (contiguous blocks of ``cfg.local_query_heads``). KV head ``j`` is always held by
+    rank ``j // cfg.local_kv_heads``. A line whose query head and KV head sit on different ranks
+    (a split group, which one rank cannot compute) is drawn dashed in the fail color.
+    """
+    hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
+    if query_ranks is None:
+        query_ranks = [h // cfg.local_query_heads for h in range(hq)]
+    if len(query_ranks) != hq or any(not 0 <= int(r) < world for r in query_ranks):
+        raise ValueError(f"query_ranks must give a rank in [0, {world}) for each of the "
+                         f"{hq} query heads (got {list(query_ranks)!r})")
+    kv_ranks = [j // cfg.local_kv_heads for j in range(hkv)]
+
+    width = min(12.0, max(6.0, 0.55 * hq + 2.5))
+    fig, ax = new_figure(figsize=(width, 2.9))
+    fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5
+    box_w, box_h = 0.8, 0.5
+    q_x = [float(h) for h in range(hq)]
+    kv_x = [cfg.group_size * j + (cfg.group_size - 1) / 2 for j in range(hkv)]
+    q_y, kv_y = 1.6, 0.0
+
+    split = 0
+    for h in range(hq):
+        j = h // cfg.group_size
+        crosses = int(query_ranks[h]) != kv_ranks[j]
+        split += crosses
+        ax.plot([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
+                color=FAIL_COLOR if crosses else "#888888",
+                linestyle="--" if crosses else "-", linewidth=1.6 if crosses else 1.0, zorder=1)
+    for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
+        for i, (x, r) in enumerate(zip(xs, ranks)):
+            ax.add_patch(mpatches.FancyBboxPatch(
+                (x - box_w / 2, y - box_h / 2), box_w, box_h, boxstyle="round,pad=0.02",
+                facecolor=rank_color(int(r)), edgecolor="white", zorder=2))
+            ax.text(x, y, f"{prefix}{i}", ha="center", va="center", color="white",
+                    fontsize=fontsize, fontweight="bold", zorder=3)
+    ax.text(-0.9, q_y, "query\nheads", ha="right", va="center", fontsize=9)
+    ax.text(-0.9, kv_y, "KV\nheads", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-2.2, hq - 0.3)
+    ax.set_ylim(-0.55, 2.1)
+    ax.set_aspect("auto")
+    ax.axis("off")
+    handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
+              fontsize=8)
+    verdict = (f"{split} query head(s) on another rank than their KV head" if split
+               else "every rank holds complete query/KV groups")
+    ax.set_title(f"{hq} query heads, {hkv} KV heads, {world} ranks\n{verdict}",
+                 color=FAIL_COLOR if split else "black")
+    return fig
+
+
+def weight_shards_figure(cfg: Config):
+    """The four weight matrices drawn to scale, each part colored by the rank that owns it:
+    ``wq``/``wk``/``wv`` split by *rows* (column-parallel), ``wo`` split by *columns*
+    (row-parallel). ``norm`` is replicated and not drawn."""
+    d = cfg.head_dim
+    shapes = {
+        "wq": (cfg.query_heads * d, cfg.hidden),
+        "wk": (cfg.kv_heads * d, cfg.hidden),
+        "wv": (cfg.kv_heads * d, cfg.hidden),
+        "wo": (cfg.hidden, cfg.query_heads * d),
+    }
+    fig, axes = new_figure(ncols=4, figsize=(7.0, 2.8),
+                           gridspec_kw={"width_ratios": [c for _, c in shapes.values()]})
+    tallest = max(r for r, _ in shapes.values())
+    for ax, (name, (rows, cols)) in zip(axes, shapes.items()):
+        per_rank = (rows if name != "wo" else cols) // cfg.world_size
+        for r in range(cfg.world_size):
+            if name == "wo":
+                xy, w, h = (r * per_rank, 0), per_rank, rows
+            else:
+                xy, w, h = (0, rows - (r + 1) * per_rank), cols, per_rank
+            ax.add_patch(mpatches.Rectangle(xy, w, h, facecolor=rank_color(r),
+                                            edgecolor="white", linewidth=1.5))
+            ax.text(xy[0] + w / 2, xy[1] + h / 2, f"rank {r}", ha="center", va="center",
+                    color="white", fontsize=8, fontweight="bold",
+                    rotation=90 if name == "wo" else 0)
+        ax.set_xlim(0, cols)
+        ax.set_ylim(rows - tallest, rows)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        for side in ("left", "bottom"):
+            ax.spines[side].set_visible(False)
+        kind = "columns → row-parallel" if name == "wo" else "rows → column-parallel"
+        ax.set_title(f"{name} [{rows}, {cols}]\n{kind}", fontsize=9)
+    return fig
+
+
+# --- the five measures ---------------------------------------------------------------------
+
+
+def _zero_floor(values: Sequence[float]) -> float:
+    """Where 0 is drawn: ``ZERO_FLOOR``, or lower when a nonzero value is smaller than it."""
+    smallest = min((v for v in values if v > 0), default=1.0)
+    floor = ZERO_FLOOR
+    while floor > smallest / 30:
+        floor /= 10
+    return floor
+
+
+def _value_label(v: float) -> str:
+    return "0" if v == 0 else f"{v:.1e}"
+
+
+def _threshold_line(ax, floor: float, axis: str = "x") -> None:
+    """Log scale from ``floor`` to 30 on ``axis``, the dashed 1e-6 line, labelled."""
+    if axis == "x":
+        ax.set_xscale("log")
+        ax.set_xlim(floor / 3, 30)
+        ax.axvline(TOLERANCE, color="black", linestyle="--", linewidth=1)
+        ax.text(TOLERANCE * 1.3, 0.995, "threshold 1e-6", transform=ax.get_xaxis_transform(),
+                va="top", ha="left", fontsize=8)
+    else:
+        ax.set_yscale("log")
+        ax.set_ylim(floor / 3, 30)
+        ax.axhline(TOLERANCE, color="black", linestyle="--", linewidth=1)
+        ax.text(1.0, TOLERANCE, " 1e-6", transform=ax.get_yaxis_transform(), va="center",
+                ha="left", fontsize=8)
+
+
+def measures_figure(result: Mapping):
+    """One ``run()`` result: the five measures as log-scale horizontal bars against the dashed
+    1e-6 threshold, each bar colored pass/fail; a value of exactly 0 is drawn at ``ZERO_FLOOR``
+    (lower if a nonzero value is smaller, as in float64) and labelled "0"."""
+    fig, ax = new_figure(figsize=(7.0, 2.6))
+    values = [float(result[m]) for m in MEASURES]
+    floor = _zero_floor(values)
+    ys = list(range(len(MEASURES)))[::-1]
+    colors = [PASS_COLOR if v < TOLERANCE else FAIL_COLOR for v in values]
+    ax.barh(ys, [v or floor for v in values], color=colors, height=0.6, left=floor / 3)
+    for y, v in zip(ys, values):
+        ax.text((v or floor) * 1.4, y, _value_label(v), va="center", fontsize=8)
+    ax.set_yticks(ys, [MEASURE_LABELS[m] for m in MEASURES])
+    ax.set_ylim(-0.5, len(MEASURES) + 0.1)
+    _threshold_line(ax, floor, "x")
+    ax.set_xlabel("max |dense − TP|")
+    verdict = "PASSED" if result["passed"] else "FAILED"
+    ax.set_title(f"seed {result['seed']}, mode {result['mode']}: {verdict}",
+                 color=PASS_COLOR if result["passed"] else FAIL_COLOR)
+    return fig
+
+
+def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
+    """Several ``run()``-like results side by side: for each measure one bar per result
+    (label → result), log scale, 1e-6 line; exact zeros at ``ZERO_FLOOR`` (lower if a nonzero
+    value is smaller), labelled "0"."""
+    n = len(results)
+    fig, ax = new_figure(figsize=(7.0, 1.2 + 0.25 * len(MEASURES) * n))
+    floor = _zero_floor([float(r[m]) for r in results.values() for m in MEASURES])
+    height = 0.8 / n
+    palette = ["#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
+    for i, (label, result) in enumerate(results.items()):
+        values = [float(result[m]) for m in MEASURES]
+        ys = [len(MEASURES) - 1 - k + 0.4 - height * (i + 0.5) for k in range(len(MEASURES))]
+        ax.barh(ys, [v or floor for v in values], height=height * 0.9,
+                color=palette[i % len(palette)], left=floor / 3, label=label)
+        for y, v in zip(ys, values):
+            ax.text((v or floor) * 1.4, y, _value_label(v), va="center", fontsize=7)
+    ax.set_yticks(range(len(MEASURES))[::-1], [MEASURE_LABELS[m] for m in MEASURES])
+    ax.set_ylim(-0.5, len(MEASURES) + 0.1)
+    _threshold_line(ax, floor, "x")
+    ax.set_xlabel("max |dense − TP|")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+# --- tensors as pictures (chapters 8 and 9) -------------------------------------------------
+
+
+def _as_image(t: torch.Tensor) -> torch.Tensor:
+    """``[S, B, hidden]`` → ``[S, B·hidden]`` (batch-major columns), detached float64."""
+    t = t.detach().to(torch.float64)
+    return t.reshape(t.shape[0], -1) if t.dim() == 3 else t
+
+
+def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = True,
+                    cmap: str = "RdBu_r", value_label: str = ""):
+    """One heat map per ``[S, B, hidden]`` tensor (title → tensor), drawn as ``[S, B·hidden]``
+    with a white line between batch elements; a symmetric color scale around 0, shared by all
+    panels unless ``shared_scale=False``."""
+    images = {name: _as_image(t) for name, t in panels.items()}
+    n = len(images)
+    fig, axes = new_figure(nrows=n, figsize=(7.0, 1.15 * n + 0.5), squeeze=False)
+    axes = axes[:, 0]
+    vmax_all = max(float(im.abs().max()) for im in images.values()) or 1.0
+    first = next(iter(panels.values()))
+    batch, hidden = (first.shape[1], first.shape[2]) if first.dim() == 3 else (1, first.shape[1])
+    for ax, (name, im) in zip(axes, images.items()):
+        vmax = vmax_all if shared_scale else (float(im.abs().max()) or 1.0)
+        art = ax.imshow(im.numpy(), cmap=cmap, vmin=-vmax, vmax=vmax, aspect="auto",
+                        interpolation="nearest")
+        for b in range(1, batch):
+            ax.axvline(b * hidden - 0.5, color="white", linewidth=2)
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.set_ylabel("seq")
+        ax.set_yticks(range(im.shape[0]))
+        ax.set_xticks([b * hidden + hidden / 2 - 0.5 for b in range(batch)],
+                      [f"batch {b}" for b in range(batch)])
+        if not shared_scale:
+            fig.colorbar(art, ax=ax, fraction=0.03, pad=0.01, label=value_label)
+    if shared_scale:
+        fig.colorbar(art, ax=list(axes), fraction=0.03, pad=0.01, label=value_label)
+    return fig
+
+
+def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor]):
+    """Every element of the full attention output (x-axis) against what each rank's partial
+    holds, and against the sum of the partials (y-axis). The sum lies on the diagonal; rank 0's
+    partial alone does not.
+
+    full: ``[S, B, hidden]``; partials: ``world_size`` tensors ``[S, B, hidden]``.
+    """
+    fig, ax = new_figure(figsize=(4.6, 4.0))
+    xs = full.detach().flatten().to(torch.float64).numpy()
+    for r, p in enumerate(partials):
+        ax.scatter(xs, p.detach().flatten().to(torch.float64).numpy(), s=12, alpha=0.75,
+                   color=rank_color(r), label=f"rank {r} partial")
+    total = sum(p.detach() for p in partials)
+    ax.scatter(xs, total.flatten().to(torch.float64).numpy(), s=30, facecolors="none",
+               edgecolors="black", linewidths=0.8, label="sum of partials (g)")
+    lim = 1.05 * max(abs(xs).max(), max(float(p.detach().abs().max()) for p in partials))
+    ax.plot([-lim, lim], [-lim, lim], color="#888888", linestyle="--", linewidth=1)
+    ax.set_xlim(-lim, lim)
+    ax.set_ylim(-lim, lim)
+    ax.set_aspect("equal")
+    ax.set_xlabel("full attention output (dense)")
+    ax.set_ylabel("what the rank holds")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title("partials vs the full output, every element")
+    return fig
+
+
+def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequence[float]]):
+    """Training drift over steps. Left: per parameter, ``max |W_bug − W_dense|`` after each step
+    (log scale, 0 at ``ZERO_FLOOR``, 1e-6 line). Right: the loss of each run per step."""
+    fig, (left, right) = new_figure(ncols=2, figsize=(7.5, 3.0))
+    markers = ["o", "s", "^", "v", "D"]
+    for i, (name, values) in enumerate(diffs.items()):
+        steps = range(1, len(values) + 1)
+        left.plot(steps, [v or ZERO_FLOOR for v in values], marker=markers[i % len(markers)],
+                  markersize=4, label=name)
+    left.set_yscale("log")
+    left.set_ylim(ZERO_FLOOR / 3, 1)
+    left.axhline(TOLERANCE, color="black", linestyle="--", linewidth=1)
+    left.set_yticks([ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3], ["0", "1e-9", "1e-6", "1e-3"])
+    left.set_xlabel("SGD step")
+    left.set_title("max |W_bug − W_dense|", fontsize=10)
+    left.legend(fontsize=7, ncol=2)
+    palette = ["#444444", "#9467bd", "#1f77b4"]
+    for i, (name, values) in enumerate(losses.items()):
+        right.plot(range(len(values)), values, color=palette[i % len(palette)],
+                   linestyle=["-", "--", ":"][i % 3], label=name)
+    right.set_xlabel("SGD step")
+    right.set_title("loss", fontsize=10)
+    right.legend(fontsize=8)
+    return fig
+
+
+# --- chapter 10: the matrix ------------------------------------------------------------------
+
+
+def matrix_figure(results: Sequence[Mapping]):
+    """Every ``run_matrix()`` result: for each measure, one point per seed, grouped and colored
+    by mode, on a log scale against the 1e-6 line (exact zeros at ``ZERO_FLOOR``, "0")."""
+    fig, ax = new_figure(figsize=(7.5, 3.4))
+    modes = [m for m in MODES if any(r["mode"] == m for r in results)]
+    offsets = {m: (i - (len(modes) - 1) / 2) * 0.25 for i, m in enumerate(modes)}
+    for mode in modes:
+        rows = [r for r in results if r["mode"] == mode]
+        for k, measure in enumerate(MEASURES):
+            xs = [k + offsets[mode] + (j - (len(rows) - 1) / 2) * 0.035 for j in range(len(rows))]
+            ax.scatter(xs, [float(r[measure]) or ZERO_FLOOR for r in rows], s=18,
+                       color=MODE_COLORS[mode], label=mode if k == 0 else None, zorder=3)
+    _threshold_line(ax, ZERO_FLOOR, "y")
+    ticks = [ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3, 1]
+    ax.set_yticks(ticks, ["0", "1e-9", "1e-6", "1e-3", "1"])
+    ax.set_xticks(range(len(MEASURES)), [MEASURE_LABELS[m].replace(" ", "\n", 1) for m in MEASURES],
+                  fontsize=8)
+    ax.set_ylabel("max |dense − TP|")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    seeds = sorted({r["seed"] for r in results})
+    ax.set_title(f"{len(seeds)} seeds × {len(modes)} modes")
+    return fig
