@@ -53,12 +53,16 @@ def format_measure(value: float, tolerance: float = TOLERANCE) -> str:
     return f"{value:.2e}"
 
 
-def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURES) -> str:
+def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURES,
+                   labels: Sequence[str] | None = None) -> str:
     """A fixed-width text table of ``run()`` results: one row per result, one column per measure,
-    values through ``format_measure``, then the verdict."""
-    headers = ["seed", "mode"] + [MEASURE_LABELS.get(m, m) for m in measures] + ["verdict"]
-    rows = [[str(r["seed"]), r["mode"]] + [format_measure(r[m]) for m in measures]
-            + ["PASSED" if r["passed"] else "FAILED"] for r in results]
+    values through ``format_measure``, then the verdict. ``labels`` (one per result) replace
+    the mode column, headed "variant"."""
+    second = "mode" if labels is None else "variant"
+    labels = [r["mode"] for r in results] if labels is None else list(labels)
+    headers = ["seed", second] + [MEASURE_LABELS.get(m, m) for m in measures] + ["verdict"]
+    rows = [[str(r["seed"]), label] + [format_measure(r[m]) for m in measures]
+            + ["PASSED" if r["passed"] else "FAILED"] for r, label in zip(results, labels)]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     lines = [headers, ["-" * w for w in widths]] + rows
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
@@ -308,9 +312,11 @@ def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor])
     return fig
 
 
-def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequence[float]]):
-    """Training drift over steps. Left: per parameter, ``max |W_bug − W_dense|`` after each step
-    (log scale, 0 at ``ZERO_FLOOR``, 1e-6 line). Right: the loss of each run per step."""
+def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequence[float]],
+                 title: str = "max |W_bug − W_ref| after each step"):
+    """Training drift. Left: per parameter (name → one value per step), the max difference
+    between the weights of two runs after each SGD step (log scale, exact 0 at ``ZERO_FLOOR``,
+    1e-6 line). Right: the loss of each run (label → one value per step) at each step."""
     fig, (left, right) = new_figure(ncols=2, figsize=(7.5, 3.0))
     markers = ["o", "s", "^", "v", "D"]
     for i, (name, values) in enumerate(diffs.items()):
@@ -322,14 +328,14 @@ def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequ
     left.axhline(TOLERANCE, color="black", linestyle="--", linewidth=1)
     left.set_yticks([ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3], ["0", "1e-9", "1e-6", "1e-3"])
     left.set_xlabel("SGD step")
-    left.set_title("max |W_bug − W_dense|", fontsize=10)
+    left.set_title(title, fontsize=10)
     left.legend(fontsize=7, ncol=2)
     palette = ["#444444", "#9467bd", "#1f77b4"]
     for i, (name, values) in enumerate(losses.items()):
-        right.plot(range(len(values)), values, color=palette[i % len(palette)],
+        right.plot(range(1, len(values) + 1), values, color=palette[i % len(palette)],
                    linestyle=["-", "--", ":"][i % 3], label=name)
     right.set_xlabel("SGD step")
-    right.set_title("loss", fontsize=10)
+    right.set_title("loss at each step", fontsize=10)
     right.legend(fontsize=8)
     return fig
 
