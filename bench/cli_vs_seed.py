@@ -1,0 +1,56 @@
+"""`python -m tpattn --mode matrix` vs the seed fixture's script: same work, same cost?
+
+Runs the two commands alternately (so drift in machine load hits both alike), N times each,
+and prints the median wall times and their ratio (target: <= 1.05), and whether the two JSON
+outputs are identical. Usage: python bench/cli_vs_seed.py [--runs N] [--seed-script PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_SEED = ROOT.parent / "shared" / "seed" / "tp_attention_fixture.py"
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return time.perf_counter() - t0, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--seed-script", type=pathlib.Path, default=DEFAULT_SEED)
+    a = ap.parse_args()
+    if not a.seed_script.is_file():
+        print(f"seed script not found: {a.seed_script} (pass --seed-script)", file=sys.stderr)
+        return 2
+    commands = {
+        "tpattn": [sys.executable, "-m", "tpattn", "--mode", "matrix"],
+        "seed": [sys.executable, str(a.seed_script), "--mode", "matrix"],
+    }
+    times: dict[str, list[float]] = {k: [] for k in commands}
+    outputs: dict[str, str] = {}
+    for name, cmd in commands.items():  # warm the page cache once, untimed
+        outputs[name] = timed(cmd)[1]
+    for i in range(a.runs):
+        order = list(commands) if i % 2 == 0 else list(commands)[::-1]
+        for name in order:
+            times[name].append(timed(commands[name])[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"runs each: {a.runs} (alternating)")
+    for k, v in times.items():
+        print(f"{k:>7}: median {med[k]:.3f} s   min {min(v):.3f} s   max {max(v):.3f} s")
+    print(f"  ratio tpattn/seed (medians): {med['tpattn'] / med['seed']:.3f}   (target <= 1.05)")
+    print(f"  identical JSON: {outputs['tpattn'] == outputs['seed']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
