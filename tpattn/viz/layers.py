@@ -9,6 +9,7 @@ import math
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.ticker import MaxNLocator
 
 from ..check import PARAM_SEED_OFFSET, check_seed, make_inputs
 from ..config import Config
@@ -69,7 +70,8 @@ def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
     ax.set_xlabel("token (position s, batch b)")
     ax.set_ylabel("RMS over hidden")
     ax.set_title("Every token leaves RMSNorm with RMS 1")
-    ax.legend(loc="upper right", fontsize=8, frameon=False)
+    ax.set_ylim(0, 1.3 * max(rms_before.max().item(), 1.0))
+    ax.legend(loc="upper center", ncol=2, fontsize=8, frameon=False)
     return fig
 
 
@@ -135,6 +137,8 @@ def rope_relative_position_figure(scores: torch.Tensor):
     fig, ax = new_figure(figsize=(4.6, 3.8))
     im = ax.imshow(scores.detach().double(), cmap="RdBu_r", origin="upper",
                    vmin=-scores.abs().max().item(), vmax=scores.abs().max().item())
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("key position n")
     ax.set_ylabel("query position m")
     ax.set_title(r"$\mathrm{RoPE}(q)_m \cdot \mathrm{RoPE}(k)_n$: constant along diagonals")
