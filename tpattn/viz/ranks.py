@@ -1,4 +1,117 @@
-"""Figures for ranks (see tpattn.viz)."""
+"""Figures for Part III — the check on real torch.distributed ranks (chapter 11).
+
+They draw what ``tpattn.distributed.run_distributed`` reports (``RealRankReport``'s lists of
+plain dicts), so they need no process group. Every function returns a new ``Figure``.
+"""
 from __future__ import annotations
 
-__all__: list[str] = []
+from typing import Mapping, Sequence
+
+from ..check import MEASURES, MODES, TOLERANCE
+from .sharding import MEASURE_LABELS, MODE_COLORS, ZERO_FLOOR
+from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure
+
+__all__ = ["real_vs_simulated_figure", "ledger_figure", "rank_disagreement_figure"]
+
+_MEASURE_MARKERS = dict(zip(MEASURES, ["o", "s", "^", "D", "v"]))
+
+
+def _floor(value: float) -> float:
+    return max(value, ZERO_FLOOR)
+
+
+def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mapping]):
+    """Every measure of every run: simulated ranks (x) against real ranks (y), log-log.
+
+    ``real`` and ``simulated`` are ``run()`` dicts in the same order (``run_matrix``'s).
+    A point on the diagonal means both kinds of rank measured the same value; color = mode,
+    marker = measure; dashed lines mark the 1e-6 threshold; exact zeros sit at the floor.
+    """
+    fig, ax = new_figure(figsize=(7.0, 4.6))
+    for r, s in zip(real, simulated):
+        if (r["seed"], r["mode"]) != (s["seed"], s["mode"]):
+            raise ValueError("real and simulated must list the same runs in the same order "
+                             f"(got seed {r['seed']} {r['mode']} vs seed {s['seed']} {s['mode']})")
+        for m in MEASURES:
+            ax.scatter(_floor(s[m]), _floor(r[m]), color=MODE_COLORS[r["mode"]],
+                       marker=_MEASURE_MARKERS[m], s=28, alpha=0.8, edgecolor="none")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    lo, hi = ZERO_FLOOR / 3, 3.0
+    ax.plot([lo, hi], [lo, hi], color=DENSE_COLOR, lw=0.8, zorder=0)
+    for line in (ax.axvline, ax.axhline):
+        line(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8, zorder=0)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("simulated ranks (one process)")
+    ax.set_ylabel("real ranks (one process per rank)")
+    ax.set_title("The same measures, simulated vs real ranks (0 drawn at 1e-12)")
+    modes = [ax.scatter([], [], color=MODE_COLORS[m], marker="o", label=m) for m in MODES]
+    measures = [ax.scatter([], [], color="#999999", marker=_MEASURE_MARKERS[m],
+                           label=MEASURE_LABELS[m]) for m in MEASURES]
+    first = ax.legend(handles=modes, loc="upper left", fontsize=8, title="mode", title_fontsize=8)
+    ax.add_artist(first)
+    ax.legend(handles=measures, loc="lower right", fontsize=8, title="measure", title_fontsize=8)
+    return fig
+
+
+def ledger_figure(ledger: Sequence[Mapping]):
+    """The collective ledger: expected (outline) and actual (filled) all-reduces per block,
+    forward and backward, one group per row of ``RealRankReport.ledger``.
+
+    An actual bar is green where it matches the expectation, red where a collective is missing.
+    """
+    fig, axes = new_figure(ncols=2, figsize=(7.5, 3.2), sharey=True)
+    labels = [f"{row['mode']}\n({row['variant']})" for row in ledger]
+    positions = range(len(ledger))
+    for ax, phase in zip(axes, ("forward", "backward")):
+        expected = [row[f"{phase}_expected"] for row in ledger]
+        actual = [row[f"{phase}_actual"] for row in ledger]
+        colors = [PASS_COLOR if a == e else FAIL_COLOR for a, e in zip(actual, expected)]
+        ax.barh(positions, expected, color="none", edgecolor=DENSE_COLOR, ls="--", height=0.7,
+                label="expected")
+        ax.barh(positions, actual, color=colors, height=0.45, label="actual")
+        for y, (a, e, color) in enumerate(zip(actual, expected, colors)):
+            ax.text(max(a, e) + 0.08, y, f"{a} of {e}" + ("" if a == e else "  missing"),
+                    va="center", fontsize=8, color=DENSE_COLOR if a == e else color)
+        ax.set_title(f"all-reduces in {phase}")
+        ax.set_xlim(0, max(max(expected), max(actual)) + 1.6)
+        ax.set_xticks(range(0, max(max(expected), max(actual)) + 1))
+    axes[0].invert_yaxis()  # first row on top (the axes share y: invert once)
+    axes[0].set_yticks(list(positions), labels, fontsize=8)
+    axes[1].legend(loc="upper right", fontsize=8)
+    return fig
+
+
+_QUANTITIES = {
+    "output_max_rank_diff": ("output y", "#1f77b4"),
+    "input_grad_max_rank_diff": ("input grad dX", "#ff7f0e"),
+    "norm_grad_max_rank_diff": ("norm grad", "#8c564b"),
+}
+
+
+def rank_disagreement_figure(rows: Sequence[Mapping]):
+    """How far the ranks' own copies of the output, of dX and of the ``norm`` gradient are from
+    rank 0's, per mode (largest over the seeds), log scale; exact zeros drawn at the floor and
+    labelled "0". ``rows``: ``RealRankReport.rank_disagreement``.
+    """
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    fig, ax = new_figure(figsize=(7.0, 3.4))
+    width = 0.8 / len(_QUANTITIES)
+    for q, (key, (label, color)) in enumerate(_QUANTITIES.items()):
+        for i, mode in enumerate(modes):
+            value = max(r[key] for r in rows if r["mode"] == mode)
+            x = i + (q - (len(_QUANTITIES) - 1) / 2) * width
+            ax.bar(x, _floor(value) - ZERO_FLOOR, bottom=ZERO_FLOOR, width=width * 0.9,
+                   color=color, label=label if i == 0 else None)
+            ax.text(x, _floor(value) * 1.6, "0" if value == 0 else f"{value:.0e}",
+                    ha="center", fontsize=7)
+    ax.set_yscale("log")
+    ax.axhline(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8)
+    ax.text(-0.45, TOLERANCE * 1.6, "1e-6", ha="left", fontsize=8, color=DENSE_COLOR)
+    ax.set_ylim(ZERO_FLOOR / 2, 1e4)
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_ylabel("max |rank r copy − rank 0 copy|")
+    ax.set_title("Do the ranks hold the same values? (0 drawn at 1e-12)")
+    ax.legend(fontsize=8, loc="upper center", ncols=3, frameon=False)
+    return fig

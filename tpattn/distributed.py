@@ -1,0 +1,571 @@
+"""The same check on real ranks: one torch.distributed process per TP rank.
+
+``tpattn.tp`` simulates the ranks in one process, where autograd does the backward half of each
+collective for free. Here every rank is a process holding only its own shards, and Megatron's
+two operations (``tensor_parallel/mappings.py``) are ``torch.autograd.Function``s that call
+real collectives::
+
+    f  CopyToRanks            forward: identity      backward: all-reduce (sum of dX parts)
+    g  ReduceOutputPartials   forward: all-reduce    backward: identity
+
+Each rank builds the same inputs and weights from the seed, runs forward, its own MSE loss,
+backward and one SGD step; rank 0 gathers the shards and compares them with the dense block on
+the five measures of ``tpattn.run`` (same dict). The bug modes drop g or f on every rank.
+
+What only real ranks show (``RealRankReport``): the ranks' own copies of the output, of dX and
+of the ``norm`` gradient can disagree; and every collective is counted (the *ledger*).
+
+Launch it with ``torchrun --standalone --nproc-per-node N -m tpattn.distributed [flags]``
+(``python -m tpattn``'s flags and JSON, plus ``--timeout``), or from Python with
+``run_distributed(world_size, seeds, modes, config)``, which starts the ranks itself.
+Backend: gloo on CPU; NCCL when ``torch.cuda.device_count() >= world_size``. Every collective
+has a timeout (default 60 s, never gloo's 30 minutes); a rank that raises, dies or skips a
+collective ends the whole run with one line naming the rank.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .check import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
+                    MODES, PARAM_SEED_OFFSET, SEEDS, TOLERANCE, check_mode, check_seed,
+                    inspect_fixture, make_inputs, max_abs_diff)
+from .cli import build_parser, config_from_args
+from .config import Config
+from .dense import attend_and_project, dense_forward
+from .launch import (RankFailure, backend_message, default_backend, describe_error,
+                     pin_gloo_to_loopback, rank_device, run_on_ranks)
+from .layers import rms_norm
+from .params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
+
+__all__ = [
+    "CollectiveLedger", "CopyToRanks", "ReduceOutputPartials", "tp_rank_forward",
+    "rank_check", "five_measures", "dense_reference", "planned_collectives", "run_rank",
+    "RunPlan", "run_distributed", "RealRankReport", "RankFailure",
+    "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS", "main",
+]
+
+#: Seconds any collective (and the rendezvous) may wait before the run fails.
+DEFAULT_TIMEOUT = 60.0
+#: Test-only fault injection (``run_distributed(fault=...)``): what the faulty rank does.
+FAULT_KINDS = ("raise", "exit_early", "skip_collective")
+
+
+# --- the collectives ----------------------------------------------------------------------
+
+#: Labels of the collectives one check issues (they name the collective in errors).
+G_ALL_REDUCE = "g forward all-reduce of output partials"
+F_ALL_REDUCE = "f backward all-reduce of dn"
+GATHER_RESULTS = "all-gather of results to rank 0"
+
+
+def planned_collectives(mode: str) -> list[str]:
+    """The collectives every rank issues, in order, in one check of ``mode``: g (unless the
+    mode drops it), f (unless the mode drops it), then the gather of results to rank 0."""
+    check_mode(mode)
+    return ([G_ALL_REDUCE] if mode != MISSING_OUTPUT_REDUCE else []) \
+        + ([F_ALL_REDUCE] if mode != MISSING_INPUT_GRAD_REDUCE else []) + [GATHER_RESULTS]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (timed out, or a peer went away); says which one and where.
+
+    ``deviation``: how this rank had strayed from the plan before it (``None`` if it had not);
+    ``tpattn.launch`` uses it to blame the rank that skipped a collective.
+    """
+
+    in_collective = True
+
+    def __init__(self, message: str, deviation: str | None = None):
+        super().__init__(message)
+        self.deviation = deviation
+
+
+class CollectiveLedger:
+    """Every collective one rank issues goes through here: counted, checked against the plan,
+    and labelled for errors.
+
+    ``counts``: the block's all-reduces by autograd phase (``"forward"``/``"backward"``);
+    ``issued``: every collective so far (the gather of results included); ``history``: labels
+    issued in the current job, which ``start_job`` names and gives its planned sequence.
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self.counts = {"forward": 0, "backward": 0}
+        self.issued = 0
+        self.job, self.planned, self.history = "start-up", [], []
+
+    def start_job(self, job: str, planned: list[str]) -> None:
+        """Begin counting a new job (``job`` names it in errors; ``planned``: its collectives)."""
+        self.job, self.planned, self.history = job, list(planned), []
+        self.counts = {"forward": 0, "backward": 0}
+
+    def deviation(self) -> str | None:
+        """How this job's collectives so far stray from the plan, or ``None`` (a prefix of it)."""
+        for index, issued in enumerate(self.history):
+            planned = self.planned[index] if index < len(self.planned) else "nothing more"
+            if issued != planned:
+                return (f"it issued {issued} as collective #{index + 1} of {self.job} "
+                        f"where the plan has {planned}")
+        return None
+
+    def finish_job(self) -> dict[str, int]:
+        """Check the job issued exactly its plan; return its ``{"forward": n, "backward": m}``."""
+        problem = self.deviation() or (
+            None if len(self.history) == len(self.planned)
+            else f"it issued {len(self.history)} of the {len(self.planned)} planned collectives of {self.job}")
+        if problem:
+            raise RuntimeError("collectives out of plan: " + problem)
+        return dict(self.counts)
+
+    def _issue(self, label: str, collective, *args) -> None:
+        self.issued += 1
+        self.history.append(label)
+        try:
+            collective(*args, group=self.group)
+        except Exception as e:  # name the collective; keep what the backend said
+            raise CollectiveError(
+                f"{label} (collective #{len(self.history)} of {self.job}) failed: {backend_message(e)}",
+                self.deviation()) from e
+
+    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str) -> None:
+        """Sum ``tensor`` over the ranks, in place; counted under ``phase``."""
+        self.counts[phase] += 1
+        self._issue(label, dist.all_reduce, tensor)
+
+    def gather_tensors(self, tensors: dict[str, torch.Tensor], label: str = GATHER_RESULTS) -> list[dict[str, torch.Tensor]]:
+        """Every rank's ``tensors`` (same names and shapes on every rank), in one all-gather.
+
+        Returns one dict per rank, in rank order.
+        """
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors.values()])
+        parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.group))]
+        self._issue(label, dist.all_gather, parts, flat)
+        sizes = [t.numel() for t in tensors.values()]
+        return [{name: chunk.view_as(t) for (name, t), chunk in zip(tensors.items(), part.split(sizes))}
+                for part in parts]
+
+
+class CopyToRanks(torch.autograd.Function):
+    """Megatron's **f** — forward: identity (every rank already holds the same ``n``);
+    backward: all-reduce, so each rank's ``dn`` becomes the sum of every rank's contribution.
+
+    n: ``[S, B, hidden]``; ``apply(n, ledger)`` returns ``n``.
+    """
+
+    @staticmethod
+    def forward(ctx, n: torch.Tensor, ledger: CollectiveLedger) -> torch.Tensor:
+        ctx.ledger = ledger
+        return n.view_as(n)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        total = grad.contiguous().clone()
+        ctx.ledger.all_reduce(total, "backward", F_ALL_REDUCE)
+        return total, None
+
+
+class ReduceOutputPartials(torch.autograd.Function):
+    """Megatron's **g** — forward: all-reduce, the output is the sum of the ranks' partials;
+    backward: identity, every rank's partial receives the full output gradient.
+
+    partial: ``[S, B, hidden]``; ``apply(partial, ledger)`` returns the sum ``[S, B, hidden]``.
+    """
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, ledger: CollectiveLedger) -> torch.Tensor:
+        total = partial.contiguous().clone()
+        ledger.all_reduce(total, "forward", G_ALL_REDUCE)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
+                    ledger: CollectiveLedger, reduce_output: bool = True,
+                    reduce_input_grad: bool = True) -> torch.Tensor:
+    """This rank's share of ``dense_forward``: its own copy of the block's output.
+
+    x: ``[S, B, hidden]`` (the same on every rank); ``shard``: this rank's ``norm`` (replicated)
+    and its ``wq, wk, wv, wo`` head-group shards. Returns ``[S, B, hidden]``.
+    ``reduce_output=False`` drops g; ``reduce_input_grad=False`` drops f.
+    """
+    n = rms_norm(x, shard["norm"], cfg.eps)
+    if reduce_input_grad:
+        n = CopyToRanks.apply(n, ledger)
+    partial = attend_and_project(n, shard, cfg)
+    out = ReduceOutputPartials.apply(partial, ledger) if reduce_output else partial
+    return x + out
+
+
+# --- one check on every rank --------------------------------------------------------------
+
+def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
+    """``run()``'s dict from the two sides' tensors.
+
+    ``dense`` and ``tp`` each hold ``output`` ``[S, B, hidden]``, ``loss`` (scalar),
+    ``input_grad`` ``[S, B, hidden]``, and ``grads``/``weights`` (dicts of full-size
+    parameters: gradients, and values after the SGD step).
+    """
+    metrics = {
+        "seed": seed,
+        "mode": mode,
+        "forward_max_abs_diff": max_abs_diff(dense["output"], tp["output"]),
+        "loss_abs_diff": max_abs_diff(dense["loss"], tp["loss"]),
+        "input_grad_max_abs_diff": max_abs_diff(dense["input_grad"], tp["input_grad"]),
+        "parameter_grad_max_abs_diff": max(max_abs_diff(dense["grads"][k], tp["grads"][k])
+                                           for k in dense["grads"]),
+        "post_step_weight_max_abs_diff": max(max_abs_diff(dense["weights"][k], tp["weights"][k])
+                                             for k in dense["weights"]),
+    }
+    metrics["passed"] = all(metrics[m] < TOLERANCE for m in MEASURES)
+    return metrics
+
+
+def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict, cfg: Config) -> dict:
+    """The dense side of ``run()``: forward, MSE loss, backward, one SGD step, from inputs
+    ``x0, target`` ``[S, B, hidden]`` and parameters ``base``; tensors for ``five_measures``."""
+    p = clone_trainable(base)
+    x = x0.clone().requires_grad_(True)
+    y = dense_forward(x, p, cfg)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    grads = {k: p[k].grad.clone() for k in p}
+    with torch.no_grad():
+        weights = {k: p[k] - LR * p[k].grad for k in p}
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": grads, "weights": weights}
+
+
+def _assemble(per_rank: list[dict[str, torch.Tensor]], cfg: Config, prefix: str) -> dict[str, torch.Tensor]:
+    """Full-size parameters from every rank's shards, placed by ``rank_head_slices``
+    (``norm`` is replicated: rank 0's copy)."""
+    first = per_rank[0]
+    width = cfg.query_heads * cfg.head_dim
+    full = {"norm": first[prefix + "norm"],
+            "wq": first[prefix + "wq"].new_empty(width, cfg.hidden),
+            "wk": first[prefix + "wk"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
+            "wv": first[prefix + "wv"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
+            "wo": first[prefix + "wo"].new_empty(cfg.hidden, width)}
+    for rank, mine in enumerate(per_rank):
+        q_rows, kv_rows = rank_head_slices(cfg, rank)
+        full["wq"][q_rows] = mine[prefix + "wq"]
+        full["wk"][kv_rows] = mine[prefix + "wk"]
+        full["wv"][kv_rows] = mine[prefix + "wv"]
+        full["wo"][:, q_rows] = mine[prefix + "wo"]
+    return {k: full[k] for k in PARAM_NAMES}
+
+
+def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveLedger,
+               device: torch.device | str = "cpu", skip_output_reduce: bool = False):
+    """One dense-vs-TP step, run on every rank of the group at once.
+
+    Returns ``(metrics, disagreement)`` on rank 0 and ``(None, None)`` elsewhere. ``metrics`` is
+    ``run(seed, mode, cfg)``'s dict; ``disagreement`` says how far the other ranks' copies of
+    the output, of dX and of the ``norm`` gradient are from rank 0's (max abs difference).
+    ``skip_output_reduce`` makes this one rank skip g's all-reduce (fault injection for tests).
+    """
+    device = torch.device(device)
+    x0, target = (t.to(device) for t in make_inputs(cfg, seed))
+    base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
+    shard = clone_trainable(shard_params(base, cfg)[rank])
+    x = x0.clone().requires_grad_(True)
+
+    y = tp_rank_forward(x, shard, cfg, ledger,
+                        reduce_output=mode != MISSING_OUTPUT_REDUCE and not skip_output_reduce,
+                        reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    loss = F.mse_loss(y, target)  # every rank its own loss, as in real TP training
+    loss.backward()
+    with torch.no_grad():
+        for k in shard:
+            shard[k] -= LR * shard[k].grad
+
+    mine = {"output": y, "input_grad": x.grad, "norm_grad": shard["norm"].grad,
+            **{"grad_" + k: shard[k].grad for k in shard}, **{"weight_" + k: shard[k] for k in shard}}
+    ranks = ledger.gather_tensors(mine)
+    if rank != 0:
+        return None, None
+    tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+          "grads": _assemble(ranks, cfg, "grad_"), "weights": _assemble(ranks, cfg, "weight_")}
+    metrics = five_measures(seed, mode, dense_reference(x0, target, base, cfg), tp)
+    disagreement = {"seed": seed, "mode": mode}
+    for name in ("output", "input_grad", "norm_grad"):
+        disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[name], ranks[0][name]) for r in ranks)
+    return metrics, disagreement
+
+
+# --- every rank's work, and what rank 0 reports ------------------------------------------
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What every rank runs (picklable: spawned ranks receive it).
+
+    ``jobs``: ``(mode, seed)`` pairs, mode-major like ``run_matrix``; ``dtensor_seeds``: seeds of
+    the DTensor cross-check (equivalence); ``fault``: test-only fault injection, see
+    ``run_distributed``.
+    """
+
+    cfg: Config
+    jobs: tuple[tuple[str, int], ...]
+    dtensor_seeds: tuple[int, ...] = ()
+    timeout: float = DEFAULT_TIMEOUT
+    fault: dict | None = None
+
+
+#: All-reduces correct TP needs per block: g once in forward, f once in backward.
+EXPECTED_ALL_REDUCES = {"forward": 1, "backward": 1}
+#: DTensor's plan: RowwiseParallel(wo) sums once in forward; each of the three ColwiseParallel
+#: layers (wq, wk, wv) reads the replicated input and sums its own share of dn in backward.
+DTENSOR_EXPECTED_ALL_REDUCES = {"forward": 1, "backward": 3}
+
+
+def _ledger_row(variant: str, mode: str, expected: dict, actual: dict) -> dict:
+    return {"variant": variant, "mode": mode,
+            "forward_expected": expected["forward"], "forward_actual": actual["forward"],
+            "backward_expected": expected["backward"], "backward_actual": actual["backward"]}
+
+
+def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_progress=None) -> dict:
+    """Every job of ``plan`` on this rank, inside an initialized default process group
+    (``on_progress(index)`` is called after each job).
+
+    Returns rank 0's report as a dict of lists (``results``, ``rank_disagreement``, ``ledger``,
+    ``dtensor``; see ``RealRankReport``) plus ``issued`` and ``compute_s``; other ranks return
+    only ``issued`` (their collective count) and ``compute_s``.
+    """
+    start = time.monotonic()
+    ledger = CollectiveLedger()
+    out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
+    counts_by_mode: dict[str, dict] = {}
+    fault = plan.fault if plan.fault and plan.fault["rank"] == rank else None
+    for index, (mode, seed) in enumerate(plan.jobs):
+        ledger.start_job(f"seed {seed} {mode}", planned_collectives(mode))
+        faulty = fault is not None and index == 0
+        if faulty and fault["kind"] == "raise":
+            raise RuntimeError("fault injected for a test: this rank raises")
+        if faulty and fault["kind"] == "exit_early":
+            os._exit(0)  # silently, with a success code: the hardest death to notice
+        metrics, disagreement = rank_check(
+            seed, mode, plan.cfg, rank, ledger, device,
+            skip_output_reduce=faulty and fault["kind"] == "skip_collective")
+        counts = ledger.finish_job()
+        if rank == 0:
+            out["results"].append(metrics)
+            out["rank_disagreement"].append(disagreement)
+            if counts_by_mode.setdefault(mode, counts) != counts:
+                raise RuntimeError(f"collective counts of {mode} differ between seeds")
+        if on_progress:
+            on_progress(index)
+    out["ledger"] = [_ledger_row("tpattn f/g", mode, EXPECTED_ALL_REDUCES, counts)
+                     for mode, counts in counts_by_mode.items()]
+    if plan.dtensor_seeds:
+        from .dtensor_check import dtensor_check  # loads torch.distributed.tensor only when used
+
+        dtensor_counts = None
+        for seed in plan.dtensor_seeds:
+            ledger.start_job(f"seed {seed} DTensor", [])
+            metrics, counts = dtensor_check(seed, plan.cfg, device)
+            out["dtensor"].append(metrics)
+            dtensor_counts = dtensor_counts or counts
+        out["ledger"].append(_ledger_row("DTensor parallelize_module", EQUIVALENCE,
+                                         DTENSOR_EXPECTED_ALL_REDUCES, dtensor_counts))
+    if rank != 0:
+        out = {}
+    out["issued"] = ledger.issued
+    out["compute_s"] = time.monotonic() - start
+    return out
+
+
+@dataclass
+class RealRankReport:
+    """What a real-rank run found (rank 0's view).
+
+    - ``results``: one ``run()`` dict per (mode, seed), mode-major — compare with ``run_matrix``;
+    - ``rank_disagreement``: per (mode, seed), how far ranks 1.. are from rank 0 on their own
+      copies of the output, of dX and of the ``norm`` gradient (max abs difference; 0 means
+      every rank holds the same bits);
+    - ``ledger``: per mode, the block's all-reduces in forward and backward, expected vs actual
+      (plus one DTensor row when the cross-check ran);
+    - ``dtensor``: ``run()`` dicts of the same block parallelized by PyTorch's TP API;
+    - ``timings``: seconds — ``startup_s`` (processes up, group joined), ``compute_s`` (rank
+      0's jobs), ``total_s``. Not deterministic: never print them in the book.
+    """
+
+    world_size: int
+    backend: str
+    results: list[dict]
+    rank_disagreement: list[dict]
+    ledger: list[dict]
+    dtensor: list[dict]
+    timings: dict = field(default_factory=dict, compare=False)
+
+
+def _validate(world_size, seeds, modes, config, timeout, fault):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1 (got {world_size!r})")
+    cfg = Config(world_size=world_size) if config is None else config
+    if not isinstance(cfg, Config):
+        raise ValueError(f"config must be a tpattn.Config (got {type(cfg).__name__})")
+    if cfg.world_size != world_size:
+        raise ValueError(f"world_size must equal config.world_size, the number of TP ranks "
+                         f"(got world_size={world_size}, config.world_size={cfg.world_size})")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 (got {timeout!r})")
+    if isinstance(seeds, int) or isinstance(modes, str):
+        raise ValueError("seeds and modes must be sequences (e.g. seeds=[11], modes=['equivalence'])")
+    seeds = tuple(check_seed(s) for s in seeds)
+    modes = tuple(check_mode(m) for m in modes)
+    if fault is not None:
+        if not isinstance(fault, dict) or set(fault) != {"rank", "kind"}:
+            raise ValueError(f"fault must be a dict with keys 'rank' and 'kind' (got {fault!r})")
+        if fault["kind"] not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)} (got {fault['kind']!r})")
+        if isinstance(fault["rank"], bool) or fault["rank"] not in range(world_size):
+            raise ValueError(f"fault rank must be an integer in [0, {world_size}) (got {fault['rank']!r})")
+        if not modes or not seeds:
+            raise ValueError("fault needs at least one seed and one mode to run")
+    return cfg, seeds, modes, float(timeout)
+
+
+def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | None = None, *,
+                    timeout: float = DEFAULT_TIMEOUT, dtensor=True, backend: str | None = None,
+                    fault: dict | None = None, start_method: str = "forkserver") -> RealRankReport:
+    """Start ``world_size`` rank processes, run every mode × seed (and the DTensor cross-check)
+    inside ONE process group, and return rank 0's report.
+
+    ``config`` defaults to ``Config(world_size=world_size)`` and must have that world size.
+    ``dtensor``: ``True`` cross-checks every seed with PyTorch's TP API, ``False`` none, or a
+    sequence of seeds. ``backend``: ``default_backend(world_size)`` unless given.
+    ``start_method``: ``"forkserver"`` (one server process imports torch once and forks the
+    ranks: a second run from the same Python process starts in a fraction of a second) or
+    ``"spawn"``. From a script, call it under ``if __name__ == "__main__":`` (as any
+    multiprocessing code); from a notebook, just call it.
+
+    Fails fast (``tpattn.launch``): any collective waits at most ``timeout`` seconds; a rank
+    that raises, exits or skips a collective ends the run with ``RankFailure`` (one line,
+    naming the rank), and no rank process is left when this returns or raises.
+
+    ``fault`` is a **test-only hook**: ``{"rank": r, "kind": k}`` makes rank ``r`` misbehave in
+    its first job — ``"raise"`` an exception, ``"exit_early"`` (exit code 0, no report), or
+    ``"skip_collective"`` (skip g's all-reduce while the other ranks do it).
+    """
+    cfg, seeds, modes, timeout = _validate(world_size, seeds, modes, config, timeout, fault)
+    dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
+        else tuple(check_seed(s) for s in dtensor)
+    plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds),
+                   dtensor_seeds=dtensor_seeds, timeout=timeout,
+                   fault=dict(fault) if fault else None)
+    backend = backend or default_backend(world_size)
+    preload = ("tpattn.distributed",) + (("tpattn.dtensor_check",) if dtensor_seeds else ())
+    results, timings = run_on_ranks(run_rank, world_size, plan, timeout=timeout, backend=backend,
+                                    start_method=start_method, preload=preload)
+    rank0 = results[0]
+    return RealRankReport(
+        world_size=world_size, backend=backend, results=rank0["results"],
+        rank_disagreement=rank0["rank_disagreement"], ledger=rank0["ledger"],
+        dtensor=rank0["dtensor"], timings={**timings, "compute_s": rank0["compute_s"]})
+
+
+# --- the command line: torchrun, or self-spawned ----------------------------------------
+
+def _launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _run_under_torchrun(plan: RunPlan, backend: str) -> dict:
+    """This process is one of torchrun's ranks: join its group, run the plan, leave."""
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # --standalone / one host
+        pin_gloo_to_loopback()
+    torch.set_num_threads(1)
+    device = rank_device(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=plan.timeout))
+    try:
+        return run_rank(rank, plan, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def build_distributed_parser(prog: str):
+    """``tpattn.cli``'s parser (same flags, same one-line errors) plus ``--timeout``."""
+    ap = build_parser(prog)
+    ap.description = (
+        "The tpattn check on real torch.distributed ranks, one process per TP rank (gloo on CPU, "
+        "NCCL with one GPU per rank). Under torchrun it joins torchrun's processes; run with "
+        "python it starts --world-size ranks itself. Prints python -m tpattn's JSON.")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                    help="how long any collective may wait before the run fails (default: %(default)s)")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
+    """Run the CLI; returns the exit code (0 done, 1 ``--strict`` failure or a rank failed,
+    2 bad arguments). Under torchrun only rank 0 prints the JSON."""
+    ap = build_distributed_parser(prog)
+    args = ap.parse_args(argv)
+    torchrun = _launched_by_torchrun()
+    rank = int(os.environ["RANK"]) if torchrun else 0
+
+    def fail(code: int, message) -> int:
+        if rank == 0 or code != 2:  # a bad flag is the same on every rank: say it once
+            print(f"{prog}: error: {message}", file=sys.stderr)
+        return code
+
+    try:
+        cfg = config_from_args(args)
+        if torchrun and cfg.world_size != int(os.environ["WORLD_SIZE"]):
+            raise ValueError(
+                f"world_size must equal the number of processes: --world-size is {cfg.world_size} "
+                f"but torchrun started {os.environ['WORLD_SIZE']} (set --nproc-per-node to match)")
+        if args.mode == "inspect":
+            out = inspect_fixture(cfg)
+        else:
+            seeds, modes = (args.seeds, MODES) if args.mode == "matrix" else ([args.seed], [args.mode])
+            cfg, seeds, modes, timeout = _validate(cfg.world_size, seeds, modes, cfg, args.timeout, None)
+            plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds), timeout=timeout)
+    except ValueError as e:
+        return fail(2, e)
+    if args.mode != "inspect":
+        try:
+            if torchrun:
+                results = _run_under_torchrun(plan, default_backend(cfg.world_size)).get("results")
+            else:
+                results = run_distributed(cfg.world_size, seeds, modes, cfg, timeout=timeout,
+                                          dtensor=False).results
+        except (RankFailure, CollectiveError) as e:
+            return fail(1, f"rank {rank}: {e}" if torchrun else e)
+        except RuntimeError as e:  # under torchrun: this rank's own failure
+            return fail(1, f"rank {rank}: {describe_error(e)}")
+        out = results if args.mode == "matrix" else (results[0] if results else None)
+    if rank != 0:
+        return 0
+    print(json.dumps(out, indent=2))
+    results = out if isinstance(out, list) else [out] if "passed" in out else []
+    if args.strict and any(r["mode"] == EQUIVALENCE and not r["passed"] for r in results):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    # Everything the rank processes run lives in the imported ``tpattn.distributed``; hide this
+    # __main__ copy from multiprocessing so that it does not re-run it in every rank.
+    __spec__ = None
+    del __file__
+    from tpattn.distributed import main as _main
+
+    sys.exit(_main(prog="tpattn.distributed"))
