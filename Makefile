@@ -21,10 +21,16 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 # MathJax 3 from the npm registry (not committed): the book renders math offline.
+# Only what a page loads (of the package's 24 MB): the tex-chtml bundle, its fonts, the TeX
+# extensions it autoloads and the a11y modules its menu loads (~2.6 MB). The build copies
+# vendor/ to _build/html/_static/ (`html_static_path` in _config.yml).
+MATHJAX_PARTS := tex-chtml.js output/chtml/fonts/woff-v2 input/tex/extensions a11y
 $(MATHJAX):
 	@mkdir -p $(VENDOR)
 	cd $(VENDOR) && npm pack --silent mathjax@3.2.2 >/dev/null && rm -rf mathjax && mkdir mathjax \
-	  && tar -xzf mathjax-3.2.2.tgz -C mathjax --strip-components=1 && rm mathjax-3.2.2.tgz
+	  && tar -xzf mathjax-3.2.2.tgz -C mathjax --strip-components=2 $(addprefix package/es5/,$(MATHJAX_PARTS)) \
+	  && tar -xzf mathjax-3.2.2.tgz -C mathjax --strip-components=1 package/LICENSE \
+	  && rm mathjax-3.2.2.tgz
 
 book: setup
 	$(JB) build . -W -n --keep-going
