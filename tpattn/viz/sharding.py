@@ -19,7 +19,8 @@ __all__ = [
     "format_measure", "measures_table",
     "heads_to_ranks_figure", "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
-    "heatmaps_figure", "partial_vs_full_figure", "drift_figure", "matrix_figure",
+    "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
+    "matrix_figure",
 ]
 
 #: Short labels of the five measures, in ``MEASURES`` order.
@@ -309,6 +310,27 @@ def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor])
     ax.set_ylabel("what the rank holds")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title("partials vs the full output, every element")
+    return fig
+
+
+def channel_bars_figure(series: Mapping[str, torch.Tensor], title: str = "", ylabel: str = ""):
+    """Vectors of the same length (label → ``[C]`` tensor, e.g. a ``norm`` gradient ``[hidden]``)
+    as grouped bars, one group per channel."""
+    fig, ax = new_figure(figsize=(7.0, 2.8))
+    n = len(series)
+    width = 0.8 / n
+    palette = ["#444444", "#9467bd", FAIL_COLOR, "#1f77b4"]
+    for i, (label, values) in enumerate(series.items()):
+        values = values.detach().to(torch.float64).flatten()
+        xs = [c - 0.4 + width * (i + 0.5) for c in range(values.numel())]
+        ax.bar(xs, values.numpy(), width=width * 0.95, color=palette[i % len(palette)], label=label)
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xticks(range(values.numel()))
+    ax.set_xlabel("channel")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title)
     return fig
 
 
