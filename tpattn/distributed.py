@@ -2,7 +2,7 @@
 
 ``tpattn.tp`` simulates the ranks in one process, where autograd does the backward half of each
 collective for free. Here every rank is a process holding only its own shards, and Megatron's
-two operations (``tensor_parallel/mappings.py``) are ``torch.autograd.Function``s that call
+two operations (``tensor_parallel/mappings.py``) are ``torch.autograd.Function`` subclasses that call
 real collectives::
 
     f  CopyToRanks            forward: identity      backward: all-reduce (sum of dX parts)
@@ -547,9 +547,9 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
             else:
                 results = run_distributed(cfg.world_size, seeds, modes, cfg, timeout=timeout,
                                           dtensor=False).results
-        except (RankFailure, CollectiveError) as e:
-            return fail(1, f"rank {rank}: {e}" if torchrun else e)
-        except RuntimeError as e:  # under torchrun: this rank's own failure
+        except RankFailure as e:  # started by us: the launcher's line names the rank
+            return fail(1, e)
+        except RuntimeError as e:  # under torchrun: this rank failed (in a collective, or itself)
             return fail(1, f"rank {rank}: {describe_error(e)}")
         out = results if args.mode == "matrix" else (results[0] if results else None)
     if rank != 0:

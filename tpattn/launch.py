@@ -33,7 +33,8 @@ import torch.distributed as dist
 __all__ = ["RankFailure", "run_on_ranks", "default_backend", "rank_device",
            "pin_gloo_to_loopback", "backend_message", "describe_error"]
 
-#: After the first failure, how long the other ranks may take to report what they saw.
+#: After the first failure, how long the other ranks may take to report what they saw (up to
+#: min(timeout, 5 s) while every report so far is a failed collective, i.e. a consequence).
 FAILURE_GRACE_S = 1.0
 
 
@@ -213,7 +214,12 @@ def _supervise(procs, messages, timeout: float):
         if failed_at is not None:
             settled = all(r in done or r in errors or r in stalled or procs[r].exitcode is not None
                           for r in range(world_size))
-            if settled or now - failed_at > FAILURE_GRACE_S:
+            # A failed collective is usually a consequence: give the rank that caused it a
+            # little longer to say so (its own wait may have started a moment later).
+            cause_known = silent_exit or any(not e["in_collective"] or e["deviation"]
+                                             for e in errors.values())
+            grace = FAILURE_GRACE_S if cause_known else max(FAILURE_GRACE_S, min(timeout, 5.0))
+            if settled or now - failed_at > grace:
                 raise _diagnose(errors, silent_exit, stalled)
     return done, ready
 
