@@ -138,6 +138,8 @@ def run_on_ranks(rank_fn, world_size: int, plan, *, timeout: float, backend: str
     process that then forks the ranks (later runs from the same process start in well under a
     second); ``"spawn"`` starts each rank from scratch. Raises ``RankFailure`` on any failure.
     """
+    if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        start_method = "spawn"  # Windows
     ctx = torch.multiprocessing.get_context(start_method)
     if start_method == "forkserver" and preload:
         ctx.set_forkserver_preload(list(preload))

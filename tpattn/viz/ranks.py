@@ -27,6 +27,9 @@ def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mappin
     A point on the diagonal means both kinds of rank measured the same value; color = mode,
     marker = measure; dashed lines mark the 1e-6 threshold; exact zeros sit at the floor.
     """
+    if len(real) != len(simulated) or not real:
+        raise ValueError(f"real and simulated must list the same runs (got {len(real)} and "
+                         f"{len(simulated)} results)")
     fig, ax = new_figure(figsize=(7.0, 4.6))
     for r, s in zip(real, simulated):
         if (r["seed"], r["mode"]) != (s["seed"], s["mode"]):
@@ -61,6 +64,8 @@ def ledger_figure(ledger: Sequence[Mapping]):
 
     An actual bar is green where it matches the expectation, red where a collective is missing.
     """
+    if not ledger:
+        raise ValueError("ledger must have at least one row (RealRankReport.ledger)")
     fig, axes = new_figure(ncols=2, figsize=(7.5, 3.2), sharey=True)
     labels = [f"{row['mode']}\n({row['variant']})" for row in ledger]
     positions = range(len(ledger))
@@ -96,6 +101,8 @@ def rank_disagreement_figure(rows: Sequence[Mapping]):
     labelled "0". ``rows``: ``RealRankReport.rank_disagreement``.
     """
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    if not modes:
+        raise ValueError("rows must hold at least one run (RealRankReport.rank_disagreement)")
     fig, ax = new_figure(figsize=(7.0, 3.4))
     width = 0.8 / len(_QUANTITIES)
     for q, (key, (label, color)) in enumerate(_QUANTITIES.items()):
