@@ -1,0 +1,302 @@
+"""Explorers, in-process: controls are set as a reader would set them, the output area is read.
+
+Every explorer: changing a control changes the output area, and what it shows is what the
+package computes (``tpattn.run``, ``Config``, ``rope_angles``). Invalid or extreme values, and
+random sequences of them (hypothesis), only ever produce a short message — never an ``error``
+output, never a traceback. The static twins hold one panel per state, each showing that state.
+"""
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+import tpattn
+from tpattn import widgets
+from tpattn.viz.sharding import format_measure, measures_figure, measures_table
+from tpattn.widgets import explorers
+from tpattn.widgets.core import figure_png
+from tpattn.widgets.measures import MeasuresPlot
+
+
+@pytest.fixture(autouse=True)
+def no_figure_left_open():
+    """An explorer closes every figure it makes, also when drawing fails (an open pyplot
+    figure would be flushed into the reader's next cell by the inline backend)."""
+    plt.close("all")
+    yield
+    assert plt.get_fignums() == [], "an explorer left a matplotlib figure open"
+
+
+def texts(explorer) -> list[str]:
+    """Every string in the output area (text/plain and text/html of each output)."""
+    return [value for output in explorer.output.outputs
+            for key, value in output.get("data", {}).items() if key.startswith("text/")]
+
+
+def plain(explorer) -> str:
+    return "\n".join(o["data"]["text/plain"] for o in explorer.output.outputs)
+
+
+def pngs(explorer) -> list[str]:
+    return [o["data"]["image/png"] for o in explorer.output.outputs if "image/png" in o["data"]]
+
+
+def assert_no_traceback(explorer) -> None:
+    outputs = explorer.output.outputs
+    assert outputs, "the output area is empty"
+    assert all(o["output_type"] == "display_data" for o in outputs), outputs
+    assert not any("Traceback" in t or 'File "' in t for t in texts(explorer)), texts(explorer)
+
+
+def message(explorer) -> str:
+    """The output area's one-line message (asserts there is exactly one output, a message)."""
+    (output,) = explorer.output.outputs
+    assert 'class="tpx-message"' in output["data"]["text/html"]
+    return output["data"]["text/plain"]
+
+
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+# --- seed × mode ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def seed_mode():
+    return widgets.seed_mode_explorer()
+
+
+def test_seed_mode_starts_at_the_fixture(seed_mode):
+    assert seed_mode.values == {"seed": 11, "mode": tpattn.EQUIVALENCE}
+    assert plain(seed_mode).startswith(measures_table([tpattn.run(11, tpattn.EQUIVALENCE)]))
+    assert "PASSED" in plain(seed_mode) and len(pngs(seed_mode)) == 1
+
+
+@pytest.mark.parametrize("seed", tpattn.SEEDS)
+@pytest.mark.parametrize("mode", tpattn.MODES)
+def test_seed_mode_shows_what_run_computes(seed_mode, seed, mode):
+    seed_mode.set(seed=seed, mode=mode)
+    result = tpattn.run(seed, mode)
+    (table, figure) = seed_mode.output.outputs
+    assert table["data"]["text/plain"] == measures_table([result])
+    html = table["data"]["text/html"]
+    assert f"seed {seed}, mode <code>{mode}</code>" in html
+    assert ("PASSED" if result["passed"] else "FAILED") in html
+    assert result["passed"] == (mode == tpattn.EQUIVALENCE)
+    for measure in tpattn.MEASURES:
+        assert format_measure(result[measure]) in html
+    assert figure["data"]["image/png"]
+
+
+def test_seed_mode_changing_a_control_redraws(seed_mode):
+    seed_mode.set(seed=11, mode=tpattn.EQUIVALENCE)
+    before, count = seed_mode.output.outputs, seed_mode.redraws
+    seed_mode.controls["mode"].value = tpattn.MISSING_OUTPUT_REDUCE  # as a click would
+    assert seed_mode.redraws == count + 1
+    assert seed_mode.output.outputs != before
+    assert "FAILED" in plain(seed_mode) and pngs(seed_mode)[0] != before[1]["data"]["image/png"]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64 + 5])
+def test_seed_mode_invalid_seed_is_a_message(seed_mode, seed):
+    seed_mode.set(seed=seed, mode=tpattn.EQUIVALENCE)
+    with pytest.raises(ValueError) as raised:
+        tpattn.run(seed, tpattn.EQUIVALENCE)
+    assert message(seed_mode) == str(raised.value)
+    seed_mode.set(seed=17)
+    assert "PASSED" in plain(seed_mode)  # and it recovers
+
+
+def test_measures_plot_draws_exactly_measures_figure():
+    """The partial redraw equals a full draw of ``measures_figure``, pixel for pixel —
+    across results that move bars, change colors and zero floors (float64)."""
+    plot = MeasuresPlot()
+    f64 = tpattn.Config(dtype="float64")
+    cases = [(11, tpattn.EQUIVALENCE, None), (11, tpattn.MISSING_OUTPUT_REDUCE, None),
+             (11, tpattn.EQUIVALENCE, f64), (17, tpattn.MISSING_INPUT_GRAD_REDUCE, None)]
+    for seed, mode, cfg in cases:
+        result = tpattn.run(seed, mode, cfg)
+        fast, full = plot.png(result), figure_png(measures_figure(result))
+        assert np.array_equal(pixels(fast), pixels(full)), (seed, mode, cfg)
+    assert plot.full_draws < len(cases)  # the fast path was taken
+
+
+# --- sharding ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sharding():
+    return widgets.sharding_explorer()
+
+
+def test_sharding_valid_layouts_draw_their_ranks(sharding):
+    sharding.set(query_heads=4, kv_heads=2, world_size=2)
+    first = plain(sharding)
+    assert "rank 0: q0–q1 + kv0; rank 1: q2–q3 + kv1" in first and len(pngs(sharding)) == 1
+    sharding.set(query_heads=8, kv_heads=8, world_size=4)
+    assert "rank 3: q6–q7 + kv6–kv7" in plain(sharding) and plain(sharding) != first
+
+
+@pytest.mark.parametrize("layout", [(8, 2, 4), (6, 4, 2), (0, 2, 2), (4, -1, 2), (4, 2, 0)])
+def test_sharding_invalid_layout_shows_configs_own_message(sharding, layout):
+    query_heads, kv_heads, world_size = layout
+    sharding.set(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
+    with pytest.raises(ValueError) as raised:
+        tpattn.Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
+    assert message(sharding) == str(raised.value)
+    assert message(sharding).startswith("invalid Config: ")
+
+
+def test_sharding_too_many_heads_to_draw_is_a_message(sharding):
+    sharding.set(query_heads=10**6, kv_heads=10**6, world_size=10**6)
+    assert message(sharding) == (f"query_heads: the figure draws at most "
+                                 f"{explorers.MAX_DRAWN_HEADS} query heads (got 1000000)")
+
+
+# --- RoPE and attention --------------------------------------------------------------------
+
+def test_rope_redraws_at_the_new_position():
+    rope = widgets.rope_explorer(position=3, head_dim=8)
+    before = rope.output.outputs
+    speeds = tpattn.layers.rope_angles(2, 8)[1, 0, 0].tolist()
+    assert f"pair 1: {speeds[1]:.3g} rad/pos, at m=3 {3 * speeds[1]:.3g} rad" in plain(rope)
+    rope.set(position=8)
+    assert "at m=8" in plain(rope) and "4 pairs" in plain(rope)
+    assert pngs(rope)[0] != before[1]["data"]["image/png"]
+    rope.set(head_dim=4)
+    assert "head_dim 4: 2 pairs" in plain(rope)
+
+
+def test_attention_shows_the_kv_sharing_of_each_layout():
+    attention = widgets.attention_explorer()
+    assert "4 query heads read 2 KV head(s), 2 query heads per KV head" in plain(attention)
+    gqa = pngs(attention)[0]
+    attention.set(heads="MQA 4q/1kv")
+    assert "read 1 KV head(s)" in plain(attention) and "= 25%" in plain(attention)
+    assert pngs(attention)[0] != gqa
+    attention.set(batch_index=5)
+    assert message(attention) == "batch_index must be an integer in [0, 1] (got 5)"
+
+
+# --- random sequences: never a traceback ---------------------------------------------------
+
+INTS = st.one_of(st.integers(-3, 12), st.integers(-(2**70), 2**70))
+
+
+@pytest.fixture
+def cheap_figures(monkeypatch):
+    """Hypothesis needs many draws: build each figure (where bad shapes would raise), skip
+    rasterizing it (~0.3 s here, and not where a traceback would come from)."""
+    def build_only(fig, **_):
+        plt.close(fig)
+        return b"\x89PNG\r\n\x1a\n" + bytes(16)
+
+    monkeypatch.setattr(explorers, "figure_png", build_only)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.sampled_from(["query_heads", "kv_heads", "world_size"]), INTS),
+                      min_size=1, max_size=4))
+def test_sharding_random_values_never_show_a_traceback(sharding, cheap_figures, steps):
+    for name, value in steps:
+        sharding.controls[name].value = value
+        assert_no_traceback(sharding)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.one_of(st.tuples(st.just("seed"), INTS),
+                                st.tuples(st.just("mode"), st.sampled_from(tpattn.MODES))),
+                      min_size=1, max_size=4))
+def test_seed_mode_random_values_never_show_a_traceback(seed_mode, steps):
+    for name, value in steps:
+        seed_mode.controls[name].value = value
+        assert_no_traceback(seed_mode)
+        seed, mode = seed_mode.values["seed"], seed_mode.values["mode"]
+        if 0 <= seed < 2**63 - 100:
+            assert f"seed {seed}, mode <code>{mode}</code>" in seed_mode.output.outputs[0][
+                "data"]["text/html"]
+
+
+def test_an_unexpected_failure_is_a_message_too():
+    def broken(**_):
+        plt.figure()  # left open by the failure: the explorer must close it
+        raise RuntimeError("shape '[5, 2, -1, 4]' is invalid for input of size 7")
+
+    explorer = widgets.Explorer("broken", {"seed": widgets.seed_control()}, broken)
+    assert message(explorer) == ("cannot draw this: RuntimeError: shape '[5, 2, -1, 4]' is "
+                                 "invalid for input of size 7")
+
+
+# --- the static twins and the displayed bundle ---------------------------------------------
+
+def panels(static) -> dict[str, str]:
+    """Panel id → its HTML, from the static explorer's markup."""
+    found = re.findall(r'<div class="tpx-panel" id="([^"]+)"[^>]*>(.*?)</div>\n(?=<div class="tpx-panel"|</div>)',
+                       static.html, flags=re.S)
+    return dict(found)
+
+
+def test_static_seed_mode_has_one_panel_per_state_showing_it():
+    seeds = (11, 29)  # the book's default is all five: 15 panels, the same code
+    static = widgets.static_seed_mode_explorer(seeds=seeds)
+    shown = panels(static)
+    assert len(static) == len(shown) == len(seeds) * len(tpattn.MODES)
+    for i, seed in enumerate(seeds):
+        for j, mode in enumerate(tpattn.MODES):
+            body = shown[f"{static.prefix}-p{i}-{j}"]
+            result = tpattn.run(seed, mode)
+            assert f"seed {seed}, mode <code>{mode}</code>" in body
+            assert ("PASSED" if result["passed"] else "FAILED") in body
+            assert all(format_measure(result[m]) in body for m in tpattn.MEASURES)
+            assert body.count("data:image/png;base64,") == 1
+            # CSS shows it exactly when seed i and mode j are checked
+            assert (f"#{static.prefix}-g0-{i}:checked ~ #{static.prefix}-g1-{j}:checked ~ "
+                    f".tpx-panels > #{static.prefix}-p{i}-{j} {{ display: block; }}") in static.html
+    assert 'id="%s-g0-0" style="position:absolute;opacity:0;width:0;height:0;margin:0" checked' \
+        % static.prefix in static.html  # seed 11 …
+    assert 'id="%s-g1-0" style="position:absolute;opacity:0;width:0;height:0;margin:0" checked' \
+        % static.prefix in static.html  # … equivalence, selected at first
+
+
+def test_static_sharding_shows_the_invalid_layouts_message_and_is_deterministic():
+    layouts = ((4, 2, 2), (8, 2, 4))
+    static = widgets.static_sharding_explorer(layouts=layouts)
+    again = widgets.static_sharding_explorer(layouts=layouts)
+    assert static.html == again.html  # the same bytes every build (nbval compares them)
+    shown = panels(static)
+    assert "rank 1: q2–q3 + kv1" in shown[f"{static.prefix}-p0"]
+    assert "kv_heads must be a multiple of world_size" in shown[f"{static.prefix}-p1"]
+    assert "<script" not in static.html and "http" not in static.html  # self-contained
+
+
+def test_static_rope_and_attention_hold_their_states(cheap_figures):
+    rope = widgets.static_rope_explorer(positions=(0, 5))
+    assert len(rope) == 2 and "at m=5" in panels(rope)[f"{rope.prefix}-p1"]
+    attention = widgets.static_attention_explorer(layouts=("MQA 4q/1kv",), seeds=(11, 17))
+    assert len(attention) == 2
+    assert all("read 1 KV head(s)" in body for body in panels(attention).values())
+
+
+def test_displayed_explorer_carries_live_widget_and_static_twin(monkeypatch, cheap_figures):
+    monkeypatch.setattr(explorers, "SHARDING_LAYOUTS", ((4, 2, 2), (8, 2, 4)))
+    sharding = widgets.sharding_explorer()
+    bundle = sharding._repr_mimebundle_()
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == sharding.widget.model_id
+    assert bundle["text/html"] == sharding.static_html()
+    assert bundle["text/html"].startswith('<div class="tpx" id="tpx-sharding-')
+    assert bundle["text/plain"] == "<sharding explorer: query_heads, kv_heads, world_size>"
+
+
+def test_import_tpattn_does_not_load_widgets():
+    code = ("import sys, tpattn; heavy = [m for m in ('ipywidgets', 'matplotlib', "
+            "'tpattn.widgets') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,225 @@
+"""Explorer machinery: reusable controls, an output area that never shows a traceback, PNGs.
+
+An :class:`Explorer` is a row of controls and an ``ipywidgets.Output`` area. Whenever a
+control changes, ``draw(**values)`` recomputes through the package and returns the outputs to
+show; a ``ValueError`` (the package's own message naming the field and the rule) or any other
+failure becomes a one-line message in the output area instead of a traceback.
+
+Outputs are written by assigning ``Output.outputs`` directly — never ``with output:`` — so
+drawing emits no iopub messages: nothing leaks into the notebook cell (which nbval would see)
+and a callback's output cannot land in another cell.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import io
+from typing import Callable, Mapping, Sequence
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from PIL import Image
+
+from ..check import EQUIVALENCE, MODES
+from ..config import Config
+
+__all__ = [
+    "Explorer", "seed_control", "mode_control", "config_controls",
+    "figure_png", "encode_png", "png_output", "html_output", "message_output", "message_html", "png_img",
+    "single_thread",
+]
+
+#: Resolution of every PNG an explorer shows (the book style's savefig dpi).
+PNG_DPI = 100
+#: Longest message shown in an output area (a message is a sentence, never a dump).
+MAX_MESSAGE = 400
+
+
+# --- controls ------------------------------------------------------------------------------
+
+def seed_control(value: int = 11, description: str = "seed") -> widgets.IntText:
+    """A seed: any integer can be typed; ``run`` itself rejects the invalid ones."""
+    return widgets.IntText(value=value, description=description,
+                           layout=widgets.Layout(width="11em"))
+
+
+def mode_control(value: str = EQUIVALENCE) -> widgets.ToggleButtons:
+    """The TP variant, one of ``tpattn.MODES``."""
+    return widgets.ToggleButtons(options=list(MODES), value=value, description="mode",
+                                 style={"button_width": "auto"})
+
+
+def config_controls(fields: Sequence[str] = ("query_heads", "kv_heads", "world_size"),
+                    cfg: Config | None = None, **values: int) -> dict[str, widgets.IntText]:
+    """One integer box per ``Config`` field, starting at ``values`` or else ``cfg``'s. Unbounded
+    on purpose: an invalid value reaches ``Config``, whose own message explains the rule."""
+    cfg = Config() if cfg is None else cfg
+    return {name: widgets.IntText(value=values.get(name, getattr(cfg, name)), description=name,
+                                  style={"description_width": "initial"},
+                                  layout=widgets.Layout(width="10.5em"))
+            for name in fields}
+
+
+# --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
+
+def encode_png(rgb, palette: bool = False, compress_level: int = 6) -> bytes:
+    """PNG bytes of an ``[H, W, 3]`` uint8 array (no metadata: same pixels, same bytes).
+
+    ``palette=True`` quantizes to 256 colors (median cut, deterministic): ~3x smaller, for
+    the many precomputed panels a page embeds."""
+    image = Image.fromarray(np.ascontiguousarray(rgb))
+    if palette:
+        image = image.quantize(256)
+    buf = io.BytesIO()
+    image.save(buf, format="png", compress_level=compress_level)
+    return buf.getvalue()
+
+
+def figure_png(fig, dpi: int = PNG_DPI, palette: bool = False) -> bytes:
+    """The figure as PNG bytes, drawn once on an Agg canvas (``savefig`` would draw twice
+    under constrained layout); closes it."""
+    try:
+        FigureCanvasAgg(fig)
+        fig.set_dpi(dpi)
+        fig.canvas.draw()
+        return encode_png(np.asarray(fig.canvas.buffer_rgba())[..., :3], palette=palette)
+    finally:
+        plt.close(fig)
+
+
+def png_output(png: bytes, text: str = "<Figure>") -> dict:
+    """A ``display_data`` output showing a PNG."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": text}}
+
+
+def html_output(markup: str, text: str) -> dict:
+    """A ``display_data`` output with HTML and its plain-text twin."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"text/html": markup, "text/plain": text}}
+
+
+def message_html(message: str) -> str:
+    """A short notice (invalid value, nothing to draw) as HTML."""
+    return (f'<div class="tpx-message" style="border-left: 4px solid #d62728; '
+            f'padding: 0.3em 0.7em; margin: 0.3em 0;">{html.escape(message)}</div>')
+
+
+def message_output(message: str) -> dict:
+    """A short notice in the output area; never a traceback."""
+    message = " ".join(str(message).split())
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 1] + "…"
+    return html_output(message_html(message), message)
+
+
+def png_img(png: bytes, alt: str) -> str:
+    """An ``<img>`` with the PNG inline (base64), sized by its pixels, scaled down to fit."""
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    data = base64.b64encode(png).decode("ascii")
+    return (f'<img src="data:image/png;base64,{data}" width="{width}" height="{height}" '
+            f'alt="{html.escape(alt)}">')
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch on one thread inside the block. The explorers' tensors are tiny: on a busy
+    machine torch's thread pool makes a ~5 ms ``run`` take 100+ ms, one thread does not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- the explorer --------------------------------------------------------------------------
+
+class Explorer:
+    """Controls + an output area, redrawn by ``draw(**values)`` whenever a control changes.
+
+    ``draw`` returns a list of outputs (``png_output`` / ``html_output`` / ``message_output``).
+    Displayed in a notebook, an explorer carries both the live widget (shown by JupyterLab,
+    VS Code, Colab) and ``static()``'s precomputed HTML (shown by the book, whose myst-nb
+    config gives the widget view no priority) — see ``tpattn.widgets``.
+    """
+
+    def __init__(self, name: str, controls: Mapping[str, widgets.ValueWidget],
+                 draw: Callable[..., list[dict]], static: Callable[[], object] | None = None):
+        self.name = name
+        self.controls = dict(controls)
+        self.output = widgets.Output()
+        self.widget = widgets.VBox([widgets.HBox(list(self.controls.values()),
+                                                 layout=widgets.Layout(flex_flow="row wrap")),
+                                    self.output])
+        self._draw = draw
+        self._static = static
+        self._static_html: str | None = None
+        self._holding = False
+        self.redraws = 0
+        for control in self.controls.values():
+            control.observe(self._changed, names="value")
+        self.redraw()
+
+    @property
+    def values(self) -> dict:
+        """The controls' current values, by name."""
+        return {name: control.value for name, control in self.controls.items()}
+
+    def set(self, **values) -> None:
+        """Set several controls, then redraw once (as a reader would, one value at a time,
+        but without drawing the intermediate states)."""
+        unknown = set(values) - set(self.controls)
+        if unknown:
+            raise ValueError(f"unknown control(s) {sorted(unknown)}; "
+                             f"this explorer has {list(self.controls)}")
+        self._holding = True
+        try:
+            for name, value in values.items():
+                self.controls[name].value = value
+        finally:
+            self._holding = False
+        self.redraw()
+
+    def _changed(self, _change) -> None:
+        if not self._holding:
+            self.redraw()
+
+    def redraw(self) -> None:
+        """Recompute and replace the output area's contents (a message on any failure)."""
+        open_before = set(plt.get_fignums())
+        try:
+            outputs = list(self._draw(**self.values))
+        except ValueError as error:  # the package's own "field must … (got …)" message
+            outputs = [message_output(str(error))]
+        except Exception as error:  # noqa: BLE001 — a reader must never see a traceback
+            outputs = [message_output(f"cannot draw this: {type(error).__name__}: {error}")]
+        finally:
+            for number in set(plt.get_fignums()) - open_before:
+                plt.close(number)  # a failed draw must not leave a figure for the next cell
+        self.output.outputs = tuple(outputs)
+        self.redraws += 1
+
+    # --- display ---------------------------------------------------------------------------
+
+    def static_html(self) -> str:
+        """The static twin (precomputed states, CSS-only selector), computed once."""
+        if self._static_html is None:
+            self._static_html = "" if self._static is None else self._static().html
+        return self._static_html
+
+    def __repr__(self) -> str:
+        return f"<{self.name} explorer: {', '.join(self.controls)}>"
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        live = self.widget._repr_mimebundle_  # None once the widget is closed
+        bundle = dict(live(include=include, exclude=exclude) or {}) if callable(live) else {}
+        bundle["text/plain"] = repr(self)
+        static = self.static_html()
+        if static:
+            bundle["text/html"] = static
+        return bundle

@@ -1,0 +1,252 @@
+"""The book's explorers: each a live ``Explorer`` and its precomputed ``StaticExplorer`` twin.
+
+============================  ==========================================  =====================
+explorer (chapter)            controls → what redraws                     static states
+============================  ==========================================  =====================
+``rope_explorer`` (3)         position, head_dim → rotation figure        6 positions
+``attention_explorer`` (4)    heads (MHA/GQA/MQA), seed, batch →          3 layouts × 2 seeds
+                              attention heat maps, KV sharing
+``sharding_explorer`` (6)     query_heads, kv_heads, world_size →         6 layouts, 2 invalid
+                              heads→ranks figure, or Config's error
+``seed_mode_explorer`` (8–10) seed, mode → five measures, verdict,        5 seeds × 3 modes
+                              log bars against 1e-6
+============================  ==========================================  =====================
+
+Every number comes from the package (``run``, ``Config``, ``rope_angles``) and every figure
+from ``tpattn.viz``; nothing here re-implements the block.
+"""
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+
+from ..check import EQUIVALENCE, MODES, SEEDS, run
+from ..config import Config
+from ..layers import rope_angles
+from ..viz.layers import attention_heatmaps, rope_rotation_figure
+from ..viz.sharding import heads_to_ranks_figure
+from .core import (Explorer, config_controls, figure_png, html_output, message_html,
+                   message_output, mode_control, png_img, png_output, seed_control,
+                   single_thread)
+from .measures import MeasuresPlot, measures_html, measures_text
+from .static import StaticExplorer
+
+__all__ = [
+    "rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
+    "static_rope_explorer", "static_attention_explorer", "static_sharding_explorer",
+    "static_seed_mode_explorer",
+    "ROPE_POSITIONS", "ATTENTION_LAYOUTS", "ATTENTION_SEEDS",
+    "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS",
+]
+
+#: RoPE positions precomputed for the book (``max_position`` 16).
+ROPE_POSITIONS = (0, 1, 2, 4, 8, 16)
+#: Head layouts of the attention explorer: name → (query_heads, kv_heads).
+ATTENTION_LAYOUTS = {"MHA 4q/4kv": (4, 4), "GQA 4q/2kv": (4, 2), "MQA 4q/1kv": (4, 1)}
+ATTENTION_SEEDS = (11, 17)
+#: (query_heads, kv_heads, world_size) of the static sharding explorer; the last two are invalid.
+SHARDING_LAYOUTS = ((4, 2, 2), (4, 2, 1), (8, 4, 2), (8, 8, 4), (8, 2, 4), (6, 4, 2))
+#: The heads→ranks figure stays readable up to this many query heads.
+MAX_DRAWN_HEADS = 64
+
+
+# --- chapter 3: RoPE -----------------------------------------------------------------------
+
+def _rope_caption(position: int, head_dim: int) -> tuple[str, str]:
+    """Text and HTML: each pair's speed (rad/position) and its angle at ``position``."""
+    speeds = rope_angles(2, head_dim)[1, 0, 0].tolist()                 # angle per step
+    angles = rope_angles(position + 1, head_dim)[position, 0, 0].tolist()  # at `position`
+    parts = [f"pair {i}: {s:.3g} rad/pos, at m={position} {a:.3g} rad"
+             for i, (s, a) in enumerate(zip(speeds, angles))]
+    text = f"head_dim {head_dim}: {head_dim // 2} pairs — " + "; ".join(parts)
+    return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
+
+
+def _rope_outputs(position: int, head_dim: int, max_position: int,
+                  palette: bool = False) -> tuple[str, bytes, str]:
+    fig = rope_rotation_figure(position, head_dim=head_dim, max_position=max_position)
+    text, markup = _rope_caption(position, head_dim)
+    return text, figure_png(fig, palette=palette), markup
+
+
+def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
+    """RoPE's rotations at one position: every channel pair turns at its own frequency."""
+    controls = {
+        "position": widgets.IntSlider(value=position, min=0, max=max_position,
+                                      description="position", continuous_update=False),
+        "head_dim": widgets.Dropdown(options=[2, 4, 8, 16, 32], value=head_dim,
+                                     description="head_dim", layout=widgets.Layout(width="11em")),
+    }
+
+    def draw(position, head_dim):
+        text, png, markup = _rope_outputs(position, head_dim, max_position)
+        return [html_output(markup, text), png_output(png, f"<RoPE at position {position}>")]
+
+    return Explorer("RoPE", controls, draw,
+                    static=lambda: static_rope_explorer(head_dim=head_dim,
+                                                        max_position=max_position,
+                                                        initial=position))
+
+
+def static_rope_explorer(positions=ROPE_POSITIONS, head_dim: int = 8,
+                         max_position: int = 16, initial: int = 4) -> StaticExplorer:
+    """The RoPE figure at each of ``positions`` (one ``head_dim``: its pairs are the
+    frequencies; each figure costs ~0.4 s of build time, so the set stays small)."""
+    panels = {}
+    for i, position in enumerate(positions):
+        _, png, markup = _rope_outputs(position, head_dim, max_position, palette=True)
+        panels[(i,)] = markup + png_img(png, f"RoPE rotations at position {position}, "
+                                             f"head_dim {head_dim}")
+    return StaticExplorer("rope", [("position", [str(p) for p in positions])], panels,
+                          initial=_index_of((initial,), (positions,)))
+
+
+# --- chapter 4: attention and GQA ----------------------------------------------------------
+
+def attention_config(query_heads: int, kv_heads: int, base: Config | None = None) -> Config:
+    """``base`` (default ``Config()``) with these head counts on one rank (dense attention)."""
+    fields = (Config() if base is None else base).as_dict()
+    fields.update(query_heads=query_heads, kv_heads=kv_heads, world_size=1)
+    return Config(**fields)
+
+
+def _attention_caption(cfg: Config) -> tuple[str, str]:
+    share = cfg.kv_heads / cfg.query_heads
+    text = (f"{cfg.query_heads} query heads read {cfg.kv_heads} KV head(s), "
+            f"{cfg.group_size} query heads per KV head: K/V projections and the KV cache "
+            f"are {cfg.kv_heads}/{cfg.query_heads} = {share:.0%} of multi-head attention's")
+    return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
+
+
+def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
+                       cfg: Config | None = None) -> Explorer:
+    """Attention probabilities of every query head; frames colored by the KV head they share."""
+    controls = {
+        "heads": widgets.ToggleButtons(options=list(ATTENTION_LAYOUTS), value=heads,
+                                       description="heads", style={"button_width": "auto"}),
+        "seed": seed_control(seed),
+        "batch_index": widgets.IntText(value=batch_index, description="batch",
+                                       layout=widgets.Layout(width="9em")),
+    }
+
+    def draw(heads, seed, batch_index):
+        layout_cfg = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
+        fig = attention_heatmaps(layout_cfg, seed, batch_index=batch_index)
+        text, markup = _attention_caption(layout_cfg)
+        return [html_output(markup, text),
+                png_output(figure_png(fig), f"<attention, {heads}, seed {seed}>")]
+
+    return Explorer("attention", controls, draw,
+                    static=lambda: static_attention_explorer(cfg=cfg, initial=(heads, seed)))
+
+
+def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_SEEDS,
+                              cfg: Config | None = None,
+                              initial=("GQA 4q/2kv", 11)) -> StaticExplorer:
+    """The heat maps for every ``layouts × seeds`` (layout names from ``ATTENTION_LAYOUTS``)."""
+    panels = {}
+    for i, name in enumerate(layouts):
+        layout_cfg = attention_config(*ATTENTION_LAYOUTS[name], base=cfg)
+        _, markup = _attention_caption(layout_cfg)
+        for j, seed in enumerate(seeds):
+            png = figure_png(attention_heatmaps(layout_cfg, seed), palette=True)
+            panels[i, j] = markup + png_img(png, f"attention probabilities, {name}, seed {seed}")
+    return StaticExplorer("attention", [("heads", list(layouts)), ("seed", [str(s) for s in seeds])],
+                          panels, initial=_index_of(initial, (layouts, seeds)))
+
+
+# --- chapter 6: heads to ranks -------------------------------------------------------------
+
+def _sharding_outputs(query_heads, kv_heads, world_size,
+                      palette: bool = False) -> tuple[str, str, bytes]:
+    """Text, HTML and PNG for one layout; ``ValueError`` (Config's own) if it is invalid."""
+    cfg = Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
+    if cfg.query_heads > MAX_DRAWN_HEADS:
+        raise ValueError(f"query_heads: the figure draws at most {MAX_DRAWN_HEADS} query heads "
+                         f"(got {cfg.query_heads})")
+    q, kv = cfg.local_query_heads, cfg.local_kv_heads
+    span = lambda prefix, first, n: (f"{prefix}{first}" if n == 1  # noqa: E731
+                                     else f"{prefix}{first}–{prefix}{first + n - 1}")
+    ranks = [f"rank {r}: {span('q', r * q, q)} + {span('kv', r * kv, kv)}"
+             for r in range(min(cfg.world_size, 8))]
+    if cfg.world_size > 8:
+        ranks.append(f"… {cfg.world_size - 8} more ranks")
+    text = (f"each of {cfg.world_size} rank(s) holds {q} query head(s) and the {kv} KV head(s) "
+            f"they read — " + "; ".join(ranks))
+    return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>', \
+        figure_png(heads_to_ranks_figure(cfg), palette=palette)
+
+
+def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:
+    """Which rank holds which heads; an invalid layout shows ``Config``'s own message."""
+    controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
+                               world_size=world_size)
+
+    def draw(query_heads, kv_heads, world_size):
+        text, markup, png = _sharding_outputs(query_heads, kv_heads, world_size)
+        return [html_output(markup, text),
+                png_output(png, f"<heads to ranks, {query_heads}/{kv_heads}/{world_size}>")]
+
+    return Explorer("sharding", controls, draw,
+                    static=lambda: static_sharding_explorer(
+                        initial=(query_heads, kv_heads, world_size)))
+
+
+def static_sharding_explorer(layouts=None, initial=(4, 2, 2)) -> StaticExplorer:
+    """The heads→ranks figure for each ``(query_heads, kv_heads, world_size)`` in ``layouts``
+    (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s message."""
+    layouts = SHARDING_LAYOUTS if layouts is None else layouts
+    panels = {}
+    for i, layout in enumerate(layouts):
+        try:
+            _, markup, png = _sharding_outputs(*layout, palette=True)
+            panels[(i,)] = markup + png_img(png, "query and KV heads colored by rank, "
+                                                 "{} q / {} kv / {} ranks".format(*layout))
+        except ValueError as error:
+            panels[(i,)] = message_html(str(error))
+    labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
+    layouts = [tuple(layout) for layout in layouts]
+    start = layouts.index(tuple(initial)) if tuple(initial) in layouts else 0
+    return StaticExplorer("sharding", [("layout", labels)], panels, initial=(start,))
+
+
+# --- chapters 8–10: seed × mode ------------------------------------------------------------
+
+def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE,
+                       cfg: Config | None = None) -> Explorer:
+    """``run(seed, mode, cfg)``: the five measures, the verdict, the bars against 1e-6."""
+    controls = {"seed": seed_control(seed), "mode": mode_control(mode)}
+    plot = MeasuresPlot()
+
+    def draw(seed, mode):
+        with single_thread():
+            result = run(seed, mode, cfg)
+        return [html_output(measures_html(result), measures_text(result)),
+                png_output(plot.png(result), f"<measures, seed {seed}, mode {mode}>")]
+
+    explorer = Explorer("seed × mode", controls, draw,
+                        static=lambda: static_seed_mode_explorer(cfg=cfg, initial=(seed, mode)))
+    explorer.plot = plot  # its full_draws count shows how often the figure was rebuilt
+    return explorer
+
+
+def static_seed_mode_explorer(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
+                              initial=(11, EQUIVALENCE)) -> StaticExplorer:
+    """Measures, verdict and bars of ``run(seed, mode, cfg)`` for every ``seeds × modes``."""
+    plot = MeasuresPlot()
+    panels = {}
+    for i, seed in enumerate(seeds):
+        for j, mode in enumerate(modes):
+            with single_thread():
+                result = run(seed, mode, cfg)
+            png = plot.png(result, palette=True)
+            panels[i, j] = measures_html(result) + png_img(
+                png, f"the five measures of seed {seed}, mode {mode}, against 1e-6")
+    return StaticExplorer("seed-mode", [("seed", [str(s) for s in seeds]), ("mode", list(modes))],
+                          panels, initial=_index_of(initial, (seeds, modes)))
+
+
+def _index_of(values, options) -> tuple[int, ...]:
+    """Indices of ``values`` in ``options`` (0 where a value is not one of the options)."""
+    return tuple(list(opts).index(v) if v in opts else 0 for v, opts in zip(values, options))
