@@ -53,8 +53,8 @@ def _torchrun() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-#: Command lines run as subprocesses, started together before the in-process runs (each one
-#: pays for `import torch`; they overlap with the forkserver's).
+#: Command lines run as subprocesses, started together with the first in-process run (each
+#: one pays for `import torch`; they overlap with the forkserver's).
 COMMANDS = {
     "torchrun_matrix": _torchrun() + ["--standalone", "--nproc-per-node", "2", "-m", "tpattn.distributed",
                                       "--mode", "matrix", "--timeout", "60"],
@@ -62,7 +62,7 @@ COMMANDS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def commands():
     """Start every command of ``COMMANDS`` now; ``commands[name]()`` waits for its result."""
     procs = {name: subprocess.Popen(argv, cwd=ROOT, text=True, stdout=subprocess.PIPE,
@@ -83,7 +83,7 @@ def commands():
 
 
 @pytest.fixture(scope="module")
-def world2():
+def world2(commands):  # the commands run meanwhile
     """Every mode × seed of the fixture and the DTensor cross-check, on 2 real ranks."""
     return run_distributed(2)
 
@@ -186,7 +186,8 @@ def test_missing_input_grad_reduce_is_bit_identical_to_simulation(world2, simula
 
 def test_ledger_counts_one_all_reduce_each_way_and_each_bug_misses_one(world2):
     rows = {(row["variant"], row["mode"]): row for row in world2.ledger}
-    assert list(rows) == [("tpattn f/g", m) for m in MODES] + [("DTensor parallelize_module", "equivalence")]
+    assert list(rows) == ([("tpattn f/g", m) for m in MODES]
+                          + [("DTensor parallelize_module", "equivalence")])
     missing = {}
     for mode in MODES:
         row = rows[("tpattn f/g", mode)]
@@ -283,7 +284,8 @@ def test_cli_under_torchrun_needs_one_process_per_rank(monkeypatch, capsys):
     assert main(["--world-size", "4", "--query-heads", "8", "--kv-heads", "4"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert "world_size must equal the number of processes: --world-size is 4 but torchrun started 2" in err
+    assert ("world_size must equal the number of processes: --world-size is 4 "
+            "but torchrun started 2") in err
 
 
 def test_cli_bad_input_in_a_subprocess_is_one_line(commands):

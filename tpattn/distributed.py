@@ -121,9 +121,10 @@ class CollectiveLedger:
 
     def finish_job(self) -> dict[str, int]:
         """Check the job issued exactly its plan; return its ``{"forward": n, "backward": m}``."""
-        problem = self.deviation() or (
-            None if len(self.history) == len(self.planned)
-            else f"it issued {len(self.history)} of the {len(self.planned)} planned collectives of {self.job}")
+        problem = self.deviation()
+        if problem is None and len(self.history) != len(self.planned):
+            problem = (f"it issued {len(self.history)} of the {len(self.planned)} planned "
+                       f"collectives of {self.job}")
         if problem:
             raise RuntimeError("collectives out of plan: " + problem)
         return dict(self.counts)
@@ -143,7 +144,8 @@ class CollectiveLedger:
         self.counts[phase] += 1
         self._issue(label, dist.all_reduce, tensor)
 
-    def gather_tensors(self, tensors: dict[str, torch.Tensor], label: str = GATHER_RESULTS) -> list[dict[str, torch.Tensor]]:
+    def gather_tensors(self, tensors: dict[str, torch.Tensor],
+                       label: str = GATHER_RESULTS) -> list[dict[str, torch.Tensor]]:
         """Every rank's ``tensors`` (same names and shapes on every rank), in one all-gather.
 
         Returns one dict per rank, in rank order.
@@ -249,7 +251,8 @@ def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict, cfg: Con
             "grads": grads, "weights": weights}
 
 
-def _assemble(per_rank: list[dict[str, torch.Tensor]], cfg: Config, prefix: str) -> dict[str, torch.Tensor]:
+def _assemble(per_rank: list[dict[str, torch.Tensor]], cfg: Config,
+              prefix: str) -> dict[str, torch.Tensor]:
     """Full-size parameters from every rank's shards, placed by ``rank_head_slices``
     (``norm`` is replicated: rank 0's copy)."""
     first = per_rank[0]
@@ -432,9 +435,11 @@ def _validate(world_size, seeds, modes, config, timeout, fault):
         if not isinstance(fault, dict) or set(fault) != {"rank", "kind"}:
             raise ValueError(f"fault must be a dict with keys 'rank' and 'kind' (got {fault!r})")
         if fault["kind"] not in FAULT_KINDS:
-            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)} (got {fault['kind']!r})")
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)} "
+                             f"(got {fault['kind']!r})")
         if isinstance(fault["rank"], bool) or fault["rank"] not in range(world_size):
-            raise ValueError(f"fault rank must be an integer in [0, {world_size}) (got {fault['rank']!r})")
+            raise ValueError(f"fault rank must be an integer in [0, {world_size}) "
+                             f"(got {fault['rank']!r})")
         if not modes or not seeds:
             raise ValueError("fault needs at least one seed and one mode to run")
     return cfg, seeds, modes, float(timeout)

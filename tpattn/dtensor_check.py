@@ -65,7 +65,8 @@ class AttentionBlock(nn.Module):
         return x + self.wo(ctx.reshape(s, b, -1))
 
 
-def parallelize_block(block: AttentionBlock, world_size: int, device_type: str = "cpu") -> AttentionBlock:
+def parallelize_block(block: AttentionBlock, world_size: int,
+                      device_type: str = "cpu") -> AttentionBlock:
     """Shard ``block`` in place over a 1-D device mesh of ``world_size`` ranks (Megatron's plan)."""
     mesh = init_device_mesh(device_type, (world_size,))
     plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
