@@ -66,14 +66,14 @@ def config_controls(fields: Sequence[str] = ("query_heads", "kv_heads", "world_s
 
 # --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
 
-def encode_png(rgb, palette: bool = False, compress_level: int = 6) -> bytes:
-    """PNG bytes of an ``[H, W, 3]`` uint8 array (no metadata: same pixels, same bytes).
+def encode_png(pixels, palette: bool = False, compress_level: int = 6) -> bytes:
+    """PNG bytes of an ``[H, W, 3|4]`` uint8 array (no metadata: same pixels, same bytes).
 
     ``palette=True`` quantizes to 256 colors (median cut, deterministic): ~3x smaller, for
     the many precomputed panels a page embeds."""
-    image = Image.fromarray(np.ascontiguousarray(rgb))
+    image = Image.fromarray(np.asarray(pixels))
     if palette:
-        image = image.quantize(256)
+        image = image.convert("RGB").quantize(256)
     buf = io.BytesIO()
     image.save(buf, format="png", compress_level=compress_level)
     return buf.getvalue()
@@ -86,7 +86,7 @@ def figure_png(fig, dpi: int = PNG_DPI, palette: bool = False) -> bytes:
         FigureCanvasAgg(fig)
         fig.set_dpi(dpi)
         fig.canvas.draw()
-        return encode_png(np.asarray(fig.canvas.buffer_rgba())[..., :3], palette=palette)
+        return encode_png(np.asarray(fig.canvas.buffer_rgba()), palette=palette)
     finally:
         plt.close(fig)
 

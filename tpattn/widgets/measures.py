@@ -128,5 +128,5 @@ class MeasuresPlot:
         for ax in self._fig.axes:
             for artist in self._dynamic(ax):
                 ax.draw_artist(artist)
-        rgb = np.asarray(canvas.buffer_rgba())[..., :3]
-        return encode_png(rgb, palette=palette, compress_level=6 if palette else 1)
+        rgba = np.asarray(canvas.buffer_rgba())  # encoded as is: dropping alpha costs a copy
+        return encode_png(rgba, palette=palette, compress_level=6 if palette else 1)
