@@ -338,7 +338,9 @@ FAULT_TIMEOUT_S = 3.0
     ("skip_collective", f"rank 1 skipped a collective: it issued {F_ALL_REDUCE} as collective #1 "
                         f"of seed 11 equivalence where the plan has {G_ALL_REDUCE}"),
 ])
-def test_a_faulty_rank_fails_the_run_fast_and_leaves_no_process(world2, kind, expected):
+def test_a_faulty_rank_fails_the_run_fast_and_leaves_no_process(commands, world2, kind, expected):
+    for name in COMMANDS:  # let the other subprocesses finish: only this run's may come and go
+        commands[name]()
     before = _descendants()  # world2 has started the forkserver (it stays, as multiprocessing's)
     start = time.monotonic()
     with pytest.raises(RankFailure) as e:
