@@ -107,12 +107,14 @@ def _rank_main(rank_fn, rank: int, world_size: int, port: int, plan, backend: st
     pin_gloo_to_loopback()
     torch.set_num_threads(1)
     try:
+        device = rank_device(backend, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         wait = timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=wait)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
         messages.put(("ready", rank, time.monotonic()))
-        result = rank_fn(rank, plan, rank_device(backend, rank),
-                         lambda step: messages.put(("progress", rank, step)))
+        result = rank_fn(rank, plan, device, lambda step: messages.put(("progress", rank, step)))
         messages.put(("done", rank, result))
         dist.destroy_process_group()
     except BaseException as e:  # report, then leave at once (backend threads may still block)
