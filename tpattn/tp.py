@@ -12,7 +12,7 @@ equal the dense one — Megatron-LM's *f* and *g* (``tensor_parallel/mappings.py
 In one process the "collectives" are plain tensor code, and autograd does the backward half:
 a tensor used by several ranks receives the *sum* of their gradients (f's all-reduce), and a sum
 hands its gradient unchanged to every term (g's identity). ``tpattn.distributed`` writes the
-same two operations as ``torch.autograd.Function``s over real processes.
+same two operations as ``torch.autograd.Function`` subclasses over real processes.
 """
 from __future__ import annotations
 
