@@ -30,14 +30,17 @@ def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mappin
     if len(real) != len(simulated) or not real:
         raise ValueError(f"real and simulated must list the same runs (got {len(real)} and "
                          f"{len(simulated)} results)")
-    fig, ax = new_figure(figsize=(7.0, 4.6))
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (mode, measure) -> (x, y)
     for r, s in zip(real, simulated):
         if (r["seed"], r["mode"]) != (s["seed"], s["mode"]):
             raise ValueError("real and simulated must list the same runs in the same order "
                              f"(got seed {r['seed']} {r['mode']} vs seed {s['seed']} {s['mode']})")
         for m in MEASURES:
-            ax.scatter(_floor(s[m]), _floor(r[m]), color=MODE_COLORS[r["mode"]],
-                       marker=_MEASURE_MARKERS[m], s=28, alpha=0.8, edgecolor="none")
+            points.setdefault((r["mode"], m), []).append((_floor(s[m]), _floor(r[m])))
+    fig, ax = new_figure(figsize=(7.0, 4.6))
+    for (mode, m), xy in points.items():
+        ax.scatter(*zip(*xy), color=MODE_COLORS[mode], marker=_MEASURE_MARKERS[m], s=28,
+                   alpha=0.8, edgecolor="none")
     ax.set_xscale("log")
     ax.set_yscale("log")
     lo, hi = ZERO_FLOOR / 3, 3.0
