@@ -23,7 +23,7 @@ import tpattn
 from tpattn import widgets
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.core import figure_png
+from tpattn.widgets.core import Renders, figure_png
 from tpattn.widgets.measures import MeasuresPlot
 
 
@@ -195,11 +195,11 @@ INTS = st.one_of(st.integers(-3, 12), st.integers(-(2**70), 2**70))
 def cheap_figures(monkeypatch):
     """Hypothesis needs many draws: build each figure (where bad shapes would raise), skip
     rasterizing it (~0.3 s here, and not where a traceback would come from)."""
-    def build_only(fig, **_):
+    def build_only(fig, dpi=None):
         plt.close(fig)
-        return b"\x89PNG\r\n\x1a\n" + bytes(16)
+        return np.zeros((2, 2, 4), dtype=np.uint8)
 
-    monkeypatch.setattr(explorers, "figure_png", build_only)
+    monkeypatch.setattr(widgets.core, "figure_pixels", build_only)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -300,3 +300,12 @@ def test_import_tpattn_does_not_load_widgets():
             "'tpattn.widgets') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_live_and_static_share_the_state_they_open_on():
+    rope = widgets.rope_explorer(position=3)
+    cache = rope.renders
+    assert isinstance(cache, Renders) and cache.draws == 1
+    html = rope.static_html()
+    assert cache.draws == len(explorers.ROPE_POSITIONS)  # position 3 was not drawn again
+    assert html.count("data:image/png;base64,") == len(explorers.ROPE_POSITIONS)

@@ -29,7 +29,7 @@ from ..config import Config
 
 __all__ = [
     "Explorer", "seed_control", "mode_control", "config_controls",
-    "figure_png", "encode_png", "png_output", "html_output", "message_output", "message_html", "png_img",
+    "figure_png", "figure_pixels", "encode_png", "Renders", "png_output", "html_output", "message_output", "message_html", "png_img",
     "single_thread",
 ]
 
@@ -69,26 +69,56 @@ def config_controls(fields: Sequence[str] = ("query_heads", "kv_heads", "world_s
 def encode_png(pixels, palette: bool = False, compress_level: int = 6) -> bytes:
     """PNG bytes of an ``[H, W, 3|4]`` uint8 array (no metadata: same pixels, same bytes).
 
-    ``palette=True`` quantizes to 256 colors (median cut, deterministic): ~3x smaller, for
+    ``palette=True`` quantizes to 256 colors (fast octree, deterministic): ~3x smaller, for
     the many precomputed panels a page embeds."""
     image = Image.fromarray(np.asarray(pixels))
     if palette:
-        image = image.convert("RGB").quantize(256)
+        image = image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE)
     buf = io.BytesIO()
     image.save(buf, format="png", compress_level=compress_level)
     return buf.getvalue()
 
 
-def figure_png(fig, dpi: int = PNG_DPI, palette: bool = False) -> bytes:
-    """The figure as PNG bytes, drawn once on an Agg canvas (``savefig`` would draw twice
-    under constrained layout); closes it."""
+def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:
+    """The figure drawn once on an Agg canvas (``savefig`` would draw twice under constrained
+    layout), as an ``[H, W, 4]`` uint8 array; closes the figure."""
     try:
         FigureCanvasAgg(fig)
         fig.set_dpi(dpi)
         fig.canvas.draw()
-        return encode_png(np.asarray(fig.canvas.buffer_rgba()), palette=palette)
+        return np.array(fig.canvas.buffer_rgba())
     finally:
         plt.close(fig)
+
+
+def figure_png(fig, dpi: int = PNG_DPI, palette: bool = False) -> bytes:
+    """The figure as PNG bytes (see ``figure_pixels``, ``encode_png``); closes it."""
+    return encode_png(figure_pixels(fig, dpi), palette=palette)
+
+
+class Renders:
+    """Drawn figures by key, shared by a live explorer and its static twin: the state the
+    explorer opens on is drawn once, not twice (a draw costs ~0.5 s on a small machine).
+    Keeps the last ``size`` figures."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self.draws = 0
+        self._pixels: dict = {}
+
+    def pixels(self, key, make_figure: Callable[[], object]) -> np.ndarray:
+        """``figure_pixels(make_figure())``, drawn only if ``key`` was not drawn recently."""
+        if key not in self._pixels:
+            self._pixels[key] = figure_pixels(make_figure())
+            self.draws += 1
+            while len(self._pixels) > self.size:
+                del self._pixels[next(iter(self._pixels))]
+        return self._pixels[key]
+
+    def png(self, key, make_figure: Callable[[], object], palette: bool = False) -> bytes:
+        """PNG of ``pixels(key, make_figure)`` (live: fast to encode; ``palette``: small)."""
+        return encode_png(self.pixels(key, make_figure), palette=palette,
+                          compress_level=6 if palette else 1)
 
 
 def png_output(png: bytes, text: str = "<Figure>") -> dict:
@@ -144,8 +174,8 @@ class Explorer:
 
     ``draw`` returns a list of outputs (``png_output`` / ``html_output`` / ``message_output``).
     Displayed in a notebook, an explorer carries both the live widget (shown by JupyterLab,
-    VS Code, Colab) and ``static()``'s precomputed HTML (shown by the book, whose myst-nb
-    config gives the widget view no priority) — see ``tpattn.widgets``.
+    VS Code, Colab) and the precomputed HTML that ``static()`` builds (shown by the book,
+    whose myst-nb config gives the widget view no priority) — see ``tpattn.widgets``.
     """
 
     def __init__(self, name: str, controls: Mapping[str, widgets.ValueWidget],

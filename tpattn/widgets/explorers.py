@@ -3,7 +3,7 @@
 ============================  ==========================================  =====================
 explorer (chapter)            controls → what redraws                     static states
 ============================  ==========================================  =====================
-``rope_explorer`` (3)         position, head_dim → rotation figure        6 positions
+``rope_explorer`` (3)         position, head_dim → rotation figure        5 positions
 ``attention_explorer`` (4)    heads (MHA/GQA/MQA), seed, batch →          3 layouts × 2 seeds
                               attention heat maps, KV sharing
 ``sharding_explorer`` (6)     query_heads, kv_heads, world_size →         6 layouts, 2 invalid
@@ -26,9 +26,8 @@ from ..config import Config
 from ..layers import rope_angles
 from ..viz.layers import attention_heatmaps, rope_rotation_figure
 from ..viz.sharding import heads_to_ranks_figure
-from .core import (Explorer, config_controls, figure_png, html_output, message_html,
-                   message_output, mode_control, png_img, png_output, seed_control,
-                   single_thread)
+from .core import (Explorer, Renders, config_controls, html_output, message_html,
+                   mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, measures_html, measures_text
 from .static import StaticExplorer
 
@@ -40,8 +39,9 @@ __all__ = [
     "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS",
 ]
 
-#: RoPE positions precomputed for the book (``max_position`` 16).
-ROPE_POSITIONS = (0, 1, 2, 4, 8, 16)
+#: RoPE positions precomputed for the book (``max_position`` 16); each figure costs ~0.5 s of
+#: build time on a small machine, so the set stays small.
+ROPE_POSITIONS = (0, 1, 3, 8, 16)
 #: Head layouts of the attention explorer: name → (query_heads, kv_heads).
 ATTENTION_LAYOUTS = {"MHA 4q/4kv": (4, 4), "GQA 4q/2kv": (4, 2), "MQA 4q/1kv": (4, 1)}
 ATTENTION_SEEDS = (11, 17)
@@ -63,11 +63,10 @@ def _rope_caption(position: int, head_dim: int) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _rope_outputs(position: int, head_dim: int, max_position: int,
-                  palette: bool = False) -> tuple[str, bytes, str]:
-    fig = rope_rotation_figure(position, head_dim=head_dim, max_position=max_position)
-    text, markup = _rope_caption(position, head_dim)
-    return text, figure_png(fig, palette=palette), markup
+def _rope_png(renders: Renders, position, head_dim, max_position, palette=False) -> bytes:
+    return renders.png(("rope", position, head_dim, max_position),
+                       lambda: rope_rotation_figure(position, head_dim=head_dim,
+                                                    max_position=max_position), palette)
 
 
 def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
@@ -78,26 +77,30 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
         "head_dim": widgets.Dropdown(options=[2, 4, 8, 16, 32], value=head_dim,
                                      description="head_dim", layout=widgets.Layout(width="11em")),
     }
+    renders = Renders()
 
     def draw(position, head_dim):
-        text, png, markup = _rope_outputs(position, head_dim, max_position)
+        png = _rope_png(renders, position, head_dim, max_position)  # may raise: before text
+        text, markup = _rope_caption(position, head_dim)
         return [html_output(markup, text), png_output(png, f"<RoPE at position {position}>")]
 
-    return Explorer("RoPE", controls, draw,
-                    static=lambda: static_rope_explorer(head_dim=head_dim,
-                                                        max_position=max_position,
-                                                        initial=position))
+    explorer = Explorer("RoPE", controls, draw, static=lambda: static_rope_explorer(
+        head_dim=head_dim, max_position=max_position, initial=position, renders=renders))
+    explorer.renders = renders
+    return explorer
 
 
-def static_rope_explorer(positions=ROPE_POSITIONS, head_dim: int = 8,
-                         max_position: int = 16, initial: int = 4) -> StaticExplorer:
-    """The RoPE figure at each of ``positions`` (one ``head_dim``: its pairs are the
-    frequencies; each figure costs ~0.4 s of build time, so the set stays small)."""
+def static_rope_explorer(positions=None, head_dim: int = 8, max_position: int = 16,
+                         initial: int = 3, renders: Renders | None = None) -> StaticExplorer:
+    """The RoPE figure at each of ``positions`` (default ``ROPE_POSITIONS``), one ``head_dim``
+    (its pairs are the frequencies; the live explorer changes it too)."""
+    positions = ROPE_POSITIONS if positions is None else positions
+    renders = Renders() if renders is None else renders
     panels = {}
     for i, position in enumerate(positions):
-        _, png, markup = _rope_outputs(position, head_dim, max_position, palette=True)
-        panels[(i,)] = markup + png_img(png, f"RoPE rotations at position {position}, "
-                                             f"head_dim {head_dim}")
+        png = _rope_png(renders, position, head_dim, max_position, palette=True)
+        panels[(i,)] = _rope_caption(position, head_dim)[1] + png_img(
+            png, f"RoPE rotations at position {position}, head_dim {head_dim}")
     return StaticExplorer("rope", [("position", [str(p) for p in positions])], panels,
                           initial=_index_of((initial,), (positions,)))
 
@@ -119,6 +122,11 @@ def _attention_caption(cfg: Config) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
+def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=False) -> bytes:
+    return renders.png(("attention", cfg, seed, batch_index),
+                       lambda: attention_heatmaps(cfg, seed, batch_index=batch_index), palette)
+
+
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
                        cfg: Config | None = None) -> Explorer:
     """Attention probabilities of every query head; frames colored by the KV head they share."""
@@ -129,28 +137,31 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         "batch_index": widgets.IntText(value=batch_index, description="batch",
                                        layout=widgets.Layout(width="9em")),
     }
+    renders = Renders()
 
     def draw(heads, seed, batch_index):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
-        fig = attention_heatmaps(layout_cfg, seed, batch_index=batch_index)
+        png = _attention_png(renders, layout_cfg, seed, batch_index)
         text, markup = _attention_caption(layout_cfg)
-        return [html_output(markup, text),
-                png_output(figure_png(fig), f"<attention, {heads}, seed {seed}>")]
+        return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
-    return Explorer("attention", controls, draw,
-                    static=lambda: static_attention_explorer(cfg=cfg, initial=(heads, seed)))
+    explorer = Explorer("attention", controls, draw, static=lambda: static_attention_explorer(
+        cfg=cfg, initial=(heads, seed), renders=renders))
+    explorer.renders = renders
+    return explorer
 
 
 def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_SEEDS,
-                              cfg: Config | None = None,
-                              initial=("GQA 4q/2kv", 11)) -> StaticExplorer:
+                              cfg: Config | None = None, initial=("GQA 4q/2kv", 11),
+                              renders: Renders | None = None) -> StaticExplorer:
     """The heat maps for every ``layouts × seeds`` (layout names from ``ATTENTION_LAYOUTS``)."""
+    renders = Renders() if renders is None else renders
     panels = {}
     for i, name in enumerate(layouts):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[name], base=cfg)
-        _, markup = _attention_caption(layout_cfg)
+        markup = _attention_caption(layout_cfg)[1]
         for j, seed in enumerate(seeds):
-            png = figure_png(attention_heatmaps(layout_cfg, seed), palette=True)
+            png = _attention_png(renders, layout_cfg, seed, 0, palette=True)
             panels[i, j] = markup + png_img(png, f"attention probabilities, {name}, seed {seed}")
     return StaticExplorer("attention", [("heads", list(layouts)), ("seed", [str(s) for s in seeds])],
                           panels, initial=_index_of(initial, (layouts, seeds)))
@@ -158,13 +169,17 @@ def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_
 
 # --- chapter 6: heads to ranks -------------------------------------------------------------
 
-def _sharding_outputs(query_heads, kv_heads, world_size,
-                      palette: bool = False) -> tuple[str, str, bytes]:
-    """Text, HTML and PNG for one layout; ``ValueError`` (Config's own) if it is invalid."""
+def sharding_config(query_heads, kv_heads, world_size) -> Config:
+    """The fixture's ``Config`` with these head counts and ranks (``Config``'s own
+    ``ValueError`` if invalid; ``ValueError`` too above ``MAX_DRAWN_HEADS`` query heads)."""
     cfg = Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
     if cfg.query_heads > MAX_DRAWN_HEADS:
         raise ValueError(f"query_heads: the figure draws at most {MAX_DRAWN_HEADS} query heads "
                          f"(got {cfg.query_heads})")
+    return cfg
+
+
+def _sharding_caption(cfg: Config) -> tuple[str, str]:
     q, kv = cfg.local_query_heads, cfg.local_kv_heads
     span = lambda prefix, first, n: (f"{prefix}{first}" if n == 1  # noqa: E731
                                      else f"{prefix}{first}–{prefix}{first + n - 1}")
@@ -174,39 +189,49 @@ def _sharding_outputs(query_heads, kv_heads, world_size,
         ranks.append(f"… {cfg.world_size - 8} more ranks")
     text = (f"each of {cfg.world_size} rank(s) holds {q} query head(s) and the {kv} KV head(s) "
             f"they read — " + "; ".join(ranks))
-    return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>', \
-        figure_png(heads_to_ranks_figure(cfg), palette=palette)
+    return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
+
+
+def _sharding_png(renders: Renders, cfg: Config, palette=False) -> bytes:
+    return renders.png(("sharding", cfg), lambda: heads_to_ranks_figure(cfg), palette)
 
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:
     """Which rank holds which heads; an invalid layout shows ``Config``'s own message."""
     controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
                                world_size=world_size)
+    renders = Renders()
 
     def draw(query_heads, kv_heads, world_size):
-        text, markup, png = _sharding_outputs(query_heads, kv_heads, world_size)
+        cfg = sharding_config(query_heads, kv_heads, world_size)
+        png = _sharding_png(renders, cfg)
+        text, markup = _sharding_caption(cfg)
         return [html_output(markup, text),
                 png_output(png, f"<heads to ranks, {query_heads}/{kv_heads}/{world_size}>")]
 
-    return Explorer("sharding", controls, draw,
-                    static=lambda: static_sharding_explorer(
-                        initial=(query_heads, kv_heads, world_size)))
+    explorer = Explorer("sharding", controls, draw, static=lambda: static_sharding_explorer(
+        initial=(query_heads, kv_heads, world_size), renders=renders))
+    explorer.renders = renders
+    return explorer
 
 
-def static_sharding_explorer(layouts=None, initial=(4, 2, 2)) -> StaticExplorer:
+def static_sharding_explorer(layouts=None, initial=(4, 2, 2),
+                             renders: Renders | None = None) -> StaticExplorer:
     """The heads→ranks figure for each ``(query_heads, kv_heads, world_size)`` in ``layouts``
     (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s message."""
-    layouts = SHARDING_LAYOUTS if layouts is None else layouts
+    layouts = [tuple(layout) for layout in (SHARDING_LAYOUTS if layouts is None else layouts)]
+    renders = Renders() if renders is None else renders
     panels = {}
     for i, layout in enumerate(layouts):
         try:
-            _, markup, png = _sharding_outputs(*layout, palette=True)
-            panels[(i,)] = markup + png_img(png, "query and KV heads colored by rank, "
-                                                 "{} q / {} kv / {} ranks".format(*layout))
+            cfg = sharding_config(*layout)
         except ValueError as error:
             panels[(i,)] = message_html(str(error))
+            continue
+        panels[(i,)] = _sharding_caption(cfg)[1] + png_img(
+            _sharding_png(renders, cfg, palette=True),
+            "query and KV heads colored by rank, {} q / {} kv / {} ranks".format(*layout))
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
-    layouts = [tuple(layout) for layout in layouts]
     start = layouts.index(tuple(initial)) if tuple(initial) in layouts else 0
     return StaticExplorer("sharding", [("layout", labels)], panels, initial=(start,))
 
@@ -225,24 +250,25 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE,
         return [html_output(measures_html(result), measures_text(result)),
                 png_output(plot.png(result), f"<measures, seed {seed}, mode {mode}>")]
 
-    explorer = Explorer("seed × mode", controls, draw,
-                        static=lambda: static_seed_mode_explorer(cfg=cfg, initial=(seed, mode)))
+    explorer = Explorer("seed × mode", controls, draw, static=lambda: static_seed_mode_explorer(
+        cfg=cfg, initial=(seed, mode), plot=plot))
     explorer.plot = plot  # its full_draws count shows how often the figure was rebuilt
     return explorer
 
 
 def static_seed_mode_explorer(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
-                              initial=(11, EQUIVALENCE)) -> StaticExplorer:
+                              initial=(11, EQUIVALENCE),
+                              plot: MeasuresPlot | None = None) -> StaticExplorer:
     """Measures, verdict and bars of ``run(seed, mode, cfg)`` for every ``seeds × modes``."""
-    plot = MeasuresPlot()
+    plot = MeasuresPlot() if plot is None else plot
     panels = {}
     for i, seed in enumerate(seeds):
         for j, mode in enumerate(modes):
             with single_thread():
                 result = run(seed, mode, cfg)
-            png = plot.png(result, palette=True)
             panels[i, j] = measures_html(result) + png_img(
-                png, f"the five measures of seed {seed}, mode {mode}, against 1e-6")
+                plot.png(result, palette=True),
+                f"the five measures of seed {seed}, mode {mode}, against 1e-6")
     return StaticExplorer("seed-mode", [("seed", [str(s) for s in seeds]), ("mode", list(modes))],
                           panels, initial=_index_of(initial, (seeds, modes)))
 
