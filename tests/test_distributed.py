@@ -210,13 +210,16 @@ def test_rank_disagreement(world2, world4):
         for row in by_mode["equivalence"]:
             # after an all-reduce every rank holds the same bits and computes the same from them
             assert row["output_max_rank_diff"] == row["input_grad_max_rank_diff"] \
-                == row["norm_grad_max_rank_diff"] == 0.0
+                == row["norm_grad_max_rank_diff"] == row["norm_after_step_max_rank_diff"] == 0.0
         for row in by_mode[MISSING_INPUT_GRAD_REDUCE]:  # f missing: each rank keeps its own dn
             assert row["output_max_rank_diff"] == 0.0
             assert row["input_grad_max_rank_diff"] > 1e-3 and row["norm_grad_max_rank_diff"] > 1e-3
+            # the replicas of norm drift apart by the step size times the gradients' difference
+            assert row["norm_after_step_max_rank_diff"] == pytest.approx(
+                LR * row["norm_grad_max_rank_diff"], rel=1e-3)
         for row in by_mode[MISSING_OUTPUT_REDUCE]:  # g missing: each rank its own output
             assert row["output_max_rank_diff"] > 0.1 and row["input_grad_max_rank_diff"] > 1e-3
-            assert row["norm_grad_max_rank_diff"] == 0.0  # its gradient flows through f's sum
+            assert row["norm_grad_max_rank_diff"] == row["norm_after_step_max_rank_diff"] == 0.0
 
 
 def test_dtensor_cross_check_passes_equivalence(world2, simulated2):

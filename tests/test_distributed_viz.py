@@ -22,7 +22,8 @@ LEDGER = [
 
 DISAGREEMENT = [{"seed": s, "mode": m, "output_max_rank_diff": 0.0,
                  "input_grad_max_rank_diff": 0.0 if m == "equivalence" else 1e-2,
-                 "norm_grad_max_rank_diff": 0.0 if m == "equivalence" else 3e-2}
+                 "norm_grad_max_rank_diff": 0.0 if m == "equivalence" else 3e-2,
+                 "norm_after_step_max_rank_diff": 0.0 if m == "equivalence" else 1.5e-3}
                 for m in tpattn.MODES for s in (11, 17)]
 
 
@@ -62,7 +63,7 @@ def test_rank_disagreement_figure_labels_exact_zeros():
     fig = viz.rank_disagreement_figure(DISAGREEMENT)
     (ax,) = fig.axes
     labels = [t.get_text() for t in ax.texts]
-    assert labels.count("0") == 3 + 1 + 1  # equivalence: all three; the two bugs: output only
+    assert labels.count("0") == 4 + 1 + 1  # equivalence: all four; the two bugs: output only
     assert [t.get_text() for t in ax.get_xticklabels()] == list(tpattn.MODES)
     with pytest.raises(ValueError, match="rows must hold at least one run"):
         viz.rank_disagreement_figure([])

@@ -271,13 +271,19 @@ def _assemble(per_rank: list[dict[str, torch.Tensor]], cfg: Config,
     return {k: full[k] for k in PARAM_NAMES}
 
 
+#: Replicated tensors whose copies ``rank_check`` compares across ranks: name -> gathered key.
+REPLICATED = {"output": "output", "input_grad": "input_grad", "norm_grad": "grad_norm",
+              "norm_after_step": "weight_norm"}
+
+
 def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveLedger,
                device: torch.device | str = "cpu", skip_output_reduce: bool = False):
     """One dense-vs-TP step, run on every rank of the group at once.
 
     Returns ``(metrics, disagreement)`` on rank 0 and ``(None, None)`` elsewhere. ``metrics`` is
-    ``run(seed, mode, cfg)``'s dict; ``disagreement`` says how far the other ranks' copies of
-    the output, of dX and of the ``norm`` gradient are from rank 0's (max abs difference).
+    ``run(seed, mode, cfg)``'s dict; ``disagreement`` says how far the other ranks' own copies
+    of the replicated tensors are from rank 0's: the output, dX, the ``norm`` gradient and the
+    ``norm`` weight after the step (``<name>_max_rank_diff``, max abs difference).
     ``skip_output_reduce`` makes this one rank skip g's all-reduce (fault injection for tests).
     """
     device = torch.device(device)
@@ -295,7 +301,7 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
         for k in shard:
             shard[k] -= LR * shard[k].grad
 
-    mine = {"output": y, "input_grad": x.grad, "norm_grad": shard["norm"].grad,
+    mine = {"output": y, "input_grad": x.grad,
             **{"grad_" + k: shard[k].grad for k in shard}, **{"weight_" + k: shard[k] for k in shard}}
     ranks = ledger.gather_tensors(mine)
     if rank != 0:
@@ -304,8 +310,8 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
           "grads": _assemble(ranks, cfg, "grad_"), "weights": _assemble(ranks, cfg, "weight_")}
     metrics = five_measures(seed, mode, dense_reference(x0, target, base, cfg), tp)
     disagreement = {"seed": seed, "mode": mode}
-    for name in ("output", "input_grad", "norm_grad"):
-        disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[name], ranks[0][name]) for r in ranks)
+    for name, key in REPLICATED.items():
+        disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[key], ranks[0][key]) for r in ranks)
     return metrics, disagreement
 
 
@@ -397,8 +403,8 @@ class RealRankReport:
 
     - ``results``: one ``run()`` dict per (mode, seed), mode-major — compare with ``run_matrix``;
     - ``rank_disagreement``: per (mode, seed), how far ranks 1.. are from rank 0 on their own
-      copies of the output, of dX and of the ``norm`` gradient (max abs difference; 0 means
-      every rank holds the same bits);
+      copies of the output, of dX, of the ``norm`` gradient and of the ``norm`` weight after
+      the step (``<name>_max_rank_diff``, max abs difference; 0: every rank holds the same bits);
     - ``ledger``: per mode, the block's all-reduces in forward and backward, expected vs actual
       (plus one DTensor row when the cross-check ran);
     - ``dtensor``: ``run()`` dicts of the same block parallelized by PyTorch's TP API;

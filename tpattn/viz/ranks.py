@@ -95,18 +95,20 @@ _QUANTITIES = {
     "output_max_rank_diff": ("output y", "#1f77b4"),
     "input_grad_max_rank_diff": ("input grad dX", "#ff7f0e"),
     "norm_grad_max_rank_diff": ("norm grad", "#8c564b"),
+    "norm_after_step_max_rank_diff": ("norm after the step", "#7f7f7f"),
 }
 
 
 def rank_disagreement_figure(rows: Sequence[Mapping]):
-    """How far the ranks' own copies of the output, of dX and of the ``norm`` gradient are from
-    rank 0's, per mode (largest over the seeds), log scale; exact zeros drawn at the floor and
-    labelled "0". ``rows``: ``RealRankReport.rank_disagreement``.
+    """How far the ranks' own copies of the output, of dX, of the ``norm`` gradient and of the
+    ``norm`` weight after the step are from rank 0's, per mode (largest over the seeds), log
+    scale; exact zeros drawn at the floor and labelled "0".
+    ``rows``: ``RealRankReport.rank_disagreement``.
     """
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
     if not modes:
         raise ValueError("rows must hold at least one run (RealRankReport.rank_disagreement)")
-    fig, ax = new_figure(figsize=(7.0, 3.4))
+    fig, ax = new_figure(figsize=(7.5, 3.4))
     width = 0.8 / len(_QUANTITIES)
     for q, (key, (label, color)) in enumerate(_QUANTITIES.items()):
         for i, mode in enumerate(modes):
@@ -123,5 +125,5 @@ def rank_disagreement_figure(rows: Sequence[Mapping]):
     ax.set_xticks(range(len(modes)), modes)
     ax.set_ylabel("max |rank r copy − rank 0 copy|")
     ax.set_title("Do the ranks hold the same values? (0 drawn at 1e-12)")
-    ax.legend(fontsize=8, loc="upper center", ncols=3, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", ncols=4, frameon=False)
     return fig
