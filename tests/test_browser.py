@@ -172,16 +172,18 @@ def test_page(page_path, server, context):
 
 
 def _shown(explorer) -> dict:
-    """The visible panel of a static explorer: its id, text and image sources."""
-    panels = explorer.locator(".tpx-panel")
-    shown = [panels.nth(i) for i in range(panels.count()) if panels.nth(i).is_visible()]
+    """The visible panel of a static explorer: its id, text and image sources (one round trip:
+    the panel whose computed ``display`` is not ``none``)."""
+    shown = explorer.evaluate("""ex => Array.from(ex.querySelectorAll('.tpx-panel'))
+        .filter(p => getComputedStyle(p).display !== 'none')
+        .map(p => ({id: p.id, text: p.innerText,
+                    images: Array.from(p.querySelectorAll('img'))
+                                 .map(i => ({src: i.src, width: i.naturalWidth}))}))""")
     assert len(shown) == 1, f"{len(shown)} panels visible, expected exactly 1"
     panel = shown[0]
-    images = panel.evaluate("""p => Array.from(p.querySelectorAll('img'))
-        .map(i => ({src: i.src, width: i.naturalWidth}))""")
-    assert all(i["width"] > 0 for i in images), "an image of the shown panel did not load"
-    return {"id": panel.get_attribute("id"), "text": panel.inner_text(),
-            "images": tuple(i["src"] for i in images)}
+    assert all(i["width"] > 0 for i in panel["images"]), "an image of the shown panel did not load"
+    return {"id": panel["id"], "text": panel["text"],
+            "images": tuple(i["src"] for i in panel["images"])}
 
 
 def check_static_explorer(page_path: str, explorer) -> None:
@@ -219,7 +221,11 @@ def check_seed_mode_verdicts(where: str, explorer) -> None:
         for m in range(mode_labels.count()):
             mode = mode_labels.nth(m).inner_text().strip()
             mode_labels.nth(m).click()
-            verdict = explorer.locator(".tpx-panel:visible .tpx-verdict").inner_text().strip()
+            verdict = explorer.evaluate("""ex => Array.from(ex.querySelectorAll('.tpx-panel'))
+                .filter(p => getComputedStyle(p).display !== 'none')
+                .map(p => p.querySelector('.tpx-verdict').innerText.trim())""")
+            assert len(verdict) == 1, f"{where}: {len(verdict)} panels visible"
+            verdict = verdict[0]
             expected = "PASSED" if mode == "equivalence" else "FAILED"
             assert verdict == expected, (f"{where}: seed {seed_labels.nth(s).inner_text()}, "
                                          f"mode {mode} shows {verdict}, expected {expected}")
