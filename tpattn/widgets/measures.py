@@ -35,14 +35,16 @@ def measures_text(result: Mapping) -> str:
 
 
 def measures_html(result: Mapping) -> str:
-    """Verdict line and a two-column table: each measure (``format_measure``: values below
+    """Verdict line and a table: each measure, its value (``format_measure``: values below
     1e-6 print as ``< 1e-06``, so the text does not depend on the CPU's last bits) and
     whether it is below the tolerance."""
     color = PASS_COLOR if result["passed"] else FAIL_COLOR
+    cell = "padding:0.05em 1.2em 0.05em 0"
     rows = "".join(
-        f"<tr><td>{html.escape(MEASURE_LABELS[m])}</td>"
-        f'<td style="text-align:right; font-family:monospace">{format_measure(result[m])}</td>'
-        f'<td style="color:{PASS_COLOR if result[m] < TOLERANCE else FAIL_COLOR}">'
+        f'<tr><td style="{cell}">{html.escape(MEASURE_LABELS[m])}</td>'
+        f'<td style="{cell}; text-align:right; font-family:monospace">'
+        f"{format_measure(result[m])}</td>"
+        f'<td style="{cell}; color:{PASS_COLOR if result[m] < TOLERANCE else FAIL_COLOR}">'
         f'{"below" if result[m] < TOLERANCE else "ABOVE"} 1e-6</td></tr>'
         for m in MEASURES)
     return (f'<div class="tpx-measures">'
@@ -50,7 +52,8 @@ def measures_html(result: Mapping) -> str:
             f'<code>{html.escape(result["mode"])}</code>: '
             f'<span class="tpx-verdict" style="color:{color}">{verdict(result)}</span></strong></p>'
             f'<table class="tpx-table" style="border-collapse:collapse; margin:0.2em 0">'
-            f"<thead><tr><th>measure (max |dense − TP|)</th><th>value</th><th>vs tolerance</th>"
+            f'<thead><tr><th style="{cell}">measure (max |dense − TP|)</th>'
+            f'<th style="{cell}; text-align:right">value</th><th style="{cell}">vs tolerance</th>'
             f"</tr></thead><tbody>{rows}</tbody></table></div>")
 
 
