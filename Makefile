@@ -2,16 +2,16 @@
 # Setup is idempotent: the venv is made once, requirements are reinstalled only when
 # requirements.txt or pyproject.toml change (a stamp file records the last install).
 SHELL := /bin/bash
-PYTHON ?= python3.11
+# Python 3.11 (the torch wheel on disk is cp311); falls back to python3 where there is no python3.11.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VENDOR := vendor
 MATHJAX := $(VENDOR)/mathjax/tex-chtml.js
 JB := $(VENV)/bin/jupyter-book
-JOBS ?= 2
 
-.PHONY: setup book test test-unit test-notebooks test-browser lab bench clean
+.PHONY: setup book test test-browser lab bench clean
 
 setup: $(STAMP) $(MATHJAX)
 
@@ -43,6 +43,9 @@ book: setup
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 test: book
 	$(PY) -m pytest -q $(NBVAL) tests book
+
+test-browser: book
+	$(PY) -m pytest -q tests/test_browser.py
 
 lab: setup
 	$(VENV)/bin/jupyter lab book/
