@@ -135,7 +135,7 @@ def rope_relative_position_figure(scores: torch.Tensor):
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores must be a tensor [M, N] (got shape {getattr(scores, 'shape', None)})")
     fig, ax = new_figure(figsize=(4.6, 3.8))
-    im = ax.imshow(scores.detach().double(), cmap="RdBu_r", origin="upper",
+    im = ax.imshow(scores.detach().double().numpy(), cmap="RdBu_r", origin="upper",
                    vmin=-scores.abs().max().item(), vmax=scores.abs().max().item())
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -181,7 +181,7 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
             continue
         kv = h // cfg.group_size
         shown = probs[h].double().masked_fill(future, float("nan"))  # masked: drawn light grey
-        im = ax.imshow(shown, vmin=0.0, vmax=1.0, cmap=cmap)
+        im = ax.imshow(shown.numpy(), vmin=0.0, vmax=1.0, cmap=cmap)
         if cfg.seq <= 6:
             for s in range(cfg.seq):
                 for t in range(s + 1):
@@ -226,7 +226,7 @@ def gradient_figure(grads: dict[str, torch.Tensor]):
             ax.axhline(0, color="k", lw=0.6)
             ax.set_xlabel("hidden channel")
         else:
-            im = ax.imshow(g, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
+            im = ax.imshow(g.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
             ax.set_xlabel("in")
             ax.set_ylabel("out")
             fig.colorbar(im, ax=ax, shrink=0.8)
