@@ -222,7 +222,7 @@ def gradient_figure(grads: dict[str, torch.Tensor]):
         lim = max(g.abs().max().item(), 1e-12)
         title = f"{name}  ‖g‖={g.norm().item():.3f}"
         if g.dim() == 1:
-            ax.bar(range(g.numel()), g, color=DENSE_COLOR)
+            ax.bar(range(g.numel()), g.numpy(), color=DENSE_COLOR)
             ax.axhline(0, color="k", lw=0.6)
             ax.set_xlabel("hidden channel")
         else:
