@@ -71,6 +71,48 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().detach().item()
 
 
+def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor]) -> dict:
+    """One training step of the fixture: ``forward(x, params) -> y``, MSE loss, backward, SGD.
+
+    x0, target: ``[S, B, hidden]``; ``base``: the starting parameters (copied, not touched).
+    Returns the tensors the five measures compare: ``output`` ``[S, B, hidden]``, ``loss``,
+    ``input_grad`` ``[S, B, hidden]``, ``grads`` and ``weights`` (after the step), by name.
+    """
+    p = clone_trainable(base)
+    x = x0.clone().requires_grad_(True)
+    y = forward(x, p)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    with torch.no_grad():
+        weights = {k: p[k] - LR * p[k].grad for k in p}
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": {k: p[k].grad for k in p}, "weights": weights}
+
+
+def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
+                    cfg: Config) -> dict:
+    """``one_step`` of the dense block: the side every TP variant is compared against."""
+    return one_step(lambda x, p: dense_forward(x, p, cfg), x0, target, base)
+
+
+def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
+    """``run()``'s dict from the two sides' ``one_step`` tensors: the five max-abs differences
+    and ``passed`` (every one below ``TOLERANCE``)."""
+    metrics = {
+        "seed": seed,
+        "mode": mode,
+        "forward_max_abs_diff": max_abs_diff(dense["output"], tp["output"]),
+        "loss_abs_diff": max_abs_diff(dense["loss"], tp["loss"]),
+        "input_grad_max_abs_diff": max_abs_diff(dense["input_grad"], tp["input_grad"]),
+        "parameter_grad_max_abs_diff": max(max_abs_diff(dense["grads"][k], tp["grads"][k])
+                                           for k in dense["grads"]),
+        "post_step_weight_max_abs_diff": max(max_abs_diff(dense["weights"][k], tp["weights"][k])
+                                             for k in dense["weights"]),
+    }
+    metrics["passed"] = all(metrics[m] < TOLERANCE for m in MEASURES)
+    return metrics
+
+
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
@@ -82,32 +124,13 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> d
     cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    pd, pt = clone_trainable(base), clone_trainable(base)
-    xd, xt = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
 
-    yd = dense_forward(xd, pd, cfg)
-    yt = tp_forward(xt, pt, cfg,
-                    reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                    reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
-    ld, lt = F.mse_loss(yd, target), F.mse_loss(yt, target)
-    ld.backward()
-    lt.backward()
+    def tp(x, p):
+        return tp_forward(x, p, cfg, reduce_output=mode != MISSING_OUTPUT_REDUCE,
+                          reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
 
-    metrics = {
-        "seed": seed,
-        "mode": mode,
-        "forward_max_abs_diff": max_abs_diff(yd, yt),
-        "loss_abs_diff": max_abs_diff(ld, lt),
-        "input_grad_max_abs_diff": max_abs_diff(xd.grad, xt.grad),
-        "parameter_grad_max_abs_diff": max(max_abs_diff(pd[k].grad, pt[k].grad) for k in pd),
-    }
-    with torch.no_grad():
-        for k in pd:
-            pd[k] -= LR * pd[k].grad
-            pt[k] -= LR * pt[k].grad
-    metrics["post_step_weight_max_abs_diff"] = max(max_abs_diff(pd[k], pt[k]) for k in pd)
-    metrics["passed"] = all(metrics[m] < TOLERANCE for m in MEASURES)
-    return metrics
+    return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
+                         one_step(tp, x0, target, base))
 
 
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None) -> list[dict]:

@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .check import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    MODES, PARAM_SEED_OFFSET, SEEDS, TOLERANCE, check_mode, check_seed,
-                    inspect_fixture, make_inputs, max_abs_diff)
+from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
+                    PARAM_SEED_OFFSET, SEEDS, check_mode, check_seed, dense_reference,
+                    five_measures, inspect_fixture, make_inputs, max_abs_diff)
 from .cli import build_parser, config_from_args
 from .config import Config
-from .dense import attend_and_project, dense_forward
+from .dense import attend_and_project
 from .launch import (RankFailure, backend_message, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
 from .layers import rms_norm
@@ -213,43 +213,6 @@ def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
 
 
 # --- one check on every rank --------------------------------------------------------------
-
-def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
-    """``run()``'s dict from the two sides' tensors.
-
-    ``dense`` and ``tp`` each hold ``output`` ``[S, B, hidden]``, ``loss`` (scalar),
-    ``input_grad`` ``[S, B, hidden]``, and ``grads``/``weights`` (dicts of full-size
-    parameters: gradients, and values after the SGD step).
-    """
-    metrics = {
-        "seed": seed,
-        "mode": mode,
-        "forward_max_abs_diff": max_abs_diff(dense["output"], tp["output"]),
-        "loss_abs_diff": max_abs_diff(dense["loss"], tp["loss"]),
-        "input_grad_max_abs_diff": max_abs_diff(dense["input_grad"], tp["input_grad"]),
-        "parameter_grad_max_abs_diff": max(max_abs_diff(dense["grads"][k], tp["grads"][k])
-                                           for k in dense["grads"]),
-        "post_step_weight_max_abs_diff": max(max_abs_diff(dense["weights"][k], tp["weights"][k])
-                                             for k in dense["weights"]),
-    }
-    metrics["passed"] = all(metrics[m] < TOLERANCE for m in MEASURES)
-    return metrics
-
-
-def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict, cfg: Config) -> dict:
-    """The dense side of ``run()``: forward, MSE loss, backward, one SGD step, from inputs
-    ``x0, target`` ``[S, B, hidden]`` and parameters ``base``; tensors for ``five_measures``."""
-    p = clone_trainable(base)
-    x = x0.clone().requires_grad_(True)
-    y = dense_forward(x, p, cfg)
-    loss = F.mse_loss(y, target)
-    loss.backward()
-    grads = {k: p[k].grad.clone() for k in p}
-    with torch.no_grad():
-        weights = {k: p[k] - LR * p[k].grad for k in p}
-    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": grads, "weights": weights}
-
 
 def _assemble(per_rank: list[dict[str, torch.Tensor]], cfg: Config,
               prefix: str) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from .check import EQUIVALENCE, LR, PARAM_SEED_OFFSET, make_inputs
 from .config import Config
-from .distributed import dense_reference, five_measures
+from .check import dense_reference, five_measures
 from .layers import apply_rope, attention, repeat_kv, rms_norm
 from .params import PARAM_NAMES, init_params
 
