@@ -34,18 +34,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
+from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
                     PARAM_SEED_OFFSET, SEEDS, check_mode, check_seed, dense_reference,
-                    five_measures, inspect_fixture, make_inputs, max_abs_diff)
+                    five_measures, inspect_fixture, make_inputs, max_abs_diff, one_step)
 from .cli import build_parser, config_from_args
 from .config import Config
 from .dense import attend_and_project
 from .launch import (RankFailure, backend_message, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
 from .layers import rms_norm
-from .params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
+from .params import PARAM_NAMES, init_params, rank_head_slices, shard_params
 
 __all__ = [
     "CollectiveLedger", "CopyToRanks", "ReduceOutputPartials", "tp_rank_forward",
@@ -252,25 +251,21 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
-    shard = clone_trainable(shard_params(base, cfg)[rank])
-    x = x0.clone().requires_grad_(True)
 
-    y = tp_rank_forward(x, shard, cfg, ledger,
-                        reduce_output=mode != MISSING_OUTPUT_REDUCE and not skip_output_reduce,
-                        reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
-    loss = F.mse_loss(y, target)  # every rank its own loss, as in real TP training
-    loss.backward()
-    with torch.no_grad():
-        for k in shard:
-            shard[k] -= LR * shard[k].grad
+    def forward(x, shard):
+        return tp_rank_forward(x, shard, cfg, ledger,
+                               reduce_output=mode != MISSING_OUTPUT_REDUCE and not skip_output_reduce,
+                               reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
 
-    mine = {"output": y, "input_grad": x.grad,
-            **{"grad_" + k: shard[k].grad for k in shard}, **{"weight_" + k: shard[k] for k in shard}}
+    # every rank its own step on its own shard and its own loss, as in real TP training
+    step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
+    mine = {"output": step["output"], "input_grad": step["input_grad"],
+            **{"grad_" + k: g for k, g in step["grads"].items()},
+            **{"weight_" + k: w for k, w in step["weights"].items()}}
     ranks = ledger.gather_tensors(mine)
     if rank != 0:
         return None, None
-    tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-          "grads": _assemble(ranks, cfg, "grad_"), "weights": _assemble(ranks, cfg, "weight_")}
+    tp = {**step, "grads": _assemble(ranks, cfg, "grad_"), "weights": _assemble(ranks, cfg, "weight_")}
     metrics = five_measures(seed, mode, dense_reference(x0, target, base, cfg), tp)
     disagreement = {"seed": seed, "mode": mode}
     for name, key in REPLICATED.items():
