@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 from ..check import PARAM_SEED_OFFSET, check_seed, make_inputs
 from ..config import Config
 from ..dense import project_qkv
-from ..layers import apply_rope, attention_probs, repeat_kv, rms_norm, rope_angles
+from ..layers import apply_rope, attention_probs, causal_mask, repeat_kv, rms_norm, rope_angles
 from ..params import PARAM_NAMES, init_params
 from .style import DENSE_COLOR, new_figure
 
@@ -172,7 +172,7 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
     panel = 2.0 if cfg.seq <= 16 else 1.6
     fig, axes = new_figure(ncols, nrows, figsize=(panel * ncols + 0.8, panel * nrows + 0.6),
                            squeeze=False)
-    future = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
+    future = causal_mask(cfg.seq)
     cmap = plt.get_cmap("viridis").with_extremes(bad="#eeeeee")
     im = None
     for h, ax in enumerate(axes.flat):
