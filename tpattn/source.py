@@ -1,0 +1,82 @@
+"""Show the package's real source in a notebook — the same code in every frontend.
+
+A Sphinx ``literalinclude`` only works in the HTML build: JupyterLab, VS Code and Colab show a
+markdown cell's directive as plain text. ``show_source(obj)`` is a code cell's *output*
+instead, so every frontend renders it, and it is always the code the kernel imported::
+
+    from tpattn.source import show_source
+    show_source(tpattn.params.shard_params)
+
+The output carries ``text/html`` (highlighted with Pygments' inline styles, long lines wrapped
+to the column; no stylesheet needed) and ``text/plain`` (the bare source). The book hides the
+calling cell's input (tag ``remove-input``), so the HTML page shows only the code.
+
+Pygments is imported when the HTML is rendered, not when ``tpattn`` is.
+"""
+from __future__ import annotations
+
+import html
+import inspect
+from pathlib import Path
+
+__all__ = ["show_source", "Source"]
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+#: Wrapping keeps code inside the text column of the HTML book and of narrow notebook views.
+_PRE_STYLE = ("white-space: pre-wrap; overflow-wrap: anywhere; margin: 0; padding: 0.6em 0.8em; "
+              "line-height: 1.35; font-size: 0.88em; background: #f8f8f8; color: #1f2328")
+_BOX_STYLE = "border: 1px solid #d0d7de; border-radius: 4px; margin: 0.2em 0; overflow: hidden"
+_CAPTION_STYLE = ("font-family: monospace; font-size: 0.8em; color: #57606a; background: #eef1f4; "
+                  "padding: 0.2em 0.8em; border-bottom: 1px solid #d0d7de")
+
+
+def _location(obj) -> str:
+    """``tpattn/params.py · shard_params`` for an object of this package."""
+    path = Path(inspect.getsourcefile(obj)).resolve()
+    try:
+        path = path.relative_to(_ROOT)
+    except ValueError:
+        pass
+    return f"{path.as_posix()} · {getattr(obj, '__qualname__', getattr(obj, '__name__', ''))}"
+
+
+class Source:
+    """The source of one or more functions, classes or modules, displayable in a notebook.
+
+    ``text`` is exactly ``inspect.getsource`` of each object, joined by a blank line.
+    """
+
+    def __init__(self, objects):
+        if not objects:
+            raise ValueError("show_source needs at least one function, class or module")
+        self.objects = tuple(objects)
+        self.parts = [(_location(o), inspect.getsource(o)) for o in self.objects]
+        self.text = "\n".join(src for _, src in self.parts)
+
+    def __repr__(self) -> str:  # text/plain: what a terminal or a plain-text frontend shows
+        return "\n".join(f"# {where}\n{src}" for where, src in self.parts).rstrip("\n")
+
+    def _repr_html_(self) -> str:
+        from pygments import highlight
+        from pygments.formatters import HtmlFormatter
+        from pygments.lexers import PythonLexer
+
+        formatter = HtmlFormatter(noclasses=True, nowrap=True, style="default")
+        boxes = []
+        for where, src in self.parts:
+            code = highlight(src, PythonLexer(), formatter)
+            boxes.append(
+                f'<div class="tpattn-source" style="{_BOX_STYLE}">'
+                f'<div style="{_CAPTION_STYLE}">{html.escape(where)}</div>'
+                f'<pre style="{_PRE_STYLE}"><code>{code}</code></pre></div>')
+        return "".join(boxes)
+
+
+def show_source(*objects) -> Source:
+    """The real source of ``objects`` (functions, classes, modules), for a notebook cell.
+
+    Return it as the cell's last expression: the notebook shows highlighted code (HTML) with
+    a plain-text twin. Raises ``ValueError`` when called with nothing.
+    """
+    return Source(objects)
