@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .config import Config
 from .dense import dense_forward
-from .params import clone_trainable, init_params
+from .params import clone_trainable, init_params, shard_params
 from .tp import tp_forward
 
 EQUIVALENCE = "equivalence"
@@ -113,7 +113,8 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
     return metrics
 
 
-def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> dict:
+def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
+        shard_fn=shard_params) -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
@@ -127,7 +128,8 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> d
 
     def tp(x, p):
         return tp_forward(x, p, cfg, reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                          reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+                          reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE,
+                          shard_fn=shard_fn)
 
     return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
                          one_step(tp, x0, target, base))
