@@ -71,6 +71,7 @@ class _Job:
     module: torch.nn.Module
     plans: tuple[tuple[str, dict], ...]
     x: torch.Tensor
+    target: torch.Tensor | None
     tolerance: float
 
 
@@ -129,8 +130,11 @@ def _rank_step(rank: int, job: _Job, label: str, plan: dict, mesh, device: torch
     y.sum().backward()
     used = [k for k, v in whole.named_parameters() if v.grad is not None]
     whole.zero_grad(set_to_none=True)
-    g = torch.Generator().manual_seed(TARGET_SEED)
-    target = torch.randn(y.shape, generator=g, dtype=torch.float64).to(x0.dtype).to(device)
+    if job.target is not None:
+        target = job.target.to(device)
+    else:
+        g = torch.Generator().manual_seed(TARGET_SEED)
+        target = torch.randn(y.shape, generator=g, dtype=torch.float64).to(x0.dtype).to(device)
 
     def call(module):
         return lambda x, p: functional_call(module, p, (x,))
@@ -179,7 +183,8 @@ def _rank_step(rank: int, job: _Job, label: str, plan: dict, mesh, device: torch
             "sharded": shard_info}
 
 
-def check_module(module: torch.nn.Module, plan: dict, x: torch.Tensor, *, world_size: int = 2,
+def check_module(module: torch.nn.Module, plan: dict, x: torch.Tensor, *,
+                 target: torch.Tensor | None = None, world_size: int = 2,
                  label: str = "plan", tolerance: float = TOLERANCE,
                  timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> ModuleCheck:
     """Shard ``module`` with the PyTorch TP ``plan`` over ``world_size`` real ranks, take one
@@ -190,18 +195,19 @@ def check_module(module: torch.nn.Module, plan: dict, x: torch.Tensor, *, world_
     ``parallelize_plan`` (module name -> ``ColwiseParallel()``, ``RowwiseParallel()``,
     ``SequenceParallel()`` ...). ``tolerance``: the measures' pass bound (the package's 1e-6 by
     default; derive your own for a larger module, e.g. ``tpattn.interop.float32_tolerance``).
-    ``label`` names the plan in ``measures["mode"]``. The loss is the MSE against a fixed
-    random target; the step is SGD with the package's learning rate (``tpattn.check.LR``).
+    ``label`` names the plan in ``measures["mode"]``. The loss is the MSE against ``target``
+    (the output's shape; default: a fixed random one); the step is SGD with the package's learning rate (``tpattn.check.LR``).
     Only the parameters the forward uses take part (an HF decoder layer's MLP does not).
 
     Raises ``ValueError`` for bad arguments, and ``tpattn.launch.RankFailure`` (one line naming
     the rank) when a rank fails — e.g. a plan whose shards do not fit the module's shapes.
     """
-    return check_plans(module, {label: plan}, x, world_size=world_size, tolerance=tolerance,
-                       timeout=timeout, backend=backend)[0]
+    return check_plans(module, {label: plan}, x, target=target, world_size=world_size,
+                       tolerance=tolerance, timeout=timeout, backend=backend)[0]
 
 
-def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *, world_size: int = 2,
+def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
+                target: torch.Tensor | None = None, world_size: int = 2,
                 tolerance: float = TOLERANCE, timeout: float = DEFAULT_TIMEOUT,
                 backend: str | None = None) -> list[ModuleCheck]:
     """``check_module`` for several plans (``{label: plan}``), all in ONE set of rank processes
@@ -215,19 +221,28 @@ def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *, world_
         if not isinstance(plan, dict) or not plan:
             raise ValueError(f"plan {label!r} must be a non-empty dict of module name -> "
                              f"ParallelStyle")
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        odd = sorted(k for k, v in plan.items() if not isinstance(v, ParallelStyle))
+        if odd:
+            raise ValueError(f"plan {label!r} must map module names to ParallelStyle objects "
+                             f"(ColwiseParallel() ...); not: {', '.join(odd)}")
         unknown = sorted(k for k in plan if "*" not in k and k not in names)
         if unknown:
             raise ValueError(f"plan {label!r} names modules the module does not have: "
                              f"{', '.join(unknown)}")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError("x must be a floating-point torch.Tensor (the module's input)")
+    if target is not None and not isinstance(target, torch.Tensor):
+        raise ValueError("target must be a torch.Tensor shaped like the module's output, or None")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"world_size must be an integer >= 2 (got {world_size!r})")
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance > 0:
         raise ValueError(f"tolerance must be a number > 0 (got {tolerance!r})")
     backend = backend or default_backend(world_size)
     job = _Job(module=module, plans=tuple((str(k), dict(v)) for k, v in plans.items()),
-               x=x.detach().cpu(), tolerance=float(tolerance))
+               x=x.detach().cpu(), target=None if target is None else target.detach().cpu(),
+               tolerance=float(tolerance))
     # the forkserver imports the module's code once, so that no rank pays for it again
     preload = ("tpattn.module_check",) + tuple(sorted(
         {type(m).__module__ for m in module.modules()} - {"__main__"}))
