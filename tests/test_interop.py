@@ -194,6 +194,7 @@ def test_naive_split_signature_every_measure_wrong_unlike_a_missing_reduction():
 
 
 def test_import_tpattn_does_not_import_transformers():
-    code = "import sys, tpattn, tpattn.module_check; print('transformers' in sys.modules)"
+    code = ("import sys, tpattn, tpattn.module_check; tpattn.check_module; "
+            "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
