@@ -51,6 +51,27 @@ def test_dense_forward_is_hf_llama_attention_within_float32_rounding(shape, dtyp
     assert float32_tolerance(cfg, hf.abs().max().item()) < 1e-3
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_hf_block_is_causal_with_every_attention_implementation(implementation):
+    cfg = make_cfg(SHAPES[0], "float32")
+    block = LlamaAttentionBlock(llama_layer(cfg, seed=7, attn_implementation=implementation))
+    _, params = llama_params(block.layer, seq=cfg.seq, batch=cfg.batch)
+    x = inputs(cfg)
+    with torch.no_grad():
+        err = (block(x) - dense_forward(x, params, cfg)).abs().max().item()
+        # changing the last token changes no earlier position's output
+        later = x.clone()
+        later[-1] += 1.0
+        early = (block(later)[:-1] - block(x)[:-1]).abs().max().item()
+    assert err < float32_tolerance(cfg, 10.0) and early == 0.0
+
+
+def test_llama_layer_leaves_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    llama_layer(make_cfg(SHAPES[0], "float32"))
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_float64_hf_is_float32_inside_and_so_not_float64_exact():
     """HF normalizes in float32 even for a float64 model: its RMSNorm is, bit for bit, the
     float32 RMSNorm cast up; so the float64 block differs from ours by float32 rounding."""

@@ -36,7 +36,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from .config import Config
-from .layers import attention, repeat_kv, rms_norm, rope_angles
+from .layers import attention, causal_mask, repeat_kv, rms_norm, rope_angles
 from .params import PARAM_NAMES, init_params
 
 __all__ = [
@@ -111,7 +111,8 @@ def config_from_llama(hf: LlamaConfig, *, seq: int, batch: int, world_size: int 
 def llama_layer(cfg: Config, seed: int = 0, attn_implementation: str = "sdpa") -> LlamaDecoderLayer:
     """A randomly initialised HF ``LlamaDecoderLayer`` for ``cfg`` (no download): its attention
     weights are ``init_params(cfg, seed)``'s, in ``cfg.dtype``."""
-    layer = LlamaDecoderLayer(llama_config(cfg, attn_implementation), layer_idx=0)
+    with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG
+        layer = LlamaDecoderLayer(llama_config(cfg, attn_implementation), layer_idx=0)
     layer = layer.to(cfg.torch_dtype)
     return load_llama_params(layer, init_params(cfg, seed))
 
@@ -164,10 +165,15 @@ class LlamaAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.transpose(0, 1)                                       # [B, S, hidden]
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        seq = h.shape[1]
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
         cos_sin = self.rotary(h, positions)
+        # an explicit additive causal mask: every HF attention implementation honours it
+        # (with no mask, "sdpa" is causal but "eager" would not be)
+        mask = torch.zeros(seq, seq, dtype=h.dtype, device=h.device).masked_fill(
+            causal_mask(seq, device=h.device), float("-inf")).view(1, 1, seq, seq)
         out, _ = self.layer.self_attn(self.layer.input_layernorm(h),
-                                      position_embeddings=cos_sin, attention_mask=None)
+                                      position_embeddings=cos_sin, attention_mask=mask)
         return (h + out).transpose(0, 1)
 
 
