@@ -60,9 +60,10 @@ def float32_tolerance(cfg: Config, scale: float) -> float:
     Each output element is a chain of dot products: length ``hidden`` (Q/K/V), ``seq``
     (attention), ``query_heads * head_dim`` (output projection). A float32 dot product of
     length ``n`` is within ``n * u`` (``u = 2**-24``, the unit roundoff) of the exact one,
-    relative to the size of its terms (the standard bound), so the block is within
-    ``u * (hidden + seq + query_heads * head_dim) * scale``; ``scale``: the size of the output
-    (e.g. ``max |y|``, at least 1).
+    relative to the size of its terms (the standard worst-case bound). Summing that over the
+    chain, with the output's size ``scale`` (e.g. ``max |y|``, at least 1) standing in for the
+    terms' sizes, gives ``u * (hidden + seq + query_heads * head_dim) * scale``. Correct
+    computations land well inside it (tests/test_interop.py); a wrong block is off by O(0.1).
     """
     u = torch.finfo(torch.float32).eps / 2
     return u * (cfg.hidden + cfg.seq + cfg.query_heads * cfg.head_dim) * max(1.0, float(scale))
