@@ -1,10 +1,13 @@
 """Properties over random Configs: correct TP equals dense; each bug mode is caught.
 
 Tolerance: the verdict's absolute 1e-6. Correct TP differs from dense only by float rounding
-(summation order of the rank partials), ~1 ulp of the outputs. In float32 that is 1e-6 only at
-the seed's scale: outputs |y| < 8 (ulp 4.8e-7) need wo's fan-in query_heads*head_dim <= 32
-(measured over 1,500 random Configs: worst 4.8e-7 there, up to 2.1e-6 at fan-in 48..192; see
-NOTES "Tolerances at realistic sizes"). float64 rounding is ~1e-15, so it is tested at every size.
+(summation order of the rank partials), ~1 ulp of the outputs, and how many ulps depends on the
+machine (BLAS, instruction set, threads). In float32 that stays below 1e-6 only at the seed's
+scale: wo's fan-in query_heads*head_dim <= 16 (the seed's own). Over 1,500 random Configs the
+worst was 4.8e-7 (1 ulp of an output in [4, 8)) up to fan-in 32, and 2.1e-6 at fan-in 48..192;
+fan-in 16 keeps the sums as short as the seed's, so a machine that rounds one ulp more still
+passes (see NOTES "Tolerances at realistic sizes"). float64
+rounding is ~1e-15, so it is tested at every size.
 """
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,7 +19,7 @@ from .strategies import valid_configs
 
 
 def at_seed_scale(cfg):
-    return cfg.dtype == "float64" or cfg.query_heads * cfg.head_dim <= 32
+    return cfg.dtype == "float64" or cfg.query_heads * cfg.head_dim <= 16
 
 
 @given(cfg=valid_configs().filter(at_seed_scale), seed=st.integers(0, 2**32))
