@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from .config import Config
 from .dense import dense_forward
-from .params import clone_trainable, init_params
-from .tp import tp_forward
+from .params import clone_trainable, init_params, shard_params, unshard_params
+from .tp import tp_forward, tp_forward_ranks
 
 EQUIVALENCE = "equivalence"
 MISSING_OUTPUT_REDUCE = "missing_output_reduce"
@@ -41,6 +41,10 @@ LR = 0.05
 #: ``init_params`` draws from ``seed + PARAM_SEED_OFFSET`` (inputs come from ``seed`` itself).
 PARAM_SEED_OFFSET = 100
 _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
+#: How ``run`` simulates the TP side. ``fixture``: the seed's model, one output (rank 0's view:
+#: under a missing g only rank 0's partial exists and only its shard learns). ``ranks``: every
+#: simulated rank computes its own output, loss and backward, as real ranks do.
+SIMULATIONS = ("fixture", "ranks")
 
 
 def check_mode(mode: str) -> str:
@@ -55,6 +59,13 @@ def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
         raise ValueError(f"seed must be an integer in [0, {_SEED_MAX}] (got {seed!r})")
     return seed
+
+
+def check_simulate(simulate: str) -> str:
+    """Return ``simulate`` if it is one of ``SIMULATIONS``, else raise ``ValueError``."""
+    if simulate not in SIMULATIONS:
+        raise ValueError(f"simulate must be one of {', '.join(SIMULATIONS)} (got {simulate!r})")
+    return simulate
 
 
 def make_inputs(cfg: Config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +100,38 @@ def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, to
             "grads": {k: p[k].grad for k in p}, "weights": weights}
 
 
+def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
+               shards: list[dict[str, torch.Tensor]]) -> list[dict]:
+    """``one_step`` on every simulated rank at once, each rank with its own leaf tensors.
+
+    ``forward_ranks(xs, ps) -> ys`` maps every rank's input copy and parameters to every rank's
+    output (``tpattn.tp.tp_forward_ranks``). Each rank's MSE loss is its own; one backward of
+    their sum gives each rank the gradient of its own loss (the ranks' graphs meet only in the
+    collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
+    (``grads``/``weights`` hold that rank's shards).
+    """
+    ps = [clone_trainable(shard) for shard in shards]
+    xs = [x0.clone().requires_grad_(True) for _ in shards]
+    ys = forward_ranks(xs, ps)
+    losses = [F.mse_loss(y, target) for y in ys]
+    sum(losses[1:], losses[0]).backward()
+    steps = []
+    for x, p, y, loss in zip(xs, ps, ys, losses):
+        grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
+        with torch.no_grad():
+            weights = {k: p[k] - LR * grads[k] for k in p}
+        steps.append({"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+                      "grads": grads, "weights": weights})
+    return steps
+
+
+def gather_ranks(steps: list[dict], cfg: Config) -> dict:
+    """What rank 0 reports of a run on ranks: its own output, loss and dX, and the full-size
+    gradients and weights put together from every rank's shards (``unshard_params``)."""
+    return {**steps[0], "grads": unshard_params([s["grads"] for s in steps], cfg),
+            "weights": unshard_params([s["weights"] for s in steps], cfg)}
+
+
 def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                     cfg: Config) -> dict:
     """``one_step`` of the dense block: the side every TP variant is compared against."""
@@ -113,31 +156,48 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
     return metrics
 
 
-def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> dict:
+def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
+            mode: str, simulate: str = "fixture") -> dict:
+    """The TP side of ``run``: one step of the sharded block in ``mode``, simulated as
+    ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view)."""
+    reduce_output = mode != MISSING_OUTPUT_REDUCE
+    reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
+    if check_simulate(simulate) == "ranks":
+        steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
+                           x0, target, shard_params(base, cfg))
+        return gather_ranks(steps, cfg)
+    return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=reduce_output,
+                                            reduce_input_grad=reduce_input_grad),
+                    x0, target, base)
+
+
+def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
+        simulate: str = "fixture") -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
-    (no g), ``missing_input_grad_reduce`` (no f). Returns the five measures and ``passed``.
+    (no g), ``missing_input_grad_reduce`` (no f). ``simulate``: ``"fixture"`` (the seed's
+    rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
+    as ``tpattn.distributed`` measures on real processes). Returns the five measures and
+    ``passed``.
     """
     check_mode(mode)
     check_seed(seed)
+    check_simulate(simulate)
     cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-
-    def tp(x, p):
-        return tp_forward(x, p, cfg, reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                          reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
-
     return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
-                         one_step(tp, x0, target, base))
+                         tp_step(x0, target, base, cfg, mode, simulate))
 
 
-def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None) -> list[dict]:
+def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
+               simulate: str = "fixture") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
     modes = [check_mode(m) for m in modes]
     seeds = [check_seed(s) for s in seeds]
-    return [run(s, m, cfg) for m in modes for s in seeds]
+    check_simulate(simulate)
+    return [run(s, m, cfg, simulate) for m in modes for s in seeds]
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from .check import EQUIVALENCE, MODES, SEEDS, inspect_fixture, run, run_matrix
+from .check import EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture, run, run_matrix
 from .config import DTYPES, Config
 
 CLI_MODES = ("inspect",) + MODES + ("matrix",)
@@ -24,8 +24,9 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser(prog: str = "tpattn") -> argparse.ArgumentParser:
-    """The argument parser (also used to document the CLI in the book)."""
+def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.ArgumentParser:
+    """The argument parser (also used to document the CLI in the book). ``simulated=False``
+    leaves out ``--simulate`` (``tpattn.distributed`` runs real ranks, nothing to choose)."""
     defaults = Config()
     ap = _OneLineParser(prog=prog, description=(
         "Compare a dense attention block with its tensor-parallel version on five measures "
@@ -41,6 +42,11 @@ def build_parser(prog: str = "tpattn") -> argparse.ArgumentParser:
     ap.add_argument("--eps", type=float, default=defaults.eps, help="Config.eps (default: %(default)s)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
                     help="Config.dtype (default: %(default)s)")
+    if simulated:
+        ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
+                        help="fixture: the seed's model (rank 0's view, the default JSON); "
+                             "ranks: every rank its own output, loss and backward, as real "
+                             "ranks (default: %(default)s)")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when any equivalence run did not pass")
     return ap
@@ -61,9 +67,9 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":
-            out = run_matrix(args.seeds, MODES, cfg)
+            out = run_matrix(args.seeds, MODES, cfg, args.simulate)
         else:
-            out = run(args.seed, args.mode, cfg)
+            out = run(args.seed, args.mode, cfg, args.simulate)
     except ValueError as e:
         ap.exit(2, f"{prog}: error: {e}\n")
     print(json.dumps(out, indent=2))

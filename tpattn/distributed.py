@@ -44,7 +44,7 @@ from .dense import attend_and_project
 from .launch import (RankFailure, backend_message, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
 from .layers import rms_norm
-from .params import PARAM_NAMES, init_params, rank_head_slices, shard_params
+from .params import PARAM_NAMES, init_params, shard_params, unshard_params
 
 __all__ = [
     "CollectiveLedger", "CopyToRanks", "ReduceOutputPartials", "tp_rank_forward",
@@ -215,22 +215,9 @@ def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
 
 def _assemble(per_rank: list[dict[str, torch.Tensor]], cfg: Config,
               prefix: str) -> dict[str, torch.Tensor]:
-    """Full-size parameters from every rank's shards, placed by ``rank_head_slices``
-    (``norm`` is replicated: rank 0's copy)."""
-    first = per_rank[0]
-    width = cfg.query_heads * cfg.head_dim
-    full = {"norm": first[prefix + "norm"],
-            "wq": first[prefix + "wq"].new_empty(width, cfg.hidden),
-            "wk": first[prefix + "wk"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-            "wv": first[prefix + "wv"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-            "wo": first[prefix + "wo"].new_empty(cfg.hidden, width)}
-    for rank, mine in enumerate(per_rank):
-        q_rows, kv_rows = rank_head_slices(cfg, rank)
-        full["wq"][q_rows] = mine[prefix + "wq"]
-        full["wk"][kv_rows] = mine[prefix + "wk"]
-        full["wv"][kv_rows] = mine[prefix + "wv"]
-        full["wo"][:, q_rows] = mine[prefix + "wo"]
-    return {k: full[k] for k in PARAM_NAMES}
+    """Full-size parameters from every rank's gathered shards (``unshard_params`` of the
+    entries named ``prefix + name``)."""
+    return unshard_params([{k: r[prefix + k] for k in PARAM_NAMES} for r in per_rank], cfg)
 
 
 #: Replicated tensors whose copies ``rank_check`` compares across ranks: name -> gathered key.
@@ -472,7 +459,7 @@ def _run_under_torchrun(plan: RunPlan, backend: str) -> dict:
 
 def build_distributed_parser(prog: str):
     """``tpattn.cli``'s parser (same flags, same one-line errors) plus ``--timeout``."""
-    ap = build_parser(prog)
+    ap = build_parser(prog, simulated=False)
     ap.description = (
         "The tpattn check on real torch.distributed ranks, one process per TP rank (gloo on CPU, "
         "NCCL with one GPU per rank). Under torchrun it joins torchrun's processes; run with "

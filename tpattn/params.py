@@ -80,3 +80,29 @@ def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str,
             "wo": params["wo"][:, q_rows],
         })
     return shards
+
+
+def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard_params``: full-size tensors from every rank's own shards.
+
+    Each rank's rows of wq/wk/wv and columns of wo go back where ``rank_head_slices`` took them
+    from; ``norm`` is replicated, so rank 0's copy stands for all (whether the replicas still
+    agree is a separate question: see ``tpattn.distributed.RealRankReport.rank_disagreement``).
+    shards: ``world_size`` dicts with the keys of ``PARAM_NAMES``. Returns new tensors
+    (detached), keyed by ``PARAM_NAMES``.
+    """
+    first = shards[0]
+    width = cfg.query_heads * cfg.head_dim
+    full = {"norm": first["norm"].detach().clone(),
+            "wq": first["wq"].new_empty(width, cfg.hidden),
+            "wk": first["wk"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
+            "wv": first["wv"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
+            "wo": first["wo"].new_empty(cfg.hidden, width)}
+    with torch.no_grad():
+        for rank, mine in enumerate(shards):
+            q_rows, kv_rows = rank_head_slices(cfg, rank)
+            full["wq"][q_rows] = mine["wq"]
+            full["wk"][kv_rows] = mine["wk"]
+            full["wv"][kv_rows] = mine["wv"]
+            full["wo"][:, q_rows] = mine["wo"]
+    return {k: full[k] for k in PARAM_NAMES}
