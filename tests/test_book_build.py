@@ -21,10 +21,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BOOK = ROOT / "book"
 HTML = ROOT / "_build" / "html"
 
+#: The repository URL lives in _config.yml only (tools/clean_notebooks.py writes it into the cells).
 SETUP_CELL = '''# Setup. In Colab, install tpattn first; elsewhere the repository's `make lab` has done it.
 import sys
 if "google.colab" in sys.modules:
-    %pip install --quiet "tpattn[book] @ git+https://github.com/tpattn/tpattn"'''
+    %pip install --quiet "tpattn[book] @ git+{url}"'''.format(
+    url=yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"])
 
 
 def load_yaml(name: str) -> dict:

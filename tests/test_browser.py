@@ -7,7 +7,9 @@ another host, every ``<img>`` decoded (``naturalWidth > 0``), and it embeds no i
 (a widget without a kernel is a control that does nothing). On pages with static explorers,
 every option of every control is clicked: exactly one panel shows, it is the selected one, its
 content differs from the previous one, and on the seed × mode explorer the verdict follows the
-mode. A full-page screenshot of each page goes to ``_build/screenshots/``.
+mode. A full-page screenshot of each page goes to ``_build/screenshots/``. At 1280 px wide, no
+code block or cell output on any page scrolls sideways (``scrollWidth > clientWidth + 1``): code
+and outputs fit the text column.
 
 Skipped when ``_build/html`` does not exist (``make test`` builds it first). Without Chromium it
 skips, except under CI (``CI=true``), where it fails. ``TPATTN_BUILD_DIR`` points it at another
@@ -167,6 +169,33 @@ def test_page(page_path, server, context):
         assert not log.page_errors, f"{page_path}: JavaScript errors: {log.page_errors}"
         assert not log.console_errors, f"{page_path}: console errors: {log.console_errors}"
         assert not log.failed, f"{page_path}: failed requests: {log.failed}"
+    finally:
+        page.close()
+
+
+#: Code blocks and cell outputs of a page: what must fit the text column.
+_BLOCKS = "div.highlight pre, div.cell_output pre, div.cell_output .output, .tpattn-source pre"
+
+_OVERFLOWING = """sel => Array.from(document.querySelectorAll(sel))
+    .filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1)
+    .map(e => ({width: e.scrollWidth, column: e.clientWidth,
+                text: (e.innerText || '').split('\\n').sort((a, b) => b.length - a.length)[0]
+                      .slice(0, 90)}))"""
+
+
+@pytest.mark.skipif(not PAGES, reason=f"no built book at {HTML} (run `make book` first)")
+@pytest.mark.parametrize("page_path", PAGES or ["(none)"])
+def test_code_and_outputs_fit_the_column(page_path, server, context):
+    """At 1280 px wide no code block or output scrolls horizontally (its longest line is
+    named in the failure)."""
+    page = context.new_page()
+    try:
+        page.goto(server + page_path, wait_until="load")
+        overflowing = page.evaluate(_OVERFLOWING, _BLOCKS)
+        assert not overflowing, (
+            f"{page_path}: {len(overflowing)} code block(s)/output(s) scroll sideways at 1280 px: "
+            + "; ".join(f"{o['width']} px in {o['column']} px: {o['text']!r}"
+                        for o in overflowing[:8]))
     finally:
         page.close()
 
