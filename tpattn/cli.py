@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
             out = run_matrix(args.seeds, MODES, cfg, args.simulate)
         else:
             out = run(args.seed, args.mode, cfg, args.simulate)
+        if args.diagnose and isinstance(out, (list, dict)) and out is not None:
+            from .diagnose import diagnose
+            from .observe import observe
+
+            for result in (out if isinstance(out, list) else [out] if "passed" in out else []):
+                result["diagnosis"] = diagnose(observe(result["mode"], result["seed"], cfg))
     except ValueError as e:
         ap.exit(2, f"{prog}: error: {e}\n")
     print(json.dumps(out, indent=2))
