@@ -48,7 +48,7 @@ from .tp import AllReduce, AllReduceGrads
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "register", "get_mode", "mode_names",
            "list_modes", "runnable_modes", "check_needs", "run", "run_matrix", "make_params",
-           "shard", "unshard", "forward_fixture", "forward_ranks", "ranks_train_step",
+           "shard", "unshard", "sides", "forward_fixture", "forward_ranks", "ranks_train_step",
            "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
@@ -526,6 +526,18 @@ def _dense_step(x0, target, base, cfg, inj) -> dict:
         weights = {k: p[k] - LR * coef * p[k].grad for k in p}
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": {k: t.grad for k, t in p.items()}, "weights": weights}
+
+
+def sides(mode: str, seed: int = 11, cfg: Config | None = None,
+          simulate: str = "ranks") -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """The two sides ``run`` compares, as tensors: ``(dense, tp, params)`` — the dense step of
+    the mode's setup and the sharded step with its injection (``check.one_step``'s dicts) and
+    the starting parameters (with the bias, if the mode has one)."""
+    cfg = Config() if cfg is None else cfg
+    inj = check_needs(mode, cfg).injection
+    x0, target = make_inputs(cfg, check_seed(seed))
+    base = make_params(cfg, seed, inj)
+    return _dense_step(x0, target, base, cfg, inj), tp_step(seed, cfg, inj, simulate), base
 
 
 def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
