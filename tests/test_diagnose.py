@@ -7,6 +7,7 @@ registry give "no known cause".
 """
 import collections
 import json
+import re
 
 import pytest
 import torch
@@ -130,3 +131,38 @@ def test_cli_diagnose_adds_a_diagnosis_to_each_result(capsys):
     results = json.loads(capsys.readouterr().out)
     assert [top(r["diagnosis"])[0] for r in results] == [NO_KNOWN_CAUSE, "missing_output_reduce",
                                                          "missing_input_grad_reduce"]
+
+
+# --- the bug hunt (chapter 17) ----------------------------------------------------------
+
+def test_a_hunt_judges_every_answer_and_says_why():
+    from tpattn.bug_hunt import choices, describe, hunt_case, judge
+
+    for hunt in (1, 2, 9, 25):
+        mode, seed, cfg = hunt_case(hunt)
+        assert hunt_case(hunt) == (mode, seed, cfg)  # reproducible
+        obs = tpattn.observe(mode, seed, cfg)
+        lines = describe(obs)
+        assert not any(re.search(r"\d\.\d", line) for line in lines)  # classes, no digits
+        verdicts = {guess: judge(obs, mode, guess) for guess in choices()}
+        answer = NO_KNOWN_CAUSE if mode == tpattn.EQUIVALENCE else mode
+        assert [g for g, (right, _) in verdicts.items() if right] == [answer]
+        for guess, (right, why) in verdicts.items():
+            assert why.startswith("Right" if right else "Not")
+    with pytest.raises(ValueError, match="hunt must be an integer >= 0"):
+        hunt_case(-1)
+
+
+def test_the_bug_hunt_explorer_is_live_and_has_a_static_twin():
+    from tpattn.widgets.bug_hunt import HUNTS, UNANSWERED, bug_hunt_explorer
+
+    explorer = bug_hunt_explorer(hunt=2)
+    text = explorer.output.outputs[0]["data"]["text/plain"]
+    assert text.startswith("hunt 2: what the run shows")
+    explorer.set(guess="fused_qkv_naive_split")  # hunt 2 hides the naive fused split
+    assert "Right:" in explorer.output.outputs[0]["data"]["text/plain"]
+    explorer.set(hunt=-3)
+    assert "hunt must be an integer >= 0" in explorer.output.outputs[0]["data"]["text/plain"]
+    html = explorer.static_html()
+    assert html.count('class="tpx-panel"') == len(HUNTS) * (1 + len(zoo.runnable_modes()))
+    assert UNANSWERED in html
