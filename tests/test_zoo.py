@@ -223,3 +223,37 @@ def test_cli_unmet_need_is_one_line_exit_2(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs kv_heads >= 2 * world_size" in err
+
+
+# --- real ranks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [CFG_KV4, CFG_W4], ids=["2 ranks", "4 ranks"])
+def test_real_ranks_equal_simulated_ranks_for_every_bug(cfg):
+    """One process group per shape runs every bug; each result equals simulate="ranks"
+    within TOLERANCE (in practice to the bit: the same float32 operations in the same order)."""
+    from tpattn.distributed import run_distributed
+
+    modes = [m for m in BUGS if not (m == "repeat_kv_tiled" and cfg.kv_heads < 2 * cfg.world_size)]
+    report = run_distributed(cfg.world_size, seeds=[11], modes=modes, config=cfg, dtensor=False)
+    assert [r["mode"] for r in report.results] == modes
+    for real in report.results:
+        simulated = tpattn.run(real["seed"], real["mode"], cfg, simulate="ranks")
+        assert real["passed"] is simulated["passed"] is False
+        for m in MEASURES:
+            assert abs(real[m] - simulated[m]) <= TOLERANCE, (real["mode"], m)
+    counts = {row["mode"]: (row["forward_actual"], row["backward_actual"]) for row in report.ledger}
+    assert counts["output_reduced_twice"] == (2, 1) and counts["input_grad_reduced_twice"] == (1, 2)
+
+
+def test_the_distributed_cli_runs_a_registry_mode(capsys):
+    from tpattn.distributed import main as distributed_main
+
+    assert distributed_main(["--mode", "row_bias_on_every_rank"]) == 0
+    real = json.loads(capsys.readouterr().out)
+    assert real == pytest.approx(tpattn.run(11, "row_bias_on_every_rank", simulate="ranks"),
+                                 abs=TOLERANCE)
+    assert distributed_main(["--list-modes"]) == 0
+    assert json.loads(capsys.readouterr().out) == zoo.list_modes()
+    with pytest.raises(SystemExit) as e:
+        distributed_main(["--mode", "nope"])
+    assert e.value.code == 2

@@ -38,7 +38,7 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap = _OneLineParser(prog=prog, description=(
         "Compare a dense attention block with its tensor-parallel version on five measures "
         "(forward, loss, input grad, parameter grads, weights after one SGD step)."))
-    modes = CLI_MODES + registry_modes() if simulated else CLI_MODES
+    modes = CLI_MODES + registry_modes()
     ap.add_argument("--mode", choices=modes, default=EQUIVALENCE, metavar="MODE",
                     help="what to run: inspect, matrix, or a mode of --list-modes "
                          "(default: %(default)s)")
