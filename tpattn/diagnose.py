@@ -23,7 +23,8 @@ __all__ = ["diagnose", "features", "FINGERPRINTS", "register_fingerprint", "NO_K
 NO_KNOWN_CAUSE = "no known cause"
 #: Two observables "agree" when within this relative distance: two correct float32
 #: computations of the same sums differ by ~1e-7 relative at these sizes; every bug of the
-#: registry moves its observables by more than 1e-3 relative.
+#: registry moves the observables its fingerprint tests by more (tests/test_diagnose.py's
+#: confusion table would miss a bug that hid under it).
 AGREE_REL = 1e-4
 
 
