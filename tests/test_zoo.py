@@ -194,6 +194,8 @@ def test_register_adds_a_runnable_mode_and_refuses_to_steal_a_name():
         zoo.register(entry, runner=lambda seed, cfg, sim: calls.append(seed) or {"seed": seed})
         assert "test_only_mode" in zoo.runnable_modes()
         assert tpattn.run(5, "test_only_mode") == {"seed": 5} and calls == [5]
+        with pytest.raises(ValueError, match="is run by tests"):
+            tpattn.observe("test_only_mode", 5)
         with pytest.raises(ValueError, match="already registered"):
             zoo.register(zoo.BugMode("row_bias_on_every_rank", "x", None, provider="other"))
     finally:

@@ -110,4 +110,8 @@ def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = S
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
     module docstring); ``reference=False`` leaves out what needs a known-good run."""
     cfg = Config() if cfg is None else cfg
-    return observe_injection(check_needs(mode, cfg).injection, seed, cfg, steps, reference)
+    entry = check_needs(mode, cfg)
+    if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
+        raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
+                         f"an injection of this block")
+    return observe_injection(entry.injection, seed, cfg, steps, reference)
