@@ -1,5 +1,9 @@
 """tpattn — tensor-parallel attention, built, sharded, checked and broken.
 
+``tpattn.observe(mode, seed)`` and ``tpattn.diagnose(observations)``: what a run shows
+without a dense model, and which bug of the registry (``tpattn.zoo``) explains it (the
+functions shadow their modules' names; ``from tpattn.diagnose import features`` still works).
+
 ``import tpattn`` loads torch and nothing heavier; plotting (``tpattn.viz``) and widgets
 (``tpattn.widgets``) load only when imported, Hugging Face's ``transformers`` only with
 ``tpattn.interop``, and ``tpattn.check_module`` (``tpattn.module_check``) on first use.
@@ -21,6 +25,8 @@ from .check import (
     run,
     run_matrix,
 )
+from .observe import observe
+from .diagnose import diagnose
 
 __all__ = [
     "Config", "rms_norm", "apply_rope", "repeat_kv", "attention",
@@ -28,7 +34,7 @@ __all__ = [
     "copy_to_ranks", "reduce_output_partials", "tp_forward",
     "run", "run_matrix", "inspect_fixture",
     "MODES", "EQUIVALENCE", "MISSING_OUTPUT_REDUCE", "MISSING_INPUT_GRAD_REDUCE",
-    "SEEDS", "MEASURES", "TOLERANCE",
+    "SEEDS", "MEASURES", "TOLERANCE", "observe", "diagnose",
 ]
 
 

@@ -54,6 +54,19 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def check_any_mode(mode: str) -> str:
+    """Return ``mode`` if it is one of ``MODES`` or a mode of the bug registry
+    (``tpattn.zoo.REGISTRY``, ``python -m tpattn --list-modes``), else raise ``ValueError``."""
+    if mode in MODES:
+        return mode
+    from .zoo import REGISTRY  # the registry builds on this module: import it when asked
+
+    if isinstance(mode, str) and mode in REGISTRY:
+        return mode
+    raise ValueError(f"mode must be one of {', '.join(MODES)} or a registry mode "
+                     f"(python -m tpattn --list-modes) (got {mode!r})")
+
+
 def check_seed(seed: int) -> int:
     """Return ``seed`` if it is an integer in ``[0, 2**63 - 101]``, else raise ``ValueError``."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
@@ -182,9 +195,13 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
     as ``tpattn.distributed`` measures on real processes). ``shard_fn(params, cfg)``: how the
     dense parameters are cut into rank shards (default ``shard_params``; chapter 6 passes a
-    layout that splits a query/KV group). Returns the five measures and ``passed``.
+    layout that splits a query/KV group). Returns the five measures and
+    ``passed``. Any other mode of the bug registry runs in ``tpattn.zoo.run``.
     """
-    check_mode(mode)
+    if check_any_mode(mode) not in MODES:
+        from .zoo import run as run_registry_mode
+
+        return run_registry_mode(seed, mode, cfg, simulate)
     check_seed(seed)
     check_simulate(simulate)
     cfg = Config() if cfg is None else cfg
@@ -197,7 +214,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
-    modes = [check_mode(m) for m in modes]
+    modes = [check_any_mode(m) for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
     return [run(s, m, cfg, simulate) for m in modes for s in seeds]

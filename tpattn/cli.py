@@ -14,6 +14,13 @@ from .check import EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture, run,
 from .config import DTYPES, Config
 
 CLI_MODES = ("inspect",) + MODES + ("matrix",)
+
+
+def registry_modes() -> tuple[str, ...]:
+    """The bug registry's modes beyond the seed's three (``tpattn.zoo``), in listing order."""
+    from .zoo import mode_names
+
+    return tuple(m for m in mode_names() if m not in MODES)
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
 
@@ -31,8 +38,10 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap = _OneLineParser(prog=prog, description=(
         "Compare a dense attention block with its tensor-parallel version on five measures "
         "(forward, loss, input grad, parameter grads, weights after one SGD step)."))
-    ap.add_argument("--mode", choices=CLI_MODES, default=EQUIVALENCE,
-                    help="what to run (default: %(default)s)")
+    modes = CLI_MODES + registry_modes()
+    ap.add_argument("--mode", choices=modes, default=EQUIVALENCE, metavar="MODE",
+                    help="what to run: inspect, matrix, or a mode of --list-modes "
+                         "(default: %(default)s)")
     ap.add_argument("--seed", type=int, default=11, help="seed of one run (default: %(default)s)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), metavar="N",
                     help="seeds of --mode matrix (default: %(default)s)")
@@ -49,6 +58,13 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
                              "ranks (default: %(default)s)")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when any equivalence run did not pass")
+    ap.add_argument("--list-modes", action="store_true",
+                    help="print the bug registry (name, description, citation, needs) as "
+                         "JSON and exit")
+    if simulated:
+        ap.add_argument("--diagnose", action="store_true",
+                        help="add to each result a 'diagnosis': candidate causes ranked "
+                             "from observables that need no dense model")
     return ap
 
 
@@ -62,6 +78,11 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
     """Run the CLI; returns the exit code."""
     ap = build_parser(prog)
     args = ap.parse_args(argv)
+    if args.list_modes:
+        from .zoo import list_modes
+
+        print(json.dumps(list_modes(), indent=2))
+        return 0
     try:
         cfg = config_from_args(args)
         if args.mode == "inspect":
@@ -70,6 +91,12 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
             out = run_matrix(args.seeds, MODES, cfg, args.simulate)
         else:
             out = run(args.seed, args.mode, cfg, args.simulate)
+        if args.diagnose and isinstance(out, (list, dict)) and out is not None:
+            from .diagnose import diagnose
+            from .observe import observe
+
+            for result in (out if isinstance(out, list) else [out] if "passed" in out else []):
+                result["diagnosis"] = diagnose(observe(result["mode"], result["seed"], cfg))
     except ValueError as e:
         ap.exit(2, f"{prog}: error: {e}\n")
     print(json.dumps(out, indent=2))

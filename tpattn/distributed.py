@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
-                    PARAM_SEED_OFFSET, SEEDS, check_mode, check_seed, dense_reference,
+                    PARAM_SEED_OFFSET, SEEDS, check_any_mode, check_mode, check_seed, dense_reference,
                     five_measures, inspect_fixture, make_inputs, max_abs_diff, one_step)
 from .cli import build_parser, config_from_args
 from .config import Config
@@ -72,8 +72,12 @@ GATHER_RESULTS = "all-gather of results to rank 0"
 
 def planned_collectives(mode: str) -> list[str]:
     """The collectives every rank issues, in order, in one check of ``mode``: g (unless the
-    mode drops it), f (unless the mode drops it), then the gather of results to rank 0."""
-    check_mode(mode)
+    mode drops it), f (unless the mode drops it), then the gather of results to rank 0.
+    A mode of the bug registry has its own plan (``tpattn.zoo_real.planned_collectives``)."""
+    if check_any_mode(mode) not in MODES:
+        from .zoo_real import planned_collectives as registry_plan
+
+        return registry_plan(mode)
     return ([G_ALL_REDUCE] if mode != MISSING_OUTPUT_REDUCE else []) \
         + ([F_ALL_REDUCE] if mode != MISSING_INPUT_GRAD_REDUCE else []) + [GATHER_RESULTS]
 
@@ -237,7 +241,12 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     of the replicated tensors are from rank 0's: the output, dX, the ``norm`` gradient and the
     ``norm`` weight after the step (``<name>_max_rank_diff``, max abs difference).
     ``skip_output_reduce`` makes this one rank skip g's all-reduce (fault injection for tests).
+    A mode of the bug registry runs in ``tpattn.zoo_real.zoo_rank_check``.
     """
+    if mode not in MODES:
+        from .zoo_real import zoo_rank_check
+
+        return zoo_rank_check(seed, mode, cfg, rank, ledger, device)
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
@@ -384,7 +393,12 @@ def _validate(world_size, seeds, modes, config, timeout, fault):
     if isinstance(seeds, int) or isinstance(modes, str):
         raise ValueError("seeds and modes must be sequences (e.g. seeds=[11], modes=['equivalence'])")
     seeds = tuple(check_seed(s) for s in seeds)
-    modes = tuple(check_mode(m) for m in modes)
+    modes = tuple(check_any_mode(m) for m in modes)
+    if any(m not in MODES for m in modes):
+        from .zoo import check_needs
+
+        for m in modes:
+            check_needs(m, cfg)  # a mode this shape cannot run fails here, not in the ranks
     if fault is not None:
         if not isinstance(fault, dict) or set(fault) != {"rank", "kind"}:
             raise ValueError(f"fault must be a dict with keys 'rank' and 'kind' (got {fault!r})")
@@ -428,7 +442,8 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
                    dtensor_seeds=dtensor_seeds, timeout=timeout,
                    fault=dict(fault) if fault else None)
     backend = backend or default_backend(world_size)
-    preload = ("tpattn.distributed",) + (("tpattn.dtensor_check",) if dtensor_seeds else ())
+    preload = ("tpattn.distributed",) + (("tpattn.dtensor_check",) if dtensor_seeds else ()) \
+        + (("tpattn.zoo_real",) if any(m not in MODES for m in modes) else ())
     results, timings = run_on_ranks(run_rank, world_size, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]
@@ -477,6 +492,11 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
     2 bad arguments). Under torchrun only rank 0 prints the JSON."""
     ap = build_distributed_parser(prog)
     args = ap.parse_args(argv)
+    if args.list_modes:
+        from .zoo import list_modes
+
+        print(json.dumps(list_modes(), indent=2))
+        return 0
     torchrun = _launched_by_torchrun()
     rank = int(os.environ["RANK"]) if torchrun else 0
 

@@ -1,0 +1,117 @@
+"""What an engineer can see of a TP run without a dense model to compare with.
+
+A diverging run has per-rank losses, parameter checksums, gradient norms and a trace of its
+collectives, not a dense twin. ``observe(mode, seed, cfg)`` trains the block on simulated ranks
+(each rank its own tensors, loss and backward, ``simulate="ranks"``) for a few steps and
+returns only such observables, as plain JSON-able numbers:
+
+- ``rank_losses``: every rank's loss at step 0 (do the ranks agree?);
+- ``batch_checksums``: every rank's sum of its input batch (did they get the same data?);
+- ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the sum
+  of the checkpoint slice that rank should hold (0: it loaded the right numbers);
+- ``replica_checksums``: per replicated parameter (``norm``, ``bias``), every rank's sum after
+  step 1 and after the last step (replicas must stay identical);
+- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase
+  and group, against those the correct program issues;
+- ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
+- ``loss_curve``: rank 0's loss at each step;
+- and, *when a known-good run is available* (an earlier commit, TP = 1):
+  ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
+  ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
+  ``bias_grad_shift_cosine`` (only with a bias): the cosine between the bias gradient's
+  change and the bias itself.
+
+The good run here is the mode's correct twin (``Injection.correct``): same setup, no bug.
+Tensors are float; checksums are sums (float64 accumulation of the float32 values).
+"""
+from __future__ import annotations
+
+import torch
+
+from .check import check_seed
+from .config import Config
+from .zoo import Injection, check_needs, make_params, rank_batches, ranks_train_step, shard, unshard
+
+__all__ = ["observe", "observe_injection", "STEPS"]
+
+#: Training steps of one observation (loss curve length).
+STEPS = 3
+
+
+def _checksum(t: torch.Tensor) -> float:
+    return float(t.detach().double().sum())
+
+
+def _train(cfg: Config, seed: int, inj: Injection, steps: int) -> dict:
+    base = make_params(cfg, seed, inj)
+    shards = [{k: t.detach() for k, t in s.items()} for s in shard(base, cfg, inj)]
+    expected = [{k: t.detach() for k, t in s.items()} for s in shard(base, cfg, inj.correct())]
+    batches = rank_batches(cfg, seed, inj)
+    out = {"shards0": shards, "expected": expected, "batches": batches, "curve": [],
+           "replicas": {}}
+    for step in range(steps):
+        result = ranks_train_step(shards, batches, cfg, inj)
+        if step == 0:
+            out["first"] = result
+        out["curve"].append(float(result["losses"][0]))
+        shards = result["weights"]
+        if step in (0, steps - 1):
+            out["replicas"]["after_1" if step == 0 else "after_k"] = {
+                name: [_checksum(s[name]) for s in shards] for name in ("norm", "bias")
+                if name in shards[0]}
+    out["base"] = base
+    return out
+
+
+def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
+                      steps: int = STEPS, reference: bool = True) -> dict:
+    """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up)."""
+    check_seed(seed)
+    cfg = Config() if cfg is None else cfg
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+    run = _train(cfg, seed, inj, steps)
+    good = _train(cfg, seed, inj.correct(), steps)
+    first, good_first = run["first"], good["first"]
+    obs = {
+        "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
+                  "kv_heads": cfg.kv_heads},
+        "rank_losses": [float(l) for l in first["losses"]],
+        "batch_checksums": [_checksum(x) + _checksum(t) for x, t in run["batches"]],
+        "shard_checksums": {name: [_checksum(s[name]) - _checksum(e[name])
+                                   for s, e in zip(run["shards0"], run["expected"])]
+                            for name in ("wq", "wk", "wv", "wo")},
+        "shard_scale": {name: float(run["base"][name].abs().sum())
+                        for name in ("wq", "wk", "wv", "wo")},
+        "replica_checksums": run["replicas"],
+        "ledger": [{k: e[k] for k in ("collective", "phase", "group")} for e in first["ledger"]],
+        "planned_ledger": [{k: e[k] for k in ("collective", "phase", "group")}
+                           for e in good_first["ledger"]],
+        "logged_grad_norm": first["grad_norm"],
+        "loss_curve": run["curve"],
+    }
+    if reference:
+        grads = unshard(first["grads"], cfg, inj)
+        good_grads = unshard(good_first["grads"], cfg, inj.correct())
+        obs["reference"] = {"rank_losses": [float(l) for l in good_first["losses"]],
+                            "logged_grad_norm": good_first["grad_norm"],
+                            "loss_curve": good["curve"]}
+        obs["grad_norm_ratio"] = {k: float(grads[k].norm() / good_grads[k].norm())
+                                  for k in good_grads}
+        if "bias" in grads:
+            shift = (grads["bias"] - good_grads["bias"]).double()
+            b = run["base"]["bias"].double()
+            obs["bias_grad_shift_cosine"] = float(shift @ b / (shift.norm() * b.norm() + 1e-30))
+    return obs
+
+
+def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
+            reference: bool = True) -> dict:
+    """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
+    module docstring); ``reference=False`` leaves out what needs a known-good run."""
+    cfg = Config() if cfg is None else cfg
+    entry = check_needs(mode, cfg)
+    if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
+        raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
+                         f"an injection of this block")
+    return observe_injection(entry.injection, seed, cfg, steps, reference)

@@ -1,0 +1,578 @@
+"""The bug zoo: a registry of tensor-parallel bugs people reported, each one injectable.
+
+Every entry of ``REGISTRY`` is a ``BugMode``: a name (a valid ``--mode``), a one-line
+description, how it is injected (an ``Injection``: which knob of the sharded block it turns),
+the public report it reproduces (repository + issue/PR number) and what the setup ``needs``
+(``bias``, ``world_size >= 2``, ...). ``run(seed, mode, cfg, simulate)`` runs one of them in
+``tpattn.run``'s dict; ``tpattn.run`` hands every registry mode it does not know to here.
+
+The block is rebuilt here from the package's own pieces (``rms_norm``, ``project_qkv``,
+``attention``, ``shard_params``, ``AllReduce``/``AllReduceGrads``) with one knob per way real
+code went wrong::
+
+    f      backward of the copy to ranks: "sum" (correct), "none", "mean", "twice"
+    g      how many times the output partials are all-reduced: 1 (correct), 0, 2
+    bias   output-projection bias: None, "after_g" (correct), "every_rank" (before g)
+    shard  "heads" (correct), "fused_naive" (a fused [Wq; Wk; Wv] cut in contiguous slices)
+    kv     "interleave" (repeat_kv, correct) or "tile" (K/V heads tiled on each rank)
+    inputs "replicated" (correct) or "per_rank" (each rank draws its own batch)
+    norm   the logged/clipping gradient norm: "once" (correct) or "per_rank" (replicated
+           parameters counted once per rank); ``clip`` turns clipping on
+
+Both ``simulate`` semantics of ``tpattn.run`` are supported: ``"fixture"`` (one process, dense
+tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every simulated rank its
+own leaf tensors, output, loss and backward, as real ranks run; ``tpattn.distributed`` runs the
+same injections on real processes).
+
+Other modules contribute modes with ``register``; three are listed by name here and injected by
+the modules that own them (``tpattn.sequence_parallel``, ``tpattn.kv_heads``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
+                    PARAM_SEED_OFFSET, check_seed, check_simulate, dense_reference,
+                    five_measures, make_inputs)
+from .config import Config
+from .dense import dense_forward, project_qkv
+from .layers import attention, repeat_kv, rms_norm
+from .params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
+    shard_params, unshard_params
+from .tp import AllReduce, AllReduceGrads
+
+__all__ = ["Injection", "BugMode", "REGISTRY", "register", "get_mode", "mode_names",
+           "list_modes", "runnable_modes", "check_needs", "run", "run_matrix", "make_params",
+           "shard", "unshard", "sides", "forward_fixture", "forward_ranks", "ranks_train_step",
+           "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
+
+#: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
+#: seed's parameters and their init order never change.
+BIAS_SEED_OFFSET = 200
+#: Under ``inputs="per_rank"`` rank ``r >= 1`` draws its batch from ``seed + this * r``.
+OTHER_BATCH_SEED_OFFSET = 7919
+#: Gradient clipping threshold of the modes that clip (below the seed fixture's gradient norms,
+#: 0.5-1.1 at the seed's shapes, so clipping acts on every seed).
+MAX_GRAD_NORM = 0.25
+#: Names of the replicated parameters (every rank holds the whole tensor).
+REPLICATED = ("norm", "bias")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """How the sharded block is built and trained; the defaults are correct TP.
+
+    See the module docstring for each knob. ``rank_lr_scale`` (one factor per rank, empty:
+    all 1) is not a registry bug: it lets a test make up a bug outside the registry.
+    """
+
+    f: str = "sum"
+    g: int = 1
+    bias: str | None = None
+    shard: str = "heads"
+    kv: str = "interleave"
+    inputs: str = "replicated"
+    norm: str = "once"
+    clip: bool = False
+    rank_lr_scale: tuple = ()
+
+    def correct(self) -> "Injection":
+        """The bug-free twin: the same setup (bias present, clipping, fused checkpoint), every
+        collective and layout right."""
+        return Injection(bias="after_g" if self.bias else None, clip=self.clip,
+                         shard="fused" if self.shard == "fused_naive" else "heads")
+
+    @property
+    def setup(self) -> dict:
+        """What the engineer knows about the model and the training setup (not the bug)."""
+        return {"bias": self.bias is not None, "grad_clip": self.clip,
+                "fused_qkv": self.shard in ("fused", "fused_naive")}
+
+
+@dataclass(frozen=True)
+class BugMode:
+    """One entry of the registry.
+
+    ``injection``: ``None`` for a mode another module injects (``provider``) that has not
+    registered its implementation. ``needs``: conditions on the setup, as text (checked by
+    ``check_needs``). ``citation``: the public report, ``"owner/repo#N"`` style text.
+    """
+
+    name: str
+    description: str
+    citation: str | None
+    needs: tuple[str, ...] = ()
+    injection: Injection | None = None
+    provider: str = "tpattn.zoo"
+    how: str = ""
+    fix: str = ""
+
+    def as_dict(self) -> dict:
+        """What ``--list-modes`` prints for this mode."""
+        return {"name": self.name, "description": self.description, "citation": self.citation,
+                "needs": list(self.needs), "provider": self.provider,
+                "runnable": self.injection is not None or self.name == EQUIVALENCE}
+
+
+def _entries() -> list[BugMode]:
+    return [
+        BugMode(EQUIVALENCE, "correct TP: g sums the output partials, f sums dn", None,
+                injection=Injection(), how="both reductions", fix="-"),
+        BugMode(MISSING_OUTPUT_REDUCE, "g dropped: each rank's output is its own partial", None,
+                ("world_size >= 2",), Injection(g=0), how="no forward all-reduce of partials",
+                fix="all-reduce the row-parallel output (g) before the residual"),
+        BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution", None,
+                ("world_size >= 2",), Injection(f="none"), how="no backward all-reduce of dn",
+                fix="all-reduce dn in backward (f, copy_to_tensor_model_parallel_region)"),
+        BugMode("input_grad_reduce_averaged",
+                "f averages dn over the ranks instead of summing it",
+                "EleutherAI/gpt-neox PR 1259 (the sequence-parallel LayerNorm-gradient form)",
+                ("world_size >= 2",), Injection(f="mean"),
+                how="backward all-reduce with op AVG (sum / W)",
+                fix="reduce with SUM: every rank's share of dn is a different term"),
+        BugMode("input_grad_reduced_twice",
+                "dn all-reduced twice: replicated gradients come out W times too large",
+                "NVIDIA/Megatron-LM issue 1528 (norm weight gradient TP-size times the "
+                "single-device one)", ("world_size >= 2",), Injection(f="twice"),
+                how="two backward all-reduces of dn (f and an extra dgrad all-reduce)",
+                fix="reduce dn once: drop the second all-reduce"),
+        BugMode("output_reduced_twice",
+                "g applied twice: the output is W times the sum of the partials",
+                "NVIDIA/Megatron-LM issue 1528 (its forward twin: a reduction done twice)",
+                ("world_size >= 2",), Injection(g=2),
+                how="two forward all-reduces of the output partials",
+                fix="all-reduce the partials once"),
+        BugMode("grad_norm_counts_replicas",
+                "replicated parameters counted W times in the global gradient norm "
+                "(clipping wrong, every gradient right)",
+                "NVIDIA-NeMo/RL PR 3788", ("grad_clip", "world_size >= 2"),
+                Injection(norm="per_rank", clip=True),
+                how="each rank adds the replicated norm's squared gradient before the sum",
+                fix="count a replicated parameter on one rank only (or divide by W)"),
+        BugMode("row_bias_on_every_rank",
+                "the row-parallel output bias is added on every rank before g: "
+                "the output is off by (W-1)*b",
+                "huggingface/text-generation-inference issue 1036; Wenyueh/MinivLLM issue 80",
+                ("bias", "world_size >= 2"), Injection(bias="every_rank"),
+                how="partial_r + b on every rank, then the all-reduce",
+                fix="add the bias once, after the all-reduce"),
+        BugMode("fused_qkv_naive_split",
+                "a fused [Wq; Wk; Wv] weight cut into contiguous rank slices: "
+                "rank 0 gets only query rows",
+                "deepspeedai/DeepSpeed PR 3844; NVIDIA-NeMo/Automodel PR 1324",
+                ("fused_qkv", "world_size >= 2"), Injection(shard="fused_naive"),
+                how="rank r takes rows [r*R/W, (r+1)*R/W) of the fused weight",
+                fix="split Wq, Wk and Wv by heads separately (or interleave the fused layout "
+                    "by KV group)"),
+        BugMode("repeat_kv_tiled",
+                "repeat_kv tiles the KV heads instead of interleaving them: query heads "
+                "read the wrong KV head",
+                "ekzhang/jax-js PR 180 (GQA: repeat instead of tile)",
+                ("kv_heads >= 2 * world_size", "query_heads > kv_heads"), Injection(kv="tile"),
+                how="k.repeat(1, 1, groups, 1) on each rank instead of repeat_interleave",
+                fix="repeat_interleave: query head h reads KV head h // groups"),
+        BugMode("inputs_not_replicated",
+                "each TP rank draws its own batch (the data-loader RNG diverged)",
+                "bigscience-workshop/Megatron-DeepSpeed PR 276; deepspeedai/DeepSpeed "
+                "issue 7199", ("world_size >= 2",), Injection(inputs="per_rank"),
+                how="rank r >= 1 trains on a batch from a different seed",
+                fix="broadcast the batch from TP rank 0 (or seed the loader identically)"),
+        BugMode("missing_norm_grad_reduce",
+                "sequence parallelism without the all-reduce of the norm weight's gradient",
+                None, ("sequence_parallel",), provider="tpattn.sequence_parallel"),
+        BugMode("norm_grad_averaged",
+                "sequence parallelism: the norm weight's gradient averaged instead of summed",
+                "EleutherAI/gpt-neox PR 1259", ("sequence_parallel",),
+                provider="tpattn.sequence_parallel"),
+        BugMode("missing_kv_grad_reduce",
+                "replicated KV heads without the all-reduce of their gradients", None,
+                ("kv_heads < world_size",), provider="tpattn.kv_heads"),
+    ]
+
+
+#: name -> BugMode, in listing order.
+REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries()}
+
+
+def register(mode: BugMode, runner: Callable | None = None) -> None:
+    """Add (or complete) a mode contributed by another module.
+
+    ``runner(seed, cfg, simulate) -> run() dict`` runs a mode that is not an ``Injection`` of
+    this block (sequence parallelism, replicated KV heads). Raises ``ValueError`` if the name
+    is taken by a runnable mode of another provider.
+    """
+    old = REGISTRY.get(mode.name)
+    if old is not None and old.provider != mode.provider and (old.injection or old.name in _RUNNERS):
+        raise ValueError(f"mode {mode.name!r} is already registered by {old.provider}")
+    REGISTRY[mode.name] = mode
+    if runner is not None:
+        _RUNNERS[mode.name] = runner
+
+
+_RUNNERS: dict[str, Callable] = {}
+
+
+def mode_names() -> tuple[str, ...]:
+    """Every registered mode name (runnable or not), in listing order."""
+    return tuple(REGISTRY)
+
+
+def runnable_modes() -> tuple[str, ...]:
+    """The modes this build can run (an injection, or a registered runner)."""
+    return tuple(n for n, m in REGISTRY.items() if m.injection is not None or n in _RUNNERS)
+
+
+def list_modes() -> list[dict]:
+    """``--list-modes``: every mode as ``{name, description, citation, needs, provider,
+    runnable}``."""
+    return [m.as_dict() for m in REGISTRY.values()]
+
+
+def get_mode(mode: str) -> BugMode:
+    """The registry entry of ``mode``; ``ValueError`` naming the choices if there is none."""
+    if mode not in REGISTRY:
+        raise ValueError(f"mode must be one of {', '.join(REGISTRY)} (got {mode!r})")
+    return REGISTRY[mode]
+
+
+def check_needs(mode: str, cfg: Config) -> BugMode:
+    """The entry of ``mode`` if this build can run it on ``cfg``, else ``ValueError`` naming
+    the unmet need (setup needs such as ``bias`` are met by the mode itself)."""
+    entry = get_mode(mode)
+    if entry.injection is None and mode not in _RUNNERS:
+        raise ValueError(f"mode {mode!r} is injected by {entry.provider}, which is not part "
+                         f"of this build (needs: {', '.join(entry.needs)})")
+    rules = {"world_size >= 2": cfg.world_size >= 2,
+             "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
+             "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
+             "kv_heads < world_size": cfg.kv_heads < cfg.world_size}
+    for need in entry.needs:
+        if not rules.get(need, True):
+            raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
+                             f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads})")
+    return entry
+
+
+# --- parameters and their layout -----------------------------------------------------------
+
+def make_params(cfg: Config, seed: int, inj: Injection) -> dict[str, torch.Tensor]:
+    """``init_params(cfg, seed + PARAM_SEED_OFFSET)`` plus, when the setup has one, the output
+    bias ``[hidden]`` from its own generator (``seed + BIAS_SEED_OFFSET``): the seed's
+    parameters are the same numbers with or without it."""
+    base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    if inj.bias is not None:
+        g = torch.Generator().manual_seed(seed + BIAS_SEED_OFFSET)
+        base["bias"] = (torch.randn(cfg.hidden, generator=g) * INIT_STD).to(cfg.torch_dtype)
+    return base
+
+
+def _fused_rows(cfg: Config, rank: int) -> slice:
+    rows = (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim // cfg.world_size
+    return slice(rank * rows, (rank + 1) * rows)
+
+
+def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[str, torch.Tensor]]:
+    """Every rank's parameters, as the injection's loader cuts them (differentiable views or
+    slices of ``p``, so gradients flow back to ``p``).
+
+    ``"heads"``/``"fused"``: ``shard_params`` (a fused checkpoint split by heads is the same
+    numbers). ``"fused_naive"``: rank r takes contiguous rows of ``[Wq; Wk; Wv]`` and reads the
+    first ``Hq/W * D`` as its query rows, the next ``Hkv/W * D`` as keys, the rest as values.
+    Replicated tensors (``norm``, ``bias``) are shared.
+    """
+    if inj.shard != "fused_naive":
+        shards = shard_params({k: p[k] for k in PARAM_NAMES}, cfg)
+    else:
+        fused = torch.cat([p["wq"], p["wk"], p["wv"]])
+        q, kv = cfg.local_query_heads * cfg.head_dim, cfg.local_kv_heads * cfg.head_dim
+        shards = []
+        for rank in range(cfg.world_size):
+            rows = fused[_fused_rows(cfg, rank)]
+            q_cols, _ = rank_head_slices(cfg, rank)
+            shards.append({"norm": p["norm"], "wq": rows[:q], "wk": rows[q:q + kv],
+                           "wv": rows[q + kv:], "wo": p["wo"][:, q_cols]})
+    if "bias" in p:
+        for s in shards:
+            s["bias"] = p["bias"]
+    return shards
+
+
+def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard``: full-size tensors from every rank's own tensors (replicated
+    ones from rank 0)."""
+    if inj.shard != "fused_naive":
+        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
+    else:
+        fused = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
+        q, kv = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        full = {"norm": shards[0]["norm"].detach().clone(), "wq": fused[:q].clone(),
+                "wk": fused[q:q + kv].clone(), "wv": fused[q + kv:].clone(),
+                "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
+        full = {k: full[k] for k in PARAM_NAMES}
+    if "bias" in shards[0]:
+        full["bias"] = shards[0]["bias"].detach().clone()
+    return full
+
+
+# --- the per-rank block ---------------------------------------------------------------------
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _ScaleForward(torch.autograd.Function):
+    """Forward multiplies by ``scale``; backward is the identity (an all-reduce of W equal
+    tensors, as g's forward, whose backward is the identity)."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        return t * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
+                        inj: Injection) -> torch.Tensor:
+    """``dense.attend_and_project`` with the injection's ``repeat_kv``: ``"interleave"`` is
+    ``layers.repeat_kv``; ``"tile"`` repeats the whole block of local KV heads."""
+    q, k, v = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
+    groups = cfg.group_size
+    if inj.kv == "tile":
+        k, v = k.repeat(1, 1, groups, 1), v.repeat(1, 1, groups, 1)
+    else:
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    ctx = attention(q, k, v)
+    return F.linear(ctx.reshape(n.shape[0], n.shape[1], -1), p["wo"])
+
+
+def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
+                    inj: Injection) -> torch.Tensor:
+    """The ``"fixture"`` view: rank 0's output in one process, the ranks sharing ``p``.
+
+    xs: each rank's input ``[S, B, hidden]`` (the same tensor unless ``inputs="per_rank"``);
+    ``p``: dense parameters (the ranks' shards are views of them, so autograd's sum over the
+    ranks' uses of ``n`` is f's all-reduce). Returns ``[S, B, hidden]``.
+    """
+    w = cfg.world_size
+    outs = []
+    for rank, (x, s) in enumerate(zip(xs, shard(p, cfg, inj))):
+        n = rms_norm(x, s["norm"], cfg.eps)
+        if inj.f == "none" and rank > 0:
+            n = n.detach()
+        elif inj.f == "mean":
+            n = _ScaleGrad.apply(n, 1.0 / w)
+        elif inj.f == "twice":
+            n = _ScaleGrad.apply(n, float(w))
+        partial = _attend_and_project(n, s, cfg, inj)
+        if inj.bias == "every_rank":
+            partial = partial + s["bias"]
+        outs.append(partial)
+    out = outs[0] if inj.g == 0 else sum(outs[1:], outs[0])
+    if inj.g == 2:
+        out = _ScaleForward.apply(out, float(w))
+    if inj.bias == "after_g":
+        out = out + p["bias"]
+    return xs[0] + out
+
+
+def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]], cfg: Config,
+                  inj: Injection, ledger: list | None = None) -> list[torch.Tensor]:
+    """Every simulated rank's own output, each rank with its own leaf tensors (as
+    ``tp.tp_forward_ranks``, with the injection's knobs).
+
+    ``ledger``: if a list, every collective is appended to it as
+    ``{"collective", "phase", "group", "label"}`` when it runs (backward ones during backward).
+    Returns one ``[S, B, hidden]`` per rank.
+    """
+    def record(phase, label):
+        if ledger is not None:
+            ledger.append({"collective": "all_reduce", "phase": phase, "group": "tp",
+                           "label": label})
+
+    def record_on_backward(t, label):
+        if ledger is not None and t.requires_grad:
+            t.register_hook(lambda g: record("backward", label))
+
+    w = cfg.world_size
+    ns = [rms_norm(x, s["norm"], cfg.eps) for x, s in zip(xs, shards)]
+    if inj.f != "none":
+        ns = list(AllReduceGrads.apply(*ns))
+        record_on_backward(ns[0], "f: all-reduce of dn")
+        if inj.f == "twice":
+            ns = list(AllReduceGrads.apply(*ns))
+            record_on_backward(ns[0], "all-reduce of dn (again)")
+        if inj.f == "mean":
+            ns = [_ScaleGrad.apply(n, 1.0 / w) for n in ns]
+    partials = [_attend_and_project(n, s, cfg, inj) for n, s in zip(ns, shards)]
+    if inj.bias == "every_rank":
+        partials = [pt + s["bias"] for pt, s in zip(partials, shards)]
+    outs = partials
+    for i in range(inj.g):
+        outs = list(AllReduce.apply(*outs))
+        record("forward", "g: all-reduce of output partials" + (" (again)" if i else ""))
+    if inj.bias == "after_g":
+        outs = [o + s["bias"] for o, s in zip(outs, shards)]
+    return [x + o for x, o in zip(xs, outs)]
+
+
+# --- one training step ------------------------------------------------------------------
+
+def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's ``(x, target)``: the seed's batch on every rank, or under
+    ``inputs="per_rank"`` rank ``r >= 1``'s own from ``seed + OTHER_BATCH_SEED_OFFSET * r``."""
+    first = make_inputs(cfg, seed)
+    if inj.inputs != "per_rank":
+        return [first] * cfg.world_size
+    return [first] + [make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r)
+                      for r in range(1, cfg.world_size)]
+
+
+def _grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
+    """The global gradient norm as the TP code computes it: each rank sums the squares of its
+    own gradients (replicated ones on rank 0 only, or on every rank under ``norm="per_rank"``),
+    then one all-reduce (sum) over the ranks."""
+    total = 0.0
+    for rank, g in enumerate(grads):
+        for name, t in g.items():
+            if name in REPLICATED and rank > 0 and inj.norm == "once":
+                continue
+            total = total + t.double().pow(2).sum()
+    return torch.as_tensor(total).sqrt()
+
+
+def _clip_coef(norm: torch.Tensor, inj: Injection) -> float:
+    return min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
+
+
+def ranks_train_step(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
+                     inj: Injection) -> dict:
+    """One step of every simulated rank: forward, its own MSE loss, backward, the gradient
+    norm (all-reduced), clipping if on, SGD.
+
+    shards: every rank's parameters (detached; copied here); batches: every rank's
+    ``(x, target)``. Returns ``outputs``, ``losses``, ``input_grads`` (per rank), ``grads``
+    and ``weights`` (per rank dicts), ``grad_norm`` (the logged norm) and ``ledger``.
+    """
+    ps = [clone_trainable(s) for s in shards]
+    xs = [b[0].clone().requires_grad_(True) for b in batches]
+    ledger: list = []
+    ys = forward_ranks(xs, ps, cfg, inj, ledger)
+    losses = [F.mse_loss(y, b[1]) for y, b in zip(ys, batches)]
+    sum(losses[1:], losses[0]).backward()
+    grads = [{k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
+             for p in ps]
+    norm = _grad_norm(grads, inj)
+    ledger.append({"collective": "all_reduce", "phase": "step", "group": "tp",
+                   "label": "sum of squared gradient norms"})
+    coef = _clip_coef(norm, inj)
+    scales = inj.rank_lr_scale or (1.0,) * cfg.world_size
+    with torch.no_grad():
+        weights = [{k: p[k] - LR * scales[r] * coef * g[k] for k in p}
+                   for r, (p, g) in enumerate(zip(ps, grads))]
+    return {"outputs": [y.detach() for y in ys], "losses": [l.detach() for l in losses],
+            "input_grads": [x.grad for x in xs], "grads": grads, "weights": weights,
+            "grad_norm": float(norm), "ledger": ledger}
+
+
+def _fixture_step(x0, target, base, cfg, inj, seed) -> dict:
+    """``check.one_step`` of ``forward_fixture`` (rank 0's loss), with the injection's
+    gradient norm and clipping."""
+    p = clone_trainable(base)
+    x = x0.clone().requires_grad_(True)
+    xs = [x] * cfg.world_size
+    if inj.inputs == "per_rank":  # ranks 1.. train on batches of their own (constants here)
+        xs = [x] + [b[0] for b in rank_batches(cfg, seed, inj)[1:]]
+    y = forward_fixture(xs, p, cfg, inj)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
+    per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
+                                          else inj.shard))
+    coef = _clip_coef(_grad_norm(per_rank, inj), inj)
+    with torch.no_grad():
+        weights = {k: p[k] - LR * coef * grads[k] for k in p}
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": grads, "weights": weights}
+
+
+def _dense_step(x0, target, base, cfg, inj) -> dict:
+    """The dense reference of the injection's setup (bias, clipping)."""
+    if "bias" not in base and not inj.clip:
+        return dense_reference(x0, target, base, cfg)
+    p = clone_trainable(base)
+    x = x0.clone().requires_grad_(True)
+    y = dense_forward(x, p, cfg) + (p["bias"] if "bias" in p else 0)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    norm = torch.sqrt(sum(t.grad.double().pow(2).sum() for t in p.values()))
+    coef = _clip_coef(norm, inj)
+    with torch.no_grad():
+        weights = {k: p[k] - LR * coef * p[k].grad for k in p}
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": {k: t.grad for k, t in p.items()}, "weights": weights}
+
+
+def sides(mode: str, seed: int = 11, cfg: Config | None = None,
+          simulate: str = "ranks") -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """The two sides ``run`` compares, as tensors: ``(dense, tp, params)`` — the dense step of
+    the mode's setup and the sharded step with its injection (``check.one_step``'s dicts) and
+    the starting parameters (with the bias, if the mode has one)."""
+    cfg = Config() if cfg is None else cfg
+    inj = check_needs(mode, cfg).injection
+    x0, target = make_inputs(cfg, check_seed(seed))
+    base = make_params(cfg, seed, inj)
+    return _dense_step(x0, target, base, cfg, inj), tp_step(seed, cfg, inj, simulate), base
+
+
+def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
+    """The TP side of ``run`` in ``check.one_step``'s dict (rank 0's view; full-size
+    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``)."""
+    x0, target = make_inputs(cfg, seed)
+    base = make_params(cfg, seed, inj)
+    if check_simulate(simulate) == "fixture":
+        return _fixture_step(x0, target, base, cfg, inj, seed)
+    shards = [{k: t.detach() for k, t in s.items()} for s in shard(base, cfg, inj)]
+    step = ranks_train_step(shards, rank_batches(cfg, seed, inj), cfg, inj)
+    return {"output": step["outputs"][0], "loss": step["losses"][0],
+            "input_grad": step["input_grads"][0],
+            "grads": unshard(step["grads"], cfg, inj), "weights": unshard(step["weights"], cfg, inj)}
+
+
+def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
+        simulate: str = "fixture") -> dict:
+    """``tpattn.run`` for any registry mode: the dense block (with the mode's setup: bias,
+    clipping) against the sharded block with the mode's injection, on the five measures."""
+    check_seed(seed)
+    check_simulate(simulate)
+    cfg = Config() if cfg is None else cfg
+    entry = check_needs(mode, cfg)
+    if mode in _RUNNERS:
+        return _RUNNERS[mode](seed, cfg, simulate)
+    inj = entry.injection
+    x0, target = make_inputs(cfg, seed)
+    base = make_params(cfg, seed, inj)
+    return five_measures(seed, mode, _dense_step(x0, target, base, cfg, inj),
+                         tp_step(seed, cfg, inj, simulate))
+
+
+def run_matrix(seeds, modes, cfg: Config | None = None, simulate: str = "fixture") -> list[dict]:
+    """``run`` for every mode x seed, mode-major."""
+    modes = [get_mode(m).name for m in modes]
+    seeds = [check_seed(s) for s in seeds]
+    return [run(s, m, cfg, simulate) for m in modes for s in seeds]
