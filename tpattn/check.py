@@ -24,6 +24,13 @@ MISSING_OUTPUT_REDUCE = "missing_output_reduce"
 MISSING_INPUT_GRAD_REDUCE = "missing_input_grad_reduce"
 #: The three TP variants, in the seed's order.
 MODES = (EQUIVALENCE, MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE)
+MISSING_NORM_GRAD_REDUCE = "missing_norm_grad_reduce"
+NORM_GRAD_AVERAGED = "norm_grad_averaged"
+#: Variants that exist only under sequence parallelism (``Config.sequence_parallel``): the
+#: ``norm`` weight's gradient all-reduce dropped, or averaged instead of summed.
+SP_ONLY_MODES = (MISSING_NORM_GRAD_REDUCE, NORM_GRAD_AVERAGED)
+#: Every variant valid under sequence parallelism (``--mode matrix`` runs them all).
+SP_MODES = MODES + SP_ONLY_MODES
 #: The seeds of the seed fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
 #: The five measures, in the order they are reported.
@@ -47,11 +54,21 @@ _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
 SIMULATIONS = ("fixture", "ranks")
 
 
-def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of ``MODES``, else raise ``ValueError`` naming the choices."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+def check_mode(mode: str, cfg: Config | None = None) -> str:
+    """Return ``mode`` if it is one of ``modes_for(cfg)``, else raise ``ValueError`` naming the
+    choices (a sequence-parallel-only mode without ``cfg.sequence_parallel`` says so)."""
+    if mode in SP_ONLY_MODES and not (cfg is not None and cfg.sequence_parallel):
+        raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
+                         f"only then is the norm weight's gradient a partial sum to all-reduce")
+    valid = modes_for(cfg)
+    if mode not in valid:
+        raise ValueError(f"mode must be one of {', '.join(valid)} (got {mode!r})")
     return mode
+
+
+def modes_for(cfg: Config | None) -> tuple[str, ...]:
+    """The variants valid for ``cfg``: ``SP_MODES`` under ``sequence_parallel``, else ``MODES``."""
+    return SP_MODES if cfg is not None and cfg.sequence_parallel else MODES
 
 
 def check_seed(seed: int) -> int:
@@ -162,6 +179,10 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view)."""
     reduce_output = mode != MISSING_OUTPUT_REDUCE
     reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
+    if cfg.sequence_parallel:
+        from .sequence_parallel import sp_step  # the sequence-parallel block and its variants
+
+        return sp_step(x0, target, base, cfg, mode, check_simulate(simulate))
     if check_simulate(simulate) == "ranks":
         steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
                            x0, target, shard_params(base, cfg))
@@ -176,15 +197,16 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
-    (no g), ``missing_input_grad_reduce`` (no f). ``simulate``: ``"fixture"`` (the seed's
+    (no g), ``missing_input_grad_reduce`` (no f); under ``cfg.sequence_parallel`` also
+    ``SP_ONLY_MODES`` (see ``tpattn.sequence_parallel``). ``simulate``: ``"fixture"`` (the seed's
     rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
     as ``tpattn.distributed`` measures on real processes). Returns the five measures and
     ``passed``.
     """
-    check_mode(mode)
+    cfg = Config() if cfg is None else cfg
+    check_mode(mode, cfg)
     check_seed(seed)
     check_simulate(simulate)
-    cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
@@ -194,7 +216,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
-    modes = [check_mode(m) for m in modes]
+    modes = [check_mode(m, cfg) for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
     return [run(s, m, cfg, simulate) for m in modes for s in seeds]
@@ -210,6 +232,8 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
     config = cfg.as_dict()
     if config["dtype"] == Config.dtype:
         del config["dtype"]  # the seed's Config has no dtype field
+    if not config["sequence_parallel"]:
+        del config["sequence_parallel"]  # nor a sequence_parallel field
     return {
         "python": platform.python_version(),
         "pytorch": torch.__version__,
