@@ -10,10 +10,11 @@ import argparse
 import json
 import sys
 
-from .check import EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture, run, run_matrix
+from .check import (EQUIVALENCE, MODES, SEEDS, SIMULATIONS, SP_ONLY_MODES, inspect_fixture,
+                    modes_for, run, run_matrix)
 from .config import DTYPES, Config
 
-CLI_MODES = ("inspect",) + MODES + ("matrix",)
+CLI_MODES = ("inspect",) + MODES + SP_ONLY_MODES + ("matrix",)
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
 
@@ -42,6 +43,9 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap.add_argument("--eps", type=float, default=defaults.eps, help="Config.eps (default: %(default)s)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
                     help="Config.dtype (default: %(default)s)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="shard the residual stream along the sequence (Config.sequence_parallel; "
+                         "needs seq %% world-size == 0); --mode matrix then runs every SP mode")
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
                         help="fixture: the seed's model (rank 0's view, the default JSON); "
@@ -55,7 +59,8 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
 def config_from_args(args: argparse.Namespace) -> Config:
     """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
     return Config(**{name: getattr(args, name) for name in _CONFIG_FLAGS},
-                  eps=args.eps, dtype=args.dtype)
+                  eps=args.eps, dtype=args.dtype,
+                  **({"sequence_parallel": True} if args.sequence_parallel else {}))
 
 
 def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":
-            out = run_matrix(args.seeds, MODES, cfg, args.simulate)
+            out = run_matrix(args.seeds, modes_for(cfg), cfg, args.simulate)
         else:
             out = run(args.seed, args.mode, cfg, args.simulate)
     except ValueError as e:

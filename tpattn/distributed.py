@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
                     PARAM_SEED_OFFSET, SEEDS, check_mode, check_seed, dense_reference,
-                    five_measures, inspect_fixture, make_inputs, max_abs_diff, one_step)
+                    five_measures, inspect_fixture, make_inputs, max_abs_diff, modes_for, one_step)
 from .cli import build_parser, config_from_args
 from .config import Config
 from .dense import attend_and_project
@@ -299,6 +299,10 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
     ``dtensor``; see ``RealRankReport``) plus ``issued`` and ``compute_s``; other ranks return
     only ``issued`` (their collective count) and ``compute_s``.
     """
+    if plan.cfg.sequence_parallel:  # the sequence-parallel block: its own collectives
+        from .sequence_parallel import sp_run_rank
+
+        return sp_run_rank(rank, plan, device, on_progress)
     start = time.monotonic()
     ledger = CollectiveLedger()
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
@@ -381,7 +385,7 @@ def _validate(world_size, seeds, modes, config, timeout, fault):
     if isinstance(seeds, int) or isinstance(modes, str):
         raise ValueError("seeds and modes must be sequences (e.g. seeds=[11], modes=['equivalence'])")
     seeds = tuple(check_seed(s) for s in seeds)
-    modes = tuple(check_mode(m) for m in modes)
+    modes = tuple(check_mode(m, cfg) for m in modes)
     if fault is not None:
         if not isinstance(fault, dict) or set(fault) != {"rank", "kind"}:
             raise ValueError(f"fault must be a dict with keys 'rank' and 'kind' (got {fault!r})")
@@ -425,7 +429,9 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
                    dtensor_seeds=dtensor_seeds, timeout=timeout,
                    fault=dict(fault) if fault else None)
     backend = backend or default_backend(world_size)
-    preload = ("tpattn.distributed",) + (("tpattn.dtensor_check",) if dtensor_seeds else ())
+    preload = ("tpattn.distributed",) + (("tpattn.sequence_parallel",) if cfg.sequence_parallel else ()) \
+        + ((("tpattn.dtensor_sp",) if cfg.sequence_parallel else ("tpattn.dtensor_check",))
+           if dtensor_seeds else ())
     results, timings = run_on_ranks(run_rank, world_size, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]
@@ -491,7 +497,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         else:
-            seeds, modes = (args.seeds, MODES) if args.mode == "matrix" else ([args.seed], [args.mode])
+            seeds, modes = (args.seeds, modes_for(cfg)) if args.mode == "matrix" else ([args.seed], [args.mode])
             cfg, seeds, modes, timeout = _validate(cfg.world_size, seeds, modes, cfg, args.timeout, None)
             plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds), timeout=timeout)
     except ValueError as e:
