@@ -283,3 +283,36 @@ def test_torchrun_sp_matrix_equals_simulated_ranks():
     assert [(r["mode"], r["seed"], r["passed"]) for r in real] == \
         [(s["mode"], s["seed"], s["passed"]) for s in simulated]
     assert all(abs(r[m] - s[m]) <= TOLERANCE for r, s in zip(real, simulated) for m in MEASURES)
+
+
+# --- figures and the explorer ---------------------------------------------------------------
+
+def test_norm_grad_figure_and_ledger_figure():
+    import matplotlib.pyplot as plt
+
+    from tpattn import viz
+
+    fig = viz.norm_grad_by_rank_figure([[1.0, 2.0], [0.5, -1.0]], [1.5, 1.0])
+    (ax,) = fig.axes
+    assert len(ax.lines) == 1 + 2 + 1 + 1  # truth, two ranks, their sum, the zero line
+    with pytest.raises(ValueError, match="one gradient of length 2 per rank"):
+        viz.norm_grad_by_rank_figure([[1.0]], [1.0, 2.0])
+    ledger_fig = viz.sp_ledger_figure(communication_ledger(SP2))
+    assert [t.get_text() for t in ledger_fig.axes[0].get_yticklabels()] == ["TP", "SP"]
+    plt.close("all")
+
+
+def test_sp_explorer_switches_mode_and_never_shows_a_traceback():
+    from tpattn import widgets
+
+    explorer = widgets.sp_explorer()
+    text = lambda: "\n".join(o["data"]["text/plain"] for o in explorer.output.outputs)  # noqa: E731
+    assert "PASSED" in text()
+    explorer.set(mode=MISSING_NORM_GRAD_REDUCE)
+    assert "FAILED" in text() and MISSING_NORM_GRAD_REDUCE in text()
+    explorer.set(seed=-1)
+    (output,) = explorer.output.outputs
+    assert "seed must be an integer" in output["data"]["text/plain"]
+    assert "Traceback" not in output["data"]["text/plain"]
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        widgets.sp_explorer(cfg=Config())
