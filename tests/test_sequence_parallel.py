@@ -316,3 +316,12 @@ def test_sp_explorer_switches_mode_and_never_shows_a_traceback():
     assert "Traceback" not in output["data"]["text/plain"]
     with pytest.raises(ValueError, match="sequence_parallel=True"):
         widgets.sp_explorer(cfg=Config())
+
+
+def test_run_distributed_validates_sp_input():
+    from tpattn.distributed import run_distributed
+
+    with pytest.raises(ValueError, match="fault injection is not supported"):
+        run_distributed(2, [11], [EQUIVALENCE], SP2, fault={"rank": 1, "kind": "raise"})
+    with pytest.raises(ValueError, match="needs sequence_parallel=True"):
+        run_distributed(2, [11], [MISSING_NORM_GRAD_REDUCE], Config(seq=8))

@@ -359,6 +359,11 @@ class RealRankReport:
     - ``dtensor``: ``run()`` dicts of the same block parallelized by PyTorch's TP API;
     - ``timings``: seconds — ``startup_s`` (processes up, group joined), ``compute_s`` (rank
       0's jobs), ``total_s``. Not deterministic: never print them in the book.
+
+    Under ``Config.sequence_parallel`` (``tpattn.sequence_parallel.sp_run_rank``) output and dX
+    are sharded, so ``rank_disagreement`` compares the ``norm`` gradient and weight only (plus
+    ``norm_grad_by_rank``), and ``ledger`` rows count collectives by kind and phase with
+    ``bytes_per_rank``.
     """
 
     world_size: int
@@ -397,6 +402,8 @@ def _validate(world_size, seeds, modes, config, timeout, fault):
                              f"(got {fault['rank']!r})")
         if not modes or not seeds:
             raise ValueError("fault needs at least one seed and one mode to run")
+        if cfg.sequence_parallel:
+            raise ValueError("fault injection is not supported with config.sequence_parallel")
     return cfg, seeds, modes, float(timeout)
 
 
