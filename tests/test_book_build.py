@@ -151,3 +151,5 @@ def test_block_map_is_drawn_from_the_package():
         assert f"q heads {q_heads.start}–{q_heads.stop - 1}" in texts
     assert [list(rank_heads(cfg, r)[1]) for r in range(4)] == [[0], [1], [2], [3]]
     assert "copy_to_ranks" in texts and "reduce_output" in texts
+    # f's backward all-reduces dn (the gradient at n, after RMSNorm), never dX
+    assert "bwd: all-reduce dn" in texts and "all-reduce dX" not in texts

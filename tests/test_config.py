@@ -69,6 +69,13 @@ def test_each_rule_has_a_message_that_says_it(kwargs, rule):
         Config(**kwargs)
 
 
+def test_replication_is_mentioned_only_when_kv_heads_is_below_world_size():
+    # kv_heads=3 on 2 ranks is not a replication case: 3 KV heads are more than the ranks
+    with pytest.raises(ValueError, match=r"kv_heads must be a multiple of world_size") as e:
+        Config(query_heads=6, kv_heads=3, world_size=2)
+    assert "replicat" not in str(e.value)
+
+
 def test_defaults_are_the_seed_fixture():
     cfg = Config()
     assert (cfg.seq, cfg.batch, cfg.hidden, cfg.query_heads, cfg.kv_heads, cfg.head_dim,

@@ -58,3 +58,34 @@ def test_init_params_is_deterministic_and_float64_sees_the_float32_numbers():
 def test_rank_out_of_range_is_a_clear_error(rank):
     with pytest.raises(ValueError, match=r"rank must be an integer in \[0, world_size=2\)"):
         rank_head_slices(Config(), rank)
+
+
+def test_copied_shards_get_gradients_too_slicing_is_differentiable():
+    # views only save memory: an index-copy (advanced indexing) carries the gradient as well
+    cfg = Config()
+    p = clone_trainable(init_params(cfg, 0))
+    q_rows, _ = rank_head_slices(cfg, 1)
+    copied = p["wo"][:, torch.arange(q_rows.start, q_rows.stop)]
+    assert copied._base is None  # a copy, not a view
+    copied.sum().backward()
+    expected = torch.zeros_like(p["wo"])
+    expected[:, q_rows] = 1
+    assert torch.equal(p["wo"].grad, expected)
+
+
+def test_run_takes_the_sharding_as_an_argument():
+    import tpattn
+    calls = []
+
+    def counting_shards(params, cfg):
+        calls.append(cfg)
+        return shard_params(params, cfg)
+
+    def swapped_ranks(params, cfg):  # wrong: each rank's wo columns belong to the other rank
+        shards = shard_params(params, cfg)
+        return [{**s, "wo": shards[-1 - r]["wo"]} for r, s in enumerate(shards)]
+
+    default = tpattn.run(11)
+    assert tpattn.run(11, shard_fn=shard_params) == default  # bit-identical
+    assert tpattn.run(11, shard_fn=counting_shards) == default and calls
+    assert not tpattn.run(11, shard_fn=swapped_ranks)["passed"]

@@ -1,7 +1,8 @@
 """tpattn — tensor-parallel attention, built, sharded, checked and broken.
 
 ``import tpattn`` loads torch and nothing heavier; plotting (``tpattn.viz``) and widgets
-(``tpattn.widgets``) load only when imported.
+(``tpattn.widgets``) load only when imported, Hugging Face's ``transformers`` only with
+``tpattn.interop``, and ``tpattn.check_module`` (``tpattn.module_check``) on first use.
 """
 from .config import Config
 from .layers import apply_rope, attention, repeat_kv, rms_norm
@@ -29,3 +30,12 @@ __all__ = [
     "MODES", "EQUIVALENCE", "MISSING_OUTPUT_REDUCE", "MISSING_INPUT_GRAD_REDUCE",
     "SEEDS", "MEASURES", "TOLERANCE",
 ]
+
+
+def __getattr__(name: str):
+    """``tpattn.check_module``: imported on first use (it pulls in torch.distributed.tensor)."""
+    if name == "check_module":
+        from .module_check import check_module
+
+        return check_module
+    raise AttributeError(f"module 'tpattn' has no attribute {name!r}")

@@ -174,9 +174,10 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
 
 
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-            mode: str, simulate: str = "fixture") -> dict:
+            mode: str, simulate: str = "fixture", shard_fn=shard_params) -> dict:
     """The TP side of ``run``: one step of the sharded block in ``mode``, simulated as
-    ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view)."""
+    ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view).
+    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards."""
     reduce_output = mode != MISSING_OUTPUT_REDUCE
     reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
     if cfg.sequence_parallel:
@@ -185,23 +186,25 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
         return sp_step(x0, target, base, cfg, mode, check_simulate(simulate))
     if check_simulate(simulate) == "ranks":
         steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
-                           x0, target, shard_params(base, cfg))
+                           x0, target, shard_fn(base, cfg))
         return gather_ranks(steps, cfg)
     return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=reduce_output,
-                                            reduce_input_grad=reduce_input_grad),
+                                            reduce_input_grad=reduce_input_grad,
+                                            shard_fn=shard_fn),
                     x0, target, base)
 
 
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
-        simulate: str = "fixture") -> dict:
+        simulate: str = "fixture", shard_fn=shard_params) -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
     (no g), ``missing_input_grad_reduce`` (no f); under ``cfg.sequence_parallel`` also
     ``SP_ONLY_MODES`` (see ``tpattn.sequence_parallel``). ``simulate``: ``"fixture"`` (the seed's
     rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
-    as ``tpattn.distributed`` measures on real processes). Returns the five measures and
-    ``passed``.
+    as ``tpattn.distributed`` measures on real processes). ``shard_fn(params, cfg)``: how the
+    dense parameters are cut into rank shards (default ``shard_params``; chapter 6 passes a
+    layout that splits a query/KV group). Returns the five measures and ``passed``.
     """
     cfg = Config() if cfg is None else cfg
     check_mode(mode, cfg)
@@ -210,7 +213,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
-                         tp_step(x0, target, base, cfg, mode, simulate))
+                         tp_step(x0, target, base, cfg, mode, simulate, shard_fn))
 
 
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,

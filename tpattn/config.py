@@ -76,10 +76,12 @@ class Config:
                 f"query_heads must be a multiple of kv_heads "
                 f"(got query_heads={self.query_heads}, kv_heads={self.kv_heads})")
         if self.kv_heads % self.world_size:
-            problems.append(
-                f"kv_heads must be a multiple of world_size so each rank holds complete "
-                f"query/KV groups (got kv_heads={self.kv_heads}, world_size={self.world_size}); "
-                f"replicating KV heads when kv_heads < world_size is not supported yet")
+            problem = (f"kv_heads must be a multiple of world_size so each rank holds complete "
+                       f"query/KV groups (got kv_heads={self.kv_heads}, "
+                       f"world_size={self.world_size})")
+            if self.kv_heads < self.world_size:
+                problem += "; replicating KV heads when kv_heads < world_size is not supported yet"
+            problems.append(problem)
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be True or False (got {self.sequence_parallel!r})")
         elif self.sequence_parallel and self.seq % self.world_size:

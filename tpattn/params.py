@@ -66,7 +66,8 @@ def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str,
     - ``wo``: row-parallel — each rank takes the *columns* of its query heads;
     - ``norm``: replicated — every rank uses the same tensor.
 
-    Shards are views of ``params``, so gradients of the shards land in the dense tensors.
+    Slicing is differentiable, so the gradients of the shards land in the dense tensors of
+    ``params`` (a copying slice would do the same); that the shards are views only saves memory.
     Returns one dict per rank with the keys of ``params``.
     """
     shards = []

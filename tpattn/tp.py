@@ -7,7 +7,12 @@ equal the dense one — Megatron-LM's *f* and *g* (``tensor_parallel/mappings.py
 
                   f                                                           g
     n ── copy to ranks ─┬─ rank 0: Q/K/V shard ─ attention ─ wo shard ─ partial ─┬─ sum ── (+ x)
-    (backward: sum dX)  └─ rank 1: Q/K/V shard ─ attention ─ wo shard ─ partial ─┘  (backward: copy)
+    (backward: sum dn)  └─ rank 1: Q/K/V shard ─ attention ─ wo shard ─ partial ─┘  (backward: copy)
+
+f's backward sums ``dn = ∂L/∂n``, the gradient at the input of the sharded region (after
+RMSNorm), over the ranks. The input gradient ``dX = ∂L/∂x`` is the residual's ``dy`` plus
+RMSNorm's backward of that sum; it is never all-reduced (summing it would count ``dy`` once
+per rank).
 
 In one process the "collectives" are plain tensor code, and autograd does the backward half:
 a tensor used by several ranks receives the *sum* of their gradients (f's all-reduce), and a sum
@@ -33,8 +38,9 @@ def copy_to_ranks(n: torch.Tensor, world_size: int, reduce_grad: bool = True) ->
 
     ``reduce_grad=False`` is the ``missing_input_grad_reduce`` bug, seen from rank 0: ranks
     ``1..W-1`` get ``n.detach()`` — the same values (the forward is untouched), but their
-    gradient never reaches ``n``, so ``n`` (and everything before it: ``norm``, ``x``) gets
-    rank 0's contribution only.
+    gradient never reaches ``n``, so ``dn`` is rank 0's contribution only, and so is what
+    RMSNorm's backward passes on to ``norm`` and to ``x`` (whose residual term ``dy`` is
+    unaffected).
 
     n: ``[S, B, hidden]``; returns ``world_size`` tensors ``[S, B, hidden]``.
     """
@@ -54,19 +60,23 @@ def reduce_output_partials(partials: list[torch.Tensor], reduce: bool = True) ->
 
 
 def tp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
-               reduce_output: bool = True, reduce_input_grad: bool = True) -> torch.Tensor:
+               reduce_output: bool = True, reduce_input_grad: bool = True,
+               shard_fn=shard_params) -> torch.Tensor:
     """The block of ``dense_forward``, computed by ``cfg.world_size`` simulated TP ranks.
 
-    x: ``[S, B, hidden]``; ``p``: dense parameters (sharded here with ``shard_params``, so
+    x: ``[S, B, hidden]``; ``p``: dense parameters (sharded here with ``shard_fn``, so
     gradients land in ``p``). Returns ``[S, B, hidden]``.
 
     ``reduce_output=False`` drops g (the forward sum of output partials);
-    ``reduce_input_grad=False`` drops f's backward sum of the input-gradient contributions.
+    ``reduce_input_grad=False`` drops f's backward sum of ``dn``, the ranks' contributions to
+    the gradient of the normalized input ``n``.
+    ``shard_fn(p, cfg)`` returns one shard dict per rank (default ``shard_params``); another
+    sharding, e.g. a deliberately wrong one, can be passed in its place.
     """
     n = rms_norm(x, p["norm"], cfg.eps)  # replicated: every rank computes the same n
     inputs = copy_to_ranks(n, cfg.world_size, reduce_grad=reduce_input_grad)
     partials = [attend_and_project(n_rank, shard, cfg)
-                for n_rank, shard in zip(inputs, shard_params(p, cfg))]
+                for n_rank, shard in zip(inputs, shard_fn(p, cfg))]
     return x + reduce_output_partials(partials, reduce=reduce_output)
 
 

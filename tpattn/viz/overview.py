@@ -54,8 +54,9 @@ def block_map_figure(cfg: Config | None = None):
     Left to right: ``x [S, B, hidden]`` → RMSNorm (replicated) → **f** (``copy_to_ranks``) →
     one lane per rank (its rows of wq/wk/wv, i.e. its complete query/KV head groups; RoPE;
     causal GQA attention; its columns of wo → a partial ``[S, B, hidden]``) → **g**
-    (``reduce_output_partials``) → residual ``+ x``. Red notes say what each missing
-    collective breaks. Default ``cfg``: the seed's ``Config()``.
+    (``reduce_output_partials``) → residual ``+ x``. f's backward all-reduces ``dn``, the
+    gradient of RMSNorm's output ``n``; the input gradient dX is never all-reduced. Red notes
+    say what each missing collective breaks. Default ``cfg``: the seed's ``Config()``.
     """
     cfg = Config() if cfg is None else cfg
     world = cfg.world_size
@@ -76,9 +77,10 @@ def block_map_figure(cfg: Config | None = None):
     _arrow(ax, 7.8, mid, 11.2, mid)
 
     # f: one tensor in, one copy per rank out
-    _box(ax, 29, mid, 10.5, 9, f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dX",
+    _box(ax, 29, mid, 10.5, 9, f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn",
          _F_G_COLOR, face="#f3eef8", size=8)
     _arrow(ax, 20.8, mid, 23.5, mid)
+    ax.text(22.15, mid + 0.8, "n", ha="center", va="bottom", fontsize=8.5, style="italic")
 
     for rank, y in enumerate(lane_y):
         color = rank_color(rank)
@@ -106,7 +108,8 @@ def block_map_figure(cfg: Config | None = None):
     # residual: x around everything
     ax.plot([4, 4, 94.6], [mid + 3.4, top, top], color=DENSE_COLOR, lw=1.1)
     _arrow(ax, 94.6, top, 94.6, mid + 1.9)
-    ax.text(50, top + 0.8, "residual: + x", ha="center", va="bottom", fontsize=8, color=DENSE_COLOR)
+    ax.text(50, top + 0.8, "residual: + x  (backward: dy reaches dX directly; dX itself is never all-reduced)",
+            ha="center", va="bottom", fontsize=8, color=DENSE_COLOR)
 
     ax.text(29, bottom, "without f's all-reduce: forward and loss\nidentical, gradients wrong (ch. 9)",
             ha="center", va="top", fontsize=8, color=FAIL_COLOR)

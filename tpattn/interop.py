@@ -1,0 +1,335 @@
+"""The book's block is Hugging Face's Llama attention: parameters both ways, and checkpoint layouts.
+
+A ``transformers`` ``LlamaDecoderLayer`` holds the block in its ``input_layernorm`` (RMSNorm)
+and ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, no biases). Its weights have
+the package's layout already (``nn.Linear``: ``[out_features, in_features]``, rows grouped by
+head); only the activations differ — HF is batch-first ``[B, S, hidden]``, the package is
+sequence-first ``[S, B, hidden]``.
+
+Two facts of HF's code (``modeling_llama.py``) bound how equal the two can be: ``LlamaRMSNorm``
+normalizes in float32 and casts back, and ``LlamaRotaryEmbedding`` computes its cos/sin tables in
+float32, even for a float64 model. So a float64 HF layer equals ``dense_forward`` in float64 only
+to float32 rounding (``FLOAT32_INTERNALS``).
+
+Checkpoint layouts (weights converted once, outside the model):
+
+- RoPE pairing. Meta's reference Llama (``meta-llama/llama``, ``llama/model.py``,
+  ``apply_rotary_emb``) rotates *adjacent* channels ``(2i, 2i+1)`` as one complex number; HF and
+  this package rotate channel ``i`` with ``i + D/2`` (rotate-half). HF's conversion script
+  (``convert_llama_weights_to_hf.py``, ``permute``) reorders the rows of ``wq`` and ``wk`` within
+  every head to move from one to the other: ``rotate_half_from_adjacent``.
+- Fused QKV. Megatron-Core keeps one ``linear_qkv`` weight, interleaved per KV group
+  (``[q × group_size, k, v]`` for each group: ``megatron/core/transformer/attention.py``,
+  ``SelfAttention.get_query_key_value_tensors``), so a contiguous slice of its rows per rank
+  holds complete groups: ``fuse_qkv`` / ``split_fused_qkv``. A plain ``[Wq; Wk; Wv]``
+  concatenation cut the same way hands rank 0 only query rows: ``read_rank_slices`` shows what
+  the ranks then hold.
+
+Importing this module imports ``transformers`` (seconds); ``import tpattn`` does not.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from .config import Config
+from .layers import attention, causal_mask, repeat_kv, rms_norm, rope_angles
+from .params import PARAM_NAMES, init_params
+
+__all__ = [
+    "ROPE_THETA", "FLOAT32_INTERNALS", "llama_config", "config_from_llama", "llama_layer",
+    "llama_params", "load_llama_params", "LlamaAttentionBlock", "llama_tp_plan",
+    "rotate_half_from_adjacent", "adjacent_from_rotate_half", "apply_rope_adjacent",
+    "meta_dense_forward", "QKV_LAYOUTS", "fuse_qkv", "concat_qkv", "split_fused_qkv",
+    "read_rank_slices", "float32_tolerance",
+]
+
+#: The RoPE base of ``tpattn.layers.rope_angles`` (``10000 ** (i / (D/2))``), HF's
+#: ``default_theta`` too; a Llama config with another ``rope_theta`` is refused.
+ROPE_THETA = 10000.0
+
+#: What HF's Llama computes in float32 whatever the model's dtype (``modeling_llama.py``).
+FLOAT32_INTERNALS = ("LlamaRMSNorm: the normalization", "LlamaRotaryEmbedding: the cos/sin tables")
+
+def float32_tolerance(cfg: Config, scale: float) -> float:
+    """How far two correct computations of the block may differ when either rounds to float32.
+
+    Each output element is a chain of dot products: length ``hidden`` (Q/K/V), ``seq``
+    (attention), ``query_heads * head_dim`` (output projection). A float32 dot product of
+    length ``n`` is within ``n * u`` (``u = 2**-24``, the unit roundoff) of the exact one,
+    relative to the size of its terms (the standard worst-case bound). Summing that over the
+    chain, with the output's size ``scale`` (e.g. ``max |y|``, at least 1) standing in for the
+    terms' sizes, gives ``u * (hidden + seq + query_heads * head_dim) * scale``. Correct
+    computations land well inside it (tests/test_interop.py); a wrong block is off by O(0.1).
+    """
+    u = torch.finfo(torch.float32).eps / 2
+    return u * (cfg.hidden + cfg.seq + cfg.query_heads * cfg.head_dim) * max(1.0, float(scale))
+
+
+#: HF module names of the block's parameters, by the package's names.
+_HF_NAMES = {"norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
+             "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+             "wo": "self_attn.o_proj.weight"}
+
+
+# --- Config and parameters, both ways -------------------------------------------------------
+
+def llama_config(cfg: Config, attn_implementation: str = "sdpa") -> LlamaConfig:
+    """A one-layer ``LlamaConfig`` whose attention is ``cfg``'s block (RoPE base ``ROPE_THETA``,
+    no biases, ``rms_norm_eps = cfg.eps``). The MLP is the smallest that is valid: unused here."""
+    return LlamaConfig(
+        hidden_size=cfg.hidden, num_attention_heads=cfg.query_heads,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.eps,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        attention_bias=False, intermediate_size=1, num_hidden_layers=1, vocab_size=1,
+        max_position_embeddings=max(cfg.seq, 1), bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, attn_implementation=attn_implementation)
+
+
+def config_from_llama(hf: LlamaConfig, *, seq: int, batch: int, world_size: int = 1,
+                      dtype=torch.float32) -> Config:
+    """The package's ``Config`` for the attention of a ``LlamaConfig`` (``seq``, ``batch``,
+    ``world_size`` and ``dtype`` are the run's, not the model's).
+
+    Raises ``ValueError`` naming the field when the Llama attention is not the package's block:
+    biases, a RoPE other than the default one with base ``ROPE_THETA``.
+    """
+    if getattr(hf, "attention_bias", False):
+        raise ValueError("attention_bias must be False: the package's block has no biases")
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default" or \
+            float(rope.get("rope_theta", ROPE_THETA)) != ROPE_THETA:
+        raise ValueError(f"rope_parameters must be the default RoPE with rope_theta={ROPE_THETA} "
+                         f"(tpattn.layers.apply_rope's base; got {rope})")
+    return Config(seq=seq, batch=batch, hidden=hf.hidden_size, query_heads=hf.num_attention_heads,
+                  kv_heads=hf.num_key_value_heads, head_dim=hf.head_dim, world_size=world_size,
+                  eps=float(hf.rms_norm_eps), dtype=dtype)
+
+
+def llama_layer(cfg: Config, seed: int = 0, attn_implementation: str = "sdpa") -> LlamaDecoderLayer:
+    """A randomly initialised HF ``LlamaDecoderLayer`` for ``cfg`` (no download): its attention
+    weights are ``init_params(cfg, seed)``'s, in ``cfg.dtype``."""
+    with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG
+        layer = LlamaDecoderLayer(llama_config(cfg, attn_implementation), layer_idx=0)
+    layer = layer.to(cfg.torch_dtype)
+    return load_llama_params(layer, init_params(cfg, seed))
+
+
+def llama_params(layer: LlamaDecoderLayer, *, seq: int, batch: int,
+                 world_size: int = 1) -> tuple[Config, dict[str, torch.Tensor]]:
+    """``(cfg, params)`` of the attention half of an HF ``LlamaDecoderLayer``.
+
+    ``params`` are detached copies in the package's names (``norm, wq, wk, wv, wo``; the layouts
+    are the same, ``[out_features, in_features]``); ``cfg`` has the layer's shape and dtype and
+    the run's ``seq``, ``batch``, ``world_size``.
+    """
+    weight = layer.self_attn.q_proj.weight
+    cfg = config_from_llama(layer.self_attn.config, seq=seq, batch=batch,
+                            world_size=world_size, dtype=weight.dtype)
+    state = layer.state_dict()
+    return cfg, {name: state[_HF_NAMES[name]].detach().clone() for name in PARAM_NAMES}
+
+
+def load_llama_params(layer: LlamaDecoderLayer, params: dict[str, torch.Tensor]) -> LlamaDecoderLayer:
+    """Copy the package's ``params`` into ``layer``'s attention half, in place; returns ``layer``.
+
+    Raises ``ValueError`` naming the parameter whose shape does not match the layer's.
+    """
+    state = layer.state_dict()
+    for name in PARAM_NAMES:
+        have, want = tuple(params[name].shape), tuple(state[_HF_NAMES[name]].shape)
+        if have != want:
+            raise ValueError(f"params[{name!r}] must have the shape of {_HF_NAMES[name]} "
+                             f"{list(want)} (got {list(have)})")
+    with torch.no_grad():
+        for name in PARAM_NAMES:
+            layer.get_parameter(_HF_NAMES[name]).copy_(params[name])
+    return layer
+
+
+class LlamaAttentionBlock(nn.Module):
+    """The attention half of an HF ``LlamaDecoderLayer`` in the package's layout:
+    ``x + self_attn(input_layernorm(x))``, positions ``0..S-1``, causal, no cache.
+
+    x: ``[S, B, hidden]`` (transposed to HF's ``[B, S, hidden]`` and back); returns
+    ``[S, B, hidden]``. The HF layer is ``self.layer`` (its submodule names are HF's:
+    ``layer.self_attn.q_proj`` ...), the rotary tables come from HF's ``LlamaRotaryEmbedding``.
+    """
+
+    def __init__(self, layer: LlamaDecoderLayer):
+        super().__init__()
+        self.layer = layer
+        self.rotary = LlamaRotaryEmbedding(layer.self_attn.config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.transpose(0, 1)                                       # [B, S, hidden]
+        seq = h.shape[1]
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        cos_sin = self.rotary(h, positions)
+        # an explicit additive causal mask: every HF attention implementation honours it
+        # (with no mask, "sdpa" is causal but "eager" would not be)
+        mask = torch.zeros(seq, seq, dtype=h.dtype, device=h.device).masked_fill(
+            causal_mask(seq, device=h.device), float("-inf")).view(1, 1, seq, seq)
+        out, _ = self.layer.self_attn(self.layer.input_layernorm(h),
+                                      position_embeddings=cos_sin, attention_mask=mask)
+        return (h + out).transpose(0, 1)
+
+
+def llama_tp_plan(hf: LlamaConfig | None = None, prefix: str = "layer.") -> dict:
+    """HF's own TP plan for Llama (``LlamaConfig.base_model_tp_plan``), the entries that apply
+    to the attention block, as PyTorch ``ParallelStyle``s keyed by module name under
+    ``LlamaAttentionBlock`` (``prefix`` + ``self_attn.q_proj`` ...).
+
+    ``"colwise"`` becomes ``ColwiseParallel()``, ``"rowwise"`` ``RowwiseParallel()``; the MLP's
+    entries are not part of the block and are left out.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    declared = (hf or LlamaConfig).base_model_tp_plan
+    plan = {}
+    for pattern, style in declared.items():
+        if pattern.startswith("layers.*.self_attn."):
+            if style not in styles:
+                raise ValueError(f"base_model_tp_plan[{pattern!r}] must be 'colwise' or "
+                                 f"'rowwise' here (got {style!r})")
+            plan[prefix + pattern.removeprefix("layers.*.")] = styles[style]()
+    return plan
+
+
+# --- RoPE pairing: adjacent (Meta) <-> rotate-half (HF, tpattn) ---------------------------------
+
+def _check_rows(w: torch.Tensor, heads: int, name: str = "w") -> int:
+    if w.dim() != 2 or heads < 1 or w.shape[0] % heads or (w.shape[0] // heads) % 2:
+        raise ValueError(f"{name} must be [heads * head_dim, hidden] with head_dim even "
+                         f"(got shape {list(w.shape)} for heads={heads})")
+    return w.shape[0] // heads
+
+
+def rotate_half_from_adjacent(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of ``wq`` or ``wk`` from Meta's adjacent-pair layout to rotate-half (HF's
+    ``permute``).
+
+    Within each head, output channel ``j < D/2`` is Meta's ``2j`` and ``j + D/2`` is Meta's
+    ``2j + 1``, so Meta's pair ``(2j, 2j+1)`` becomes rotate-half's pair ``(j, j + D/2)``.
+    w: ``[heads * D, hidden]``; returns a new ``[heads * D, hidden]``.
+    """
+    d = _check_rows(w, heads)
+    return w.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape).clone()
+
+
+def adjacent_from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of ``rotate_half_from_adjacent``: rotate-half rows back to adjacent pairs.
+
+    w: ``[heads * D, hidden]``; returns a new ``[heads * D, hidden]``.
+    """
+    d = _check_rows(w, heads)
+    return w.reshape(heads, 2, d // 2, -1).transpose(1, 2).reshape(w.shape).clone()
+
+
+def apply_rope_adjacent(x: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with Meta's pairing: channels ``(2i, 2i+1)`` are one complex number,
+    multiplied by ``exp(1j * angle)`` with the angles of ``tpattn.layers.rope_angles``.
+
+    x: ``[S, B, H, D]`` (float32 or float64), ``D`` even; returns ``[S, B, H, D]``.
+    """
+    theta = rope_angles(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+    rotated = pairs * torch.polar(torch.ones_like(theta), theta)
+    return torch.view_as_real(rotated).flatten(-2)
+
+
+def meta_dense_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
+    """The block as Meta's reference code computes it: ``dense_forward`` with the adjacent-pair
+    RoPE (``apply_rope_adjacent``), for weights in Meta's layout.
+
+    x: ``[S, B, hidden]``; returns ``[S, B, hidden]``.
+    """
+    s, b, d = x.shape[0], x.shape[1], cfg.head_dim
+    n = rms_norm(x, p["norm"], cfg.eps)
+    q = apply_rope_adjacent(F.linear(n, p["wq"]).view(s, b, -1, d))
+    k = apply_rope_adjacent(F.linear(n, p["wk"]).view(s, b, -1, d))
+    v = F.linear(n, p["wv"]).view(s, b, -1, d)
+    ctx = attention(q, repeat_kv(k, cfg.group_size), repeat_kv(v, cfg.group_size))
+    return x + F.linear(ctx.reshape(s, b, -1), p["wo"])
+
+
+# --- fused QKV: interleaved per KV group (Megatron) <-> separate; the naive concatenation --------
+
+#: Layouts of a fused QKV weight: Megatron's per-group interleaving, and plain ``[Wq; Wk; Wv]``.
+QKV_LAYOUTS = ("interleaved", "concatenated")
+
+
+def _check_qkv(wq, wk, wv, cfg: Config) -> None:
+    want = {"wq": (cfg.query_heads * cfg.head_dim, cfg.hidden),
+            "wk": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
+            "wv": (cfg.kv_heads * cfg.head_dim, cfg.hidden)}
+    for name, w in zip(want, (wq, wk, wv)):
+        if tuple(w.shape) != want[name]:
+            raise ValueError(f"{name} must be {list(want[name])} for this Config "
+                             f"(got {list(w.shape)})")
+
+
+def _fused_rows(cfg: Config) -> int:
+    return (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
+
+
+def fuse_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Megatron's fused QKV weight: for each KV group ``j``, the rows of its ``group_size`` query
+    heads, then its key head, then its value head.
+
+    wq: ``[Hq*D, hidden]``, wk, wv: ``[Hkv*D, hidden]``; returns ``[(Hq + 2*Hkv)*D, hidden]``.
+    """
+    _check_qkv(wq, wk, wv, cfg)
+    g, d, h = cfg.group_size, cfg.head_dim, cfg.hidden
+    groups = [wq.reshape(cfg.kv_heads, g * d, h), wk.reshape(cfg.kv_heads, d, h),
+              wv.reshape(cfg.kv_heads, d, h)]
+    return torch.cat(groups, dim=1).reshape(_fused_rows(cfg), h)
+
+
+def concat_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The naive fused weight ``[Wq; Wk; Wv]``: ``[(Hq + 2*Hkv)*D, hidden]``."""
+    _check_qkv(wq, wk, wv, cfg)
+    return torch.cat([wq, wk, wv], dim=0)
+
+
+def split_fused_qkv(w: torch.Tensor, cfg: Config, layout: str = "interleaved"):
+    """The inverse of ``fuse_qkv`` (``layout="interleaved"``) or of ``concat_qkv``
+    (``"concatenated"``): ``(wq, wk, wv)``, new tensors.
+
+    w: ``[(Hq + 2*Hkv)*D, hidden]``.
+    """
+    if layout not in QKV_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(QKV_LAYOUTS)} (got {layout!r})")
+    if tuple(w.shape) != (_fused_rows(cfg), cfg.hidden):
+        raise ValueError(f"w must be [(query_heads + 2*kv_heads)*head_dim, hidden] = "
+                         f"{[_fused_rows(cfg), cfg.hidden]} (got {list(w.shape)})")
+    q_rows, kv_rows = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    if layout == "concatenated":
+        return tuple(t.clone() for t in w.split([q_rows, kv_rows, kv_rows]))
+    return _split_groups(w, cfg.kv_heads, cfg)
+
+
+def _split_groups(w: torch.Tensor, groups: int, cfg: Config):
+    """Rows ``[groups * (g+2) * D, hidden]`` read as ``groups`` × ``[q × g, k, v]``."""
+    g, d, h = cfg.group_size, cfg.head_dim, cfg.hidden
+    q, k, v = w.reshape(groups, (g + 2) * d, h).split([g * d, d, d], dim=1)
+    return q.reshape(-1, h).clone(), k.reshape(-1, h).clone(), v.reshape(-1, h).clone()
+
+
+def read_rank_slices(w: torch.Tensor, cfg: Config):
+    """What ``cfg.world_size`` ranks hold when each takes a contiguous ``1/W`` of ``w``'s rows
+    and reads it, as Megatron's code does, as its ``local_kv_heads`` groups ``[q × g, k, v]``.
+
+    Returns ``(wq, wk, wv)`` in the package's layout, rank 0's heads first: for a weight made
+    by ``fuse_qkv`` it is exactly the original; for ``concat_qkv``'s it is not (rank 0's slice
+    holds query rows only).
+    """
+    if tuple(w.shape) != (_fused_rows(cfg), cfg.hidden):
+        raise ValueError(f"w must be [(query_heads + 2*kv_heads)*head_dim, hidden] = "
+                         f"{[_fused_rows(cfg), cfg.hidden]} (got {list(w.shape)})")
+    parts = [_split_groups(chunk, cfg.local_kv_heads, cfg) for chunk in w.chunk(cfg.world_size)]
+    return tuple(torch.cat([part[i] for part in parts]) for i in range(3))
