@@ -24,6 +24,13 @@ MISSING_OUTPUT_REDUCE = "missing_output_reduce"
 MISSING_INPUT_GRAD_REDUCE = "missing_input_grad_reduce"
 #: The three TP variants, in the seed's order.
 MODES = (EQUIVALENCE, MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE)
+MISSING_NORM_GRAD_REDUCE = "missing_norm_grad_reduce"
+NORM_GRAD_AVERAGED = "norm_grad_averaged"
+#: Variants that exist only under sequence parallelism (``Config.sequence_parallel``): the
+#: ``norm`` weight's gradient all-reduce dropped, or averaged instead of summed.
+SP_ONLY_MODES = (MISSING_NORM_GRAD_REDUCE, NORM_GRAD_AVERAGED)
+#: Every variant valid under sequence parallelism (``--mode matrix`` runs them all).
+SP_MODES = MODES + SP_ONLY_MODES
 #: The seeds of the seed fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
 #: The five measures, in the order they are reported.
@@ -47,23 +54,38 @@ _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
 SIMULATIONS = ("fixture", "ranks")
 
 
-def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of ``MODES``, else raise ``ValueError`` naming the choices."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+def check_mode(mode: str, cfg: Config | None = None) -> str:
+    """Return ``mode`` if it is one of ``modes_for(cfg)``, else raise ``ValueError`` naming the
+    choices (a sequence-parallel-only mode without ``cfg.sequence_parallel`` says so)."""
+    if mode in SP_ONLY_MODES and not (cfg is not None and cfg.sequence_parallel):
+        raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
+                         f"only then is the norm weight's gradient a partial sum to all-reduce")
+    valid = modes_for(cfg)
+    if mode not in valid:
+        raise ValueError(f"mode must be one of {', '.join(valid)} (got {mode!r})")
     return mode
 
 
-def check_any_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of ``MODES`` or a mode of the bug registry
-    (``tpattn.zoo.REGISTRY``, ``python -m tpattn --list-modes``), else raise ``ValueError``."""
-    if mode in MODES:
-        return mode
+def modes_for(cfg: Config | None) -> tuple[str, ...]:
+    """The variants valid for ``cfg``: ``SP_MODES`` under ``sequence_parallel``, else ``MODES``."""
+    return SP_MODES if cfg is not None and cfg.sequence_parallel else MODES
+
+
+#: Variants ``run`` computes itself; every other mode of the bug registry runs in ``tpattn.zoo``.
+NATIVE_MODES = SP_MODES
+
+
+def check_any_mode(mode: str, cfg: Config | None = None) -> str:
+    """Return ``mode`` if ``run`` can run it for ``cfg``: one of ``modes_for(cfg)`` (checked by
+    ``check_mode``) or a mode of the bug registry (``tpattn.zoo.REGISTRY``, ``python -m tpattn
+    --list-modes``); else raise ``ValueError``."""
+    if mode in NATIVE_MODES:
+        return check_mode(mode, cfg)
     from .zoo import REGISTRY  # the registry builds on this module: import it when asked
 
     if isinstance(mode, str) and mode in REGISTRY:
         return mode
-    raise ValueError(f"mode must be one of {', '.join(MODES)} or a registry mode "
+    raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
                      f"(python -m tpattn --list-modes) (got {mode!r})")
 
 
@@ -176,6 +198,10 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards."""
     reduce_output = mode != MISSING_OUTPUT_REDUCE
     reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
+    if cfg.sequence_parallel:
+        from .sequence_parallel import sp_step  # the sequence-parallel block and its variants
+
+        return sp_step(x0, target, base, cfg, mode, check_simulate(simulate))
     if check_simulate(simulate) == "ranks":
         steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
                            x0, target, shard_fn(base, cfg))
@@ -191,20 +217,21 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
-    (no g), ``missing_input_grad_reduce`` (no f). ``simulate``: ``"fixture"`` (the seed's
+    (no g), ``missing_input_grad_reduce`` (no f); under ``cfg.sequence_parallel`` also
+    ``SP_ONLY_MODES`` (see ``tpattn.sequence_parallel``). ``simulate``: ``"fixture"`` (the seed's
     rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
     as ``tpattn.distributed`` measures on real processes). ``shard_fn(params, cfg)``: how the
     dense parameters are cut into rank shards (default ``shard_params``; chapter 6 passes a
     layout that splits a query/KV group). Returns the five measures and
     ``passed``. Any other mode of the bug registry runs in ``tpattn.zoo.run``.
     """
-    if check_any_mode(mode) not in MODES:
+    cfg = Config() if cfg is None else cfg
+    if check_any_mode(mode, cfg) not in NATIVE_MODES:
         from .zoo import run as run_registry_mode
 
         return run_registry_mode(seed, mode, cfg, simulate)
     check_seed(seed)
     check_simulate(simulate)
-    cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
@@ -214,7 +241,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
-    modes = [check_any_mode(m) for m in modes]
+    modes = [check_any_mode(m, cfg) for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
     return [run(s, m, cfg, simulate) for m in modes for s in seeds]
@@ -230,6 +257,8 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
     config = cfg.as_dict()
     if config["dtype"] == Config.dtype:
         del config["dtype"]  # the seed's Config has no dtype field
+    if not config["sequence_parallel"]:
+        del config["sequence_parallel"]  # nor a sequence_parallel field
     return {
         "python": platform.python_version(),
         "pytorch": torch.__version__,

@@ -10,17 +10,20 @@ import argparse
 import json
 import sys
 
-from .check import EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture, run, run_matrix
+from .check import (EQUIVALENCE, MODES, SEEDS, SIMULATIONS, SP_ONLY_MODES, inspect_fixture,
+                    modes_for, run, run_matrix)
 from .config import DTYPES, Config
 
-CLI_MODES = ("inspect",) + MODES + ("matrix",)
+CLI_MODES = ("inspect",) + MODES + SP_ONLY_MODES + ("matrix",)
 
 
 def registry_modes() -> tuple[str, ...]:
-    """The bug registry's modes beyond the seed's three (``tpattn.zoo``), in listing order."""
+    """The bug registry's modes beyond ``CLI_MODES`` (``tpattn.zoo``), in listing order."""
     from .zoo import mode_names
 
-    return tuple(m for m in mode_names() if m not in MODES)
+    return tuple(m for m in mode_names() if m not in CLI_MODES)
+
+
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
 
@@ -51,6 +54,9 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap.add_argument("--eps", type=float, default=defaults.eps, help="Config.eps (default: %(default)s)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
                     help="Config.dtype (default: %(default)s)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="shard the residual stream along the sequence (Config.sequence_parallel; "
+                         "needs seq %% world-size == 0); --mode matrix then runs every SP mode")
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
                         help="fixture: the seed's model (rank 0's view, the default JSON); "
@@ -71,7 +77,8 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
 def config_from_args(args: argparse.Namespace) -> Config:
     """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
     return Config(**{name: getattr(args, name) for name in _CONFIG_FLAGS},
-                  eps=args.eps, dtype=args.dtype)
+                  eps=args.eps, dtype=args.dtype,
+                  **({"sequence_parallel": True} if args.sequence_parallel else {}))
 
 
 def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":
-            out = run_matrix(args.seeds, MODES, cfg, args.simulate)
+            out = run_matrix(args.seeds, modes_for(cfg), cfg, args.simulate)
         else:
             out = run(args.seed, args.mode, cfg, args.simulate)
         if args.diagnose and isinstance(out, (list, dict)) and out is not None:

@@ -38,7 +38,10 @@ class Config:
     - ``query_heads % kv_heads == 0`` (each KV head serves a whole group of query heads);
     - ``kv_heads % world_size == 0`` (every rank holds complete query/KV groups; replicating
       KV heads when ``kv_heads < world_size`` is not supported yet);
-    - ``dtype`` is ``"float32"`` or ``"float64"`` (a ``torch.dtype`` is accepted and stored by name).
+    - ``dtype`` is ``"float32"`` or ``"float64"`` (a ``torch.dtype`` is accepted and stored by name);
+    - ``sequence_parallel`` is a bool; when ``True``, ``seq % world_size == 0`` (each rank holds
+      ``seq // world_size`` consecutive tokens of the residual stream, see
+      ``tpattn.sequence_parallel``).
     """
 
     seq: int = 5
@@ -50,6 +53,7 @@ class Config:
     world_size: int = 2
     eps: float = 1e-6
     dtype: str = "float32"
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,6 +82,12 @@ class Config:
             if self.kv_heads < self.world_size:
                 problem += "; replicating KV heads when kv_heads < world_size is not supported yet"
             problems.append(problem)
+        if not isinstance(self.sequence_parallel, bool):
+            problems.append(f"sequence_parallel must be True or False (got {self.sequence_parallel!r})")
+        elif self.sequence_parallel and self.seq % self.world_size:
+            problems.append(
+                f"seq must be a multiple of world_size under sequence_parallel, so each rank "
+                f"holds seq // world_size tokens (got seq={self.seq}, world_size={self.world_size})")
         dtype = self.dtype
         if isinstance(dtype, torch.dtype):
             names = {v: k for k, v in DTYPES.items()}
@@ -111,6 +121,12 @@ class Config:
     def local_kv_heads(self) -> int:
         """KV heads held by one TP rank."""
         return self.kv_heads // self.world_size
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of the residual stream held by one rank under ``sequence_parallel``
+        (``seq // world_size``; the whole ``seq`` otherwise)."""
+        return self.seq // self.world_size if self.sequence_parallel else self.seq
 
     def as_dict(self) -> dict:
         """All fields, in declaration order (``dtype`` by name)."""

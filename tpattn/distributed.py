@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
-                    PARAM_SEED_OFFSET, SEEDS, check_any_mode, check_mode, check_seed, dense_reference,
-                    five_measures, inspect_fixture, make_inputs, max_abs_diff, one_step)
+                    NATIVE_MODES, PARAM_SEED_OFFSET, SEEDS, check_any_mode, check_mode,
+                    check_seed, dense_reference, five_measures, inspect_fixture,
+                    make_inputs, max_abs_diff, modes_for, one_step)
 from .cli import build_parser, config_from_args
 from .config import Config
 from .dense import attend_and_project
@@ -311,6 +312,10 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
     ``dtensor``; see ``RealRankReport``) plus ``issued`` and ``compute_s``; other ranks return
     only ``issued`` (their collective count) and ``compute_s``.
     """
+    if plan.cfg.sequence_parallel:  # the sequence-parallel block: its own collectives
+        from .sequence_parallel import sp_run_rank
+
+        return sp_run_rank(rank, plan, device, on_progress)
     start = time.monotonic()
     ledger = CollectiveLedger()
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
@@ -367,6 +372,11 @@ class RealRankReport:
     - ``dtensor``: ``run()`` dicts of the same block parallelized by PyTorch's TP API;
     - ``timings``: seconds — ``startup_s`` (processes up, group joined), ``compute_s`` (rank
       0's jobs), ``total_s``. Not deterministic: never print them in the book.
+
+    Under ``Config.sequence_parallel`` (``tpattn.sequence_parallel.sp_run_rank``) output and dX
+    are sharded, so ``rank_disagreement`` compares the ``norm`` gradient and weight only (plus
+    ``norm_grad_by_rank``), and ``ledger`` rows count collectives by kind and phase with
+    ``bytes_per_rank``.
     """
 
     world_size: int
@@ -393,8 +403,8 @@ def _validate(world_size, seeds, modes, config, timeout, fault):
     if isinstance(seeds, int) or isinstance(modes, str):
         raise ValueError("seeds and modes must be sequences (e.g. seeds=[11], modes=['equivalence'])")
     seeds = tuple(check_seed(s) for s in seeds)
-    modes = tuple(check_any_mode(m) for m in modes)
-    if any(m not in MODES for m in modes):
+    modes = tuple(check_any_mode(m, cfg) for m in modes)
+    if any(m not in NATIVE_MODES for m in modes):
         from .zoo import check_needs
 
         for m in modes:
@@ -410,6 +420,8 @@ def _validate(world_size, seeds, modes, config, timeout, fault):
                              f"(got {fault['rank']!r})")
         if not modes or not seeds:
             raise ValueError("fault needs at least one seed and one mode to run")
+        if cfg.sequence_parallel:
+            raise ValueError("fault injection is not supported with config.sequence_parallel")
     return cfg, seeds, modes, float(timeout)
 
 
@@ -442,8 +454,10 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
                    dtensor_seeds=dtensor_seeds, timeout=timeout,
                    fault=dict(fault) if fault else None)
     backend = backend or default_backend(world_size)
-    preload = ("tpattn.distributed",) + (("tpattn.dtensor_check",) if dtensor_seeds else ()) \
-        + (("tpattn.zoo_real",) if any(m not in MODES for m in modes) else ())
+    preload = ("tpattn.distributed",) + (("tpattn.sequence_parallel",) if cfg.sequence_parallel else ()) \
+        + ((("tpattn.dtensor_sp",) if cfg.sequence_parallel else ("tpattn.dtensor_check",))
+           if dtensor_seeds else ()) \
+        + (("tpattn.zoo_real",) if any(m not in NATIVE_MODES for m in modes) else ())
     results, timings = run_on_ranks(run_rank, world_size, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]
@@ -514,7 +528,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         else:
-            seeds, modes = (args.seeds, MODES) if args.mode == "matrix" else ([args.seed], [args.mode])
+            seeds, modes = (args.seeds, modes_for(cfg)) if args.mode == "matrix" else ([args.seed], [args.mode])
             cfg, seeds, modes, timeout = _validate(cfg.world_size, seeds, modes, cfg, args.timeout, None)
             plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds), timeout=timeout)
     except ValueError as e:

@@ -19,26 +19,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope_angles(seq: int, head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
+def rope_angles(seq: int, head_dim: int, dtype=torch.float32, device=None,
+                offset: int = 0) -> torch.Tensor:
     """Rotation angle of channel pair ``i`` at position ``m``: ``m / 10000**(i / (head_dim/2))``.
 
+    Positions are ``offset, offset + 1, ..., offset + seq - 1`` (``offset`` > 0: a slice of a
+    longer sequence, e.g. one rank's tokens under sequence parallelism).
     Returns ``[S, 1, 1, head_dim // 2]``, ready to broadcast over ``[S, B, H, head_dim // 2]``.
     """
     half = head_dim // 2
-    pos = torch.arange(seq, dtype=dtype, device=device).view(seq, 1, 1, 1)
+    pos = torch.arange(offset, offset + seq, dtype=dtype, device=device).view(seq, 1, 1, 1)
     freq = torch.arange(half, dtype=dtype, device=device).view(1, 1, 1, half)
     return pos / (10000.0 ** (freq / max(1, half)))
 
 
-def apply_rope(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Rotary position embedding, rotate-half layout.
 
     Channel ``i`` is paired with channel ``i + D/2``; the pair at position ``m`` is rotated by
-    the angle ``rope_angles(S, D)[m, i]``.
+    the angle ``rope_angles(S, D)[m, i]``. Row ``s`` of ``x`` is position ``offset + s``
+    (default 0: ``x`` starts the sequence).
 
     x: ``[S, B, H, D]`` with ``D`` even; returns ``[S, B, H, D]``.
     """
-    theta = rope_angles(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+    theta = rope_angles(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device, offset=offset)
     cos, sin = theta.cos(), theta.sin()
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]

@@ -21,6 +21,8 @@ from .core import Explorer, config_controls, mode_control, seed_control
 from .static import StaticExplorer
 from .explorers import *  # noqa: F401,F403
 from .explorers import __all__ as _explorers
+from .sp import *  # noqa: F401,F403
+from .sp import __all__ as _sp
 
 __all__ = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_controls",
-           *_explorers]
+           *_explorers, *_sp]
