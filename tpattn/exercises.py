@@ -13,6 +13,7 @@ solutions are cells of the chapters' notebooks (tagged ``hide-input``).
 """
 from __future__ import annotations
 
+import functools
 import html
 import os
 import random
@@ -41,7 +42,7 @@ __all__ = [
     "check_missing_g_signature", "check_fingerprint",
     "check_missing_f_signature", "check_missing_f_parameters",
     "check_signature", "check_diagnose",
-    "check_bytes_per_step",
+    "check_bytes_per_step", "check_ledger_counts",
 ]
 
 #: Seeds every checker uses: two of the fixture's and one the chapters never show.
@@ -120,6 +121,9 @@ def _describe_error(e: BaseException) -> str:
         frame = mine[-1]
         code = f": `{frame.line.strip()}`" if frame.line and frame.line.strip() else ""
         return f"your code raised {what} at line {frame.lineno} of {frame.name}{code}."
+    if isinstance(e, TypeError) and frames and frames[-1].filename == __file__:
+        return (f"calling your code failed with {what}: its parameters and what it returns "
+                f"should be as the task says.")
     where = ""
     if frames:
         last = frames[-1]
@@ -371,12 +375,16 @@ def check_shard_params(shard) -> str:
                 sorted(held_kv) != list(range(cfg.kv_heads)):
             raise _Wrong(f"for {_shape(cfg)} some head is on two ranks or on none (query "
                          f"heads held: {sorted(held_q)}, KV heads: {sorted(held_kv)}).")
-        metrics = run(seed, EQUIVALENCE, cfg, shard_fn=shard)
-        failing = _failing(metrics)
+        tp_forward(x0, params, cfg, shard_fn=shard).sum().backward()
+        unreached = [k for k in PARAM_NAMES if params[k].grad is None]
+        metrics = None if unreached else run(seed, EQUIVALENCE, cfg, shard_fn=shard)
+        failing = _failing(metrics) if metrics else ["parameter_grad_max_abs_diff"]
         if failing and "forward_max_abs_diff" not in failing:
             raise _Wrong("every rank holds the right heads and the forward matches, but the "
-                         "gradients do not reach the dense parameters: a shard must be a "
-                         "differentiable slice of params (no detach, no new tensor).")
+                         "gradients do not reach the dense parameters"
+                         + (f" ({', '.join(unreached)} get none)" if unreached else "")
+                         + ": a shard must be a differentiable slice of params (no detach, "
+                         "no new tensor).")
         if failing:
             raise _Wrong(f"the sharded block differs from dense for seed {seed}, "
                          f"{_shape(cfg)} (fails {', '.join(failing)}).")
@@ -572,12 +580,19 @@ def _plain_name(obj, default: str) -> str:
 
 # --- chapters 8 and 9: predictions ----------------------------------------------------------
 
-def _runs(mode: str):
-    """``(cfg, seed, simulate, dense_step, tp_step)`` of ``mode`` for every checked case."""
+@functools.lru_cache(maxsize=None)
+def _mode_runs(mode: str) -> tuple[tuple[frozenset, frozenset], ...]:
+    """For every checked case of ``mode`` (seed × shape × simulation): the measures that fail
+    and the parameters whose gradients are wrong (computed once per session)."""
+    found = []
     for cfg, seed, x0, target, base in _cases():
         dense = dense_reference(x0, target, base, cfg)
         for simulate in SIMULATIONS:
-            yield cfg, seed, simulate, dense, tp_step(x0, target, base, cfg, mode, simulate)
+            tp = tp_step(x0, target, base, cfg, mode, simulate)
+            hit = frozenset(k for k in PARAM_NAMES
+                            if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE)
+            found.append((frozenset(_failing(five_measures(seed, mode, dense, tp))), hit))
+    return tuple(found)
 
 
 def _as_names(prediction, allowed, what: str) -> set[str]:
@@ -591,14 +606,15 @@ def _as_names(prediction, allowed, what: str) -> set[str]:
     return set(prediction)
 
 
-def _grade_prediction(predicted: set, found: list[set], what: str, mode: str) -> str:
+def _grade_prediction(predicted: set, found: list[set], what: str, mode: str, order) -> str:
     """Compare a predicted set with the sets found on every run (all runs must agree)."""
     always = set.intersection(*found)
     sometimes = set.union(*found)
     if always != sometimes:  # not seen in the package so far; say it rather than guess
         raise _Wrong(f"the runs of {mode} do not agree on which {what} fail; no single "
                      f"prediction is right.")
-    missed, extra = sorted(always - predicted), sorted(predicted - always)
+    missed = [n for n in order if n in always - predicted]
+    extra = [n for n in order if n in predicted - always]
     if missed or extra:
         parts = []
         if missed:
@@ -617,9 +633,8 @@ def _grade_prediction(predicted: set, found: list[set], what: str, mode: str) ->
 
 def _check_signature(predict, mode: str) -> str:
     predicted = _as_names(predict(), MEASURES, "measure")
-    found = [set(_failing(five_measures(seed, mode, dense, tp)))
-             for cfg, seed, simulate, dense, tp in _runs(mode)]
-    return _grade_prediction(predicted, found, "measures", mode)
+    found = [set(failing) for failing, _ in _mode_runs(mode)]
+    return _grade_prediction(predicted, found, "measures", mode, MEASURES)
 
 
 @_exercise("predict missing g's signature", 8)
@@ -679,17 +694,23 @@ def check_missing_f_parameters(predict) -> str:
     whose gradients are wrong when f is missing. Graded against real runs of
     ``missing_input_grad_reduce``, parameter by parameter."""
     predicted = _as_names(predict(), PARAM_NAMES, "parameter")
-    found = [{k for k in PARAM_NAMES if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE}
-             for cfg, seed, simulate, dense, tp in _runs(MISSING_INPUT_GRAD_REDUCE)]
-    return _grade_prediction(predicted, found, "parameter gradients", MISSING_INPUT_GRAD_REDUCE)
+    found = [set(hit) for _, hit in _mode_runs(MISSING_INPUT_GRAD_REDUCE)]
+    return _grade_prediction(predicted, found, "parameter gradients", MISSING_INPUT_GRAD_REDUCE,
+                             PARAM_NAMES)
 
 
 # --- chapter 10 -----------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _real_runs() -> tuple[dict, ...]:
+    return tuple(run(seed, mode, cfg, simulate)
+                 for cfg in CHECKED_CONFIGS for seed in CHECKED_SEEDS
+                 for mode in MODES for simulate in SIMULATIONS)
+
+
 def _real_results() -> list[dict]:
-    return [run(seed, mode, cfg, simulate)
-            for cfg in CHECKED_CONFIGS for seed in CHECKED_SEEDS
-            for mode in MODES for simulate in SIMULATIONS]
+    """``tpattn.run`` for every checked seed × shape × mode × simulation (fresh copies)."""
+    return [dict(r) for r in _real_runs()]
 
 
 def _synthetic(failing: tuple, below: float = 0.5) -> dict:
@@ -788,13 +809,14 @@ def check_diagnose(diagnose) -> str:
 
 # --- chapter 11 -----------------------------------------------------------------------------
 
-def _recorded_bytes(cfg: Config) -> dict[str, int]:
-    """Bytes each of f's and g's all-reduces carries on one rank in one training step, read
-    off the tensors that ``tpattn.distributed``'s real ``CopyToRanks``/``ReduceOutputPartials``
-    hand the ledger (in one process, no process group: a ledger that records and does not
-    communicate, so rank 0's values stay its own; only the sizes are used)."""
-    from .distributed import F_ALL_REDUCE, G_ALL_REDUCE, CollectiveLedger, tp_rank_forward
+def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
+    """Rank 0's training step through ``tpattn.distributed``'s real ``tp_rank_forward``
+    (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records what each collective
+    is handed and does not communicate (one process, no process group: rank 0's values stay its
+    own; only the counts and sizes are used). Returns ``(counts, carried)``: the ledger's
+    all-reduces by phase, and bytes carried per collective label."""
     from .check import one_step
+    from .distributed import CollectiveLedger, tp_rank_forward
 
     class RecordingLedger(CollectiveLedger):
         def __init__(self):
@@ -810,9 +832,18 @@ def _recorded_bytes(cfg: Config) -> dict[str, int]:
     ledger = RecordingLedger()
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
-    one_step(lambda x, shard: tp_rank_forward(x, shard, cfg, ledger), x0, target,
-             shard_params(base, cfg)[0])
-    return {"f": ledger.carried.get(F_ALL_REDUCE, 0), "g": ledger.carried.get(G_ALL_REDUCE, 0)}
+    one_step(lambda x, shard: tp_rank_forward(
+        x, shard, cfg, ledger, reduce_output=mode != MISSING_OUTPUT_REDUCE,
+        reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE),
+        x0, target, shard_params(base, cfg)[0])
+    return dict(ledger.counts), ledger.carried
+
+
+def _recorded_bytes(cfg: Config) -> dict[str, int]:
+    """Bytes each of f's and g's all-reduces carries on one rank in one training step."""
+    from .distributed import F_ALL_REDUCE, G_ALL_REDUCE
+    _, carried = _recorded_step(cfg)
+    return {"f": carried.get(F_ALL_REDUCE, 0), "g": carried.get(G_ALL_REDUCE, 0)}
 
 
 #: Shapes the bytes exercise is graded on: the checked ones, a float64 one and a wider one.
@@ -841,12 +872,33 @@ def check_bytes_per_step(bytes_per_step) -> str:
                              f"{type(value).__name__}.")
             if value != want[name]:
                 hint = ""
-                if value * cfg.world_size == want[name]:
+                if value * 2 == want[name] and cfg.dtype == "float64":
+                    hint = " — an element's size depends on cfg.dtype"
+                elif value * cfg.world_size == want[name]:
                     hint = (" — that is divided by the ranks: an all-reduce's tensor is not "
                             "sharded, every rank sends its full-size one")
-                elif value * 2 == want[name] and cfg.dtype == "float64":
-                    hint = " — an element's size depends on cfg.dtype"
                 raise _Wrong(f"for {_shape(cfg)}, {name}'s all-reduce carries {want[name]} "
                              f"bytes per rank per step; you said {value:g}{hint}.")
     return (f"right for all {len(BYTES_CONFIGS)} shapes, float64 among them: the sizes match "
             f"the tensors the real ranks' f and g hand the ledger.")
+
+
+@_exercise("the ledger's counts", 11)
+def check_ledger_counts(ledger_counts) -> str:
+    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``: how many all-reduces
+    one rank's training step of the block issues in each autograd phase, for each mode —
+    compared with the counts the ledger records when the real ranks' f and g run."""
+    for cfg in CHECKED_CONFIGS[:2]:
+        for mode in MODES:
+            want, _ = _recorded_step(cfg, mode)
+            got = ledger_counts(mode)
+            if not isinstance(got, dict) or set(got) != {"forward", "backward"}:
+                raise _Wrong("your function should return a dict with the keys 'forward' and "
+                             "'backward'.")
+            for phase in ("forward", "backward"):
+                if got[phase] != want[phase]:
+                    raise _Wrong(f"for {mode}, one rank's step issues {want[phase]} "
+                                 f"all-reduce{'s' if want[phase] != 1 else ''} in the {phase} "
+                                 f"pass; you said {got[phase]!r}.")
+    return (f"right for every mode, on 2 and 4 ranks: the counts match what the ledger records "
+            f"when the real ranks' f and g run.")
