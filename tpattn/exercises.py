@@ -73,6 +73,7 @@ class Result:
     message: str
 
     def text(self) -> str:
+        """The paragraph as one line of text, with a ✓ or ✗ in front."""
         head = "✓ " if self.passed else "✗ "
         return head + f"{self.exercise}: {self.message}"
 
@@ -157,7 +158,6 @@ def _exercise(name: str, chapter: int):
         checker.__name__ = body.__name__
         checker.__qualname__ = body.__qualname__
         checker.__doc__ = body.__doc__
-        checker.__wrapped__ = body
         return checker
 
     return decorate
