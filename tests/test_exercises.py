@@ -23,7 +23,7 @@ from tpattn.check import LR, MEASURES
 from tpattn.dense import attend_and_project
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
-CHECK_CALL = re.compile(r"^exercises\.(check_\w+)\((\w+)\)$")
+CHECK_CALL = re.compile(r"^exercises\.(check_\w+)\((.+)\)$")
 
 
 def exercise_cells():
@@ -46,10 +46,11 @@ def exercise_cells():
 EXERCISES = exercise_cells()
 
 
-def load(code: str, name: str, where: str):
+def load(code: str, answer: str, where: str):
+    """Run a notebook cell's code; return the value of ``answer`` (the checker's argument)."""
     namespace = {"__name__": "reader"}
     exec(compile(code, where, "exec"), namespace)
-    return namespace[name]
+    return eval(answer, namespace)
 
 
 def solution(checker: str):
@@ -191,6 +192,38 @@ def swapped_diagnose(result):
     return swap.get(mode, mode)
 
 
+def real_f(reduce: bool):
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, n):
+            return n.view_as(n)
+
+        @staticmethod
+        def backward(ctx, grad):
+            total = grad.contiguous().clone()
+            if reduce:
+                torch.distributed.all_reduce(total)
+            return total
+    return F
+
+
+def real_g(reduce: bool, fail: bool = False):
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, partial):
+            total = partial.contiguous().clone()
+            if fail:
+                1 / 0
+            if reduce:
+                torch.distributed.all_reduce(total)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+    return G
+
+
 def nbytes(cfg):
     return cfg.seq * cfg.batch * cfg.hidden * cfg.torch_dtype.itemsize
 
@@ -247,6 +280,12 @@ WRONG = [
     ("check_bytes_per_step",
      lambda cfg: {"f": cfg.seq * cfg.batch * cfg.hidden * 4, "g": cfg.seq * cfg.batch * cfg.hidden * 4},
      "an element's size depends on cfg.dtype"),
+    ("check_real_f_and_g", (real_f(reduce=False), real_g(reduce=True)),
+     "on real ranks the forward is right but input_grad_max_abs_diff"),
+    ("check_real_f_and_g", (real_f(reduce=True), real_g(reduce=False)),
+     "on real ranks the output is not dense's"),
+    ("check_real_f_and_g", (real_f(reduce=True), real_g(reduce=True, fail=True)),
+     "on real ranks, rank 0 raised ZeroDivisionError"),
     ("check_ledger_counts", lambda mode: {"forward": 1, "backward": 1},
      "for missing_output_reduce, one rank's step issues 0 all-reduces in the forward pass; you said 1"),
     ("check_ledger_counts", lambda mode: {"forward": 1, "backward": 2},

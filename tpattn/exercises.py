@@ -42,7 +42,7 @@ __all__ = [
     "check_missing_g_signature", "check_fingerprint",
     "check_missing_f_signature", "check_missing_f_parameters",
     "check_signature", "check_diagnose",
-    "check_bytes_per_step", "check_ledger_counts",
+    "check_bytes_per_step", "check_ledger_counts", "check_real_f_and_g",
 ]
 
 #: Seeds every checker uses: two of the fixture's and one the chapters never show.
@@ -164,6 +164,8 @@ def _exercise(name: str, chapter: int):
 
 
 def _name_of(answer) -> str:
+    if isinstance(answer, tuple):
+        return " or ".join(_name_of(a) for a in answer)
     name = getattr(answer, "__name__", None)
     return f"`{name}`" if name else "your code"
 
@@ -902,3 +904,69 @@ def check_ledger_counts(ledger_counts) -> str:
                                  f"pass; you said {got[phase]!r}.")
     return (f"right for every mode, on 2 and 4 ranks: the counts match what the ledger records "
             f"when the real ranks' f and g run.")
+
+
+def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
+    """One rank of ``check_real_f_and_g``: every checked seed's training step with the reader's
+    f and g, gathered to rank 0 and compared with dense there (module level: started by
+    ``tpattn.launch.run_on_ranks``)."""
+    from .check import one_step
+    from .distributed import CollectiveLedger, _assemble
+
+    cfg, seeds, f, g = plan
+    ledger = CollectiveLedger()
+    results = []
+    for index, seed in enumerate(seeds):
+        x0, target = make_inputs(cfg, seed)
+        base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+
+        def forward(x, shard):
+            n = f.apply(rms_norm(x, shard["norm"], cfg.eps))
+            return x + g.apply(attend_and_project(n, shard, cfg))
+
+        step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
+        ranks = ledger.gather_tensors({**{"grad_" + k: v for k, v in step["grads"].items()},
+                                       **{"weight_" + k: v for k, v in step["weights"].items()}})
+        if rank == 0:
+            tp = {**step, "grads": _assemble(ranks, cfg, "grad_"),
+                  "weights": _assemble(ranks, cfg, "weight_")}
+            results.append(five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp))
+        on_progress(index)
+    return results if rank == 0 else None
+
+
+@_exercise("f and g on real ranks", 11)
+def check_real_f_and_g(f_and_g) -> str:
+    """Check ``(F, G)``: f and g as ``torch.autograd.Function`` subclasses for real ranks —
+    ``F.apply(n)`` and ``G.apply(partial)`` on one rank's ``[S, B, hidden]`` tensor, calling
+    ``torch.distributed.all_reduce`` themselves. Runs them on 2 gloo ranks (processes forked
+    from this one, so classes defined in a notebook reach them) for the checked seeds, and
+    compares rank 0's gathered step with dense on the five measures."""
+    from .launch import RankFailure, run_on_ranks
+
+    if not isinstance(f_and_g, tuple) or len(f_and_g) != 2:
+        raise _Wrong("pass the two classes as a tuple (F, G).")
+    f, g = f_and_g
+    _plain_name(f, "F")
+    _plain_name(g, "G")
+    cfg = Config()
+    try:
+        results, _ = run_on_ranks(_real_fg_rank, cfg.world_size, (cfg, CHECKED_SEEDS, f, g),
+                                  timeout=20.0, backend="gloo", start_method="fork")
+    except RankFailure as e:
+        text = str(e).removeprefix("real-rank run failed: ")
+        if "NotImplementedError" in text:
+            raise _NotWritten() from None
+        raise _Wrong(f"on real ranks, {text}.") from None
+    for metrics in results[0]:
+        failing = _failing(metrics)
+        if "forward_max_abs_diff" in failing:
+            raise _Wrong(f"on real ranks the output is not dense's (seed {metrics['seed']}): "
+                         f"G's forward must leave every rank with the sum of all ranks' "
+                         f"partials.")
+        if failing:
+            raise _Wrong(f"on real ranks the forward is right but {', '.join(failing)} fail "
+                         f"(seed {metrics['seed']}): F's backward must all-reduce dn, and G's "
+                         f"backward must pass the gradient through unchanged.")
+    return (f"on 2 real gloo ranks your F and G give dense's step on all five measures for "
+            f"{len(CHECKED_SEEDS)} seeds.")
