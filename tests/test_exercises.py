@@ -354,3 +354,15 @@ def test_result_text_fits_the_column_and_html_is_escaped():
     assert all(len(line) <= ex.WIDTH for line in repr(result).splitlines())
     assert "&lt;b&gt; &amp;" in result._repr_html_()
     assert result._repr_html_().startswith("<p") and "✗ not yet" in result._repr_html_()
+
+
+@pytest.mark.parametrize("nb", sorted({e[0] for e in EXERCISES}))
+def test_the_html_book_shows_the_stubs_message_and_hides_the_solution(nb):
+    page = BOOK.parent / "_build" / "html" / "book" / nb.replace(".ipynb", ".html")
+    if not page.is_file():
+        pytest.skip("the HTML book is not built (make book)")
+    html = page.read_text()
+    solutions = re.findall(r'<div class="cell tag_hide-input tag_exercise-solution[^"]*"', html)
+    assert len(solutions) == sum(1 for e in EXERCISES if e[0] == nb)
+    assert html.count("not written yet") == len(solutions)
+    assert "Traceback" not in html.split('id="exercises"')[-1]
