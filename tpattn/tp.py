@@ -126,7 +126,8 @@ class AllReduce(torch.autograd.Function):
 
 
 def tp_forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]], cfg: Config,
-                     reduce_output: bool = True, reduce_input_grad: bool = True) -> list[torch.Tensor]:
+                     reduce_output: bool = True, reduce_input_grad: bool = True,
+                     f=AllReduceGrads, g=AllReduce) -> list[torch.Tensor]:
     """Every simulated rank's own output of the block, as real ranks compute it.
 
     xs: one ``[S, B, hidden]`` per rank (each rank's own copy of the same input); ``shards``:
@@ -135,10 +136,13 @@ def tp_forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor
 
     ``reduce_output=False`` drops g: rank r's output is ``x + P_r``, its own partial.
     ``reduce_input_grad=False`` drops f: rank r's dn stays its own contribution.
+    ``f``, ``g``: the two collectives, ``torch.autograd.Function`` subclasses whose
+    ``apply(*tensors)`` maps one tensor per rank to one per rank (default ``AllReduceGrads``
+    and ``AllReduce``; ``tpattn.exercises`` passes the reader's own).
     """
     ns = [rms_norm(x, shard["norm"], cfg.eps) for x, shard in zip(xs, shards)]
     if reduce_input_grad:
-        ns = AllReduceGrads.apply(*ns)
+        ns = f.apply(*ns)
     partials = [attend_and_project(n, shard, cfg) for n, shard in zip(ns, shards)]
-    outs = AllReduce.apply(*partials) if reduce_output else partials
+    outs = g.apply(*partials) if reduce_output else partials
     return [x + out for x, out in zip(xs, outs)]

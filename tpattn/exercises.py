@@ -1,0 +1,972 @@
+"""Exercises that check themselves: the reader writes the code, the package says what is right.
+
+Each ``check_*`` function takes the reader's function, runs it through the package — the five
+measures of ``tpattn.check`` against the dense block, the collective ledger where it applies —
+on several seeds and shapes (more than the chapter tried: ``CHECKED_SEEDS`` × ``CHECKED_CONFIGS``)
+and returns a ``Result``: ``.passed`` and one short paragraph saying what is right, what is
+wrong and which chapter explains it. A checker never shows a traceback: an exception in the
+reader's code becomes one sentence naming the line and the error, and a stub that still raises
+``NotImplementedError`` is reported as not written yet. No solution lives here: the reference
+solutions are cells of the chapters' notebooks (tagged ``hide-input``).
+
+``import tpattn`` does not import this module; a notebook imports it where its exercises begin.
+"""
+from __future__ import annotations
+
+import functools
+import html
+import os
+import random
+import sysconfig
+import textwrap
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from .check import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
+                    MODES, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
+                    five_measures, gather_ranks, make_inputs, max_abs_diff, ranks_step, run,
+                    tp_step)
+from .config import Config
+from .dense import attend_and_project, dense_forward
+from .layers import rms_norm
+from .params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
+from .tp import tp_forward, tp_forward_ranks
+
+__all__ = [
+    "Result", "CHECKED_SEEDS", "CHECKED_CONFIGS",
+    "check_train_step", "check_five_measures",
+    "check_shard_params", "check_keeps_groups",
+    "check_g", "check_f",
+    "check_missing_g_signature", "check_fingerprint",
+    "check_missing_f_signature", "check_missing_f_parameters",
+    "check_signature", "check_diagnose",
+    "check_bytes_per_step", "check_ledger_counts", "check_real_f_and_g",
+]
+
+#: Seeds every checker uses: two of the fixture's and one the chapters never show.
+CHECKED_SEEDS = (11, 17, 5)
+#: Shapes every checker uses: the fixture's; 8 query heads sharing 4 KV heads on 4 ranks; and
+#: a small odd one (3 tokens, batch 1, hidden 8, 6 query heads in groups of 3, head_dim 2).
+CHECKED_CONFIGS = (
+    Config(),
+    Config(query_heads=8, kv_heads=4, world_size=4),
+    Config(seq=3, batch=1, hidden=8, query_heads=6, kv_heads=2, head_dim=2),
+)
+#: The chapters the messages point to.
+CHAPTERS = {5: "chapter 5 (the dense block)", 6: "chapter 6 (head sharding)",
+            7: "chapter 7 (the two reductions)", 8: "chapter 8 (the missing output reduce)",
+            9: "chapter 9 (the missing input-gradient reduce)", 10: "chapter 10 (the matrix)",
+            11: "chapter 11 (real ranks)"}
+#: Width of the text paragraph (the book's code column).
+WIDTH = 75
+
+
+@dataclass(frozen=True)
+class Result:
+    """A checker's verdict: ``passed`` and ``message``, one short paragraph (shown as the
+    cell's output: text in a terminal, HTML in a notebook)."""
+
+    exercise: str
+    passed: bool
+    message: str
+
+    def text(self) -> str:
+        """The paragraph as one line of text, with a ✓ or ✗ in front."""
+        head = "✓ " if self.passed else "✗ "
+        return head + f"{self.exercise}: {self.message}"
+
+    def __repr__(self) -> str:
+        return textwrap.fill(self.text(), WIDTH)
+
+    def _repr_html_(self) -> str:
+        color = "#1a7f37" if self.passed else "#b35900"
+        verdict = "✓ right" if self.passed else "✗ not yet"
+        return (f'<p style="border-left: 4px solid {color}; padding-left: 0.6em">'
+                f'<strong style="color: {color}">{verdict}</strong> — '
+                f'<em>{html.escape(self.exercise)}</em>: {html.escape(self.message)}</p>')
+
+
+class _Wrong(Exception):
+    """Raised inside a checker to end it with a failing message."""
+
+
+class _NotWritten(Exception):
+    """The reader's stub still raises NotImplementedError."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY_DIRS = tuple({os.path.abspath(p) for p in (
+    os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]) if p})
+
+
+def _is_reader_file(filename: str) -> bool:
+    """True for a frame of the reader's code: not the package, torch, the stdlib or a library."""
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    return not path.startswith(_PACKAGE_DIR) and not path.startswith(_LIBRARY_DIRS)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _describe_error(e: BaseException) -> str:
+    """One sentence: where in the reader's code the error arose, and what it was."""
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if _is_reader_file(f.filename)]
+    what = type(e).__name__ + (f" ({_first_line(e)})" if _first_line(e) else "")
+    if mine:
+        frame = mine[-1]
+        code = f": `{frame.line.strip()}`" if frame.line and frame.line.strip() else ""
+        return f"your code raised {what} at line {frame.lineno} of {frame.name}{code}."
+    if isinstance(e, TypeError) and frames and frames[-1].filename == __file__:
+        return (f"calling your code failed with {what}: its parameters and what it returns "
+                f"should be as the task says.")
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" in {os.path.basename(last.filename)}, line {last.lineno}"
+    return (f"running your code through the package raised {what}{where}; check the types "
+            f"and shapes your code returns against the task.")
+
+
+def _exercise(name: str, chapter: int):
+    """Decorate a checker: its body raises ``_Wrong(message)`` or returns the success
+    message; reader exceptions become one sentence, a stub 'not written yet'."""
+
+    def decorate(body):
+        def checker(answer) -> Result:
+            try:
+                message = body(answer)
+            except _Wrong as e:
+                return Result(name, False, f"{e} See {CHAPTERS[chapter]}.")
+            except _NotWritten:
+                return Result(name, False, f"not written yet: replace `raise NotImplementedError` "
+                                           f"in {_name_of(answer)} with your code, then run this "
+                                           f"cell again.")
+            except NotImplementedError:
+                return Result(name, False, f"not written yet: replace `raise NotImplementedError` "
+                                           f"in {_name_of(answer)} with your code, then run this "
+                                           f"cell again.")
+            except Exception as e:  # noqa: BLE001 - the reader's code may raise anything
+                return Result(name, False, _describe_error(e) + f" See {CHAPTERS[chapter]}.")
+            return Result(name, True, message)
+
+        checker.__name__ = body.__name__
+        checker.__qualname__ = body.__qualname__
+        checker.__doc__ = body.__doc__
+        return checker
+
+    return decorate
+
+
+def _name_of(answer) -> str:
+    if isinstance(answer, tuple):
+        return " or ".join(_name_of(a) for a in answer)
+    name = getattr(answer, "__name__", None)
+    return f"`{name}`" if name else "your code"
+
+
+def _shape(cfg: Config) -> str:
+    """A shape in words, short."""
+    text = (f"{cfg.query_heads} query / {cfg.kv_heads} KV heads on {cfg.world_size} ranks")
+    if (cfg.seq, cfg.batch, cfg.hidden, cfg.head_dim) != (5, 2, 16, 4):
+        text += f" (seq {cfg.seq}, batch {cfg.batch}, hidden {cfg.hidden}, head_dim {cfg.head_dim})"
+    if cfg.dtype != "float32":
+        text += f" in {cfg.dtype}"
+    return text
+
+
+def _cases(configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS):
+    """``(cfg, seed, x0, target, base)`` for every shape × seed, as ``tpattn.run`` draws them."""
+    for cfg in configs:
+        for seed in seeds:
+            x0, target = make_inputs(cfg, seed)
+            yield cfg, seed, x0, target, init_params(cfg, seed + PARAM_SEED_OFFSET)
+
+
+def _coverage() -> str:
+    return (f"{len(CHECKED_SEEDS)} seeds × {len(CHECKED_CONFIGS)} shapes, among them "
+            f"{_shape(CHECKED_CONFIGS[1])} and {_shape(CHECKED_CONFIGS[2])}")
+
+
+def _failing(metrics: dict) -> list[str]:
+    return [m for m in MEASURES if metrics[m] >= TOLERANCE]
+
+
+def _tensor(value, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise _Wrong(f"{what} should be a torch.Tensor, but your code gave "
+                     f"{type(value).__name__}.")
+    return value
+
+
+def _expect_shape(t: torch.Tensor, shape, what: str) -> None:
+    if list(t.shape) != list(shape):
+        raise _Wrong(f"{what} has shape {list(t.shape)}; it should be {list(shape)}.")
+
+
+# --- chapter 5 ------------------------------------------------------------------------------
+
+_STEP_KEYS = ("output", "loss", "input_grad", "grads", "weights")
+_STEP_HINTS = {
+    "forward_max_abs_diff": "the output is not the dense block's: run "
+                            "tpattn.dense_forward(x, p, cfg) on trainable copies of the inputs",
+    "loss_abs_diff": "the loss is not the fixture's: the mean squared error of the output "
+                     "against the target (torch.nn.functional.mse_loss)",
+    "input_grad_max_abs_diff": "the input gradient is wrong: it is the .grad of a copy of x0 "
+                               "that requires grad, after one backward of the loss",
+    "parameter_grad_max_abs_diff": "the parameter gradients are wrong: they are the .grad of "
+                                   "the trainable copies after one backward of the loss",
+    "post_step_weight_max_abs_diff": f"the weights after the step are wrong: one SGD step "
+                                     f"moves each parameter against its gradient, scaled by "
+                                     f"the learning rate tpattn.check.LR = {LR}",
+}
+
+
+@_exercise("one SGD step", 5)
+def check_train_step(train_step) -> str:
+    """Check ``train_step(x0, target, params, cfg) -> dict``: one training step of the dense
+    block (forward, MSE loss, backward, SGD with ``tpattn.check.LR``) that leaves ``params``
+    untouched and returns ``output``, ``loss``, ``input_grad``, ``grads`` and ``weights``
+    (by parameter name), as ``tpattn.check.one_step`` does."""
+    for cfg, seed, x0, target, base in _cases():
+        before = {k: v.clone() for k, v in base.items()}
+        x_before = x0.clone()
+        step = train_step(x0, target, base, cfg)
+        if not all(torch.equal(base[k], before[k]) for k in base) or not torch.equal(x0, x_before):
+            raise _Wrong("your step changed the starting parameters or x0 in place; the step "
+                         "must work on trainable copies (tpattn.clone_trainable) so the start "
+                         "stays available for the dense-vs-TP comparison.")
+        if not isinstance(step, dict) or any(k not in step for k in _STEP_KEYS):
+            raise _Wrong(f"your step should return a dict with the keys {', '.join(_STEP_KEYS)}.")
+        if step["input_grad"] is None:
+            raise _Wrong("input_grad is None: x has no gradient — make a copy of x0 that "
+                         "requires grad before the forward.")
+        for key in ("grads", "weights"):
+            if not isinstance(step[key], dict) or any(
+                    not isinstance(step[key].get(k), torch.Tensor) for k in PARAM_NAMES):
+                raise _Wrong(f"step['{key}'] should map each of {', '.join(PARAM_NAMES)} to "
+                             f"a tensor.")
+        for key in ("output", "loss", "input_grad"):
+            _tensor(step[key], f"step['{key}']")
+        metrics = five_measures(seed, "your step", dense_reference(x0, target, base, cfg), step)
+        failing = _failing(metrics)
+        if failing:
+            first = failing[0]
+            raise _Wrong(f"for seed {seed}, {_shape(cfg)}, {_STEP_HINTS[first]} (differs from "
+                         f"the reference by {metrics[first]:.1e}).")
+    return (f"your step matches the dense reference on all five measures for {_coverage()}, "
+            f"and leaves its inputs untouched.")
+
+
+@_exercise("the five measures", 5)
+def check_five_measures(measures) -> str:
+    """Check ``measures(dense, tp) -> dict``: the five measures (keys ``tpattn.MEASURES``,
+    Python floats) between two ``one_step`` dicts, on the dense side and the TP side of every
+    mode (each mode fails a different set of measures)."""
+    hints = {"forward_max_abs_diff": "the largest absolute difference of the outputs",
+             "loss_abs_diff": "the absolute difference of the losses",
+             "input_grad_max_abs_diff": "the largest absolute difference of the input gradients",
+             "parameter_grad_max_abs_diff": "the largest absolute difference over the gradients "
+                                            "of all five parameters",
+             "post_step_weight_max_abs_diff": "the largest absolute difference over all five "
+                                              "parameters after the step"}
+    count = 0
+    for cfg, seed, x0, target, base in _cases(CHECKED_CONFIGS[:2]):
+        dense = dense_reference(x0, target, base, cfg)
+        for mode in MODES:
+            tp = tp_step(x0, target, base, cfg, mode, "ranks")
+            want = five_measures(seed, mode, dense, tp)
+            got = measures(dense, tp)
+            if not isinstance(got, dict):
+                raise _Wrong(f"your function should return a dict keyed by the five measure "
+                             f"names, but it gave {type(got).__name__}.")
+            missing = [m for m in MEASURES if m not in got]
+            if missing:
+                raise _Wrong(f"your dict lacks {', '.join(missing)}; the keys are "
+                             f"tpattn.MEASURES.")
+            for m in MEASURES:
+                try:
+                    value = float(got[m])
+                except (TypeError, ValueError):
+                    raise _Wrong(f"{m} should be a number, but your code gave "
+                                 f"{type(got[m]).__name__}.") from None
+                # Two correct ways differ by at most one float32 rounding of the difference.
+                if not abs(value - want[m]) <= 1e-6 * abs(want[m]) + 1e-12:
+                    raise _Wrong(f"{m} is not {hints[m]}: for seed {seed}, {mode}, "
+                                 f"{_shape(cfg)} yours is {value:.2e}, the package's "
+                                 f"{want[m]:.2e}.")
+            count += 1
+    return (f"all five of your measures agree with the package's on {count} comparisons: "
+            f"every mode, {len(CHECKED_SEEDS)} seeds, two shapes (up to 4 ranks).")
+
+
+# --- chapter 6 ------------------------------------------------------------------------------
+
+def _head_of(block: torch.Tensor, dense: torch.Tensor, rows_per_head: int) -> int | None:
+    """Which head of ``dense`` (blocks of ``rows_per_head`` rows) ``block`` is, or None."""
+    for h in range(dense.shape[0] // rows_per_head):
+        if torch.equal(block, dense[h * rows_per_head:(h + 1) * rows_per_head]):
+            return h
+    return None
+
+
+def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, rank: int) -> list[int]:
+    heads = []
+    for i in range(shard.shape[0] // d):
+        h = _head_of(shard[i * d:(i + 1) * d].detach(), dense.detach(), d)
+        if h is None:
+            raise _Wrong(f"rank {rank}'s {what} rows {i * d}..{(i + 1) * d - 1} are not one "
+                         f"whole head of the dense {what}: a head's head_dim rows stay together.")
+        heads.append(h)
+    return heads
+
+
+@_exercise("shard_params", 6)
+def check_shard_params(shard) -> str:
+    """Check ``shard(params, cfg) -> list[dict]``: one dict per rank with ``norm`` (replicated)
+    and that rank's head-group shards of ``wq``, ``wk``, ``wv`` (rows) and ``wo`` (columns),
+    cut so that gradients reach ``params``. Graded by what each rank holds and by the five
+    measures of ``tpattn.run(..., shard_fn=shard)``."""
+    for cfg, seed, x0, target, base in _cases():
+        d, g = cfg.head_dim, cfg.group_size
+        params = clone_trainable(base)
+        shards = shard(params, cfg)
+        if not isinstance(shards, (list, tuple)) or len(shards) != cfg.world_size:
+            raise _Wrong(f"for {_shape(cfg)} your function should return a list of "
+                         f"{cfg.world_size} dicts, one per rank.")
+        expected = {"norm": [cfg.hidden], "wq": [cfg.local_query_heads * d, cfg.hidden],
+                    "wk": [cfg.local_kv_heads * d, cfg.hidden],
+                    "wv": [cfg.local_kv_heads * d, cfg.hidden],
+                    "wo": [cfg.hidden, cfg.local_query_heads * d]}
+        held_q, held_kv = [], []
+        for rank, mine in enumerate(shards):
+            if not isinstance(mine, dict) or any(k not in mine for k in PARAM_NAMES):
+                raise _Wrong(f"rank {rank}'s shard should be a dict with the keys "
+                             f"{', '.join(PARAM_NAMES)}.")
+            for k in PARAM_NAMES:
+                t = _tensor(mine[k], f"rank {rank}'s {k}")
+                _expect_shape(t, expected[k], f"for {_shape(cfg)}, rank {rank}'s {k}")
+            q = _heads_held(mine["wq"], params["wq"], d, "wq", rank)
+            kv = _heads_held(mine["wk"], params["wk"], d, "wk", rank)
+            if _heads_held(mine["wv"], params["wv"], d, "wv", rank) != kv:
+                raise _Wrong(f"rank {rank} holds other heads of wv than of wk; a KV head's "
+                             f"key and value rows go together.")
+            o = _heads_held(mine["wo"].t(), params["wo"].t(), d, "wo column", rank)
+            if o != q:
+                raise _Wrong(f"rank {rank}'s wo columns belong to query heads {o}, but it "
+                             f"computes query heads {q}: wo's columns must match the rank's "
+                             f"own heads.")
+            for i, h in enumerate(q):
+                if h // g not in kv:
+                    raise _Wrong(f"for {_shape(cfg)}, rank {rank} holds query heads {q} and "
+                                 f"KV heads {kv}: query head {h} reads KV head {h // g}, "
+                                 f"which is not on rank {rank} — a split group.")
+                if kv[i // g] != h // g:
+                    raise _Wrong(f"rank {rank} holds the right heads in the wrong order: its "
+                                 f"query head {h} would read KV head {kv[i // g]} "
+                                 f"(repeat_kv pairs local query head i with local KV head "
+                                 f"i // group_size).")
+            held_q += q
+            held_kv += kv
+        if sorted(held_q) != list(range(cfg.query_heads)) or \
+                sorted(held_kv) != list(range(cfg.kv_heads)):
+            raise _Wrong(f"for {_shape(cfg)} some head is on two ranks or on none (query "
+                         f"heads held: {sorted(held_q)}, KV heads: {sorted(held_kv)}).")
+        tp_forward(x0, params, cfg, shard_fn=shard).sum().backward()
+        unreached = [k for k in PARAM_NAMES if params[k].grad is None]
+        metrics = None if unreached else run(seed, EQUIVALENCE, cfg, shard_fn=shard)
+        failing = _failing(metrics) if metrics else ["parameter_grad_max_abs_diff"]
+        if failing and "forward_max_abs_diff" not in failing:
+            raise _Wrong("every rank holds the right heads and the forward matches, but the "
+                         "gradients do not reach the dense parameters"
+                         + (f" ({', '.join(unreached)} get none)" if unreached else "")
+                         + ": a shard must be a differentiable slice of params (no detach, "
+                         "no new tensor).")
+        if failing:
+            raise _Wrong(f"the sharded block differs from dense for seed {seed}, "
+                         f"{_shape(cfg)} (fails {', '.join(failing)}).")
+    return (f"every rank holds complete query/KV groups with the matching wo columns, "
+            f"gradients reach the dense parameters, and tpattn.run(..., shard_fn=yours) "
+            f"passes all five measures for {_coverage()}.")
+
+
+def _layout_shard_fn(layout):
+    """A ``shard_fn`` that gives rank r the query heads ``layout[r]["query"]`` and KV heads
+    ``layout[r]["kv"]`` (sorted), with the matching wq/wk/wv rows and wo columns."""
+
+    def shard_fn(params, cfg):
+        d = cfg.head_dim
+
+        def rows(heads):
+            return torch.tensor([h * d + i for h in sorted(heads) for i in range(d)])
+
+        return [{"norm": params["norm"], "wq": params["wq"][rows(r["query"])],
+                 "wk": params["wk"][rows(r["kv"])], "wv": params["wv"][rows(r["kv"])],
+                 "wo": params["wo"][:, rows(r["query"])]} for r in layout]
+
+    return shard_fn
+
+
+def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
+    """Balanced layouts (every rank as many heads as the package gives it): the package's,
+    groups moved between ranks, query heads shuffled, and one query head swapped."""
+    w, g = cfg.world_size, cfg.group_size
+    lq, lkv = cfg.local_query_heads, cfg.local_kv_heads
+
+    def from_lists(query, kv):
+        return [{"query": sorted(query[r * lq:(r + 1) * lq]), "kv": sorted(kv[r * lkv:(r + 1) * lkv])}
+                for r in range(w)]
+
+    package = []
+    for rank in range(w):
+        q_rows, kv_rows = rank_head_slices(cfg, rank)
+        package.append({"query": list(range(q_rows.start // cfg.head_dim, q_rows.stop // cfg.head_dim)),
+                        "kv": list(range(kv_rows.start // cfg.head_dim, kv_rows.stop // cfg.head_dim))})
+    layouts = [package]
+    for _ in range(2):  # whole groups moved to other ranks
+        kv = list(range(cfg.kv_heads))
+        rng.shuffle(kv)
+        layouts.append(from_lists([k * g + i for k in kv for i in range(g)], kv))
+    for _ in range(2):  # query heads shuffled, KV heads where the package puts them
+        query = list(range(cfg.query_heads))
+        rng.shuffle(query)
+        layouts.append(from_lists(query, list(range(cfg.kv_heads))))
+    swapped = [{"query": list(r["query"]), "kv": list(r["kv"])} for r in package]
+    swapped[0]["query"][-1], swapped[-1]["query"][0] = swapped[-1]["query"][0], swapped[0]["query"][-1]
+    layouts.append([{"query": sorted(r["query"]), "kv": r["kv"]} for r in swapped])
+    return layouts
+
+
+def _layout_text(layout) -> str:
+    return "; ".join(f"rank {r}: query {part['query']}, KV {part['kv']}"
+                     for r, part in enumerate(layout))
+
+
+@_exercise("detect a split group", 6)
+def check_keeps_groups(keeps_groups) -> str:
+    """Check ``keeps_groups(layout, cfg) -> bool``: whether a layout — per rank a dict with
+    the sorted lists ``"query"`` and ``"kv"`` of the heads it holds — keeps every query/KV
+    group on one rank. Graded against the sharded block itself: a layout is right exactly when
+    ``tpattn.run(seed, "equivalence", cfg, shard_fn=that layout)`` passes."""
+    rng = random.Random(13)
+    count = 0
+    for cfg in CHECKED_CONFIGS:
+        for layout in _layouts(cfg, rng):
+            truth = run(11, EQUIVALENCE, cfg, shard_fn=_layout_shard_fn(layout))["passed"]
+            answer = keeps_groups([{"query": list(p["query"]), "kv": list(p["kv"])}
+                                   for p in layout], cfg)
+            if not isinstance(answer, bool) and not (
+                    isinstance(answer, torch.Tensor) and answer.numel() == 1):
+                raise _Wrong(f"your function should return True or False, but it gave "
+                             f"{type(answer).__name__}.")
+            if bool(answer) != truth:
+                verdict = ("keeps groups complete, but the sharded block with this layout "
+                           "differs from dense" if answer else
+                           "splits a group, but the sharded block with this layout matches "
+                           "dense on all five measures")
+                raise _Wrong(f"for {_shape(cfg)} and the layout {_layout_text(layout)}, you "
+                             f"said it {verdict}.")
+            count += 1
+    return (f"right on all {count} layouts (three shapes, the package's layout, groups moved "
+            f"between ranks and shuffled heads), each graded by running the sharded block.")
+
+
+# --- chapter 7 ------------------------------------------------------------------------------
+
+def _probe(collective, world_size: int, name: str) -> tuple[list, list, list, list]:
+    """Run ``collective.apply`` on random per-rank tensors and backward with random output
+    gradients; return (inputs, outputs, output gradients, input gradients)."""
+    gen = torch.Generator().manual_seed(7)
+    ts = [torch.randn(3, 2, 4, generator=gen).requires_grad_(True) for _ in range(world_size)]
+    cs = [torch.randn(3, 2, 4, generator=gen) for _ in range(world_size)]
+    outs = collective.apply(*ts)
+    if isinstance(outs, torch.Tensor) or not isinstance(outs, (tuple, list)) or len(outs) != world_size:
+        raise _Wrong(f"{name}.apply(*tensors) with {world_size} tensors should return "
+                     f"{world_size} tensors, one per rank.")
+    for r, o in enumerate(outs):
+        _expect_shape(_tensor(o, f"{name}'s output for rank {r}"), ts[r].shape,
+                      f"{name}'s output for rank {r}")
+    loss = sum((o * c).sum() for o, c in zip(outs, cs))
+    loss.backward()
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ts]
+    return ts, [o.detach() for o in outs], cs, grads
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, terms: int) -> bool:
+    """Equal up to the rounding of a float32 sum of ``terms`` terms of size ~ max |b|."""
+    bound = 4 * terms * torch.finfo(torch.float32).eps * max(1.0, b.abs().max().item())
+    return bool((a - b).abs().max() <= bound)
+
+
+def _check_collective(collective, name: str, sums_forward: bool) -> None:
+    """The probe's verdict on an f (identity forward, summing backward) or a g (summing
+    forward, identity backward)."""
+    for world_size in (2, 4):
+        ts, outs, cs, grads = _probe(collective, world_size, name)
+        total = sum(t.detach() for t in ts)
+        total_c = sum(cs)
+        for r in range(world_size):
+            want = total if sums_forward else ts[r].detach()
+            if not _close(outs[r], want, world_size):
+                if sums_forward and _close(outs[r], ts[r].detach(), 1):
+                    raise _Wrong(f"{name}'s forward hands rank {r} its own tensor back; g's "
+                                 f"forward gives every rank the sum of all ranks' partials.")
+                if not sums_forward and _close(outs[r], total, world_size):
+                    raise _Wrong(f"{name}'s forward sums the ranks' tensors; f's forward is the "
+                                 f"identity — every rank already holds the same n.")
+                raise _Wrong(f"with {world_size} ranks, {name}'s forward output for rank {r} "
+                             f"is neither its own tensor nor the sum of all ranks' tensors.")
+        for r in range(world_size):
+            want = cs[r] if sums_forward else total_c
+            if not _close(grads[r], want, world_size):
+                if sums_forward and _close(grads[r], total_c, world_size):
+                    raise _Wrong(f"{name}'s backward sums the ranks' gradients; g's backward is "
+                                 f"the identity — each rank's partial gets its own output's "
+                                 f"gradient (a sum would count it once per rank).")
+                if not sums_forward and _close(grads[r], cs[r], 1):
+                    raise _Wrong(f"{name}'s backward passes each rank its own gradient; f's "
+                                 f"backward gives every rank the sum of all ranks' dn.")
+                raise _Wrong(f"with {world_size} ranks, the gradient {name}'s backward gives "
+                             f"rank {r} is neither its own nor the sum of all ranks'.")
+
+
+def _block_with(f, g) -> str:
+    """Run the simulated ranks with the given f and g; return the success text or raise."""
+    for cfg, seed, x0, target, base in _cases():
+        steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, f=f, g=g),
+                           x0, target, shard_params(base, cfg))
+        metrics = five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg),
+                                gather_ranks(steps, cfg))
+        failing = _failing(metrics)
+        if failing:
+            raise _Wrong(f"in the sharded block, for seed {seed}, {_shape(cfg)}, it fails "
+                         f"{', '.join(failing)}.")
+    return f"the sharded block with it equals dense on all five measures for {_coverage()}"
+
+
+@_exercise("g as an autograd Function", 7)
+def check_g(g) -> str:
+    """Check a ``torch.autograd.Function`` ``g`` for simulated ranks: ``g.apply(*partials)``
+    (one tensor per rank) returns one tensor per rank — forward: the sum of all ranks'
+    partials on every rank; backward: identity. Probed alone on 2 and 4 ranks, then plugged
+    into every rank's forward (``tpattn.tp.tp_forward_ranks`` with the package's f)."""
+    from .tp import AllReduceGrads
+    _check_collective(g, _plain_name(g, "g"), sums_forward=True)
+    return ("forward sums, backward is the identity (probed on 2 and 4 ranks), and "
+            + _block_with(AllReduceGrads, g) + ".")
+
+
+@_exercise("f as an autograd Function", 7)
+def check_f(f) -> str:
+    """Check a ``torch.autograd.Function`` ``f`` for simulated ranks: ``f.apply(*ns)`` (one
+    tensor per rank) returns one tensor per rank — forward: identity; backward: every rank
+    receives the sum of all ranks' gradients. Probed alone on 2 and 4 ranks, then plugged into
+    every rank's forward (``tpattn.tp.tp_forward_ranks`` with the package's g)."""
+    from .tp import AllReduce
+    _check_collective(f, _plain_name(f, "f"), sums_forward=False)
+    return ("forward is the identity, backward sums (probed on 2 and 4 ranks), and "
+            + _block_with(f, AllReduce) + ".")
+
+
+def _plain_name(obj, default: str) -> str:
+    if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
+        raise _Wrong(f"{default} should be a subclass of torch.autograd.Function (a class with "
+                     f"static forward and backward), but it is {type(obj).__name__}.")
+    return obj.__name__
+
+
+# --- chapters 8 and 9: predictions ----------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _mode_runs(mode: str) -> tuple[tuple[frozenset, frozenset], ...]:
+    """For every checked case of ``mode`` (seed × shape × simulation): the measures that fail
+    and the parameters whose gradients are wrong (computed once per session)."""
+    found = []
+    for cfg, seed, x0, target, base in _cases():
+        dense = dense_reference(x0, target, base, cfg)
+        for simulate in SIMULATIONS:
+            tp = tp_step(x0, target, base, cfg, mode, simulate)
+            hit = frozenset(k for k in PARAM_NAMES
+                            if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE)
+            found.append((frozenset(_failing(five_measures(seed, mode, dense, tp))), hit))
+    return tuple(found)
+
+
+def _as_names(prediction, allowed, what: str) -> set[str]:
+    if isinstance(prediction, str) or not isinstance(prediction, (set, frozenset, list, tuple)):
+        raise _Wrong(f"your prediction should be a set of {what} names (e.g. {{'{allowed[0]}'}}), "
+                     f"but it is {type(prediction).__name__}.")
+    unknown = [p for p in prediction if p not in allowed]
+    if unknown:
+        raise _Wrong(f"{', '.join(map(repr, unknown))} is not one of the {what} names: "
+                     f"{', '.join(allowed)}.")
+    return set(prediction)
+
+
+def _grade_prediction(predicted: set, found: list[set], what: str, mode: str, order) -> str:
+    """Compare a predicted set with the sets found on every run (all runs must agree)."""
+    always = set.intersection(*found)
+    sometimes = set.union(*found)
+    if always != sometimes:  # not seen in the package so far; say it rather than guess
+        raise _Wrong(f"the runs of {mode} do not agree on which {what} fail; no single "
+                     f"prediction is right.")
+    missed = [n for n in order if n in always - predicted]
+    extra = [n for n in order if n in predicted - always]
+    if missed or extra:
+        parts = []
+        if missed:
+            parts.append(f"you left out {', '.join(missed)}, which fail{'s' if len(missed) == 1 else ''} "
+                         f"on every run")
+        if extra:
+            parts.append(f"you named {', '.join(extra)}, which pass{'es' if len(extra) == 1 else ''} "
+                         f"on every run")
+        raise _Wrong(f"not quite: {' and '.join(parts)} of {mode} ({len(found)} runs: "
+                     f"{len(CHECKED_SEEDS)} seeds × {len(CHECKED_CONFIGS)} shapes × both "
+                     f"simulations).")
+    return (f"right: on all {len(found)} runs of {mode} ({len(CHECKED_SEEDS)} seeds × "
+            f"{len(CHECKED_CONFIGS)} shapes × the fixture's and the per-rank simulation), "
+            f"exactly the {what} you named fail.")
+
+
+def _check_signature(predict, mode: str) -> str:
+    predicted = _as_names(predict(), MEASURES, "measure")
+    found = [set(failing) for failing, _ in _mode_runs(mode)]
+    return _grade_prediction(predicted, found, "measures", mode, MEASURES)
+
+
+@_exercise("predict missing g's signature", 8)
+def check_missing_g_signature(predict) -> str:
+    """Check ``predict() -> set``: the names (``tpattn.MEASURES``) of the measures that fail
+    when g, the forward all-reduce of the output partials, is missing. Graded against real
+    runs of ``missing_output_reduce``."""
+    return _check_signature(predict, MISSING_OUTPUT_REDUCE)
+
+
+@_exercise("the fingerprint of a missing g", 8)
+def check_fingerprint(fingerprint) -> str:
+    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: the dense output minus the
+    output of the block without g (``tp_forward(..., reduce_output=False)``, rank 0's view),
+    computed from the ranks' partials. Compared with the actual difference up to float32
+    rounding of the sums involved."""
+    for cfg, seed, x0, target, base in _cases():
+        with torch.no_grad():
+            actual = dense_forward(x0, base, cfg) - tp_forward(x0, base, cfg, reduce_output=False)
+            n = rms_norm(x0, base["norm"], cfg.eps)
+            partials = [attend_and_project(n, s, cfg) for s in shard_params(base, cfg)]
+        got = fingerprint(x0.clone(), {k: v.clone() for k, v in base.items()}, cfg)
+        got = _tensor(got, "your fingerprint").detach()
+        _expect_shape(got, actual.shape, f"for {_shape(cfg)} your fingerprint")
+        # Both sides add up to world_size + 1 terms of size <= scale, each with float32 rounding.
+        scale = (x0.abs() + sum(p.abs() for p in partials)).max().item()
+        bound = 4 * (cfg.world_size + 1) * torch.finfo(cfg.torch_dtype).eps * scale
+
+        def near(t):
+            return bool((got - t).abs().max() <= bound)
+
+        if not near(actual):
+            if near(partials[0]):
+                hint = "that is rank 0's own partial, the one the buggy block keeps"
+            elif near(sum(partials)):
+                hint = "that is the whole branch, every rank's partial"
+            elif near(-actual):
+                hint = "the sign is flipped: dense minus the buggy output"
+            else:
+                hint = f"it is off by up to {(got - actual).abs().max().item():.1e}"
+            raise _Wrong(f"for seed {seed}, {_shape(cfg)}: {hint}.")
+    return (f"your fingerprint equals dense − (block without g) up to float32 rounding for "
+            f"{_coverage()}: the forward error of a missing g is exactly what rank 0 misses.")
+
+
+@_exercise("predict missing f's signature", 9)
+def check_missing_f_signature(predict) -> str:
+    """Check ``predict() -> set``: the names (``tpattn.MEASURES``) of the measures that fail
+    when f's backward all-reduce of dn is missing. Graded against real runs of
+    ``missing_input_grad_reduce``."""
+    return _check_signature(predict, MISSING_INPUT_GRAD_REDUCE)
+
+
+@_exercise("which parameters a missing f hits", 9)
+def check_missing_f_parameters(predict) -> str:
+    """Check ``predict() -> set``: the names (``tpattn.params.PARAM_NAMES``) of the parameters
+    whose gradients are wrong when f is missing. Graded against real runs of
+    ``missing_input_grad_reduce``, parameter by parameter."""
+    predicted = _as_names(predict(), PARAM_NAMES, "parameter")
+    found = [set(hit) for _, hit in _mode_runs(MISSING_INPUT_GRAD_REDUCE)]
+    return _grade_prediction(predicted, found, "parameter gradients", MISSING_INPUT_GRAD_REDUCE,
+                             PARAM_NAMES)
+
+
+# --- chapter 10 -----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _real_runs() -> tuple[dict, ...]:
+    return tuple(run(seed, mode, cfg, simulate)
+                 for cfg in CHECKED_CONFIGS for seed in CHECKED_SEEDS
+                 for mode in MODES for simulate in SIMULATIONS)
+
+
+def _real_results() -> list[dict]:
+    """``tpattn.run`` for every checked seed × shape × mode × simulation (fresh copies)."""
+    return [dict(r) for r in _real_runs()]
+
+
+def _synthetic(failing: tuple, below: float = 0.5) -> dict:
+    """A result dict where exactly ``failing`` fail: those at exactly TOLERANCE (the smallest
+    failing value), the rest at ``below`` × TOLERANCE."""
+    result = {"seed": 0, "mode": "unknown"}
+    for m in MEASURES:
+        result[m] = TOLERANCE if m in failing else below * TOLERANCE
+    result["passed"] = not failing
+    return result
+
+
+#: Signatures no mode of the package produces (the checkers' "unknown" cases).
+_UNKNOWN_SIGNATURES = (("loss_abs_diff",), ("post_step_weight_max_abs_diff",),
+                       ("forward_max_abs_diff",), ("input_grad_max_abs_diff",),
+                       MEASURES[3:])
+
+
+def _expected_signature(result: dict) -> tuple:
+    return tuple(m for m in MEASURES if result[m] >= TOLERANCE)
+
+
+def _result_text(result: dict) -> str:
+    if result["mode"] == "unknown":
+        failing = _expected_signature(result)
+        return (f"a made-up result where {', '.join(failing) or 'nothing'} "
+                f"{'is' if len(failing) == 1 else 'are'} at TOLERANCE and the rest below")
+    return f"seed {result['seed']}, {result['mode']}"
+
+
+@_exercise("a signature", 10)
+def check_signature(signature) -> str:
+    """Check ``signature(result) -> tuple``: the names of the measures that fail
+    (``>= tpattn.TOLERANCE``), in ``tpattn.MEASURES`` order, for a ``tpattn.run`` dict.
+    Graded on made-up results at the threshold and on real runs of every mode."""
+    cases = [_synthetic(s) for s in _UNKNOWN_SIGNATURES] + [_synthetic(())] + _real_results()
+    for result in cases:
+        got = signature(dict(result))
+        want = _expected_signature(result)
+        if not isinstance(got, tuple):
+            if isinstance(got, (list, set, frozenset)) and set(got) == set(want):
+                raise _Wrong(f"the right measures, as a {type(got).__name__}; return a tuple "
+                             f"in MEASURES order, so two signatures compare equal.")
+            raise _Wrong(f"your function should return a tuple of measure names, but it gave "
+                         f"{type(got).__name__}.")
+        if got != want:
+            if set(got) == set(want):
+                raise _Wrong(f"the right measures in the wrong order for {_result_text(result)}; "
+                             f"keep MEASURES order.")
+            wrong_fail = [m for m in got if m not in want]
+            wrong_pass = [m for m in want if m not in got]
+            parts = []
+            if wrong_fail:
+                parts.append(f"you count {', '.join(wrong_fail)} as failing, but "
+                             f"{'it is' if len(wrong_fail) == 1 else 'they are'} below TOLERANCE")
+            if wrong_pass:
+                parts.append(f"you count {', '.join(wrong_pass)} as passing, but a measure "
+                             f"at or above TOLERANCE fails")
+            raise _Wrong(f"for {_result_text(result)}: {'; '.join(parts)}.")
+    return (f"right on {len(cases)} results: made-up ones at the threshold and real runs of "
+            f"every mode, {len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes, both "
+            f"simulations.")
+
+
+@_exercise("diagnose a signature", 10)
+def check_diagnose(diagnose) -> str:
+    """Check ``diagnose(result) -> str | None``: from a ``tpattn.run`` dict's measures alone,
+    the mode that leaves that signature (``"equivalence"``, ``"missing_output_reduce"``,
+    ``"missing_input_grad_reduce"``), or ``None`` for a signature no mode leaves. The modes'
+    signatures are read off real runs; made-up results carry the other signatures."""
+    real = _real_results()
+    modes_of = {}
+    for r in real:
+        modes_of.setdefault(_expected_signature(r), set()).add(r["mode"])
+    if any(len(v) != 1 for v in modes_of.values()):  # pragma: no cover - package invariant
+        raise _Wrong("two modes share a signature in these runs; no diagnosis can tell them apart.")
+    mode_of = {sig: next(iter(modes)) for sig, modes in modes_of.items()}
+    cases = real + [_synthetic(s) for s in _UNKNOWN_SIGNATURES if s not in mode_of]
+    for result in cases:
+        got = diagnose({k: v for k, v in result.items() if k != "mode"})
+        want = mode_of.get(_expected_signature(result))
+        if got != want:
+            if got is not None and got not in MODES:
+                raise _Wrong(f"your function returned {got!r}; return one of "
+                             f"{', '.join(MODES)}, or None for a signature no mode leaves.")
+            said = "None" if got is None else got
+            raise _Wrong(f"for {_result_text(result)} (failing: "
+                         f"{', '.join(_expected_signature(result)) or 'nothing'}) you said "
+                         f"{said}; "
+                         + (f"the run came from {want}." if want else
+                            "no mode leaves that signature, so the answer is None."))
+    return (f"right on {len(cases)} results: every real run ({len(real)}: every mode, "
+            f"{len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes, both simulations) "
+            f"and every made-up signature that no mode leaves.")
+
+
+# --- chapter 11 -----------------------------------------------------------------------------
+
+def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
+    """Rank 0's training step through ``tpattn.distributed``'s real ``tp_rank_forward``
+    (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records what each collective
+    is handed and does not communicate (one process, no process group: rank 0's values stay its
+    own; only the counts and sizes are used). Returns ``(counts, carried)``: the ledger's
+    all-reduces by phase, and bytes carried per collective label."""
+    from .check import one_step
+    from .distributed import CollectiveLedger, tp_rank_forward
+
+    class RecordingLedger(CollectiveLedger):
+        def __init__(self):
+            super().__init__()
+            self.carried = {}
+
+        def _issue(self, label, collective, *args):
+            self.issued += 1
+            self.history.append(label)
+            tensor = args[0]
+            self.carried[label] = self.carried.get(label, 0) + tensor.numel() * tensor.element_size()
+
+    ledger = RecordingLedger()
+    x0, target = make_inputs(cfg, 11)
+    base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
+    one_step(lambda x, shard: tp_rank_forward(
+        x, shard, cfg, ledger, reduce_output=mode != MISSING_OUTPUT_REDUCE,
+        reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE),
+        x0, target, shard_params(base, cfg)[0])
+    return dict(ledger.counts), ledger.carried
+
+
+def _recorded_bytes(cfg: Config) -> dict[str, int]:
+    """Bytes each of f's and g's all-reduces carries on one rank in one training step."""
+    from .distributed import F_ALL_REDUCE, G_ALL_REDUCE
+    _, carried = _recorded_step(cfg)
+    return {"f": carried.get(F_ALL_REDUCE, 0), "g": carried.get(G_ALL_REDUCE, 0)}
+
+
+#: Shapes the bytes exercise is graded on: the checked ones, a float64 one and a wider one.
+BYTES_CONFIGS = CHECKED_CONFIGS + (
+    Config(dtype="float64"),
+    Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, head_dim=4, world_size=2),
+)
+
+
+@_exercise("bytes f and g move", 11)
+def check_bytes_per_step(bytes_per_step) -> str:
+    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes of the tensor each of
+    f's and g's all-reduces carries on one rank in one training step (forward and backward),
+    compared with the tensors the real ranks' collectives hand the ledger."""
+    for cfg in BYTES_CONFIGS:
+        want = _recorded_bytes(cfg)
+        got = bytes_per_step(cfg)
+        if not isinstance(got, dict) or set(got) != {"f", "g"}:
+            raise _Wrong("your function should return a dict with the keys 'f' and 'g'.")
+        for name in ("f", "g"):
+            value = got[name]
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _Wrong(f"'{name}' should be a number of bytes, but it is "
+                             f"{type(value).__name__}.")
+            if value != want[name]:
+                hint = ""
+                if value * 2 == want[name] and cfg.dtype == "float64":
+                    hint = " — an element's size depends on cfg.dtype"
+                elif value * cfg.world_size == want[name]:
+                    hint = (" — that is divided by the ranks: an all-reduce's tensor is not "
+                            "sharded, every rank sends its full-size one")
+                raise _Wrong(f"for {_shape(cfg)}, {name}'s all-reduce carries {want[name]} "
+                             f"bytes per rank per step; you said {value:g}{hint}.")
+    return (f"right for all {len(BYTES_CONFIGS)} shapes, float64 among them: the sizes match "
+            f"the tensors the real ranks' f and g hand the ledger.")
+
+
+@_exercise("the ledger's counts", 11)
+def check_ledger_counts(ledger_counts) -> str:
+    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``: how many all-reduces
+    one rank's training step of the block issues in each autograd phase, for each mode —
+    compared with the counts the ledger records when the real ranks' f and g run."""
+    for cfg in CHECKED_CONFIGS[:2]:
+        for mode in MODES:
+            want, _ = _recorded_step(cfg, mode)
+            got = ledger_counts(mode)
+            if not isinstance(got, dict) or set(got) != {"forward", "backward"}:
+                raise _Wrong("your function should return a dict with the keys 'forward' and "
+                             "'backward'.")
+            for phase in ("forward", "backward"):
+                if got[phase] != want[phase]:
+                    raise _Wrong(f"for {mode}, one rank's step issues {want[phase]} "
+                                 f"all-reduce{'s' if want[phase] != 1 else ''} in the {phase} "
+                                 f"pass; you said {got[phase]!r}.")
+    return (f"right for every mode, on 2 and 4 ranks: the counts match what the ledger records "
+            f"when the real ranks' f and g run.")
+
+
+def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
+    """One rank of ``check_real_f_and_g``: every checked seed's training step with the reader's
+    f and g, gathered to rank 0 and compared with dense there (module level: started by
+    ``tpattn.launch.run_on_ranks``)."""
+    from .check import one_step
+    from .distributed import CollectiveLedger, _assemble
+
+    cfg, seeds, f, g = plan
+    ledger = CollectiveLedger()
+    results = []
+    for index, seed in enumerate(seeds):
+        x0, target = make_inputs(cfg, seed)
+        base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+
+        def forward(x, shard):
+            n = f.apply(rms_norm(x, shard["norm"], cfg.eps))
+            return x + g.apply(attend_and_project(n, shard, cfg))
+
+        step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
+        ranks = ledger.gather_tensors({**{"grad_" + k: v for k, v in step["grads"].items()},
+                                       **{"weight_" + k: v for k, v in step["weights"].items()}})
+        if rank == 0:
+            tp = {**step, "grads": _assemble(ranks, cfg, "grad_"),
+                  "weights": _assemble(ranks, cfg, "weight_")}
+            results.append(five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp))
+        on_progress(index)
+    return results if rank == 0 else None
+
+
+@_exercise("f and g on real ranks", 11)
+def check_real_f_and_g(f_and_g) -> str:
+    """Check ``(F, G)``: f and g as ``torch.autograd.Function`` subclasses for real ranks —
+    ``F.apply(n)`` and ``G.apply(partial)`` on one rank's ``[S, B, hidden]`` tensor, calling
+    ``torch.distributed.all_reduce`` themselves. Runs them on 2 gloo ranks (processes forked
+    from this one, so classes defined in a notebook reach them) for the checked seeds, and
+    compares rank 0's gathered step with dense on the five measures."""
+    from .launch import RankFailure, run_on_ranks
+
+    if not isinstance(f_and_g, tuple) or len(f_and_g) != 2:
+        raise _Wrong("pass the two classes as a tuple (F, G).")
+    f, g = f_and_g
+    _plain_name(f, "F")
+    _plain_name(g, "G")
+    cfg = Config()
+    try:
+        results, _ = run_on_ranks(_real_fg_rank, cfg.world_size, (cfg, CHECKED_SEEDS, f, g),
+                                  timeout=20.0, backend="gloo", start_method="fork")
+    except RankFailure as e:
+        text = str(e).removeprefix("real-rank run failed: ")
+        if "NotImplementedError" in text:
+            raise _NotWritten() from None
+        raise _Wrong(f"on real ranks, {text}.") from None
+    for metrics in results[0]:
+        failing = _failing(metrics)
+        if "forward_max_abs_diff" in failing:
+            raise _Wrong(f"on real ranks the output is not dense's (seed {metrics['seed']}): "
+                         f"G's forward must leave every rank with the sum of all ranks' "
+                         f"partials.")
+        if failing:
+            raise _Wrong(f"on real ranks the forward is right but {', '.join(failing)} fail "
+                         f"(seed {metrics['seed']}): F's backward must all-reduce dn, and G's "
+                         f"backward must pass the gradient through unchanged.")
+    return (f"on 2 real gloo ranks your F and G give dense's step on all five measures for "
+            f"{len(CHECKED_SEEDS)} seeds.")
