@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from .config import Config
 from .dense import dense_forward
+from .kv_heads import (has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv,
+                       tp_forward_kv_ranks)
 from .params import clone_trainable, init_params, shard_params, unshard_params
 from .tp import tp_forward, tp_forward_ranks
 
@@ -24,6 +26,11 @@ MISSING_OUTPUT_REDUCE = "missing_output_reduce"
 MISSING_INPUT_GRAD_REDUCE = "missing_input_grad_reduce"
 #: The three TP variants, in the seed's order.
 MODES = (EQUIVALENCE, MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE)
+#: The replica-group reduce of wk/wv dropped (only where KV heads are replicated:
+#: ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``; see ``tpattn.kv_heads``).
+MISSING_KV_GRAD_REDUCE = "missing_kv_grad_reduce"
+#: Every mode ``run`` knows; ``modes_for(cfg)`` says which apply to a Config.
+ALL_MODES = MODES + (MISSING_KV_GRAD_REDUCE,)
 #: The seeds of the seed fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
 #: The five measures, in the order they are reported.
@@ -47,11 +54,23 @@ _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
 SIMULATIONS = ("fixture", "ranks")
 
 
-def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of ``MODES``, else raise ``ValueError`` naming the choices."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+def check_mode(mode: str, cfg: Config | None = None) -> str:
+    """Return ``mode`` if it is one of ``ALL_MODES`` (and, given ``cfg``, applies to it), else
+    raise ``ValueError`` naming the choices or the rule."""
+    if mode not in ALL_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ALL_MODES)} (got {mode!r})")
+    if mode == MISSING_KV_GRAD_REDUCE and cfg is not None and not kv_grad_bug_applies(cfg):
+        raise ValueError(
+            f"mode {MISSING_KV_GRAD_REDUCE} needs replicated KV heads: kv_heads < world_size "
+            f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
+            f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
     return mode
+
+
+def modes_for(cfg: Config) -> tuple[str, ...]:
+    """The modes of ``cfg``'s matrix: ``MODES``, plus ``missing_kv_grad_reduce`` where KV heads
+    are replicated (so the default Config's matrix stays the seed's three modes)."""
+    return ALL_MODES if kv_grad_bug_applies(cfg) else MODES
 
 
 def check_seed(seed: int) -> int:
@@ -162,6 +181,13 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view)."""
     reduce_output = mode != MISSING_OUTPUT_REDUCE
     reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
+    if has_replicas(cfg):  # fewer KV heads than ranks: tpattn.kv_heads
+        flags = (reduce_output, reduce_input_grad, mode != MISSING_KV_GRAD_REDUCE)
+        if check_simulate(simulate) == "ranks":
+            steps = ranks_step(lambda xs, ps: tp_forward_kv_ranks(xs, ps, cfg, *flags),
+                               x0, target, shard_params(base, cfg))
+            return gather_ranks(steps, cfg)
+        return one_step(lambda x, p: tp_forward_kv(x, p, cfg, *flags), x0, target, base)
     if check_simulate(simulate) == "ranks":
         steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
                            x0, target, shard_params(base, cfg))
@@ -176,15 +202,16 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
-    (no g), ``missing_input_grad_reduce`` (no f). ``simulate``: ``"fixture"`` (the seed's
+    (no g), ``missing_input_grad_reduce`` (no f), ``missing_kv_grad_reduce`` (no replica-group
+    reduce of wk/wv; only where KV heads are replicated, see ``modes_for``). ``simulate``: ``"fixture"`` (the seed's
     rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
     as ``tpattn.distributed`` measures on real processes). Returns the five measures and
     ``passed``.
     """
-    check_mode(mode)
     check_seed(seed)
     check_simulate(simulate)
     cfg = Config() if cfg is None else cfg
+    check_mode(mode, cfg)
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
@@ -194,7 +221,8 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
-    modes = [check_mode(m) for m in modes]
+    cfg = Config() if cfg is None else cfg
+    modes = [check_mode(m, cfg) for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
     return [run(s, m, cfg, simulate) for m in modes for s in seeds]
@@ -210,6 +238,9 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
     config = cfg.as_dict()
     if config["dtype"] == Config.dtype:
         del config["dtype"]  # the seed's Config has no dtype field
+    if config["kv_strategy"] == Config.kv_strategy:
+        del config["kv_strategy"]  # nor kv_strategy
+    extra = {"kv_replica_groups": replica_groups(cfg)} if has_replicas(cfg) else {}
     return {
         "python": platform.python_version(),
         "pytorch": torch.__version__,
@@ -221,4 +252,5 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
         },
         "rank_local": {"query_heads": cfg.local_query_heads, "kv_heads": cfg.local_kv_heads},
         "rule": "keep complete query/KV groups on each rank; sum output-projection partials",
+        **extra,
     }

@@ -10,10 +10,11 @@ import argparse
 import json
 import sys
 
-from .check import EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture, run, run_matrix
-from .config import DTYPES, Config
+from .check import (ALL_MODES, EQUIVALENCE, SEEDS, SIMULATIONS, inspect_fixture, modes_for, run,
+                    run_matrix)
+from .config import DTYPES, KV_STRATEGIES, Config
 
-CLI_MODES = ("inspect",) + MODES + ("matrix",)
+CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
 
@@ -42,6 +43,8 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap.add_argument("--eps", type=float, default=defaults.eps, help="Config.eps (default: %(default)s)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
                     help="Config.dtype (default: %(default)s)")
+    ap.add_argument("--kv-strategy", choices=KV_STRATEGIES, default=defaults.kv_strategy,
+                    help="Config.kv_strategy, when kv_heads < world_size (default: %(default)s)")
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
                         help="fixture: the seed's model (rank 0's view, the default JSON); "
@@ -55,7 +58,7 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
 def config_from_args(args: argparse.Namespace) -> Config:
     """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
     return Config(**{name: getattr(args, name) for name in _CONFIG_FLAGS},
-                  eps=args.eps, dtype=args.dtype)
+                  eps=args.eps, dtype=args.dtype, kv_strategy=args.kv_strategy)
 
 
 def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":
-            out = run_matrix(args.seeds, MODES, cfg, args.simulate)
+            out = run_matrix(args.seeds, modes_for(cfg), cfg, args.simulate)
         else:
             out = run(args.seed, args.mode, cfg, args.simulate)
     except ValueError as e:

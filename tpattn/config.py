@@ -36,8 +36,15 @@ class Config:
     - ``eps`` is a finite number > 0;
     - ``head_dim`` is even (RoPE rotates pairs of channels);
     - ``query_heads % kv_heads == 0`` (each KV head serves a whole group of query heads);
-    - ``kv_heads % world_size == 0`` (every rank holds complete query/KV groups; replicating
-      KV heads when ``kv_heads < world_size`` is not supported yet);
+    - when ``kv_heads >= world_size``: ``kv_heads % world_size == 0`` (every rank holds complete
+      query/KV groups);
+    - when ``kv_heads < world_size``: ``world_size % kv_heads == 0`` (each KV head is shared by
+      a *replica group* of ``world_size / kv_heads`` ranks) and ``query_heads % world_size == 0``
+      (see ``tpattn.kv_heads``);
+    - ``kv_strategy`` is ``"replicate_weights"`` (each rank of a replica group holds a copy of
+      its KV head's wk/wv rows; their gradients are summed within the group) or
+      ``"gather_activations"`` (no copies: K/V activations are all-gathered; needs
+      ``kv_heads * head_dim % world_size == 0``). It matters only when ``kv_heads < world_size``;
     - ``dtype`` is ``"float32"`` or ``"float64"`` (a ``torch.dtype`` is accepted and stored by name).
     """
 
@@ -50,6 +57,7 @@ class Config:
     world_size: int = 2
     eps: float = 1e-6
     dtype: str = "float32"
+    kv_strategy: str = "replicate_weights"
 
     def __post_init__(self) -> None:
         problems = []
@@ -71,11 +79,7 @@ class Config:
             problems.append(
                 f"query_heads must be a multiple of kv_heads "
                 f"(got query_heads={self.query_heads}, kv_heads={self.kv_heads})")
-        if self.kv_heads % self.world_size:
-            problems.append(
-                f"kv_heads must be a multiple of world_size so each rank holds complete "
-                f"query/KV groups (got kv_heads={self.kv_heads}, world_size={self.world_size}); "
-                f"replicating KV heads when kv_heads < world_size is not supported yet")
+        problems += _kv_layout_problems(self)
         dtype = self.dtype
         if isinstance(dtype, torch.dtype):
             names = {v: k for k, v in DTYPES.items()}
@@ -107,9 +111,47 @@ class Config:
 
     @property
     def local_kv_heads(self) -> int:
-        """KV heads held by one TP rank."""
-        return self.kv_heads // self.world_size
+        """KV heads one TP rank attends with: ``kv_heads / world_size``, or 1 (a replica, or a
+        gathered head) when ``kv_heads < world_size``."""
+        return max(1, self.kv_heads // self.world_size)
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks that share one KV head: ``world_size / kv_heads`` when ``kv_heads <
+        world_size``, else 1."""
+        return max(1, self.world_size // self.kv_heads)
 
     def as_dict(self) -> dict:
         """All fields, in declaration order (``dtype`` by name)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: How ranks get the KV head they read when ``kv_heads < world_size`` (``Config.kv_strategy``).
+KV_STRATEGIES = ("replicate_weights", "gather_activations")
+
+
+def _kv_layout_problems(cfg: Config) -> list[str]:
+    """The KV-head layout rules of ``Config`` that ``cfg`` breaks, one message each."""
+    q, kv, w = cfg.query_heads, cfg.kv_heads, cfg.world_size
+    problems = []
+    if kv >= w and kv % w:
+        problems.append(
+            f"kv_heads must be a multiple of world_size when kv_heads >= world_size, so each "
+            f"rank holds complete query/KV groups (got kv_heads={kv}, world_size={w})")
+    if kv < w and w % kv:
+        problems.append(
+            f"world_size must be a multiple of kv_heads when kv_heads < world_size, so each KV "
+            f"head is replicated on world_size/kv_heads ranks (got kv_heads={kv}, world_size={w})")
+    if kv < w and q % w:
+        problems.append(
+            f"query_heads must be a multiple of world_size when kv_heads < world_size "
+            f"(got query_heads={q}, world_size={w})")
+    strategy = cfg.kv_strategy
+    if strategy not in KV_STRATEGIES:
+        problems.append(f"kv_strategy must be one of {', '.join(KV_STRATEGIES)} (got {strategy!r})")
+    elif strategy == "gather_activations" and kv < w and (kv * cfg.head_dim) % w:
+        problems.append(
+            f"kv_strategy='gather_activations' needs kv_heads*head_dim to be a multiple of "
+            f"world_size, so each rank projects an equal slice of K/V "
+            f"(got kv_heads={kv}, head_dim={cfg.head_dim}, world_size={w})")
+    return problems
