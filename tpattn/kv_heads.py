@@ -267,8 +267,8 @@ class ReplicaGradReduce(torch.autograd.Function):
 
 
 class AllGatherKV(torch.autograd.Function):
-    """The K/V all-gather on a real rank — forward: ``all_gather_into_tensor`` over the TP
-    group on the last dim; backward: ``reduce_scatter_tensor`` (sum) of the gradient.
+    """The K/V all-gather on a real rank — forward: ``all_gather_single`` over the TP
+    group on the last dim; backward: ``reduce_scatter_single`` (sum) of the gradient.
 
     ``apply(local, ledger)``: local ``[S, B, 2c]``; returns ``[S, B, W*2c]`` (rank order).
     """
