@@ -240,7 +240,12 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
         del config["dtype"]  # the seed's Config has no dtype field
     if config["kv_strategy"] == Config.kv_strategy:
         del config["kv_strategy"]  # nor kv_strategy
-    extra = {"kv_replica_groups": replica_groups(cfg)} if has_replicas(cfg) else {}
+    extra = {}
+    if has_replicas(cfg):  # fewer KV heads than ranks (tpattn.kv_heads)
+        extra = {"kv_replica_groups": replica_groups(cfg), "kv_rule": (
+            "each replica group holds a copy of its KV head; all-reduce wk/wv grads in the group"
+            if cfg.kv_strategy == "replicate_weights" else
+            "no KV copies: all-gather K/V activations; each rank slices its KV head")}
     return {
         "python": platform.python_version(),
         "pytorch": torch.__version__,

@@ -44,7 +44,7 @@ __all__ = [
     "is_first_kv_copy",
     "kv_grad_bug_applies", "local_kv", "attend_gathered", "AllGatherRanks",
     "tp_forward_kv", "tp_forward_kv_ranks", "ReplicaGradReduce", "AllGatherKV",
-    "kv_rank_attend", "kv_collectives", "kv_costs", "ring_bytes",
+    "kv_rank_attend", "kv_collectives", "kv_costs", "ring_bytes", "train_steps",
 ]
 
 
@@ -365,4 +365,52 @@ def kv_costs(cfg: Config) -> dict:
                          "kv_weight_elements": kv_rows * h,
                          "kv_activation_elements": activations,
                          "kv_bytes_moved": moved, "fg_bytes_moved": fg}
+    return out
+
+
+# --- several steps: how the missing reduce drifts -------------------------------------------
+
+def train_steps(cfg: Config, seed: int, mode: str, steps: int = 2) -> list[dict]:
+    """``steps`` SGD steps of the dense block and of simulated ranks (``simulate="ranks"``:
+    every rank its own leaves, loss and step, carrying its own weights to the next step), from
+    the same start as ``tpattn.run(seed, mode, cfg)``.
+
+    Returns one dict per step: ``run()``'s five measures at that step (each side's forward and
+    gradients computed from ITS OWN current weights; rank 0's view, replicated heads from each
+    group's first rank), plus ``kv_replica_max_diff`` (max over replica groups and wk/wv of
+    how far the copies are apart after the step) and the two losses (``dense_loss``,
+    ``tp_loss``). Step 1 is ``run(seed, mode, cfg, "ranks")``.
+    """
+    from .check import (MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
+                        MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_mode, dense_reference,
+                        five_measures, gather_ranks, make_inputs, max_abs_diff, ranks_step)
+    from .params import init_params, shard_params
+    from .tp import tp_forward_ranks
+
+    check_mode(mode, cfg)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+    flags = (mode != MISSING_OUTPUT_REDUCE, mode != MISSING_INPUT_GRAD_REDUCE,
+             mode != MISSING_KV_GRAD_REDUCE)
+    if has_replicas(cfg):
+        def forward(xs, ps):
+            return tp_forward_kv_ranks(xs, ps, cfg, *flags)
+    else:
+        def forward(xs, ps):
+            return tp_forward_ranks(xs, ps, cfg, *flags[:2])
+    x0, target = make_inputs(cfg, seed)
+    dense_weights = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    shards = shard_params(dense_weights, cfg)
+    out = []
+    for _ in range(steps):
+        dense = dense_reference(x0, target, dense_weights, cfg)
+        ranks = ranks_step(forward, x0, target, shards)
+        row = five_measures(seed, mode, dense, gather_ranks(ranks, cfg))
+        row["kv_replica_max_diff"] = max(
+            max_abs_diff(ranks[r]["weights"][w], ranks[group[0]]["weights"][w])
+            for group in replica_groups(cfg) for r in group for w in ("wk", "wv"))
+        row["dense_loss"], row["tp_loss"] = dense["loss"].item(), ranks[0]["loss"].item()
+        out.append(row)
+        dense_weights = dense["weights"]
+        shards = [r["weights"] for r in ranks]
     return out
