@@ -21,6 +21,7 @@ from .core import Explorer, config_controls, mode_control, seed_control
 from .static import StaticExplorer
 from .explorers import *  # noqa: F401,F403
 from .explorers import __all__ as _explorers
+from .kv import kv_explorer, static_kv_explorer
 
 __all__ = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_controls",
-           *_explorers]
+           *_explorers, "kv_explorer", "static_kv_explorer"]
