@@ -242,3 +242,49 @@ def test_pytorch_colwise_parallel_cannot_split_two_kv_heads_four_ways(real_runs)
     (row,) = real_runs["replicate 8q/2kv"].dtensor
     assert row["seed"] == 11 and "invalid for input of size" in row["error"]
     assert "\n" not in row["error"]
+
+
+# --- the command lines -----------------------------------------------------------------------
+
+KV_FLAGS = ["--query-heads", "8", "--kv-heads", "2", "--world-size", "4"]
+
+
+def test_cli_matrix_adds_the_bug_mode_only_where_it_applies(capsys):
+    import json
+
+    from tpattn.cli import main
+
+    assert main(KV_FLAGS + ["--mode", "matrix", "--seeds", "11"]) == 0
+    modes = [r["mode"] for r in json.loads(capsys.readouterr().out)]
+    assert modes == list(tpattn.MODES) + [MISSING_KV_GRAD_REDUCE]
+    assert main(KV_FLAGS + ["--kv-strategy", GATHER_ACTIVATIONS, "--mode", "matrix",
+                            "--seeds", "11"]) == 0
+    assert [r["mode"] for r in json.loads(capsys.readouterr().out)] == list(tpattn.MODES)
+    assert main(KV_FLAGS + ["--mode", "equivalence", "--strict"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kv_heads", ["2", "1"])
+def test_torchrun_matrix_equals_simulated_ranks(kv_heads):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    exe = pathlib.Path(sys.executable).with_name("torchrun")
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    flags = ["--query-heads", "8", "--kv-heads", kv_heads, "--world-size", "4",
+             "--mode", "matrix", "--seeds", "11", "17"]
+    proc = subprocess.run(launcher + ["--standalone", "--nproc-per-node", "4", "-m",
+                                      "tpattn.distributed", *flags], cwd=ROOT, text=True,
+                          capture_output=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    real = json.loads(proc.stdout)
+    cfg = Config(query_heads=8, kv_heads=int(kv_heads), world_size=4)
+    simulated = tpattn.run_matrix([11, 17], modes_for(cfg), cfg, "ranks")
+    assert [(r["mode"], r["seed"], r["passed"]) for r in real] == \
+        [(s["mode"], s["seed"], s["passed"]) for s in simulated]
+    assert all(abs(r[m] - s[m]) <= TOLERANCE for r, s in zip(real, simulated) for m in MEASURES)
