@@ -15,6 +15,11 @@ the five measures of ``tpattn.run`` (same dict). The bug modes drop g or f on ev
 What only real ranks show (``RealRankReport``): the ranks' own copies of the output, of dX and
 of the ``norm`` gradient can disagree; and every collective is counted (the *ledger*).
 
+With fewer KV heads than ranks (``tpattn.kv_heads``) every rank also makes the replica groups
+with ``dist.new_group`` (all groups, same order, on every rank) and the KV collectives of
+``Config.kv_strategy`` join the ledger: the wk/wv gradient all-reduce within the replica group,
+or the K/V all-gather and its reduce-scatter (``RealRankReport.traffic`` lists their sizes).
+
 Launch it with ``torchrun --standalone --nproc-per-node N -m tpattn.distributed [flags]``
 (``python -m tpattn``'s flags and JSON, plus ``--timeout``), or from Python with
 ``run_distributed(world_size, seeds, modes, config)``, which starts the ranks itself.
