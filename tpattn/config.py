@@ -13,7 +13,7 @@ Tensor layout used throughout the package (Megatron's sequence-first layout)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -57,7 +57,15 @@ class Config:
     world_size: int = 2
     eps: float = 1e-6
     dtype: str = "float32"
-    kv_strategy: str = "replicate_weights"
+    #: ``omit_default``: left out of ``repr`` at its default value (the seed's repr stays).
+    kv_strategy: str = field(default="replicate_weights", metadata={"omit_default": True})
+
+    def __repr__(self) -> str:
+        """The dataclass repr, without the fields added after the seed while at their
+        default value (``metadata={"omit_default": True}``), so the seed's repr stays."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if not (f.metadata.get("omit_default") and getattr(self, f.name) == f.default)]
+        return f"Config({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         problems = []
