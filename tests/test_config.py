@@ -24,8 +24,12 @@ def broken_rules(f):
         bad.add("head_dim")
     if f["query_heads"] % f["kv_heads"]:
         bad.add("query_heads")
-    if f["kv_heads"] % f["world_size"]:
-        bad.add("kv_heads")
+    if f["kv_heads"] >= f["world_size"] and f["kv_heads"] % f["world_size"]:
+        bad.add("kv_heads")  # each rank holds whole KV heads
+    if f["kv_heads"] < f["world_size"] and f["world_size"] % f["kv_heads"]:
+        bad.add("kv_heads")  # each KV head replicated on world_size/kv_heads ranks
+    if f["kv_heads"] < f["world_size"] and f["query_heads"] % f["world_size"]:
+        bad.add("query_heads")
     if f["dtype"] not in ("float32", "float64", torch.float32, torch.float64):
         bad.add("dtype")
     return bad
@@ -60,7 +64,12 @@ def test_config_accepts_exactly_the_valid_fields_and_names_every_broken_one(f):
     (dict(seq=0), r"seq must be an integer >= 1 \(got 0\)"),
     (dict(head_dim=3), r"head_dim must be even"),
     (dict(query_heads=6, kv_heads=4, world_size=1), r"query_heads must be a multiple of kv_heads"),
-    (dict(kv_heads=2, query_heads=8, world_size=4), r"kv_heads must be a multiple of world_size.*not supported yet"),
+    (dict(kv_heads=4, query_heads=8, world_size=3), r"kv_heads must be a multiple of world_size when kv_heads >= world_size"),
+    (dict(kv_heads=2, query_heads=6, world_size=3), r"world_size must be a multiple of kv_heads when kv_heads < world_size"),
+    (dict(kv_heads=1, query_heads=2, world_size=4), r"query_heads must be a multiple of world_size when kv_heads < world_size"),
+    (dict(kv_strategy="gather"), r"kv_strategy must be one of replicate_weights, gather_activations"),
+    (dict(kv_heads=1, query_heads=8, world_size=8, kv_strategy="gather_activations"),
+     r"kv_strategy='gather_activations' needs kv_heads\*head_dim to be a multiple of world_size"),
     (dict(eps=0), r"eps must be a finite number > 0"),
     (dict(dtype="float16"), r"dtype must be one of \['float32', 'float64'\]"),
 ])
@@ -81,6 +90,12 @@ def test_defaults_are_the_seed_fixture():
     assert (cfg.seq, cfg.batch, cfg.hidden, cfg.query_heads, cfg.kv_heads, cfg.head_dim,
             cfg.world_size, cfg.eps, cfg.dtype) == (5, 2, 16, 4, 2, 4, 2, 1e-6, "float32")
     assert (cfg.group_size, cfg.local_query_heads, cfg.local_kv_heads) == (2, 2, 1)
+    assert (cfg.kv_strategy, cfg.kv_replicas) == ("replicate_weights", 1)
+
+
+def test_fewer_kv_heads_than_ranks_is_accepted_as_replicas():
+    cfg = Config(query_heads=8, kv_heads=2, world_size=4)
+    assert (cfg.local_query_heads, cfg.local_kv_heads, cfg.kv_replicas) == (2, 1, 2)
 
 
 def test_config_is_frozen_and_stores_a_torch_dtype_by_name():

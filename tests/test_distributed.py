@@ -246,7 +246,7 @@ def test_ledger_names_a_skipped_collective():
     ({"world_size": 2, "modes": ["nope"]}, "mode must be one of"),
     ({"world_size": 2, "fault": {"rank": 1, "kind": "nope"}}, "fault kind must be one of"),
     ({"world_size": 2, "fault": {"rank": 2, "kind": "raise"}}, "fault rank must be an integer in [0, 2)"),
-    ({"world_size": 3}, "kv_heads must be a multiple of world_size"),
+    ({"world_size": 3}, "world_size must be a multiple of kv_heads when kv_heads < world_size"),
 ])
 def test_bad_arguments_raise_value_error_naming_the_rule(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -255,7 +255,7 @@ def test_bad_arguments_raise_value_error_naming_the_rule(kwargs, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world-size", "3"], "kv_heads must be a multiple of world_size"),
+    (["--world-size", "3"], "world_size must be a multiple of kv_heads when kv_heads < world_size"),
     (["--timeout", "0"], "timeout must be a finite number of seconds > 0"),
     (["--mode", "matrix", "--seeds", "-2"], "seed must be an integer in [0,"),
 ])

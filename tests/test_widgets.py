@@ -143,9 +143,25 @@ def test_sharding_valid_layouts_draw_their_ranks(sharding):
     assert "rank 0: q0–q1 + kv0; rank 1: q2–q3 + kv1" in first and len(pngs(sharding)) == 1
     sharding.set(query_heads=8, kv_heads=8, world_size=4)
     assert "rank 3: q6–q7 + kv6–kv7" in plain(sharding) and plain(sharding) != first
+    sharding.set(query_heads=8, kv_heads=2, world_size=4)  # fewer KV heads than ranks
+    assert "kv0: ranks 0–1; kv1: ranks 2–3" in plain(sharding) and len(pngs(sharding)) == 1
 
 
-@pytest.mark.parametrize("layout", [(8, 2, 4), (6, 4, 2), (0, 2, 2), (4, -1, 2), (4, 2, 0)])
+def test_kv_explorer_shows_replica_groups_costs_and_configs_messages():
+    kv = widgets.kv_explorer()
+    assert "kv0: ranks 0–1; kv1: ranks 2–3" in plain(kv) and len(pngs(kv)) == 1
+    assert "gather_activations: holds 256 B of wk/wv, sends 960 B per step" in plain(kv)
+    kv.set(kv_heads=1)
+    assert "kv0: ranks 0–3" in plain(kv)
+    kv.set(world_size=3)
+    with pytest.raises(ValueError) as raised:
+        tpattn.Config(query_heads=8, kv_heads=1, world_size=3)
+    assert message(kv) == str(raised.value)
+    static = widgets.static_kv_explorer(layouts=[(8, 2, 4), (8, 2, 3)])
+    assert len(static) == 4 and "invalid Config: " in static.html
+
+
+@pytest.mark.parametrize("layout", [(8, 2, 3), (6, 4, 2), (0, 2, 2), (4, -1, 2), (4, 2, 0)])
 def test_sharding_invalid_layout_shows_configs_own_message(sharding, layout):
     query_heads, kv_heads, world_size = layout
     sharding.set(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
@@ -267,13 +283,13 @@ def test_static_seed_mode_has_one_panel_per_state_showing_it():
 
 
 def test_static_sharding_shows_the_invalid_layouts_message_and_is_deterministic():
-    layouts = ((4, 2, 2), (8, 2, 4))
+    layouts = ((4, 2, 2), (8, 2, 3))
     static = widgets.static_sharding_explorer(layouts=layouts)
     again = widgets.static_sharding_explorer(layouts=layouts)
     assert static.html == again.html  # the same bytes every build (nbval compares them)
     shown = panels(static)
     assert "rank 1: q2–q3 + kv1" in shown[f"{static.prefix}-p0"]
-    assert "kv_heads must be a multiple of world_size" in shown[f"{static.prefix}-p1"]
+    assert "world_size must be a multiple of kv_heads" in shown[f"{static.prefix}-p1"]
     assert "<script" not in static.html and "http" not in static.html  # self-contained
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from .config import Config
 from .dense import dense_forward
+from .kv_heads import (has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv,
+                       tp_forward_kv_ranks)
 from .params import clone_trainable, init_params, shard_params, unshard_params
 from .tp import tp_forward, tp_forward_ranks
 
@@ -31,6 +33,11 @@ NORM_GRAD_AVERAGED = "norm_grad_averaged"
 SP_ONLY_MODES = (MISSING_NORM_GRAD_REDUCE, NORM_GRAD_AVERAGED)
 #: Every variant valid under sequence parallelism (``--mode matrix`` runs them all).
 SP_MODES = MODES + SP_ONLY_MODES
+#: The replica-group reduce of wk/wv dropped (only where KV heads are replicated:
+#: ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``; see ``tpattn.kv_heads``).
+MISSING_KV_GRAD_REDUCE = "missing_kv_grad_reduce"
+#: Every mode ``run`` knows itself; ``modes_for(cfg)`` says which apply to a Config.
+ALL_MODES = MODES + SP_ONLY_MODES + (MISSING_KV_GRAD_REDUCE,)
 #: The seeds of the seed fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
 #: The five measures, in the order they are reported.
@@ -55,25 +62,36 @@ SIMULATIONS = ("fixture", "ranks")
 
 
 def check_mode(mode: str, cfg: Config | None = None) -> str:
-    """Return ``mode`` if it is one of ``modes_for(cfg)``, else raise ``ValueError`` naming the
-    choices (a sequence-parallel-only mode without ``cfg.sequence_parallel`` says so)."""
+    """Return ``mode`` if it is one of ``ALL_MODES`` and applies to ``cfg`` (``modes_for``),
+    else raise ``ValueError`` naming the choices or the rule (a sequence-parallel-only mode
+    without ``cfg.sequence_parallel``, or ``missing_kv_grad_reduce`` without replicated KV heads,
+    says so)."""
     if mode in SP_ONLY_MODES and not (cfg is not None and cfg.sequence_parallel):
         raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
                          f"only then is the norm weight's gradient a partial sum to all-reduce")
-    valid = modes_for(cfg)
+    if mode == MISSING_KV_GRAD_REDUCE and cfg is not None and not kv_grad_bug_applies(cfg):
+        raise ValueError(
+            f"mode {MISSING_KV_GRAD_REDUCE} needs replicated KV heads: kv_heads < world_size "
+            f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
+            f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
+    valid = modes_for(cfg) if cfg is not None else ALL_MODES
     if mode not in valid:
         raise ValueError(f"mode must be one of {', '.join(valid)} (got {mode!r})")
     return mode
 
 
 def modes_for(cfg: Config | None) -> tuple[str, ...]:
-    """The variants valid for ``cfg``: ``SP_MODES`` under ``sequence_parallel``, else ``MODES``."""
-    return SP_MODES if cfg is not None and cfg.sequence_parallel else MODES
+    """The modes of ``cfg``'s matrix: ``SP_MODES`` under ``sequence_parallel``; ``MODES`` plus
+    ``missing_kv_grad_reduce`` where KV heads are replicated; else the seed's ``MODES``."""
+    if cfg is not None and cfg.sequence_parallel:
+        return SP_MODES
+    if cfg is not None and kv_grad_bug_applies(cfg):
+        return MODES + (MISSING_KV_GRAD_REDUCE,)
+    return MODES
 
 
 #: Variants ``run`` computes itself; every other mode of the bug registry runs in ``tpattn.zoo``.
-NATIVE_MODES = SP_MODES
-
+NATIVE_MODES = ALL_MODES
 
 def check_any_mode(mode: str, cfg: Config | None = None) -> str:
     """Return ``mode`` if ``run`` can run it for ``cfg``: one of ``modes_for(cfg)`` (checked by
@@ -202,6 +220,13 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
         from .sequence_parallel import sp_step  # the sequence-parallel block and its variants
 
         return sp_step(x0, target, base, cfg, mode, check_simulate(simulate))
+    if has_replicas(cfg):  # fewer KV heads than ranks: tpattn.kv_heads
+        flags = (reduce_output, reduce_input_grad, mode != MISSING_KV_GRAD_REDUCE)
+        if check_simulate(simulate) == "ranks":
+            steps = ranks_step(lambda xs, ps: tp_forward_kv_ranks(xs, ps, cfg, *flags),
+                               x0, target, shard_fn(base, cfg))
+            return gather_ranks(steps, cfg)
+        return one_step(lambda x, p: tp_forward_kv(x, p, cfg, *flags), x0, target, base)
     if check_simulate(simulate) == "ranks":
         steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
                            x0, target, shard_fn(base, cfg))
@@ -218,7 +243,9 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
     (no g), ``missing_input_grad_reduce`` (no f); under ``cfg.sequence_parallel`` also
-    ``SP_ONLY_MODES`` (see ``tpattn.sequence_parallel``). ``simulate``: ``"fixture"`` (the seed's
+    ``SP_ONLY_MODES`` (see ``tpattn.sequence_parallel``); ``missing_kv_grad_reduce`` (no
+    replica-group reduce of wk/wv; only where KV heads are replicated, see ``modes_for``).
+    ``simulate``: ``"fixture"`` (the seed's
     rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
     as ``tpattn.distributed`` measures on real processes). ``shard_fn(params, cfg)``: how the
     dense parameters are cut into rank shards (default ``shard_params``; chapter 6 passes a
@@ -241,6 +268,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
+    cfg = Config() if cfg is None else cfg
     modes = [check_any_mode(m, cfg) for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
@@ -259,6 +287,14 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
         del config["dtype"]  # the seed's Config has no dtype field
     if not config["sequence_parallel"]:
         del config["sequence_parallel"]  # nor a sequence_parallel field
+    if config["kv_strategy"] == Config.kv_strategy:
+        del config["kv_strategy"]  # nor kv_strategy
+    extra = {}
+    if has_replicas(cfg):  # fewer KV heads than ranks (tpattn.kv_heads)
+        extra = {"kv_replica_groups": replica_groups(cfg), "kv_rule": (
+            "each replica group holds a copy of its KV head; all-reduce wk/wv grads in the group"
+            if cfg.kv_strategy == "replicate_weights" else
+            "no KV copies: all-gather K/V activations; each rank slices its KV head")}
     return {
         "python": platform.python_version(),
         "pytorch": torch.__version__,
@@ -270,4 +306,5 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
         },
         "rank_local": {"query_heads": cfg.local_query_heads, "kv_heads": cfg.local_kv_heads},
         "rule": "keep complete query/KV groups on each rank; sum output-projection partials",
+        **extra,
     }

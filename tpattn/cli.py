@@ -10,11 +10,11 @@ import argparse
 import json
 import sys
 
-from .check import (EQUIVALENCE, MODES, SEEDS, SIMULATIONS, SP_ONLY_MODES, inspect_fixture,
+from .check import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture,
                     modes_for, run, run_matrix)
-from .config import DTYPES, Config
+from .config import DTYPES, KV_STRATEGIES, Config
 
-CLI_MODES = ("inspect",) + MODES + SP_ONLY_MODES + ("matrix",)
+CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
 
 
 def registry_modes() -> tuple[str, ...]:
@@ -57,6 +57,8 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="shard the residual stream along the sequence (Config.sequence_parallel; "
                          "needs seq %% world-size == 0); --mode matrix then runs every SP mode")
+    ap.add_argument("--kv-strategy", choices=KV_STRATEGIES, default=defaults.kv_strategy,
+                    help="Config.kv_strategy, when kv_heads < world_size (default: %(default)s)")
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
                         help="fixture: the seed's model (rank 0's view, the default JSON); "
@@ -77,7 +79,7 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
 def config_from_args(args: argparse.Namespace) -> Config:
     """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
     return Config(**{name: getattr(args, name) for name in _CONFIG_FLAGS},
-                  eps=args.eps, dtype=args.dtype,
+                  eps=args.eps, dtype=args.dtype, kv_strategy=args.kv_strategy,
                   **({"sequence_parallel": True} if args.sequence_parallel else {}))
 
 

@@ -13,7 +13,7 @@ Tensor layout used throughout the package (Megatron's sequence-first layout)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -36,8 +36,15 @@ class Config:
     - ``eps`` is a finite number > 0;
     - ``head_dim`` is even (RoPE rotates pairs of channels);
     - ``query_heads % kv_heads == 0`` (each KV head serves a whole group of query heads);
-    - ``kv_heads % world_size == 0`` (every rank holds complete query/KV groups; replicating
-      KV heads when ``kv_heads < world_size`` is not supported yet);
+    - when ``kv_heads >= world_size``: ``kv_heads % world_size == 0`` (every rank holds complete
+      query/KV groups);
+    - when ``kv_heads < world_size``: ``world_size % kv_heads == 0`` (each KV head is shared by
+      a *replica group* of ``world_size / kv_heads`` ranks) and ``query_heads % world_size == 0``
+      (see ``tpattn.kv_heads``);
+    - ``kv_strategy`` is ``"replicate_weights"`` (each rank of a replica group holds a copy of
+      its KV head's wk/wv rows; their gradients are summed within the group) or
+      ``"gather_activations"`` (no copies: K/V activations are all-gathered; needs
+      ``kv_heads * head_dim % world_size == 0``). It matters only when ``kv_heads < world_size``;
     - ``dtype`` is ``"float32"`` or ``"float64"`` (a ``torch.dtype`` is accepted and stored by name);
     - ``sequence_parallel`` is a bool; when ``True``, ``seq % world_size == 0`` (each rank holds
       ``seq // world_size`` consecutive tokens of the residual stream, see
@@ -53,7 +60,16 @@ class Config:
     world_size: int = 2
     eps: float = 1e-6
     dtype: str = "float32"
-    sequence_parallel: bool = False
+    #: ``omit_default``: left out of ``repr`` at its default value (the seed's repr stays).
+    sequence_parallel: bool = field(default=False, metadata={"omit_default": True})
+    kv_strategy: str = field(default="replicate_weights", metadata={"omit_default": True})
+
+    def __repr__(self) -> str:
+        """The dataclass repr, without the fields added after the seed while at their
+        default value (``metadata={"omit_default": True}``), so the seed's repr stays."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if not (f.metadata.get("omit_default") and getattr(self, f.name) == f.default)]
+        return f"Config({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,19 +91,19 @@ class Config:
             problems.append(
                 f"query_heads must be a multiple of kv_heads "
                 f"(got query_heads={self.query_heads}, kv_heads={self.kv_heads})")
-        if self.kv_heads % self.world_size:
-            problem = (f"kv_heads must be a multiple of world_size so each rank holds complete "
-                       f"query/KV groups (got kv_heads={self.kv_heads}, "
-                       f"world_size={self.world_size})")
-            if self.kv_heads < self.world_size:
-                problem += "; replicating KV heads when kv_heads < world_size is not supported yet"
-            problems.append(problem)
+        problems += _kv_layout_problems(self)
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be True or False (got {self.sequence_parallel!r})")
         elif self.sequence_parallel and self.seq % self.world_size:
             problems.append(
                 f"seq must be a multiple of world_size under sequence_parallel, so each rank "
                 f"holds seq // world_size tokens (got seq={self.seq}, world_size={self.world_size})")
+        if self.sequence_parallel is True and isinstance(self.world_size, int) \
+                and self.kv_heads < self.world_size:
+            problems.append(
+                f"sequence_parallel needs kv_heads >= world_size: sequence parallelism with "
+                f"replicated or gathered KV heads is not built (got kv_heads={self.kv_heads}, "
+                f"world_size={self.world_size})")
         dtype = self.dtype
         if isinstance(dtype, torch.dtype):
             names = {v: k for k, v in DTYPES.items()}
@@ -119,8 +135,15 @@ class Config:
 
     @property
     def local_kv_heads(self) -> int:
-        """KV heads held by one TP rank."""
-        return self.kv_heads // self.world_size
+        """KV heads one TP rank attends with: ``kv_heads / world_size``, or 1 (a replica, or a
+        gathered head) when ``kv_heads < world_size``."""
+        return max(1, self.kv_heads // self.world_size)
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks that share one KV head: ``world_size / kv_heads`` when ``kv_heads <
+        world_size``, else 1."""
+        return max(1, self.world_size // self.kv_heads)
 
     @property
     def local_seq(self) -> int:
@@ -131,3 +154,34 @@ class Config:
     def as_dict(self) -> dict:
         """All fields, in declaration order (``dtype`` by name)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: How ranks get the KV head they read when ``kv_heads < world_size`` (``Config.kv_strategy``).
+KV_STRATEGIES = ("replicate_weights", "gather_activations")
+
+
+def _kv_layout_problems(cfg: Config) -> list[str]:
+    """The KV-head layout rules of ``Config`` that ``cfg`` breaks, one message each."""
+    q, kv, w = cfg.query_heads, cfg.kv_heads, cfg.world_size
+    problems = []
+    if kv >= w and kv % w:
+        problems.append(
+            f"kv_heads must be a multiple of world_size when kv_heads >= world_size, so each "
+            f"rank holds complete query/KV groups (got kv_heads={kv}, world_size={w})")
+    if kv < w and w % kv:
+        problems.append(
+            f"world_size must be a multiple of kv_heads when kv_heads < world_size, so each KV "
+            f"head is replicated on world_size/kv_heads ranks (got kv_heads={kv}, world_size={w})")
+    if kv < w and q % w:
+        problems.append(
+            f"query_heads must be a multiple of world_size when kv_heads < world_size "
+            f"(got query_heads={q}, world_size={w})")
+    strategy = cfg.kv_strategy
+    if strategy not in KV_STRATEGIES:
+        problems.append(f"kv_strategy must be one of {', '.join(KV_STRATEGIES)} (got {strategy!r})")
+    elif strategy == "gather_activations" and kv < w and (kv * cfg.head_dim) % w:
+        problems.append(
+            f"kv_strategy='gather_activations' needs kv_heads*head_dim to be a multiple of "
+            f"world_size, so each rank projects an equal slice of K/V "
+            f"(got kv_heads={kv}, head_dim={cfg.head_dim}, world_size={w})")
+    return problems

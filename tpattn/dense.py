@@ -27,11 +27,13 @@ def attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config)
     """Attention over the heads in ``p`` followed by the output projection ``wo``.
 
     n: ``[S, B, hidden]`` (normalized input); ``p`` holds wq, wk, wv, wo for some number of
-    complete query/KV groups (all of them, or one rank's). Returns ``[S, B, hidden]``: the full
+    complete query/KV groups (all of them, or one rank's; or, when ``kv_heads < world_size``,
+    one rank's query heads and the one KV head they read). Returns ``[S, B, hidden]``: the full
     output for dense weights, one rank's *partial* sum for a shard.
     """
     q, k, v = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
-    ctx = attention(q, repeat_kv(k, cfg.group_size), repeat_kv(v, cfg.group_size))
+    groups = q.shape[2] // k.shape[2]  # cfg.group_size, unless a KV head is shared by ranks
+    ctx = attention(q, repeat_kv(k, groups), repeat_kv(v, groups))
     return F.linear(ctx.reshape(n.shape[0], n.shape[1], -1), p["wo"])
 
 

@@ -18,6 +18,11 @@ the five measures of ``tpattn.run`` (same dict). The bug modes drop g or f on ev
 What only real ranks show (``RealRankReport``): the ranks' own copies of the output, of dX and
 of the ``norm`` gradient can disagree; and every collective is counted (the *ledger*).
 
+With fewer KV heads than ranks (``tpattn.kv_heads``) every rank also makes the replica groups
+with ``dist.new_group`` (all groups, same order, on every rank) and the KV collectives of
+``Config.kv_strategy`` join the ledger: the wk/wv gradient all-reduce within the replica group,
+or the K/V all-gather and its reduce-scatter (``RealRankReport.traffic`` lists their sizes).
+
 Launch it with ``torchrun --standalone --nproc-per-node N -m tpattn.distributed [flags]``
 (``python -m tpattn``'s flags and JSON, plus ``--timeout``), or from Python with
 ``run_distributed(world_size, seeds, modes, config)``, which starts the ranks itself.
@@ -38,13 +43,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
-                    NATIVE_MODES, PARAM_SEED_OFFSET, SEEDS, check_any_mode, check_mode,
-                    check_seed, dense_reference, five_measures, inspect_fixture,
-                    make_inputs, max_abs_diff, modes_for, one_step)
+from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
+                    MISSING_OUTPUT_REDUCE, MODES, NATIVE_MODES, PARAM_SEED_OFFSET, SEEDS,
+                    check_any_mode, check_mode, check_seed, dense_reference, five_measures,
+                    inspect_fixture, make_inputs, max_abs_diff, modes_for, one_step)
 from .cli import build_parser, config_from_args
 from .config import Config
 from .dense import attend_and_project
+from .kv_heads import (GATHER_ACTIVATIONS, KV_ALL_GATHER, KV_GRAD_ALL_REDUCE, KV_REDUCE_SCATTER,
+                       has_replicas, kv_grad_bug_applies, kv_rank_attend, replica_groups)
 from .launch import (RankFailure, backend_message, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
 from .layers import rms_norm
@@ -71,16 +78,28 @@ F_ALL_REDUCE = "f backward all-reduce of dn"
 GATHER_RESULTS = "all-gather of results to rank 0"
 
 
-def planned_collectives(mode: str) -> list[str]:
+def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
     """The collectives every rank issues, in order, in one check of ``mode``: g (unless the
     mode drops it), f (unless the mode drops it), then the gather of results to rank 0.
-    A mode of the bug registry has its own plan (``tpattn.zoo_real.planned_collectives``)."""
-    if check_any_mode(mode) not in MODES:
+    A mode of the bug registry has its own plan (``tpattn.zoo_real.planned_collectives``).
+
+    With fewer KV heads than ranks (``cfg``, see ``tpattn.kv_heads``) the KV collectives join
+    in: ``replicate_weights`` all-reduces the wk/wv grads in the replica group in backward,
+    before f (unless ``missing_kv_grad_reduce``); ``gather_activations`` all-gathers K/V in
+    forward, before g, and reduce-scatters their gradient in backward, before f.
+    """
+    if check_any_mode(mode, cfg) not in NATIVE_MODES:
         from .zoo_real import planned_collectives as registry_plan
 
         return registry_plan(mode)
-    return ([G_ALL_REDUCE] if mode != MISSING_OUTPUT_REDUCE else []) \
-        + ([F_ALL_REDUCE] if mode != MISSING_INPUT_GRAD_REDUCE else []) + [GATHER_RESULTS]
+    g = [G_ALL_REDUCE] if mode != MISSING_OUTPUT_REDUCE else []
+    f = [F_ALL_REDUCE] if mode != MISSING_INPUT_GRAD_REDUCE else []
+    if cfg is not None and has_replicas(cfg):
+        if cfg.kv_strategy == GATHER_ACTIVATIONS:
+            return [KV_ALL_GATHER] + g + [KV_REDUCE_SCATTER] + f + [GATHER_RESULTS]
+        kv = [KV_GRAD_ALL_REDUCE] if mode != MISSING_KV_GRAD_REDUCE else []
+        return g + kv + f + [GATHER_RESULTS]
+    return g + f + [GATHER_RESULTS]
 
 
 class CollectiveError(RuntimeError):
@@ -103,18 +122,22 @@ class CollectiveLedger:
 
     ``counts``: the block's all-reduces by autograd phase (``"forward"``/``"backward"``);
     ``issued``: every collective so far (the gather of results included); ``history``: labels
-    issued in the current job, which ``start_job`` names and gives its planned sequence.
+    issued in the current job, which ``start_job`` names and gives its planned sequence;
+    ``traffic``: the block's collectives in the current job, one row each (``label``, ``phase``,
+    ``kind``, ``group_size``, ``elements``: see ``tpattn.kv_heads.kv_collectives``).
+    ``replica_group``: this rank's KV replica group (a ``dist.new_group``), when there is one.
     """
 
     def __init__(self, group=None):
         self.group = group
+        self.replica_group = None
         self.counts = {"forward": 0, "backward": 0}
         self.issued = 0
-        self.job, self.planned, self.history = "start-up", [], []
+        self.job, self.planned, self.history, self.traffic = "start-up", [], [], []
 
     def start_job(self, job: str, planned: list[str]) -> None:
         """Begin counting a new job (``job`` names it in errors; ``planned``: its collectives)."""
-        self.job, self.planned, self.history = job, list(planned), []
+        self.job, self.planned, self.history, self.traffic = job, list(planned), [], []
         self.counts = {"forward": 0, "backward": 0}
 
     def deviation(self) -> str | None:
@@ -136,20 +159,45 @@ class CollectiveLedger:
             raise RuntimeError("collectives out of plan: " + problem)
         return dict(self.counts)
 
-    def _issue(self, label: str, collective, *args) -> None:
+    def _issue(self, label: str, collective, *args, group=None) -> None:
         self.issued += 1
         self.history.append(label)
         try:
-            collective(*args, group=self.group)
+            collective(*args, group=self.group if group is None else group)
         except Exception as e:  # name the collective; keep what the backend said
             raise CollectiveError(
                 f"{label} (collective #{len(self.history)} of {self.job}) failed: {backend_message(e)}",
                 self.deviation()) from e
 
-    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str) -> None:
-        """Sum ``tensor`` over the ranks, in place; counted under ``phase``."""
+    def _record(self, label, phase, kind, group, elements) -> None:
+        size = dist.get_world_size(self.group if group is None else group)
+        self.traffic.append({"label": label, "phase": phase, "kind": kind,
+                             "group_size": size, "elements": elements})
+
+    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str, group=None) -> None:
+        """Sum ``tensor`` over the ranks (of ``group``, default: the ledger's), in place;
+        counted under ``phase``."""
         self.counts[phase] += 1
-        self._issue(label, dist.all_reduce, tensor)
+        self._record(label, phase, "all_reduce", group, tensor.numel())
+        self._issue(label, dist.all_reduce, tensor, group=group)
+
+    def all_gather_last_dim(self, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:
+        """Every rank's ``local`` ``[..., c]`` concatenated on the last dim, rank order:
+        ``[..., W*c]`` (``dist.all_gather_single`` on the moved dim)."""
+        part = local.movedim(-1, 0).contiguous()
+        full = part.new_empty((dist.get_world_size(self.group) * part.shape[0], *part.shape[1:]))
+        self._record(label, phase, "all_gather", None, full.numel())
+        self._issue(label, dist.all_gather_single, full, part)
+        return full.movedim(0, -1)
+
+    def reduce_scatter_last_dim(self, full: torch.Tensor, phase: str, label: str) -> torch.Tensor:
+        """The sum over ranks of ``full`` ``[..., W*c]``, this rank's chunk ``[..., c]`` of the
+        last dim (``dist.reduce_scatter_single``): the backward of ``all_gather_last_dim``."""
+        whole = full.movedim(-1, 0).contiguous()
+        part = whole.new_empty((whole.shape[0] // dist.get_world_size(self.group), *whole.shape[1:]))
+        self._record(label, phase, "reduce_scatter", None, whole.numel())
+        self._issue(label, dist.reduce_scatter_single, part, whole)
+        return part.movedim(0, -1)
 
     def gather_tensors(self, tensors: dict[str, torch.Tensor],
                        label: str = GATHER_RESULTS) -> list[dict[str, torch.Tensor]]:
@@ -204,17 +252,25 @@ class ReduceOutputPartials(torch.autograd.Function):
 
 def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
                     ledger: CollectiveLedger, reduce_output: bool = True,
-                    reduce_input_grad: bool = True) -> torch.Tensor:
+                    reduce_input_grad: bool = True, reduce_kv_grad: bool = True,
+                    rank: int | None = None) -> torch.Tensor:
     """This rank's share of ``dense_forward``: its own copy of the block's output.
 
     x: ``[S, B, hidden]`` (the same on every rank); ``shard``: this rank's ``norm`` (replicated)
     and its ``wq, wk, wv, wo`` head-group shards. Returns ``[S, B, hidden]``.
     ``reduce_output=False`` drops g; ``reduce_input_grad=False`` drops f.
+    With fewer KV heads than ranks the attention is ``tpattn.kv_heads.kv_rank_attend`` (the KV
+    collectives of ``cfg.kv_strategy``; ``reduce_kv_grad=False`` drops the replica-group
+    reduce); ``rank``: this rank (default ``dist.get_rank()``).
     """
     n = rms_norm(x, shard["norm"], cfg.eps)
     if reduce_input_grad:
         n = CopyToRanks.apply(n, ledger)
-    partial = attend_and_project(n, shard, cfg)
+    if has_replicas(cfg):
+        rank = dist.get_rank(ledger.group) if rank is None else rank
+        partial = kv_rank_attend(n, shard, cfg, rank, ledger, reduce_kv_grad)
+    else:
+        partial = attend_and_project(n, shard, cfg)
     out = ReduceOutputPartials.apply(partial, ledger) if reduce_output else partial
     return x + out
 
@@ -243,8 +299,11 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     ``norm`` weight after the step (``<name>_max_rank_diff``, max abs difference).
     ``skip_output_reduce`` makes this one rank skip g's all-reduce (fault injection for tests).
     A mode of the bug registry runs in ``tpattn.zoo_real.zoo_rank_check``.
+    Where KV heads are replicated, ``disagreement`` also says how far the copies of each KV
+    head are apart (``kv_replica_grad_max_diff``, ``kv_replica_after_step_max_diff``: max over
+    replica groups and wk/wv of the max abs difference from the group's first rank).
     """
-    if mode not in MODES:
+    if mode not in NATIVE_MODES:
         from .zoo_real import zoo_rank_check
 
         return zoo_rank_check(seed, mode, cfg, rank, ledger, device)
@@ -255,7 +314,8 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     def forward(x, shard):
         return tp_rank_forward(x, shard, cfg, ledger,
                                reduce_output=mode != MISSING_OUTPUT_REDUCE and not skip_output_reduce,
-                               reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+                               reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE,
+                               reduce_kv_grad=mode != MISSING_KV_GRAD_REDUCE, rank=rank)
 
     # every rank its own step on its own shard and its own loss, as in real TP training
     step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
@@ -270,6 +330,11 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     disagreement = {"seed": seed, "mode": mode}
     for name, key in REPLICATED.items():
         disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[key], ranks[0][key]) for r in ranks)
+    if kv_grad_bug_applies(cfg):
+        for name, prefix in (("grad", "grad_"), ("after_step", "weight_")):
+            disagreement[f"kv_replica_{name}_max_diff"] = max(
+                max_abs_diff(ranks[r][prefix + w], ranks[group[0]][prefix + w])
+                for group in replica_groups(cfg) for r in group for w in ("wk", "wv"))
     return metrics, disagreement
 
 
@@ -293,6 +358,14 @@ class RunPlan:
 
 #: All-reduces correct TP needs per block: g once in forward, f once in backward.
 EXPECTED_ALL_REDUCES = {"forward": 1, "backward": 1}
+
+
+def expected_all_reduces(cfg: Config) -> dict[str, int]:
+    """``EXPECTED_ALL_REDUCES``, plus the backward replica-group reduce of wk/wv where KV heads
+    are replicated (the all-gather strategy adds no all-reduce: its collectives are an
+    all-gather and a reduce-scatter, see ``RealRankReport.traffic``)."""
+    extra = 1 if kv_grad_bug_applies(cfg) else 0
+    return {"forward": 1, "backward": 1 + extra}
 #: DTensor's plan: RowwiseParallel(wo) sums once in forward; each of the three ColwiseParallel
 #: layers (wq, wk, wv) reads the replicated input and sums its own share of dn in backward.
 DTENSOR_EXPECTED_ALL_REDUCES = {"forward": 1, "backward": 3}
@@ -318,11 +391,17 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
         return sp_run_rank(rank, plan, device, on_progress)
     start = time.monotonic()
     ledger = CollectiveLedger()
-    out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
+    if kv_grad_bug_applies(plan.cfg):
+        # every rank creates every replica group, in the same order (new_group is collective)
+        for group in replica_groups(plan.cfg):
+            handle = dist.new_group(group, timeout=timedelta(seconds=plan.timeout))
+            if rank in group:
+                ledger.replica_group = handle
+    out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": [], "traffic": []}
     counts_by_mode: dict[str, dict] = {}
     fault = plan.fault if plan.fault and plan.fault["rank"] == rank else None
     for index, (mode, seed) in enumerate(plan.jobs):
-        ledger.start_job(f"seed {seed} {mode}", planned_collectives(mode))
+        ledger.start_job(f"seed {seed} {mode}", planned_collectives(mode, plan.cfg))
         faulty = fault is not None and index == 0
         if faulty and fault["kind"] == "raise":
             raise RuntimeError("fault injected for a test: this rank raises")
@@ -337,9 +416,11 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
             out["rank_disagreement"].append(disagreement)
             if counts_by_mode.setdefault(mode, counts) != counts:
                 raise RuntimeError(f"collective counts of {mode} differ between seeds")
+            if mode not in {row["mode"] for row in out["traffic"]}:
+                out["traffic"] += [{"mode": mode, **row} for row in ledger.traffic]
         if on_progress:
             on_progress(index)
-    out["ledger"] = [_ledger_row("tpattn f/g", mode, EXPECTED_ALL_REDUCES, counts)
+    out["ledger"] = [_ledger_row("tpattn f/g", mode, expected_all_reduces(plan.cfg), counts)
                      for mode, counts in counts_by_mode.items()]
     if plan.dtensor_seeds:
         from .dtensor_check import dtensor_check  # loads torch.distributed.tensor only when used
@@ -347,11 +428,20 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
         dtensor_counts = None
         for seed in plan.dtensor_seeds:
             ledger.start_job(f"seed {seed} DTensor", [])
+            if has_replicas(plan.cfg):
+                # ColwiseParallel splits wk/wv rows evenly: less than a KV head per rank. Every
+                # rank fails at the same view, before any collective of the forward.
+                try:
+                    dtensor_check(seed, plan.cfg, device)
+                except RuntimeError as e:
+                    out["dtensor"].append({"seed": seed, "error": describe_error(e)})
+                    continue
             metrics, counts = dtensor_check(seed, plan.cfg, device)
             out["dtensor"].append(metrics)
             dtensor_counts = dtensor_counts or counts
-        out["ledger"].append(_ledger_row("DTensor parallelize_module", EQUIVALENCE,
-                                         DTENSOR_EXPECTED_ALL_REDUCES, dtensor_counts))
+        if dtensor_counts is not None:
+            out["ledger"].append(_ledger_row("DTensor parallelize_module", EQUIVALENCE,
+                                             DTENSOR_EXPECTED_ALL_REDUCES, dtensor_counts))
     if rank != 0:
         out = {}
     out["issued"] = ledger.issued
@@ -369,9 +459,12 @@ class RealRankReport:
       the step (``<name>_max_rank_diff``, max abs difference; 0: every rank holds the same bits);
     - ``ledger``: per mode, the block's all-reduces in forward and backward, expected vs actual
       (plus one DTensor row when the cross-check ran);
-    - ``dtensor``: ``run()`` dicts of the same block parallelized by PyTorch's TP API;
+    - ``dtensor``: ``run()`` dicts of the same block parallelized by PyTorch's TP API (where
+      ``kv_heads < world_size``, ``{"seed", "error"}``: the one line PyTorch's TP API fails with);
     - ``timings``: seconds — ``startup_s`` (processes up, group joined), ``compute_s`` (rank
-      0's jobs), ``total_s``. Not deterministic: never print them in the book.
+      0's jobs), ``total_s``. Not deterministic: never print them in the book;
+    - ``traffic``: rank 0's block collectives in the first job of each mode, one row each
+      (``mode`` and ``tpattn.kv_heads.kv_collectives``' keys).
 
     Under ``Config.sequence_parallel`` (``tpattn.sequence_parallel.sp_run_rank``) output and dX
     are sharded, so ``rank_disagreement`` compares the ``norm`` gradient and weight only (plus
@@ -386,6 +479,7 @@ class RealRankReport:
     ledger: list[dict]
     dtensor: list[dict]
     timings: dict = field(default_factory=dict, compare=False)
+    traffic: list[dict] = field(default_factory=list)
 
 
 def _validate(world_size, seeds, modes, config, timeout, fault):
@@ -464,7 +558,8 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     return RealRankReport(
         world_size=world_size, backend=backend, results=rank0["results"],
         rank_disagreement=rank0["rank_disagreement"], ledger=rank0["ledger"],
-        dtensor=rank0["dtensor"], timings={**timings, "compute_s": rank0["compute_s"]})
+        dtensor=rank0["dtensor"], timings={**timings, "compute_s": rank0["compute_s"]},
+        traffic=rank0.get("traffic", []))
 
 
 # --- the command line: torchrun, or self-spawned ----------------------------------------
@@ -528,7 +623,8 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         else:
-            seeds, modes = (args.seeds, modes_for(cfg)) if args.mode == "matrix" else ([args.seed], [args.mode])
+            seeds, modes = (args.seeds, modes_for(cfg)) if args.mode == "matrix" \
+                else ([args.seed], [args.mode])
             cfg, seeds, modes, timeout = _validate(cfg.world_size, seeds, modes, cfg, args.timeout, None)
             plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds), timeout=timeout)
     except ValueError as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import Config
+from .kv_heads import is_first_kv_copy, kv_weight_rows
 
 #: Standard deviation of the seed's weight init.
 INIT_STD = 0.15
@@ -52,11 +53,13 @@ def rank_head_slices(cfg: Config, rank: int) -> tuple[slice, slice]:
     Rank ``r`` owns query heads ``[r*Hq/W, (r+1)*Hq/W)`` and KV heads ``[r*Hkv/W, (r+1)*Hkv/W)``.
     Because ``repeat_kv`` maps query head ``h`` to KV head ``h // (Hq/Hkv)``, those are exactly the
     KV heads its query heads read: every rank holds complete query/KV groups.
+    When ``kv_heads < world_size`` the wk/wv rows are ``tpattn.kv_heads.kv_weight_rows``: a copy
+    of KV head ``r // (W/Hkv)`` (``replicate_weights``) or a slice of one (``gather_activations``).
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cfg.world_size:
         raise ValueError(f"rank must be an integer in [0, world_size={cfg.world_size}) (got {rank!r})")
-    d, q, kv = cfg.head_dim, cfg.local_query_heads, cfg.local_kv_heads
-    return slice(rank * q * d, (rank + 1) * q * d), slice(rank * kv * d, (rank + 1) * kv * d)
+    d, q = cfg.head_dim, cfg.local_query_heads
+    return slice(rank * q * d, (rank + 1) * q * d), kv_weight_rows(cfg, rank)
 
 
 def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
@@ -89,6 +92,8 @@ def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[s
     Each rank's rows of wq/wk/wv and columns of wo go back where ``rank_head_slices`` took them
     from; ``norm`` is replicated, so rank 0's copy stands for all (whether the replicas still
     agree is a separate question: see ``tpattn.distributed.RealRankReport.rank_disagreement``).
+    Likewise a replicated KV head (``kv_heads < world_size``) is taken from the first rank of
+    its replica group.
     shards: ``world_size`` dicts with the keys of ``PARAM_NAMES``. Returns new tensors
     (detached), keyed by ``PARAM_NAMES``.
     """
@@ -103,7 +108,8 @@ def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[s
         for rank, mine in enumerate(shards):
             q_rows, kv_rows = rank_head_slices(cfg, rank)
             full["wq"][q_rows] = mine["wq"]
-            full["wk"][kv_rows] = mine["wk"]
-            full["wv"][kv_rows] = mine["wv"]
+            if is_first_kv_copy(cfg, rank):
+                full["wk"][kv_rows] = mine["wk"]
+                full["wv"][kv_rows] = mine["wv"]
             full["wo"][:, q_rows] = mine["wo"]
     return {k: full[k] for k in PARAM_NAMES}

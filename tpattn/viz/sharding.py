@@ -113,7 +113,13 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
     sharding (contiguous blocks of ``cfg.local_query_heads``). KV head ``j`` is always held by
     rank ``j // cfg.local_kv_heads``. A line whose query head and KV head sit on different ranks
     (a split group, which one rank cannot compute) is drawn dashed in the fail color.
+    With fewer KV heads than ranks (and the default ``query_ranks``) this is
+    ``tpattn.viz.kv.replica_groups_figure``: each rank's copy of its KV head, by replica group.
     """
+    if cfg.kv_heads < cfg.world_size and query_ranks is None:
+        from .kv import replica_groups_figure
+
+        return replica_groups_figure(cfg)
     hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
     if query_ranks is None:
         query_ranks = [h // cfg.local_query_heads for h in range(hq)]

@@ -23,6 +23,7 @@ from .explorers import *  # noqa: F401,F403
 from .explorers import __all__ as _explorers
 from .sp import *  # noqa: F401,F403
 from .sp import __all__ as _sp
+from .kv import kv_explorer, static_kv_explorer
 
 __all__ = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_controls",
-           *_explorers, *_sp]
+           *_explorers, *_sp, "kv_explorer", "static_kv_explorer"]
