@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 
 #: dtypes a Config may ask for, by name.
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 _POSITIVE_INTS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
@@ -38,7 +38,8 @@ class Config:
     - ``query_heads % kv_heads == 0`` (each KV head serves a whole group of query heads);
     - ``kv_heads % world_size == 0`` (every rank holds complete query/KV groups; replicating
       KV heads when ``kv_heads < world_size`` is not supported yet);
-    - ``dtype`` is ``"float32"`` or ``"float64"`` (a ``torch.dtype`` is accepted and stored by name).
+    - ``dtype`` is ``"float32"``, ``"float64"`` or ``"bfloat16"`` (a ``torch.dtype`` is accepted and
+      stored by name; bfloat16 keeps parameters and activations in bf16).
     """
 
     seq: int = 5
