@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from .config import Config
 from .dense import dense_forward
 from .params import clone_trainable, init_params
+from .rank_batched import rank_batched_tp_forward
+from .tolerance import apply_auto, auto_bounds, check_tolerance
 from .tp import tp_forward
 
 EQUIVALENCE = "equivalence"
@@ -113,31 +115,44 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
     return metrics
 
 
-def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> dict:
+def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
+        tolerance: str = "seed") -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
     (no g), ``missing_input_grad_reduce`` (no f). Returns the five measures and ``passed``.
+
+    ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
+    (``tp.tp_forward``). ``tolerance="auto"``: a rounding bound per measure
+    (``tolerance.auto_bounds``, added as ``bounds``) and the rank-batched TP path
+    (``rank_batched.rank_batched_tp_forward``: same math, faster, no bit parity promised).
     """
     check_mode(mode)
     check_seed(seed)
+    check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    forward = tp_forward if tolerance == "seed" else rank_batched_tp_forward
 
     def tp(x, p):
-        return tp_forward(x, p, cfg, reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                          reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+        return forward(x, p, cfg, reduce_output=mode != MISSING_OUTPUT_REDUCE,
+                       reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
 
-    return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
-                         one_step(tp, x0, target, base))
+    dense = dense_reference(x0, target, base, cfg)
+    metrics = five_measures(seed, mode, dense, one_step(tp, x0, target, base))
+    if tolerance == "auto":
+        metrics = apply_auto(metrics, auto_bounds(cfg, dense, LR))
+    return metrics
 
 
-def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None) -> list[dict]:
+def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
+               tolerance: str = "seed") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
     modes = [check_mode(m) for m in modes]
     seeds = [check_seed(s) for s in seeds]
-    return [run(s, m, cfg) for m in modes for s in seeds]
+    check_tolerance(tolerance)
+    return [run(s, m, cfg, tolerance) for m in modes for s in seeds]
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:

@@ -12,6 +12,7 @@ import sys
 
 from .check import EQUIVALENCE, MODES, SEEDS, inspect_fixture, run, run_matrix
 from .config import DTYPES, Config
+from .tolerance import TOLERANCES
 
 CLI_MODES = ("inspect",) + MODES + ("matrix",)
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
@@ -43,6 +44,9 @@ def build_parser(prog: str = "tpattn") -> argparse.ArgumentParser:
                     help="Config.dtype (default: %(default)s)")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when any equivalence run did not pass")
+    ap.add_argument("--tolerance", choices=TOLERANCES, default="seed",
+                    help="seed: absolute 1e-6; auto: a rounding bound per measure from the "
+                         "dtype and the sizes of the sums (default: %(default)s)")
     return ap
 
 
@@ -61,9 +65,9 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":
-            out = run_matrix(args.seeds, MODES, cfg)
+            out = run_matrix(args.seeds, MODES, cfg, tolerance=args.tolerance)
         else:
-            out = run(args.seed, args.mode, cfg)
+            out = run(args.seed, args.mode, cfg, tolerance=args.tolerance)
     except ValueError as e:
         ap.exit(2, f"{prog}: error: {e}\n")
     print(json.dumps(out, indent=2))
