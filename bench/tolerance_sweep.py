@@ -1,0 +1,57 @@
+"""The sweep behind chapter 14 ("Equal at scale"): correct TP and both bugs against the
+``tolerance="auto"`` bounds at the Llama-3-8B attention shape.
+
+Cases (``tpattn.at_scale``; rank-batched TP path; dense computed once per seed and dtype):
+
+- float64, float32, bfloat16 x TP 1/2/4/8 x all modes x seeds 1-3, seq 64, 1/sqrt(fan_in) init;
+- float32 at seq 256, TP 8, seeds 1-3 (the bench's shape);
+- float32 with the seed's 0.15 init, seq 64, TP 8 (saturated softmax), seeds 1-3;
+- bfloat16 and float32 dense against float64 dense of the same numbers, seeds 1-3.
+
+Writes book/data/equal_at_scale.json (committed; the chapter reads it and re-runs one case
+itself). ~10 minutes on 2 idle cores, bfloat16 being most of it (CPU bf16 kernels are slow).
+
+Usage: python bench/tolerance_sweep.py [--out PATH] [--seeds 1 2 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import time
+
+import torch
+
+from tpattn.at_scale import against_float64, compare_world_sizes, llama3_8b_attention
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "book" / "data" / "equal_at_scale.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    rows, refs = [], []
+    for seed in args.seeds:
+        for dtype in ("float64", "float32", "bfloat16"):
+            rows += [dict(r, seq=64) for r in
+                     compare_world_sizes(llama3_8b_attention(64, dtype), seed)]
+            print(f"seed {seed} {dtype} done at {time.perf_counter() - t0:.0f} s", flush=True)
+        rows += [dict(r, seq=256) for r in compare_world_sizes(
+            llama3_8b_attention(256, "float32"), seed, world_sizes=(8,))]
+        rows += [dict(r, seq=64) for r in compare_world_sizes(
+            llama3_8b_attention(64, "float32"), seed, world_sizes=(8,), init="seed")]
+        for dtype in ("float32", "bfloat16"):
+            refs.append(dict(against_float64(llama3_8b_attention(64, dtype), seed), seq=64))
+    out = {"torch": torch.__version__, "machine": platform.machine(),
+           "seconds": time.perf_counter() - t0, "tp_vs_dense": rows, "dense_vs_float64": refs}
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}: {len(rows)} TP steps, {len(refs)} references")
+
+
+if __name__ == "__main__":
+    main()
