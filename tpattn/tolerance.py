@@ -18,8 +18,9 @@ by ~3e-2: a fixed threshold is either too tight (fails correct TP) or blind (pas
   ``(Hq + 2 Hkv) * D`` (the input gradient's sum over all projections' rows), ``S * B``
   (every weight gradient sums over tokens). Rounding errors of a length-``n`` sum behave like
   a random walk: with probability near 1 they stay below ``lambda * sqrt(n) * u`` times the
-  sum of the magnitudes (Higham & Mary, "A new approach to probabilistic rounding error
-  analysis", SIAM J. Sci. Comput. 41(5), 2019), while the worst case ``gamma_n = n u / (1 -
+  sum of the magnitudes (N. Higham and T. Mary, "A New Approach to Probabilistic Rounding
+  Error Analysis", https://nla-group.org/2018/11/22/a-new-approach-to-probabilistic-rounding-error-analysis/),
+  while the worst case ``gamma_n = n u / (1 -
   n u)`` is reached only by adversarial data — ``sqrt(n)`` is what a check at size needs.
 - ``W + L``: results rounded once per stage in the stored dtype — the ``W - 1`` additions of
   the ranks' partials (g, and f's input-gradient sum) plus ``L = 4`` later elementwise
