@@ -3,7 +3,7 @@
 
 ``tp.tp_forward`` loops over ranks: per rank, a slice of every weight (``wo``'s slice is a
 strided column block), small matmuls, and in backward a full-size zero gradient per slice.
-At Llama-3-8B attention sizes that loop costs ~2x a dense step. Here every weight is *viewed*
+At Llama-3-8B attention sizes that loop costs 2-3x a dense step (bench/llama_shape.py). Here every weight is *viewed*
 rank-major (no copy) and each rank's matmul is one entry of a batched matmul::
 
     wq  [Hq*D, hidden]   -> view [W, Hq/W*D, hidden]      rank r's rows
