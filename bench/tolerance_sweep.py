@@ -11,7 +11,12 @@ Cases (``tpattn.at_scale``; rank-batched TP path; dense computed once per seed a
 Writes book/data/equal_at_scale.json (committed; the chapter reads it and re-runs one case
 itself). ~10 minutes on 2 idle cores, bfloat16 being most of it (CPU bf16 kernels are slow).
 
+The committed JSON (2026-12-01, a 2-core machine shared by several jobs, load 12-20):
+seed 1 complete (``--seeds 1``), plus seed 2's float32 and float64 rows (``--seeds 2``,
+stopped during its bfloat16 block for time), joined with ``--merge``.
+
 Usage: python bench/tolerance_sweep.py [--out PATH] [--seeds 1 2]
+       python bench/tolerance_sweep.py --merge A.json B.json [--out PATH]
 """
 from __future__ import annotations
 
@@ -32,7 +37,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="join the rows of earlier sweeps' JSON files into --out, run nothing")
     args = ap.parse_args()
+    if args.merge:
+        parts = [json.loads(pathlib.Path(p).read_text()) for p in args.merge]
+        merged = {"torch": parts[0]["torch"], "machine": parts[0]["machine"],
+                  "seconds": sum(p["seconds"] for p in parts),
+                  "tp_vs_dense": [r for p in parts for r in p["tp_vs_dense"]],
+                  "dense_vs_float64": [r for p in parts for r in p["dense_vs_float64"]]}
+        pathlib.Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"wrote {args.out}: {len(merged['tp_vs_dense'])} TP steps")
+        return
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     out = {"torch": torch.__version__, "machine": platform.machine(), "seconds": 0.0,
