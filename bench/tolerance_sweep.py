@@ -12,8 +12,11 @@ Writes book/data/equal_at_scale.json (committed; the chapter reads it and re-run
 itself). ~10 minutes on 2 idle cores, bfloat16 being most of it (CPU bf16 kernels are slow).
 
 The committed JSON (2026-12-01, a 2-core machine shared by several jobs, load 12-20):
-seed 1 complete (``--seeds 1``), plus seed 2's float32 and float64 rows (``--seeds 2``,
-stopped during its bfloat16 block for time), joined with ``--merge``.
+the float32 and float64 blocks of seeds 1 and 2 (two runs, ``--seeds 1`` and ``--seeds 2``,
+joined with ``--merge``). Both runs were stopped inside their bfloat16 block: on that
+loaded machine one bfloat16 block did not finish in 30 minutes, so the seq-256, 0.15-init
+and float64-reference blocks are not in it either. Chapter 14 runs bfloat16 live at a
+smaller width instead; run the full sweep on an idle machine to fill them in.
 
 Usage: python bench/tolerance_sweep.py [--out PATH] [--seeds 1 2]
        python bench/tolerance_sweep.py --merge A.json B.json [--out PATH]
