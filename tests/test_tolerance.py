@@ -145,7 +145,7 @@ def test_fan_in_init_scales_the_same_draws():
     a, b = init_params(Config(), 7), init_params(Config(), 7, init="fan_in")
     for k in ("wq", "wk", "wv"):
         torch.testing.assert_close(b[k], a[k] / 0.15 / 16 ** 0.5)
-    torch.testing.assert_close(b["wo"], a["wo"] / 0.15 / 8 ** 0.5)
+    torch.testing.assert_close(b["wo"], a["wo"] / 0.15 / (4 * 4) ** 0.5)  # Hq * D = 16
 
 
 @pytest.mark.skipif(not SWEEP.exists(), reason="bench/tolerance_sweep.py not run")
