@@ -38,7 +38,7 @@ def apply_rope(x: torch.Tensor) -> torch.Tensor:
 
     x: ``[S, B, H, D]`` with ``D`` even; returns ``[S, B, H, D]``.
     """
-    # bfloat16 cannot hold the angles (spacing 0.25 rad at position 32): like Llama, compute
+    # bfloat16 cannot hold the angles (spacing 0.25 rad at position 32): compute
     # them in float32 and round only cos/sin to x's dtype. float32/float64 are unchanged.
     angle_dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
     theta = rope_angles(x.shape[0], x.shape[-1], dtype=angle_dtype, device=x.device)
