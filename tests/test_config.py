@@ -30,7 +30,8 @@ def broken_rules(f):
         bad.add("kv_heads")  # each KV head replicated on world_size/kv_heads ranks
     if f["kv_heads"] < f["world_size"] and f["query_heads"] % f["world_size"]:
         bad.add("query_heads")
-    if f["dtype"] not in ("float32", "float64", torch.float32, torch.float64):
+    if f["dtype"] not in ("float32", "float64", "bfloat16", torch.float32, torch.float64,
+                          torch.bfloat16):
         bad.add("dtype")
     return bad
 
@@ -50,7 +51,7 @@ def test_config_accepts_exactly_the_valid_fields_and_names_every_broken_one(f):
     bad = broken_rules(f)
     if not bad:
         cfg = Config(**f)
-        assert cfg.dtype in ("float32", "float64")
+        assert cfg.dtype in ("float32", "float64", "bfloat16")
         return
     with pytest.raises(ValueError) as e:
         Config(**f)
@@ -71,7 +72,7 @@ def test_config_accepts_exactly_the_valid_fields_and_names_every_broken_one(f):
     (dict(kv_heads=1, query_heads=8, world_size=8, kv_strategy="gather_activations"),
      r"kv_strategy='gather_activations' needs kv_heads\*head_dim to be a multiple of world_size"),
     (dict(eps=0), r"eps must be a finite number > 0"),
-    (dict(dtype="float16"), r"dtype must be one of \['float32', 'float64'\]"),
+    (dict(dtype="float16"), r"dtype must be one of \['bfloat16', 'float32', 'float64'\]"),
 ])
 def test_each_rule_has_a_message_that_says_it(kwargs, rule):
     with pytest.raises(ValueError, match=rule):

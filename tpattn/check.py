@@ -19,6 +19,8 @@ from .dense import dense_forward
 from .kv_heads import (has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv,
                        tp_forward_kv_ranks)
 from .params import clone_trainable, init_params, shard_params, unshard_params
+from .rank_batched import rank_batched_tp_forward
+from .tolerance import apply_auto, auto_bounds, check_tolerance
 from .tp import tp_forward, tp_forward_ranks
 
 EQUIVALENCE = "equivalence"
@@ -210,10 +212,13 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
 
 
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-            mode: str, simulate: str = "fixture", shard_fn=shard_params) -> dict:
+            mode: str, simulate: str = "fixture", shard_fn=shard_params,
+            batched: bool = False) -> dict:
     """The TP side of ``run``: one step of the sharded block in ``mode``, simulated as
     ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view).
-    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards."""
+    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards. ``batched``: plain
+    TP in the fixture's semantics runs ``rank_batched.rank_batched_tp_forward`` (same math,
+    ranks as a batch dimension: faster, no bit parity with the seed promised)."""
     reduce_output = mode != MISSING_OUTPUT_REDUCE
     reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
     if cfg.sequence_parallel:
@@ -231,6 +236,10 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
         steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
                            x0, target, shard_fn(base, cfg))
         return gather_ranks(steps, cfg)
+    if batched and shard_fn is shard_params:
+        return one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg, reduce_output=reduce_output,
+                                                             reduce_input_grad=reduce_input_grad),
+                        x0, target, base)
     return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=reduce_output,
                                             reduce_input_grad=reduce_input_grad,
                                             shard_fn=shard_fn),
@@ -238,7 +247,7 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
 
 
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
-        simulate: str = "fixture", shard_fn=shard_params) -> dict:
+        simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed") -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
@@ -251,9 +260,18 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     dense parameters are cut into rank shards (default ``shard_params``; chapter 6 passes a
     layout that splits a query/KV group). Returns the five measures and
     ``passed``. Any other mode of the bug registry runs in ``tpattn.zoo.run``.
+
+    ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
+    (``tp.tp_forward``). ``tolerance="auto"``: a rounding bound per measure
+    (``tolerance.auto_bounds``, added as ``bounds``) and, for plain TP, the rank-batched path
+    (``rank_batched.rank_batched_tp_forward``: same math, faster, no bit parity promised).
     """
+    check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
     if check_any_mode(mode, cfg) not in NATIVE_MODES:
+        if tolerance != "seed":
+            raise ValueError(f"tolerance must be 'seed' for a bug-registry mode such as {mode} "
+                             f"(the auto bound covers {', '.join(NATIVE_MODES)})")
         from .zoo import run as run_registry_mode
 
         return run_registry_mode(seed, mode, cfg, simulate)
@@ -261,18 +279,23 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     check_simulate(simulate)
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    return five_measures(seed, mode, dense_reference(x0, target, base, cfg),
-                         tp_step(x0, target, base, cfg, mode, simulate, shard_fn))
+    dense = dense_reference(x0, target, base, cfg)
+    metrics = five_measures(seed, mode, dense, tp_step(x0, target, base, cfg, mode, simulate,
+                                                       shard_fn, batched=tolerance == "auto"))
+    if tolerance == "auto":
+        metrics = apply_auto(metrics, auto_bounds(cfg, dense, LR))
+    return metrics
 
 
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
-               simulate: str = "fixture") -> list[dict]:
+               simulate: str = "fixture", tolerance: str = "seed") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
     cfg = Config() if cfg is None else cfg
     modes = [check_any_mode(m, cfg) for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
-    return [run(s, m, cfg, simulate) for m in modes for s in seeds]
+    check_tolerance(tolerance)
+    return [run(s, m, cfg, simulate, tolerance=tolerance) for m in modes for s in seeds]
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:

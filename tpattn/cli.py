@@ -13,6 +13,7 @@ import sys
 from .check import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture,
                     modes_for, run, run_matrix)
 from .config import DTYPES, KV_STRATEGIES, Config
+from .tolerance import TOLERANCES
 
 CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
 
@@ -66,6 +67,10 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
                              "ranks (default: %(default)s)")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when any equivalence run did not pass")
+    if simulated:  # the real-rank CLI compares with the seed's 1e-6
+        ap.add_argument("--tolerance", choices=TOLERANCES, default="seed",
+                        help="seed: absolute 1e-6; auto: a rounding bound per measure from the "
+                             "dtype and the sizes of the sums (default: %(default)s)")
     ap.add_argument("--list-modes", action="store_true",
                     help="print the bug registry (name, description, citation, needs) as "
                          "JSON and exit")
@@ -97,9 +102,9 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":
-            out = run_matrix(args.seeds, modes_for(cfg), cfg, args.simulate)
+            out = run_matrix(args.seeds, modes_for(cfg), cfg, args.simulate, tolerance=args.tolerance)
         else:
-            out = run(args.seed, args.mode, cfg, args.simulate)
+            out = run(args.seed, args.mode, cfg, args.simulate, tolerance=args.tolerance)
         if args.diagnose and isinstance(out, (list, dict)) and out is not None:
             from .diagnose import diagnose
             from .observe import observe

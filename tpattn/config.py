@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 #: dtypes a Config may ask for, by name.
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 _POSITIVE_INTS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
@@ -45,7 +45,8 @@ class Config:
       its KV head's wk/wv rows; their gradients are summed within the group) or
       ``"gather_activations"`` (no copies: K/V activations are all-gathered; needs
       ``kv_heads * head_dim % world_size == 0``). It matters only when ``kv_heads < world_size``;
-    - ``dtype`` is ``"float32"`` or ``"float64"`` (a ``torch.dtype`` is accepted and stored by name);
+    - ``dtype`` is ``"float32"``, ``"float64"`` or ``"bfloat16"`` (a ``torch.dtype`` is accepted and
+      stored by name; bfloat16 keeps parameters and activations in bf16);
     - ``sequence_parallel`` is a bool; when ``True``, ``seq % world_size == 0`` (each rank holds
       ``seq // world_size`` consecutive tokens of the residual stream, see
       ``tpattn.sequence_parallel``).

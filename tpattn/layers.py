@@ -42,8 +42,11 @@ def apply_rope(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
 
     x: ``[S, B, H, D]`` with ``D`` even; returns ``[S, B, H, D]``.
     """
-    theta = rope_angles(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device, offset=offset)
-    cos, sin = theta.cos(), theta.sin()
+    # bfloat16 cannot hold the angles (spacing 0.25 rad at position 32): compute
+    # them in float32 and round only cos/sin to x's dtype. float32/float64 are unchanged.
+    angle_dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+    theta = rope_angles(x.shape[0], x.shape[-1], dtype=angle_dtype, device=x.device, offset=offset)
+    cos, sin = theta.cos().to(x.dtype), theta.sin().to(x.dtype)
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)

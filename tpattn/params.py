@@ -22,16 +22,28 @@ INIT_STD = 0.15
 PARAM_NAMES = ("norm", "wq", "wk", "wv", "wo")
 
 
-def init_params(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
+#: ``init_params``'s choices: the seed's fixed 0.15, or ``1/sqrt(fan_in)`` per weight.
+INITS = ("seed", "fan_in")
+
+
+def init_params(cfg: Config, seed: int, init: str = "seed") -> dict[str, torch.Tensor]:
     """Deterministic parameters from ``seed`` (its own generator, global RNG untouched).
 
     Weights are ``N(0, 1) * 0.15`` drawn in float32 in the order wq, wk, wv, wo, then cast to
     ``cfg.dtype``, so a float64 run sees the same numbers as a float32 one; ``norm`` is ones.
+
+    ``init="fan_in"`` scales the same draws by ``1/sqrt(fan_in)`` instead (fan_in = the
+    weight's input size: ``hidden`` for wq/wk/wv, ``query_heads * head_dim`` for wo), so
+    activations keep unit size at any width; at hidden 4096 the seed's 0.15 makes attention
+    scores of several hundred and a nearly one-hot softmax.
     """
+    if init not in INITS:
+        raise ValueError(f"init must be one of {', '.join(INITS)} (got {init!r})")
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * INIT_STD).to(cfg.torch_dtype)
+        std = INIT_STD if init == "seed" else shape[1] ** -0.5
+        return (torch.randn(*shape, generator=g) * std).to(cfg.torch_dtype)
 
     return {
         "norm": torch.ones(cfg.hidden, dtype=cfg.torch_dtype),

@@ -1,0 +1,162 @@
+"""tolerance="auto": correct TP passes, every bug fails by a margin, the default is untouched.
+
+The bound (``tpattn.tolerance``) is ``rho * scale`` with ``rho = u_acc sqrt(n) + u (W + 4)``.
+These tests are where its empirical constant ``C = 1`` is tested: over random shapes, world
+sizes 1-8 and all three dtypes, correct TP (both TP paths) stays below it, and a missing
+reduction exceeds it by >= 100x in float32/float64 (bfloat16: see ``BF16_MARGIN``). The
+Llama-3-8B-shape evidence is bench/tolerance_sweep.py's JSON, checked here too.
+"""
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tpattn
+from tpattn import EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES, Config
+from tpattn.at_scale import against_float64, compare_world_sizes
+from tpattn.check import make_inputs, one_step
+from tpattn.cli import main
+from tpattn.params import init_params
+from tpattn.rank_batched import rank_batched_tp_forward
+from tpattn.tolerance import UNIT_ROUNDOFF, bug_margin, check_tolerance, fan_in, relative_bound
+from tpattn.tp import tp_forward
+
+from .conftest import ROOT
+from .strategies import valid_configs
+
+ALL_DTYPES = ("float32", "float64", "bfloat16")
+#: float32/float64 bugs must exceed the bound by this factor (the issue's requirement).
+MARGIN = 100
+#: bfloat16 cannot: its u = 2**-8 puts the bound at rho >= 6u ~ 2% of the scale, while a
+#: missing reduction changes a measure by a relative O(1) or (tiny shapes, small attention
+#: branch) less. Required: the bug still fails.
+BF16_MARGIN = 1
+SWEEP = ROOT / "book" / "data" / "equal_at_scale.json"
+
+
+def needed_margin(cfg):
+    return BF16_MARGIN if cfg.dtype == "bfloat16" else MARGIN
+
+
+@given(cfg=valid_configs(dtypes=ALL_DTYPES, max_seq=8, max_hidden=48),
+       seed=st.integers(0, 2**32))
+@settings(max_examples=30, deadline=None)
+def test_correct_tp_passes_auto_at_every_shape_dtype_and_world_size(cfg, seed):
+    result = tpattn.run(seed, EQUIVALENCE, cfg, tolerance="auto")
+    assert result["passed"], result
+
+
+@given(cfg=valid_configs(world_sizes=(2, 4, 8), dtypes=ALL_DTYPES, max_seq=8, max_hidden=48),
+       seed=st.integers(0, 2**32), mode=st.sampled_from(MODES[1:]))
+@settings(max_examples=30, deadline=None)
+def test_each_bug_fails_auto_by_the_margin(cfg, seed, mode):
+    result = tpattn.run(seed, mode, cfg, tolerance="auto")
+    assert not result["passed"]
+    assert bug_margin(result, result["bounds"]) >= needed_margin(cfg), result
+
+
+@given(cfg=valid_configs(dtypes=ALL_DTYPES, max_seq=6, max_hidden=32), seed=st.integers(0, 999))
+@settings(max_examples=20, deadline=None)
+def test_the_seed_loop_also_passes_the_auto_bounds(cfg, seed):
+    for row in compare_world_sizes(cfg, seed, world_sizes=(cfg.world_size,), init="seed",
+                                   path="loop"):
+        assert row["passed"] == (row["mode"] == EQUIVALENCE), row
+
+
+@given(cfg=valid_configs(dtypes=("float64",), max_seq=6, max_hidden=32),
+       seed=st.integers(0, 999), mode=st.sampled_from(MODES))
+@settings(max_examples=30, deadline=None)
+def test_rank_batched_path_is_the_seed_loop_in_float64(cfg, seed, mode):
+    x0, target = make_inputs(cfg, seed)
+    base = init_params(cfg, seed)
+    kw = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
+              reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    a = one_step(lambda x, p: tp_forward(x, p, cfg, **kw), x0, target, base)
+    b = one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg, **kw), x0, target, base)
+    for key in ("output", "loss", "input_grad"):
+        torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12)
+    for k in a["grads"]:
+        torch.testing.assert_close(a["grads"][k], b["grads"][k], rtol=1e-12, atol=1e-12)
+
+
+def test_default_tolerance_is_the_seed_bit_for_bit():
+    for mode in MODES:
+        assert tpattn.run(11, mode) == tpattn.run(11, mode, tolerance="seed")
+    assert tpattn.run_matrix([3], cfg=Config(world_size=1)) == tpattn.run_matrix(
+        [3], cfg=Config(world_size=1), tolerance="seed")
+
+
+def test_auto_adds_bounds_and_the_verdict_follows_them():
+    r = tpattn.run(11, EQUIVALENCE, tolerance="auto")
+    assert list(r)[-3:] == ["tolerance", "bounds", "passed"]
+    assert set(r["bounds"]) == set(tpattn.MEASURES)
+    assert r["passed"] == all(r[m] <= r["bounds"][m] for m in tpattn.MEASURES)
+
+
+def test_the_bound_grows_with_the_sums_and_the_dtype():
+    small, big = Config(), Config(hidden=4096, query_heads=32, kv_heads=8, head_dim=128,
+                                  seq=256, world_size=8)
+    assert fan_in(small) == (4 + 2 * 2) * 4 and fan_in(big) == (32 + 2 * 8) * 128
+    assert relative_bound(big) > relative_bound(small)
+    assert relative_bound(Config(dtype="float64")) < relative_bound(small) < relative_bound(
+        Config(dtype="bfloat16"))
+    u = UNIT_ROUNDOFF["float32"]
+    assert relative_bound(small) == pytest.approx(u * (math.sqrt(32) + 2 + 4))
+
+
+def test_bfloat16_matmuls_accumulate_in_float32():
+    # The bound's u_acc for bfloat16 is float32's: summed in bf16, 4096 ones would stop at
+    # 256 (256 + 1 rounds back to 256 with 8 significand bits); a float32 accumulator gets 4096.
+    ones = torch.ones(1, 4096, dtype=torch.bfloat16)
+    assert torch.tensor(256.0, dtype=torch.bfloat16) + 1 == 256
+    assert (ones @ ones.T).item() == 4096
+
+
+def test_low_precision_dense_is_within_its_bound_of_float64():
+    for dtype in ("float32", "bfloat16"):
+        row = against_float64(Config(dtype=dtype, seq=8, hidden=64, query_heads=8,
+                                     kv_heads=4, head_dim=16, world_size=4), 5, init="fan_in")
+        assert row["passed"], row
+
+
+def test_bad_tolerance_and_init_are_value_errors_naming_the_field():
+    with pytest.raises(ValueError, match=r"tolerance must be one of seed, auto \(got 'x'\)"):
+        check_tolerance("x")
+    with pytest.raises(ValueError, match="tolerance must be one of"):
+        tpattn.run(11, EQUIVALENCE, tolerance="loose")
+    with pytest.raises(ValueError, match=r"init must be one of seed, fan_in"):
+        init_params(Config(), 1, init="xavier")
+
+
+def test_cli_tolerance_flag(capsys):
+    assert main(["--tolerance", "auto", "--dtype", "bfloat16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] and out["tolerance"] == "auto"
+    with pytest.raises(SystemExit) as e:
+        main(["--tolerance", "nope"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_fan_in_init_scales_the_same_draws():
+    a, b = init_params(Config(), 7), init_params(Config(), 7, init="fan_in")
+    for k in ("wq", "wk", "wv"):
+        torch.testing.assert_close(b[k], a[k] / 0.15 / 16 ** 0.5)
+    torch.testing.assert_close(b["wo"], a["wo"] / 0.15 / (4 * 4) ** 0.5)  # Hq * D = 16
+
+
+@pytest.mark.skipif(not SWEEP.exists(), reason="bench/tolerance_sweep.py not run")
+def test_the_committed_llama_shape_sweep_separates_rounding_from_bugs():
+    data = json.loads(SWEEP.read_text())
+    rows = data["tp_vs_dense"]
+    assert {"float32", "float64"} <= {r["dtype"] for r in rows}
+    for r in rows:
+        worst = max(r["ratios"].values())
+        if r["mode"] == EQUIVALENCE:
+            assert r["passed"] and worst <= 1, r
+        else:
+            assert not r["passed"]
+            assert worst >= (BF16_MARGIN if r["dtype"] == "bfloat16" else MARGIN), r

@@ -1,0 +1,38 @@
+"""Figures of chapter 14 (Equal at scale): measures against their ``tolerance="auto"`` bound."""
+from __future__ import annotations
+
+from .style import FAIL_COLOR, PASS_COLOR, new_figure
+
+__all__ = ["bound_ratio_figure"]
+
+_DTYPES = ("float64", "float32", "bfloat16")
+_MARKERS = {"equivalence": "o", "missing_output_reduce": "^", "missing_input_grad_reduce": "s"}
+
+
+def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest of the five"):
+    """One point per TP step (``at_scale.compare_world_sizes`` rows): the largest
+    ``measure / bound`` of the five measures, by dtype and world size, log scale. Below 1:
+    within rounding (green); bugs (red) should sit >= 100x above the line."""
+    fig, ax = new_figure(figsize=(7.0, 3.4))
+    groups = sorted({(r["dtype"], r["world_size"]) for r in rows},
+                    key=lambda g: (_DTYPES.index(g[0]), g[1]))
+    xpos = {g: i for i, g in enumerate(groups)}
+    for mode, marker in _MARKERS.items():
+        pts = [(xpos[(r["dtype"], r["world_size"])], max(r["ratios"].values()))
+               for r in rows if r["mode"] == mode]
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        ys = [max(y, 1e-6) for y in ys]  # an exact 0 is drawn on the floor of the axis
+        ax.scatter(xs, ys, marker=marker, s=28, alpha=0.8, label=mode,
+                   color=PASS_COLOR if mode == "equivalence" else FAIL_COLOR,
+                   facecolors="none" if mode == "missing_input_grad_reduce" else None)
+    ax.axhline(1.0, color="#444444", lw=1)
+    ax.axhline(100.0, color="#444444", lw=1, ls=":")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-6 / 2, None)
+    ax.set_xticks(range(len(groups)), [f"{d}\nTP {w}" for d, w in groups], fontsize=8)
+    ax.set_ylabel("measure / bound")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    return fig
