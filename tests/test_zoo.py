@@ -180,8 +180,12 @@ def test_the_ledger_counts_each_collective_where_it_runs():
 
 # --- validation and the CLI ----------------------------------------------------------------
 
-def test_modes_other_modules_inject_say_so():
-    with pytest.raises(ValueError, match="injected by tpattn.kv_heads"):
+def test_modes_other_modules_provide_run_in_check_run():
+    kv = tpattn.Config(query_heads=8, kv_heads=2, world_size=4)
+    assert tpattn.run(11, "missing_kv_grad_reduce", kv)["passed"] is False
+    sp = tpattn.Config(seq=8, sequence_parallel=True)
+    assert tpattn.run(11, "missing_norm_grad_reduce", sp)["passed"] is False
+    with pytest.raises(ValueError, match="needs replicated KV heads"):
         tpattn.run(11, "missing_kv_grad_reduce")
     with pytest.raises(ValueError, match="mode must be one of .* registry mode"):
         tpattn.run(11, "nope")
