@@ -47,7 +47,11 @@ def sp_configs(draw, dtype="float64", world_sizes=(1, 2, 4), max_fan_in=None):
     q = kv * draw(st.integers(1, 3))
     head_dims = [d for d in (2, 4, 6, 8) if max_fan_in is None or q * d <= max_fan_in] or [2]
     return Config(seq=w * draw(st.integers(1, 3)), batch=draw(st.integers(1, 3)),
-                  hidden=draw(st.integers(1, 24)), query_heads=q, kv_heads=kv,
+                  # float32: the seed's scale (fan-in <= 16, see tests/rounding.py), and hidden >= 2:
+                  # at hidden 1 RMSNorm's exact gradient is 0 but is computed as a cancellation
+                  # of O(1/|x|) terms, so its float32 rounding has no absolute bound
+                  hidden=draw(st.integers(2, 16) if dtype == "float32" else st.integers(1, 24)),
+                  query_heads=q, kv_heads=kv,
                   head_dim=draw(st.sampled_from(head_dims)), world_size=w,
                   dtype=dtype, sequence_parallel=True)
 
@@ -92,7 +96,7 @@ def test_sp_equals_dense_float64(cfg, seed, simulate):
     assert worst(tpattn.run(seed, EQUIVALENCE, cfg, simulate)) < 1e-12
 
 
-@given(cfg=sp_configs(dtype="float32", max_fan_in=32), seed=st.integers(0, 2**32),
+@given(cfg=sp_configs(dtype="float32", max_fan_in=16), seed=st.integers(0, 2**32),
        simulate=st.sampled_from(SIMULATIONS))
 @settings(max_examples=40, deadline=None)
 def test_sp_equals_dense_float32_at_seed_scale(cfg, seed, simulate):
