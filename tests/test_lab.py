@@ -284,9 +284,11 @@ def check_first_explorer(page, name: str) -> None:
         toggles.first.click()
     elif selects.count():
         select = selects.first
+        # ipywidgets shows an option's spaces as no-break spaces; its value keeps the spaces
         options = select.locator("option").all_inner_texts()
         current = select.input_value()
-        select.select_option(next(o for o in options if o != current))
+        select.select_option(label=next(o for o in options
+                                        if o.replace("\xa0", " ") != current))
     else:
         box = numbers.first
         box.fill(str(int(box.input_value()) * 2))
