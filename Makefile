@@ -50,8 +50,8 @@ test: book
 # ATEN_CPU_CAPABILITY=default changes a 100003-term float32 sum and a 64x256x64 matmul, and the
 # seed matrix's digits; OMP_NUM_THREADS=1 changes the sum; MKL_CBWR=COMPATIBLE (MKL's portable
 # code path) changes the matmul and reproduces an AVX-512 Xeon's missing_output_reduce seed-17
-# loss difference. The last setting runs the numeric tests only (chapter 1 already runs the
-# matrix under it). Does not rebuild the book.
+# loss difference. Every setting runs the numeric tests and nbval over every chapter (each nbval
+# pass: ~90 s of CPU here). Does not rebuild the book.
 PORTABLE_SETTINGS := "ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2" \
                      "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1"
 NUMERIC_TESTS := tests/test_golden.py tests/test_rederive.py tests/test_properties.py tests/test_cli.py
@@ -60,7 +60,7 @@ test-portable: setup
 	@set -e; for s in $(PORTABLE_SETTINGS); do echo "== $$s"; env $$s $(PY) -c '$(KERNELS)'; \
 	  env $$s $(PY) -m pytest -q -p no:cacheprovider $(NBVAL) $(NUMERIC_TESTS) book; done
 	@echo "== MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
-	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS)
+	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(NBVAL) $(NUMERIC_TESTS) book
 
 test-browser: book
 	$(PY) -m pytest -q tests/test_browser.py

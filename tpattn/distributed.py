@@ -5,8 +5,10 @@ collective for free. Here every rank is a process holding only its own shards, a
 two operations (``tensor_parallel/mappings.py``) are ``torch.autograd.Function`` subclasses that call
 real collectives::
 
-    f  CopyToRanks            forward: identity      backward: all-reduce (sum of the ranks' dn)
-    g  ReduceOutputPartials   forward: all-reduce    backward: identity
+    f  CopyToRanks            forward:  identity
+                              backward: all-reduce (sum of the ranks' dn)
+    g  ReduceOutputPartials   forward:  all-reduce
+                              backward: identity
 
 (``dn = ∂L/∂n`` is the gradient at the input of the sharded region, after RMSNorm. The input
 gradient dX = dy + RMSNorm's backward of the summed dn is never all-reduced.)

@@ -4,8 +4,10 @@ The same attention block as an ``nn.Module`` — ``wq, wk, wv, wo`` are ``nn.Lin
 holding ``init_params``' weights, ``norm`` is a parameter — parallelized by
 ``torch.distributed.tensor.parallel.parallelize_module``::
 
-    wq, wk, wv   ColwiseParallel   weight Shard(0): each rank keeps the rows of its heads
-    wo           RowwiseParallel   weight Shard(1): each rank keeps the columns of its heads
+    wq, wk, wv   ColwiseParallel   weight Shard(0): each rank keeps the rows
+                                   of its heads
+    wo           RowwiseParallel   weight Shard(1): each rank keeps the
+                                   columns of its heads
 
 PyTorch places the collectives itself: ``RowwiseParallel`` sums the output partials in
 forward (our *g*), and the replicated input of each ``ColwiseParallel`` layer sums its gradient

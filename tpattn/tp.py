@@ -5,9 +5,10 @@ row-parallel output projection (its columns of wo). Two collectives make the sha
 equal the dense one — Megatron-LM's *f* and *g* (``tensor_parallel/mappings.py``:
 ``copy_to_tensor_model_parallel_region`` and ``reduce_from_tensor_model_parallel_region``)::
 
-                  f                                                           g
-    n ── copy to ranks ─┬─ rank 0: Q/K/V shard ─ attention ─ wo shard ─ partial ─┬─ sum ── (+ x)
-    (backward: sum dn)  └─ rank 1: Q/K/V shard ─ attention ─ wo shard ─ partial ─┘  (backward: copy)
+          f                                                  g
+    n ── copy ──┬─ rank 0: Q/K/V shard ─ attention ─ wo ─┬─ sum ─ (+ x)
+                └─ rank 1: Q/K/V shard ─ attention ─ wo ─┘
+    backward:  sum of the ranks' dn             copy to every rank
 
 f's backward sums ``dn = ∂L/∂n``, the gradient at the input of the sharded region (after
 RMSNorm), over the ranks. The input gradient ``dX = ∂L/∂x`` is the residual's ``dy`` plus

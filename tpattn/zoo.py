@@ -10,14 +10,21 @@ The block is rebuilt here from the package's own pieces (``rms_norm``, ``project
 ``attention``, ``shard_params``, ``AllReduce``/``AllReduceGrads``) with one knob per way real
 code went wrong::
 
-    f      backward of the copy to ranks: "sum" (correct), "none", "mean", "twice"
-    g      how many times the output partials are all-reduced: 1 (correct), 0, 2
-    bias   output-projection bias: None, "after_g" (correct), "every_rank" (before g)
-    shard  "heads" (correct), "fused_naive" (a fused [Wq; Wk; Wv] cut in contiguous slices)
-    kv     "interleave" (repeat_kv, correct) or "tile" (K/V heads tiled on each rank)
-    inputs "replicated" (correct) or "per_rank" (each rank draws its own batch)
-    norm   the logged/clipping gradient norm: "once" (correct) or "per_rank" (replicated
-           parameters counted once per rank); ``clip`` turns clipping on
+    f      backward of the copy to ranks: "sum" (correct), "none", "mean",
+           "twice"
+    g      how many times the output partials are all-reduced: 1 (correct),
+           0, 2
+    bias   output-projection bias: None, "after_g" (correct), "every_rank"
+           (before g)
+    shard  "heads" (correct), "fused_naive" (a fused [Wq; Wk; Wv] cut in
+           contiguous slices)
+    kv     "interleave" (repeat_kv, correct) or "tile" (K/V heads tiled on
+           each rank)
+    inputs "replicated" (correct) or "per_rank" (each rank draws its own
+           batch)
+    norm   the logged/clipping gradient norm: "once" (correct) or "per_rank"
+           (replicated parameters counted once per rank); ``clip`` turns
+           clipping on
 
 Both ``simulate`` semantics of ``tpattn.run`` are supported: ``"fixture"`` (one process, dense
 tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every simulated rank its
