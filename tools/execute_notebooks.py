@@ -34,6 +34,8 @@ def execute(path: str) -> tuple[str, float, str | None]:
 
     start = time.monotonic()
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:  # timestamps of an earlier run: noise in every diff
+        cell.metadata.pop("execution", None)
     client = NotebookClient(nb, timeout=TIMEOUT, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(Path(path).parent)}})
     try:
