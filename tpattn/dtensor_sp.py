@@ -3,9 +3,12 @@
 The block of ``tpattn.sequence_parallel`` as an ``nn.Module`` whose ``norm`` is a module
 (``RMSNorm``), parallelized by ``parallelize_module`` on a 1-D device mesh::
 
-    norm         SequenceParallel(sequence_dim=0)     weight Replicate, input/output Shard(0)
-    wq, wk, wv   ColwiseParallel(input_layouts=Shard(0))    all-gather the tokens first
-    wo           RowwiseParallel(output_layouts=Shard(0))   reduce-scatter to the tokens
+    norm         SequenceParallel(sequence_dim=0)
+                     weight Replicate, input/output Shard(0)
+    wq, wk, wv   ColwiseParallel(input_layouts=Shard(0))
+                     all-gather the tokens first
+    wo           RowwiseParallel(output_layouts=Shard(0))
+                     reduce-scatter to the tokens
 
 Our layout is sequence-first, so the sequence is dimension 0 (PyTorch's defaults assume
 batch-first, dimension 1). Nothing here reduces the ``norm`` gradient by hand: the weight is a

@@ -5,13 +5,16 @@ holds query heads ``[r*Hq/W, (r+1)*Hq/W)``; they all read KV head ``r // (W/Hkv)
 ``W/Hkv`` ranks now share — its **replica group**. Two ways to give every rank that head
 (``Config.kv_strategy``)::
 
-    replicate_weights   each rank of the group holds a copy of the head's wk/wv rows and
-                        projects K/V itself; backward: all-reduce of the wk/wv gradients
-                        WITHIN the replica group (each copy then gets the head's full gradient)
-    gather_activations  no copies: rank r holds rows [r*c, (r+1)*c) of wk/wv (c = Hkv*D/W),
-                        projects its slice of K/V, and an all-gather over the TP group gives
-                        every rank all of K/V; it slices its head. Backward: the all-gather's
-                        reduce-scatter sums each slice's gradient over the ranks that read it
+    replicate_weights   each rank of the group holds a copy of the head's wk/wv
+                        rows and projects K/V itself; backward: all-reduce of the
+                        wk/wv gradients WITHIN the replica group (each copy then
+                        gets the head's full gradient)
+    gather_activations  no copies: rank r holds rows [r*c, (r+1)*c) of wk/wv
+                        (c = Hkv*D/W), projects its slice of K/V, and an
+                        all-gather over the TP group gives every rank all of K/V;
+                        it slices its head. Backward: the all-gather's
+                        reduce-scatter sums each slice's gradient over the ranks
+                        that read it
 
 (Megatron-Core chose the second, NVIDIA/Megatron-LM PR 2565, "Support TP greater than
 num_kv_heads by supporting QKV activation sub-sharding"; it gathers the fused QKV activation,

@@ -5,10 +5,10 @@ Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 the ``W`` TP ranks holds only its own ``S/W`` consecutive tokens of ``x`` (``[S/W, B, hidden]``),
 and RMSNorm runs on those tokens with its weight replicated. Megatron's f and g become::
 
-                 all-gather                                                reduce-scatter
-    x_r ─ norm ─ along seq ─┬─ rank 0: Q/K/V shard ─ attention ─ wo shard ─┬─ sum, keep ── (+ x_r)
-    [S/W]        [S]        └─ rank 1: ...                          P_r [S]┘ my S/W tokens
-    (backward: reduce-scatter of dn)                          (backward: all-gather of dy)
+                 all-gather                                   reduce-scatter
+    x_r ─ norm ─ along seq ─┬─ rank 0: Q/K/V ─ attn ─ wo ─┬─ sum, keep ── (+ x_r)
+    [S/W]        [S]        └─ rank 1: ...         P_r [S]┘ my S/W tokens
+    (backward: reduce-scatter of dn)        (backward: all-gather of dy)
 
 - **all-gather** (replaces f): forward, every rank receives all ``S`` tokens of ``n``;
   backward, a *reduce-scatter*: rank r keeps its tokens of the sum of every rank's ``dn``.
