@@ -24,10 +24,11 @@ import ipywidgets as widgets
 from ..check import EQUIVALENCE, MODES, SEEDS, run
 from ..config import Config
 from ..layers import rope_angles
-from ..viz.layers import attention_heatmaps, rope_rotation_figure
+from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
+                          rope_rotation_figure, set_attention_state, set_rope_position)
 from ..viz.sharding import heads_to_ranks_figure
-from .core import (Explorer, Renders, config_controls, html_output, message_html,
-                   mode_control, png_img, png_output, seed_control, single_thread)
+from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
+                   message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, measures_html, measures_text
 from .static import StaticExplorer
 
@@ -63,10 +64,22 @@ def _rope_caption(position: int, head_dim: int) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _rope_png(renders: Renders, position, head_dim, max_position, palette=False) -> bytes:
+def _rope_png(renders: Renders, position, head_dim, max_position, palette=False,
+              standing: StandingFigure | None = None) -> bytes:
+    """The RoPE figure's PNG; live (``standing`` given) drawn on a standing figure per
+    ``head_dim``, whose arrows move with the position."""
+    draw = None if standing is None else (
+        lambda: standing.pixels((head_dim, max_position), position))
     return renders.png(("rope", position, head_dim, max_position),
                        lambda: rope_rotation_figure(position, head_dim=head_dim,
-                                                    max_position=max_position), palette)
+                                                    max_position=max_position), palette, draw)
+
+
+def rope_standing_figure() -> StandingFigure:
+    """``rope_rotation_figure`` kept standing per ``(head_dim, max_position)``."""
+    return StandingFigure(
+        build=lambda shape, position: rope_rotation_figure(position, *shape),
+        update=set_rope_position, dynamic=rope_dynamic_artists)
 
 
 def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
@@ -77,16 +90,17 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
         "head_dim": widgets.Dropdown(options=[2, 4, 8, 16, 32], value=head_dim,
                                      description="head_dim", layout=widgets.Layout(width="11em")),
     }
-    renders = Renders()
+    renders, standing = Renders(), rope_standing_figure()
 
     def draw(position, head_dim):
-        png = _rope_png(renders, position, head_dim, max_position)  # may raise: before text
+        png = _rope_png(renders, position, head_dim, max_position,  # may raise: before text
+                        standing=standing)
         text, markup = _rope_caption(position, head_dim)
         return [html_output(markup, text), png_output(png, f"<RoPE at position {position}>")]
 
     explorer = Explorer("RoPE", controls, draw, static=lambda: static_rope_explorer(
         head_dim=head_dim, max_position=max_position, initial=position, renders=renders))
-    explorer.renders = renders
+    explorer.renders, explorer.standing = renders, standing
     return explorer
 
 
@@ -122,9 +136,22 @@ def _attention_caption(cfg: Config) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=False) -> bytes:
+def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=False,
+                   standing: StandingFigure | None = None) -> bytes:
+    """The heat maps' PNG; live (``standing`` given) drawn on a standing figure per layout,
+    whose images and labels change with the seed and batch element."""
+    draw = None if standing is None else (lambda: standing.pixels(cfg, (seed, batch_index)))
     return renders.png(("attention", cfg, seed, batch_index),
-                       lambda: attention_heatmaps(cfg, seed, batch_index=batch_index), palette)
+                       lambda: attention_heatmaps(cfg, seed, batch_index=batch_index), palette,
+                       draw)
+
+
+def attention_standing_figure() -> StandingFigure:
+    """``attention_heatmaps`` kept standing per ``Config``."""
+    return StandingFigure(
+        build=lambda cfg, state: attention_heatmaps(cfg, *state),
+        update=lambda fig, state: set_attention_state(fig, *state),
+        dynamic=attention_dynamic_artists)
 
 
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
@@ -137,17 +164,18 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         "batch_index": widgets.IntText(value=batch_index, description="batch",
                                        layout=widgets.Layout(width="9em")),
     }
-    renders = Renders()
+    renders, standing = Renders(), attention_standing_figure()
 
     def draw(heads, seed, batch_index):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
-        png = _attention_png(renders, layout_cfg, seed, batch_index)
+        with single_thread():
+            png = _attention_png(renders, layout_cfg, seed, batch_index, standing=standing)
         text, markup = _attention_caption(layout_cfg)
         return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
     explorer = Explorer("attention", controls, draw, static=lambda: static_attention_explorer(
         cfg=cfg, initial=(heads, seed), renders=renders))
-    explorer.renders = renders
+    explorer.renders, explorer.standing = renders, standing
     return explorer
 
 
