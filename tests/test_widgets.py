@@ -7,6 +7,7 @@ output, never a traceback. The static twins hold one panel per state, each showi
 """
 from __future__ import annotations
 
+import base64
 import io
 import re
 import subprocess
@@ -18,9 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+import torch
 
 import tpattn
 from tpattn import widgets
+from tpattn.viz.layers import (attention_heatmaps, attention_probabilities,
+                               rope_rotation_figure, set_rope_position)
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
 from tpattn.widgets.core import Renders, figure_png
@@ -200,6 +204,55 @@ def test_attention_shows_the_kv_sharing_of_each_layout():
     assert pngs(attention)[0] != gqa
     attention.set(batch_index=5)
     assert message(attention) == "batch_index must be an integer in [0, 1] (got 5)"
+
+
+def test_rope_moves_the_arrows_of_one_standing_figure():
+    """A new position updates the standing figure (same ``Figure``, arrows at ``apply_rope``'s
+    rotation) and shows exactly the pixels of a fresh ``rope_rotation_figure``."""
+    rope = widgets.rope_explorer(position=3, head_dim=8)
+    fig = rope.standing.figure((8, 16))
+    assert fig is not None and rope.standing.builds == 1
+    for position in (8, 0, 16):
+        rope.set(position=position)
+        assert rope.standing.figure((8, 16)) is fig and rope.standing.builds == 1
+        assert fig.axes[0].get_title() == f"position m = {position}"
+        unit = torch.zeros(position + 1, 1, 1, 8, dtype=torch.float64)
+        unit[..., :4] = 1.0
+        rotated = tpattn.layers.apply_rope(unit)[position, 0, 0]
+        for i, arrow in enumerate(fig.tpattn_rope["arrows"]):
+            assert arrow.xy == (rotated[i].item(), rotated[4 + i].item())
+        fresh = figure_png(rope_rotation_figure(position, head_dim=8, max_position=16))
+        assert np.array_equal(pixels(base64.b64decode(pngs(rope)[0])), pixels(fresh)), position
+    rope.set(head_dim=4)  # another structure: a second standing figure
+    assert rope.standing.builds == 2 and rope.standing.figure((4, 16)) is not fig
+    with pytest.raises(ValueError, match=r"position must be an integer in \[0, 16\] \(got 17\)"):
+        set_rope_position(fig, 17)  # the slider stops at 16; the setter checks too
+
+
+def test_attention_redraws_one_standing_figure_with_the_packages_probabilities():
+    """A new seed or batch element updates the standing figure of its layout (same
+    ``Figure``; images hold ``attention_probabilities``, future positions masked) and shows
+    exactly the pixels of a fresh ``attention_heatmaps``; a bad value leaves it intact."""
+    attention = widgets.attention_explorer()
+    cfg = explorers.attention_config(*explorers.ATTENTION_LAYOUTS["GQA 4q/2kv"])
+    fig = attention.standing.figure(cfg)
+    for seed, batch_index in ((17, 0), (123, 1)):
+        attention.set(seed=seed, batch_index=batch_index)
+        assert attention.standing.figure(cfg) is fig and attention.standing.builds == 1
+        probs = attention_probabilities(cfg, seed, batch_index).double()
+        future = tpattn.layers.causal_mask(cfg.seq)
+        for h, image in enumerate(fig.tpattn_attention["images"]):
+            shown = np.asarray(image.get_array().filled(np.nan))
+            expected = probs[h].masked_fill(future, float("nan")).numpy()
+            assert np.array_equal(shown, expected, equal_nan=True)
+        assert f"seed {seed}, batch {batch_index}" in fig._suptitle.get_text()
+        fresh = figure_png(attention_heatmaps(cfg, seed, batch_index))
+        assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
+    attention.set(batch_index=2)
+    assert message(attention) == "batch_index must be an integer in [0, 1] (got 2)"
+    attention.set(seed=5, batch_index=0)
+    fresh = figure_png(attention_heatmaps(cfg, 5, 0))
+    assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
 
 
 # --- random sequences: never a traceback ---------------------------------------------------
