@@ -15,6 +15,8 @@ import base64
 import contextlib
 import html
 import io
+import struct
+import zlib
 from typing import Callable, Mapping, Sequence
 
 import ipywidgets as widgets
@@ -29,7 +31,7 @@ from ..config import Config
 
 __all__ = [
     "Explorer", "seed_control", "mode_control", "config_controls",
-    "figure_png", "figure_pixels", "encode_png", "Renders", "png_output", "html_output", "message_output", "message_html", "png_img",
+    "figure_png", "figure_pixels", "encode_png", "fast_png", "Renders", "png_output", "html_output", "message_output", "message_html", "png_img",
     "single_thread", "StandingFigure",
 ]
 
@@ -70,13 +72,39 @@ def encode_png(pixels, palette: bool = False, compress_level: int = 6) -> bytes:
     """PNG bytes of an ``[H, W, 3|4]`` uint8 array (no metadata: same pixels, same bytes).
 
     ``palette=True`` quantizes to 256 colors (fast octree, deterministic): ~3x smaller, for
-    the many precomputed panels a page embeds."""
+    the many precomputed panels a page embeds. ``compress_level=1`` (the live explorers'):
+    ``fast_png``, ~2x faster than Pillow's and no larger."""
+    if compress_level == 1 and not palette:
+        return fast_png(pixels)
     image = Image.fromarray(np.asarray(pixels))
     if palette:
         image = image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE)
     buf = io.BytesIO()
     image.save(buf, format="png", compress_level=compress_level)
     return buf.getvalue()
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def fast_png(pixels) -> bytes:
+    """PNG bytes of an ``[H, W, 3|4]`` uint8 array: no row filter, zlib level 1 — for a live
+    update, where encoding time is latency. Pillow's adaptive row filters cost ~half the
+    encode time and gain nothing on a figure (flat colors, which deflate finds anyway). An
+    opaque RGBA array (every figure here) is written as RGB: the same pixels, 3/4 the bytes."""
+    array = np.asarray(pixels)
+    if array.ndim != 3 or array.shape[2] not in (3, 4) or array.dtype != np.uint8:
+        raise ValueError(f"pixels must be a uint8 array [H, W, 3|4] (got {array.dtype} "
+                         f"{array.shape})")
+    if array.shape[2] == 4 and array[..., 3].min() == 255:
+        array = array[..., :3]
+    height, width, channels = array.shape
+    rows = np.zeros((height, width * channels + 1), dtype=np.uint8)  # filter byte 0: none
+    rows[:, 1:] = array.reshape(height, width * channels)
+    header = struct.pack(">IIBBBBB", width, height, 8, 2 if channels == 3 else 6, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
+            + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 1)) + _png_chunk(b"IEND", b""))
 
 
 def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:
@@ -173,6 +201,11 @@ class StandingFigure:
         self.builds += 1
         while len(self._standing) > self.size:
             del self._standing[next(iter(self._standing))]
+
+    def stand(self, structure, state) -> None:
+        """Build the figure of ``structure`` now (in ``state``) unless it stands already."""
+        if structure not in self._standing:
+            self._stand(structure, state)
 
     def pixels(self, structure, state) -> np.ndarray:
         """``[H, W, 4]`` uint8 pixels of the figure of ``structure`` in ``state`` (a copy)."""
