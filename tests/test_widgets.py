@@ -25,9 +25,11 @@ import tpattn
 from tpattn import widgets
 from tpattn.viz.layers import (attention_heatmaps, attention_probabilities,
                                rope_rotation_figure, set_rope_position)
+from tpattn.viz import sharding as viz_sharding
+from tpattn.viz.kv import replica_groups_figure
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.core import Renders, figure_png
+from tpattn.widgets.core import Renders, fast_png, figure_png
 from tpattn.widgets.measures import MeasuresPlot
 
 
@@ -253,6 +255,53 @@ def test_attention_redraws_one_standing_figure_with_the_packages_probabilities()
     attention.set(seed=5, batch_index=0)
     fresh = figure_png(attention_heatmaps(cfg, 5, 0))
     assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
+
+
+def test_sharding_and_kv_redraw_one_standing_frame_per_head_count():
+    """Layouts with the same number of query heads (and figure kind) redraw one standing
+    frame — the same ``Figure`` — and show exactly a fresh figure's pixels; an invalid layout
+    in between is a message and leaves the frame intact."""
+    sharding = widgets.sharding_explorer(4, 2, 2)
+    fig = sharding.standing.figure(("heads", 4))
+    for layout in ((4, 4, 2), (4, 2, 3), (4, 4, 4), (4, 1, 1)):
+        sharding.set(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
+        if layout == (4, 2, 3):
+            assert "world_size" in message(sharding)
+            continue
+        assert sharding.standing.figure(("heads", 4)) is fig and sharding.standing.builds == 1
+        fresh = figure_png(viz_sharding.heads_to_ranks_figure(tpattn.Config(
+            query_heads=layout[0], kv_heads=layout[1], world_size=layout[2])))
+        assert np.array_equal(pixels(base64.b64decode(pngs(sharding)[0])), pixels(fresh)), layout
+        assert fig.axes[0].get_title().startswith("4 query heads, {} KV heads, {} ranks".format(
+            *layout[1:]))
+    kv = widgets.kv_explorer(query_heads=8, kv_heads=2, world_size=4)
+    fig = kv.standing.figure(("replica_groups", 8))
+    for layout, strategy in (((8, 1, 4), "replicate_weights"), ((8, 2, 4), "gather_activations"),
+                             ((8, 4, 2), "gather_activations")):
+        kv.set(query_heads=layout[0], kv_heads=layout[1], world_size=layout[2],
+               kv_strategy=strategy)
+        assert kv.standing.figure(("replica_groups", 8)) is fig and kv.standing.builds == 1
+        fresh = figure_png(replica_groups_figure(tpattn.Config(
+            query_heads=layout[0], kv_heads=layout[1], world_size=layout[2],
+            kv_strategy=strategy)))
+        assert np.array_equal(pixels(base64.b64decode(pngs(kv)[0])), pixels(fresh)), layout
+    kv.set(query_heads=16)  # another head count: another frame
+    assert kv.standing.builds == 2 and kv.standing.figure(("replica_groups", 16)) is not fig
+
+
+@pytest.mark.parametrize("channels, alpha", [(3, None), (4, 255), (4, 128)])
+def test_fast_png_holds_exactly_the_pixels(channels, alpha):
+    rng = np.random.default_rng(0)
+    array = rng.integers(0, 256, size=(7, 5, channels), dtype=np.uint8)
+    if alpha is not None:
+        array[..., 3] = alpha
+    decoded = np.asarray(Image.open(io.BytesIO(fast_png(array))))
+    if alpha == 255:  # opaque: written as RGB
+        assert decoded.shape == (7, 5, 3) and np.array_equal(decoded, array[..., :3])
+    else:
+        assert np.array_equal(decoded, array)
+    with pytest.raises(ValueError, match="pixels must be a uint8 array"):
+        fast_png(array.astype(np.float32))
 
 
 # --- random sequences: never a traceback ---------------------------------------------------
