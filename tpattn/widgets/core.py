@@ -31,8 +31,8 @@ from ..config import Config
 
 __all__ = [
     "Explorer", "seed_control", "mode_control", "config_controls",
-    "figure_png", "figure_pixels", "encode_png", "fast_png", "Renders", "png_output", "html_output", "message_output", "message_html", "png_img",
-    "single_thread", "StandingFigure",
+    "figure_png", "figure_pixels", "encode_png", "fast_png", "Renders", "StandingFigure",
+    "png_output", "html_output", "message_output", "message_html", "png_img", "single_thread",
 ]
 
 #: Resolution of every PNG an explorer shows (the book style's savefig dpi).

@@ -90,8 +90,9 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
         cfg = kv_config(query_heads, kv_heads, world_size, kv_strategy)
         text, markup = _caption(cfg)
         return [html_output(markup, text),
-                png_output(_png(renders, cfg, standing=standing), f"<replica groups, {query_heads}/{kv_heads}/"
-                                               f"{world_size}, {kv_strategy}>")]
+                png_output(_png(renders, cfg, standing=standing),
+                           f"<replica groups, {query_heads}/{kv_heads}/{world_size}, "
+                           f"{kv_strategy}>")]
 
     explorer = Explorer("kv", controls, draw, static=lambda: static_kv_explorer(
         initial=((query_heads, kv_heads, world_size), kv_strategy), renders=renders))
