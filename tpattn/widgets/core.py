@@ -184,19 +184,22 @@ class StandingFigure:
         plt.close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
         FigureCanvasAgg(fig)
         fig.set_dpi(self.dpi)
-        fig.canvas.draw()  # resolves the constrained layout once …
-        fig.set_layout_engine("none")  # … and freezes it
-        titles = [(ax, ax.title.get_position()) for ax in fig.axes]
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:  # what ``Figure.draw`` does before laying out: fixed aspects
+            locator = ax.get_axes_locator()
+            ax.apply_aspect(locator(ax, renderer) if locator else None)
+        engine = fig.get_layout_engine()
+        if engine is not None:
+            engine.execute(fig)  # the constrained layout of a full draw, without rasterizing …
+        fig.set_layout_engine("none")  # … frozen
         dynamic = self._dynamic(fig)
         visible = [artist.get_visible() for artist in dynamic]
         for artist in dynamic:
             artist.set_visible(False)
-        fig.canvas.draw()
+        fig.canvas.draw()  # the one full draw: the background (it also places the titles)
         background = fig.canvas.copy_from_bbox(fig.bbox)
         for artist, was_visible in zip(dynamic, visible):
             artist.set_visible(was_visible)
-        for ax, position in titles:
-            ax.title.set_position(position)  # drawing with it hidden moved it
         self._standing[structure] = (fig, background)
         self.builds += 1
         while len(self._standing) > self.size:
