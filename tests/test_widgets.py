@@ -317,7 +317,11 @@ def cheap_figures(monkeypatch):
         plt.close(fig)
         return np.zeros((2, 2, 4), dtype=np.uint8)
 
+    def build_standing_only(standing, structure, state):
+        return build_only(standing._build(structure, state))
+
     monkeypatch.setattr(widgets.core, "figure_pixels", build_only)
+    monkeypatch.setattr(widgets.core.StandingFigure, "pixels", build_standing_only)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
