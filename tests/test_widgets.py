@@ -7,6 +7,7 @@ output, never a traceback. The static twins hold one panel per state, each showi
 """
 from __future__ import annotations
 
+import base64
 import io
 import re
 import subprocess
@@ -18,12 +19,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+import torch
 
 import tpattn
 from tpattn import widgets
+from tpattn.viz.layers import (attention_heatmaps, attention_probabilities,
+                               rope_rotation_figure, set_rope_position)
+from tpattn.viz import sharding as viz_sharding
+from tpattn.viz.kv import replica_groups_figure
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.core import Renders, figure_png
+from tpattn.widgets.core import Renders, fast_png, figure_png
 from tpattn.widgets.measures import MeasuresPlot
 
 
@@ -202,6 +208,102 @@ def test_attention_shows_the_kv_sharing_of_each_layout():
     assert message(attention) == "batch_index must be an integer in [0, 1] (got 5)"
 
 
+def test_rope_moves_the_arrows_of_one_standing_figure():
+    """A new position updates the standing figure (same ``Figure``, arrows at ``apply_rope``'s
+    rotation) and shows exactly the pixels of a fresh ``rope_rotation_figure``."""
+    rope = widgets.rope_explorer(position=3, head_dim=8)
+    fig = rope.standing.figure((8, 16))
+    assert fig is not None and rope.standing.builds == 1
+    for position in (8, 0, 16):
+        rope.set(position=position)
+        assert rope.standing.figure((8, 16)) is fig and rope.standing.builds == 1
+        assert fig.axes[0].get_title() == f"position m = {position}"
+        unit = torch.zeros(position + 1, 1, 1, 8, dtype=torch.float64)
+        unit[..., :4] = 1.0
+        rotated = tpattn.layers.apply_rope(unit)[position, 0, 0]
+        for i, arrow in enumerate(fig.tpattn_rope["arrows"]):
+            assert arrow.xy == (rotated[i].item(), rotated[4 + i].item())
+        fresh = figure_png(rope_rotation_figure(position, head_dim=8, max_position=16))
+        assert np.array_equal(pixels(base64.b64decode(pngs(rope)[0])), pixels(fresh)), position
+    rope.set(head_dim=4)  # another structure: a second standing figure
+    assert rope.standing.builds == 2 and rope.standing.figure((4, 16)) is not fig
+    with pytest.raises(ValueError, match=r"position must be an integer in \[0, 16\] \(got 17\)"):
+        set_rope_position(fig, 17)  # the slider stops at 16; the setter checks too
+
+
+def test_attention_redraws_one_standing_figure_with_the_packages_probabilities():
+    """A new seed or batch element updates the standing figure of its layout (same
+    ``Figure``; images hold ``attention_probabilities``, future positions masked) and shows
+    exactly the pixels of a fresh ``attention_heatmaps``; a bad value leaves it intact."""
+    attention = widgets.attention_explorer()
+    cfg = explorers.attention_config(*explorers.ATTENTION_LAYOUTS["GQA 4q/2kv"])
+    fig = attention.standing.figure(cfg)
+    for seed, batch_index in ((17, 0), (123, 1)):
+        attention.set(seed=seed, batch_index=batch_index)
+        assert attention.standing.figure(cfg) is fig and attention.standing.builds == 1
+        probs = attention_probabilities(cfg, seed, batch_index).double()
+        future = tpattn.layers.causal_mask(cfg.seq)
+        for h, image in enumerate(fig.tpattn_attention["images"]):
+            shown = np.asarray(image.get_array().filled(np.nan))
+            expected = probs[h].masked_fill(future, float("nan")).numpy()
+            assert np.array_equal(shown, expected, equal_nan=True)
+        assert f"seed {seed}, batch {batch_index}" in fig._suptitle.get_text()
+        fresh = figure_png(attention_heatmaps(cfg, seed, batch_index))
+        assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
+    attention.set(batch_index=2)
+    assert message(attention) == "batch_index must be an integer in [0, 1] (got 2)"
+    attention.set(seed=5, batch_index=0)
+    fresh = figure_png(attention_heatmaps(cfg, 5, 0))
+    assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
+
+
+def test_sharding_and_kv_redraw_one_standing_frame_per_head_count():
+    """Layouts with the same number of query heads (and figure kind) redraw one standing
+    frame — the same ``Figure`` — and show exactly a fresh figure's pixels; an invalid layout
+    in between is a message and leaves the frame intact."""
+    sharding = widgets.sharding_explorer(4, 2, 2)
+    fig = sharding.standing.figure(("heads", 4))
+    for layout in ((4, 4, 2), (4, 2, 3), (4, 4, 4), (4, 1, 1)):
+        sharding.set(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
+        if layout == (4, 2, 3):
+            assert "world_size" in message(sharding)
+            continue
+        assert sharding.standing.figure(("heads", 4)) is fig and sharding.standing.builds == 1
+        fresh = figure_png(viz_sharding.heads_to_ranks_figure(tpattn.Config(
+            query_heads=layout[0], kv_heads=layout[1], world_size=layout[2])))
+        assert np.array_equal(pixels(base64.b64decode(pngs(sharding)[0])), pixels(fresh)), layout
+        assert fig.axes[0].get_title().startswith("4 query heads, {} KV heads, {} ranks".format(
+            *layout[1:]))
+    kv = widgets.kv_explorer(query_heads=8, kv_heads=2, world_size=4)
+    fig = kv.standing.figure(("replica_groups", 8))
+    for layout, strategy in (((8, 1, 4), "replicate_weights"), ((8, 2, 4), "gather_activations"),
+                             ((8, 4, 2), "gather_activations")):
+        kv.set(query_heads=layout[0], kv_heads=layout[1], world_size=layout[2],
+               kv_strategy=strategy)
+        assert kv.standing.figure(("replica_groups", 8)) is fig and kv.standing.builds == 1
+        fresh = figure_png(replica_groups_figure(tpattn.Config(
+            query_heads=layout[0], kv_heads=layout[1], world_size=layout[2],
+            kv_strategy=strategy)))
+        assert np.array_equal(pixels(base64.b64decode(pngs(kv)[0])), pixels(fresh)), layout
+    kv.set(query_heads=16)  # another head count: another frame
+    assert kv.standing.builds == 2 and kv.standing.figure(("replica_groups", 16)) is not fig
+
+
+@pytest.mark.parametrize("channels, alpha", [(3, None), (4, 255), (4, 128)])
+def test_fast_png_holds_exactly_the_pixels(channels, alpha):
+    rng = np.random.default_rng(0)
+    array = rng.integers(0, 256, size=(7, 5, channels), dtype=np.uint8)
+    if alpha is not None:
+        array[..., 3] = alpha
+    decoded = np.asarray(Image.open(io.BytesIO(fast_png(array))))
+    if alpha == 255:  # opaque: written as RGB
+        assert decoded.shape == (7, 5, 3) and np.array_equal(decoded, array[..., :3])
+    else:
+        assert np.array_equal(decoded, array)
+    with pytest.raises(ValueError, match="pixels must be a uint8 array"):
+        fast_png(array.astype(np.float32))
+
+
 # --- random sequences: never a traceback ---------------------------------------------------
 
 INTS = st.one_of(st.integers(-3, 12), st.integers(-(2**70), 2**70))
@@ -215,7 +317,11 @@ def cheap_figures(monkeypatch):
         plt.close(fig)
         return np.zeros((2, 2, 4), dtype=np.uint8)
 
+    def build_standing_only(standing, structure, state):
+        return build_only(standing._build(structure, state))
+
     monkeypatch.setattr(widgets.core, "figure_pixels", build_only)
+    monkeypatch.setattr(widgets.core.StandingFigure, "pixels", build_standing_only)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -23,8 +23,13 @@ __all__ = [
     "kv_head_color",
     "token_rms_figure",
     "rope_rotation_figure",
+    "set_rope_position",
+    "rope_dynamic_artists",
     "rope_relative_position_figure",
     "attention_heatmaps",
+    "attention_probabilities",
+    "set_attention_state",
+    "attention_dynamic_artists",
     "gradient_figure",
 ]
 
@@ -82,7 +87,8 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
     turns pair ``i`` at position ``m`` by the angle ``m · 10000^(-i/(D/2))``. Left: the pairs as
     arrows on the unit circle at ``position``, their paths over ``0..max_position`` dotted.
     Right: each pair's angle (wrapped to ``(-π, π]``) against position. One color per pair
-    (frequency); the fastest pair is 0.
+    (frequency); the fastest pair is 0. (A live explorer keeps this figure standing per
+    ``head_dim, max_position`` and moves it with ``set_rope_position``.)
     """
     _check_int("max_position", max_position, 1)
     _check_int("position", position, 0, max_position)
@@ -101,11 +107,11 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
     fig, (circle, angles) = new_figure(2, figsize=(8.0, 3.6), width_ratios=[1, 1.4])
     t = torch.linspace(0, 2 * math.pi, 200)
     circle.plot(t.cos(), t.sin(), color="#cccccc", lw=1)
+    arrows = []
     for i in range(half):
         circle.plot(cos[:, i], sin[:, i], ls="none", marker=".", ms=3, color=colors[i], alpha=0.35)
-        c, s = cos[position, i].item(), sin[position, i].item()
-        circle.annotate("", xy=(c, s), xytext=(0, 0),
-                        arrowprops=dict(arrowstyle="-|>", color=colors[i], lw=1.8))
+        arrows.append(circle.annotate("", xy=(1.0, 0.0), xytext=(0, 0),
+                                      arrowprops=dict(arrowstyle="-|>", color=colors[i], lw=1.8)))
         label = f"pair {i}: {freqs[i].item():.3g} rad/pos"
         angles.plot(range(max_position + 1), wrapped[:, i], marker=".", ms=4, lw=1,
                     color=colors[i], label=label if half <= 8 else None)
@@ -114,8 +120,7 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
     circle.set_ylim(-1.15, 1.15)
     circle.set_xlabel(r"channel $i$")
     circle.set_ylabel(r"channel $i + D/2$")
-    circle.set_title(f"position m = {position}")
-    angles.axvline(position, color="k", ls="--", lw=0.8)
+    cursor = angles.axvline(0, color="k", ls="--", lw=0.8)
     angles.set_ylim(-math.pi - 0.2, math.pi + 0.2)
     angles.set_yticks([-math.pi, 0, math.pi], [r"$-\pi$", "0", r"$\pi$"])
     angles.set_xlabel("position m")
@@ -123,7 +128,28 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
     angles.set_title(f"{half} pairs, {half} frequencies (head_dim {head_dim})")
     if half <= 8:
         angles.legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tpattn_rope = {"cos": cos, "sin": sin, "arrows": arrows, "cursor": cursor,
+                       "max_position": max_position}
+    set_rope_position(fig, position)
     return fig
+
+
+def set_rope_position(fig, position: int) -> None:
+    """Move a ``rope_rotation_figure`` to ``position``: its arrows, cursor and title."""
+    parts = fig.tpattn_rope
+    _check_int("position", position, 0, parts["max_position"])
+    for i, arrow in enumerate(parts["arrows"]):
+        arrow.xy = (parts["cos"][position, i].item(), parts["sin"][position, i].item())
+    parts["cursor"].set_xdata([position, position])
+    fig.axes[0].set_title(f"position m = {position}")
+
+
+def rope_dynamic_artists(fig) -> list:
+    """The artists ``set_rope_position`` changes, with those drawn over them, in z order."""
+    circle, angles = fig.axes[:2]
+    parts = fig.tpattn_rope
+    return [parts["cursor"], *angles.spines.values(), *circle.spines.values(),
+            *parts["arrows"], circle.title]
 
 
 def rope_relative_position_figure(scores: torch.Tensor):
@@ -153,18 +179,12 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
     ``init_params(cfg, seed + 100)``; probabilities from the package's ``rms_norm``,
     ``project_qkv``, ``repeat_kv`` and ``attention_probs`` for batch element ``batch_index``.
     One panel per query head (rows: query position, columns: key position), titled with the
-    KV head it reads; panels sharing a KV head have the same frame color.
+    KV head it reads; panels sharing a KV head have the same frame color. (A live explorer
+    keeps this figure standing per ``cfg`` and redraws it with ``set_attention_state``.)
     """
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a tpattn.Config (got {type(cfg).__name__})")
-    check_seed(seed)
-    _check_int("batch_index", batch_index, 0, cfg.batch - 1)
-    x, _ = make_inputs(cfg, seed)
-    p = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    with torch.no_grad():
-        n = rms_norm(x, p["norm"], cfg.eps)
-        q, k, _ = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
-        probs = attention_probs(q, repeat_kv(k, cfg.group_size))[batch_index]  # [Hq, S, S]
+    probs = attention_probabilities(cfg, seed, batch_index)
 
     heads = cfg.query_heads
     ncols = min(heads, 8)
@@ -172,22 +192,18 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
     panel = 2.0 if cfg.seq <= 16 else 1.6
     fig, axes = new_figure(ncols, nrows, figsize=(panel * ncols + 0.8, panel * nrows + 0.6),
                            squeeze=False)
-    future = causal_mask(cfg.seq)
     cmap = plt.get_cmap("viridis").with_extremes(bad="#eeeeee")
-    im = None
+    im, images, values = None, [], []
     for h, ax in enumerate(axes.flat):
         if h >= heads:
             ax.set_visible(False)
             continue
         kv = h // cfg.group_size
-        shown = probs[h].double().masked_fill(future, float("nan"))  # masked: drawn light grey
-        im = ax.imshow(shown.numpy(), vmin=0.0, vmax=1.0, cmap=cmap)
+        im = ax.imshow(torch.zeros(cfg.seq, cfg.seq).numpy(), vmin=0.0, vmax=1.0, cmap=cmap)
+        images.append(im)
         if cfg.seq <= 6:
-            for s in range(cfg.seq):
-                for t in range(s + 1):
-                    val = probs[h, s, t].item()
-                    ax.text(t, s, f"{val:.2f}", ha="center", va="center", fontsize=6.5,
-                            color="k" if val > 0.6 else "w")
+            values.append([ax.text(t, s, "", ha="center", va="center", fontsize=6.5)
+                           for s in range(cfg.seq) for t in range(s + 1)])
         ax.set_title(f"q head {h} → KV head {kv}", fontsize=9, color=kv_head_color(kv))
         for spine in ax.spines.values():
             spine.set_visible(True)
@@ -200,9 +216,53 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
         if h // ncols == nrows - 1:
             ax.set_xlabel("key position")
     fig.colorbar(im, ax=axes, shrink=0.8, label="probability")
-    fig.suptitle(f"Causal attention, seed {seed}, batch {batch_index}: "
-                 f"{heads} query heads share {cfg.kv_heads} KV heads", fontsize=10)
+    fig.suptitle(" ", fontsize=10)  # its text: _show_attention
+    fig.tpattn_attention = {"cfg": cfg, "images": images, "values": values}
+    _show_attention(fig, probs, seed, batch_index)
     return fig
+
+
+def attention_probabilities(cfg: Config, seed: int, batch_index: int = 0) -> torch.Tensor:
+    """``[Hq, S, S]`` causal attention probabilities of ``attention_heatmaps``."""
+    check_seed(seed)
+    _check_int("batch_index", batch_index, 0, cfg.batch - 1)
+    x, _ = make_inputs(cfg, seed)
+    p = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    with torch.no_grad():
+        n = rms_norm(x, p["norm"], cfg.eps)
+        q, k, _ = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
+        return attention_probs(q, repeat_kv(k, cfg.group_size))[batch_index]  # [Hq, S, S]
+
+
+def set_attention_state(fig, seed: int, batch_index: int = 0) -> None:
+    """Redraw an ``attention_heatmaps`` figure for ``seed`` and ``batch_index`` (same cfg)."""
+    cfg = fig.tpattn_attention["cfg"]
+    _show_attention(fig, attention_probabilities(cfg, seed, batch_index), seed, batch_index)
+
+
+def _show_attention(fig, probs: torch.Tensor, seed: int, batch_index: int) -> None:
+    parts = fig.tpattn_attention
+    cfg = parts["cfg"]
+    future = causal_mask(cfg.seq)
+    for h, im in enumerate(parts["images"]):
+        im.set_data(probs[h].double().masked_fill(future, float("nan")).numpy())  # masked: grey
+    for h, labels in enumerate(parts["values"]):
+        cells = [(s, t) for s in range(cfg.seq) for t in range(s + 1)]
+        for label, (s, t) in zip(labels, cells):
+            val = probs[h, s, t].item()
+            label.set_text(f"{val:.2f}")
+            label.set_color("k" if val > 0.6 else "w")
+    fig._suptitle.set_text(f"Causal attention, seed {seed}, batch {batch_index}: "  # keeps the
+                           f"{cfg.query_heads} query heads share {cfg.kv_heads} KV heads")  # layout's y
+
+
+def attention_dynamic_artists(fig) -> list:
+    """The artists ``set_attention_state`` changes, with those drawn over them, in z order."""
+    parts = fig.tpattn_attention
+    artists = []
+    for h, im in enumerate(parts["images"]):
+        artists += [im, *im.axes.spines.values(), *(parts["values"][h] if parts["values"] else [])]
+    return artists + [fig._suptitle]
 
 
 def gradient_figure(grads: dict[str, torch.Tensor]):

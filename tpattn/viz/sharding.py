@@ -17,7 +17,8 @@ from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
-    "heads_to_ranks_figure", "weight_shards_figure",
+    "heads_to_ranks_figure", "heads_frame", "set_heads_layout", "layout_dynamic_artists",
+    "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
     "matrix_figure",
@@ -115,56 +116,99 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
     (a split group, which one rank cannot compute) is drawn dashed in the fail color.
     With fewer KV heads than ranks (and the default ``query_ranks``) this is
     ``tpattn.viz.kv.replica_groups_figure``: each rank's copy of its KV head, by replica group.
+    The figure's frame depends on ``cfg.query_heads`` only (``heads_frame``); what is drawn in
+    it, on the whole layout (``set_heads_layout`` redraws it, e.g. in a standing figure).
     """
     if cfg.kv_heads < cfg.world_size and query_ranks is None:
         from .kv import replica_groups_figure
 
         return replica_groups_figure(cfg)
-    hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
-    if query_ranks is None:
-        query_ranks = [h // cfg.local_query_heads for h in range(hq)]
-    if len(query_ranks) != hq or any(not 0 <= int(r) < world for r in query_ranks):
-        raise ValueError(f"query_ranks must give a rank in [0, {world}) for each of the "
-                         f"{hq} query heads (got {list(query_ranks)!r})")
-    kv_ranks = [j // cfg.local_kv_heads for j in range(hkv)]
+    _check_query_ranks(cfg, query_ranks)
+    fig = heads_frame(cfg.query_heads)
+    set_heads_layout(fig, cfg, query_ranks)
+    return fig
 
+
+def _check_query_ranks(cfg: Config, query_ranks) -> None:
+    if query_ranks is not None and (len(query_ranks) != cfg.query_heads or any(
+            not 0 <= int(r) < cfg.world_size for r in query_ranks)):
+        raise ValueError(f"query_ranks must give a rank in [0, {cfg.world_size}) for each of "
+                         f"the {cfg.query_heads} query heads (got {list(query_ranks)!r})")
+
+
+def heads_frame(query_heads: int):
+    """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (size, limits, row
+    labels); ``set_heads_layout`` draws a layout in it."""
+    hq = query_heads
     width = min(12.0, max(6.0, 0.55 * hq + 2.5))
     fig, ax = new_figure(figsize=(width, 2.9))
-    fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5
-    box_w, box_h = 0.8, 0.5
-    q_x = [float(h) for h in range(hq)]
-    kv_x = [cfg.group_size * j + (cfg.group_size - 1) / 2 for j in range(hkv)]
     q_y, kv_y = 1.6, 0.0
-
-    split = 0
-    for h in range(hq):
-        j = h // cfg.group_size
-        crosses = int(query_ranks[h]) != kv_ranks[j]
-        split += crosses
-        ax.plot([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
-                color=FAIL_COLOR if crosses else "#888888",
-                linestyle="--" if crosses else "-", linewidth=1.6 if crosses else 1.0, zorder=1)
-    for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
-        for i, (x, r) in enumerate(zip(xs, ranks)):
-            ax.add_patch(mpatches.FancyBboxPatch(
-                (x - box_w / 2, y - box_h / 2), box_w, box_h, boxstyle="round,pad=0.02",
-                facecolor=rank_color(int(r)), edgecolor="white", zorder=2))
-            ax.text(x, y, f"{prefix}{i}", ha="center", va="center", color="white",
-                    fontsize=fontsize, fontweight="bold", zorder=3)
     ax.text(-0.9, q_y, "query\nheads", ha="right", va="center", fontsize=9)
     ax.text(-0.9, kv_y, "KV\nheads", ha="right", va="center", fontsize=9)
     ax.set_xlim(-2.2, hq - 0.3)
     ax.set_ylim(-0.55, 2.1)
     ax.set_aspect("auto")
     ax.axis("off")
+    fig.tpattn_heads = {"kind": "heads", "query_heads": hq, "layer": []}
+    return fig
+
+
+def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None) -> None:
+    """Draw ``cfg``'s heads → ranks (boxes, lines, legend, title) in a ``heads_frame`` of
+    ``cfg.query_heads``, replacing the layout drawn there before."""
+    frame = fig.tpattn_heads
+    if frame["query_heads"] != cfg.query_heads:
+        raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
+                         f"(got {cfg.query_heads})")
+    _check_query_ranks(cfg, query_ranks)
+    ax = fig.axes[0]
+    for artist in frame["layer"]:
+        artist.remove()
+    hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
+    if query_ranks is None:
+        query_ranks = [h // cfg.local_query_heads for h in range(hq)]
+    kv_ranks = [j // cfg.local_kv_heads for j in range(hkv)]
+    fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5
+    box_w, box_h = 0.8, 0.5
+    q_x = [float(h) for h in range(hq)]
+    kv_x = [cfg.group_size * j + (cfg.group_size - 1) / 2 for j in range(hkv)]
+    q_y, kv_y = 1.6, 0.0
+
+    layer = []
+    split = 0
+    for h in range(hq):
+        j = h // cfg.group_size
+        crosses = int(query_ranks[h]) != kv_ranks[j]
+        split += crosses
+        layer += ax.plot([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
+                         color=FAIL_COLOR if crosses else "#888888",
+                         linestyle="--" if crosses else "-", linewidth=1.6 if crosses else 1.0,
+                         zorder=1)
+    for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
+        for i, (x, r) in enumerate(zip(xs, ranks)):
+            layer.append(ax.add_artist(mpatches.FancyBboxPatch(  # fixed limits: no autoscale
+                (x - box_w / 2, y - box_h / 2), box_w, box_h, boxstyle="round,pad=0.02",
+                facecolor=rank_color(int(r)), edgecolor="white", zorder=2)))
+            layer.append(ax.text(x, y, f"{prefix}{i}", ha="center", va="center", color="white",
+                                 fontsize=fontsize, fontweight="bold", zorder=3))
     handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
-              fontsize=8)
+    layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                           frameon=False, fontsize=8))
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
     ax.set_title(f"{hq} query heads, {hkv} KV heads, {world} ranks\n{verdict}",
                  color=FAIL_COLOR if split else "black")
-    return fig
+    frame["layer"] = layer
+
+
+def layout_dynamic_artists(fig) -> list:
+    """What ``set_heads_layout`` / ``set_replica_groups`` drew, with the title, in the order
+    the axes draw them (by zorder, then insertion; the title after its zorder's children)."""
+    ax = fig.axes[0]
+    layer = fig.tpattn_heads["layer"]
+    legends = [a for a in layer if a is ax.legend_]
+    children = [a for a in layer if a is not ax.legend_]
+    return sorted([*children, ax.title, *legends], key=lambda a: a.get_zorder())
 
 
 def weight_shards_figure(cfg: Config):

@@ -24,10 +24,12 @@ import ipywidgets as widgets
 from ..check import EQUIVALENCE, MODES, SEEDS, run
 from ..config import Config
 from ..layers import rope_angles
-from ..viz.layers import attention_heatmaps, rope_rotation_figure
-from ..viz.sharding import heads_to_ranks_figure
-from .core import (Explorer, Renders, config_controls, html_output, message_html,
-                   mode_control, png_img, png_output, seed_control, single_thread)
+from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
+                          rope_rotation_figure, set_attention_state, set_rope_position)
+from ..viz.kv import set_replica_groups
+from ..viz.sharding import heads_to_ranks_figure, layout_dynamic_artists, set_heads_layout
+from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
+                   message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, measures_html, measures_text
 from .static import StaticExplorer
 
@@ -63,10 +65,22 @@ def _rope_caption(position: int, head_dim: int) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _rope_png(renders: Renders, position, head_dim, max_position, palette=False) -> bytes:
+def _rope_png(renders: Renders, position, head_dim, max_position, palette=False,
+              standing: StandingFigure | None = None) -> bytes:
+    """The RoPE figure's PNG; live (``standing`` given) drawn on a standing figure per
+    ``head_dim``, whose arrows move with the position."""
+    draw = None if standing is None else (
+        lambda: standing.pixels((head_dim, max_position), position))
     return renders.png(("rope", position, head_dim, max_position),
                        lambda: rope_rotation_figure(position, head_dim=head_dim,
-                                                    max_position=max_position), palette)
+                                                    max_position=max_position), palette, draw)
+
+
+def rope_standing_figure() -> StandingFigure:
+    """``rope_rotation_figure`` kept standing per ``(head_dim, max_position)``."""
+    return StandingFigure(
+        build=lambda shape, position: rope_rotation_figure(position, *shape),
+        update=set_rope_position, dynamic=rope_dynamic_artists)
 
 
 def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
@@ -77,28 +91,38 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
         "head_dim": widgets.Dropdown(options=[2, 4, 8, 16, 32], value=head_dim,
                                      description="head_dim", layout=widgets.Layout(width="11em")),
     }
-    renders = Renders()
+    renders, standing = Renders(), rope_standing_figure()
 
     def draw(position, head_dim):
-        png = _rope_png(renders, position, head_dim, max_position)  # may raise: before text
+        png = _rope_png(renders, position, head_dim, max_position,  # may raise: before text
+                        standing=standing)
         text, markup = _rope_caption(position, head_dim)
         return [html_output(markup, text), png_output(png, f"<RoPE at position {position}>")]
 
-    explorer = Explorer("RoPE", controls, draw, static=lambda: static_rope_explorer(
-        head_dim=head_dim, max_position=max_position, initial=position, renders=renders))
-    explorer.renders = renders
+    def static():
+        twin = static_rope_explorer(head_dim=head_dim, max_position=max_position,
+                                    initial=position, renders=renders, standing=standing)
+        for other in controls["head_dim"].options:  # while the cell runs: every head_dim's
+            standing.stand((other, max_position), position)  # figure, for fast updates later
+        return twin
+
+    explorer = Explorer("RoPE", controls, draw, static=static)
+    explorer.renders, explorer.standing = renders, standing
     return explorer
 
 
 def static_rope_explorer(positions=None, head_dim: int = 8, max_position: int = 16,
-                         initial: int = 3, renders: Renders | None = None) -> StaticExplorer:
+                         initial: int = 3, renders: Renders | None = None,
+                         standing: StandingFigure | None = None) -> StaticExplorer:
     """The RoPE figure at each of ``positions`` (default ``ROPE_POSITIONS``), one ``head_dim``
-    (its pairs are the frequencies; the live explorer changes it too)."""
+    (its pairs are the frequencies; the live explorer changes it too). ``standing``: draw
+    them on the live explorer's standing figure (the same pixels, one build)."""
     positions = ROPE_POSITIONS if positions is None else positions
     renders = Renders() if renders is None else renders
     panels = {}
     for i, position in enumerate(positions):
-        png = _rope_png(renders, position, head_dim, max_position, palette=True)
+        png = _rope_png(renders, position, head_dim, max_position, palette=True,
+                        standing=standing)
         panels[(i,)] = _rope_caption(position, head_dim)[1] + png_img(
             png, f"RoPE rotations at position {position}, head_dim {head_dim}")
     return StaticExplorer("rope", [("position", [str(p) for p in positions])], panels,
@@ -122,9 +146,22 @@ def _attention_caption(cfg: Config) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=False) -> bytes:
+def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=False,
+                   standing: StandingFigure | None = None) -> bytes:
+    """The heat maps' PNG; live (``standing`` given) drawn on a standing figure per layout,
+    whose images and labels change with the seed and batch element."""
+    draw = None if standing is None else (lambda: standing.pixels(cfg, (seed, batch_index)))
     return renders.png(("attention", cfg, seed, batch_index),
-                       lambda: attention_heatmaps(cfg, seed, batch_index=batch_index), palette)
+                       lambda: attention_heatmaps(cfg, seed, batch_index=batch_index), palette,
+                       draw)
+
+
+def attention_standing_figure() -> StandingFigure:
+    """``attention_heatmaps`` kept standing per ``Config``."""
+    return StandingFigure(
+        build=lambda cfg, state: attention_heatmaps(cfg, *state),
+        update=lambda fig, state: set_attention_state(fig, *state),
+        dynamic=attention_dynamic_artists)
 
 
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
@@ -137,31 +174,37 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         "batch_index": widgets.IntText(value=batch_index, description="batch",
                                        layout=widgets.Layout(width="9em")),
     }
-    renders = Renders()
+    renders, standing = Renders(), attention_standing_figure()
 
     def draw(heads, seed, batch_index):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
-        png = _attention_png(renders, layout_cfg, seed, batch_index)
+        with single_thread():
+            png = _attention_png(renders, layout_cfg, seed, batch_index, standing=standing)
         text, markup = _attention_caption(layout_cfg)
         return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
     explorer = Explorer("attention", controls, draw, static=lambda: static_attention_explorer(
-        cfg=cfg, initial=(heads, seed), renders=renders))
-    explorer.renders = renders
+        cfg=cfg, initial=(heads, seed), renders=renders, standing=standing))
+    explorer.renders, explorer.standing = renders, standing
     return explorer
 
 
 def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_SEEDS,
                               cfg: Config | None = None, initial=("GQA 4q/2kv", 11),
-                              renders: Renders | None = None) -> StaticExplorer:
-    """The heat maps for every ``layouts × seeds`` (layout names from ``ATTENTION_LAYOUTS``)."""
+                              renders: Renders | None = None,
+                              standing: StandingFigure | None = None) -> StaticExplorer:
+    """The heat maps for every ``layouts × seeds`` (layout names from ``ATTENTION_LAYOUTS``).
+    ``standing``: draw them on the live explorer's standing figures (the same pixels, one
+    build per layout, which then stand for the live updates)."""
     renders = Renders() if renders is None else renders
     panels = {}
     for i, name in enumerate(layouts):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[name], base=cfg)
         markup = _attention_caption(layout_cfg)[1]
         for j, seed in enumerate(seeds):
-            png = _attention_png(renders, layout_cfg, seed, 0, palette=True)
+            with single_thread():
+                png = _attention_png(renders, layout_cfg, seed, 0, palette=True,
+                                     standing=standing)
             panels[i, j] = markup + png_img(png, f"attention probabilities, {name}, seed {seed}")
     return StaticExplorer("attention", [("heads", list(layouts)), ("seed", [str(s) for s in seeds])],
                           panels, initial=_index_of(initial, (layouts, seeds)))
@@ -196,26 +239,50 @@ def _sharding_caption(cfg: Config) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _sharding_png(renders: Renders, cfg: Config, palette=False) -> bytes:
-    return renders.png(("sharding", cfg), lambda: heads_to_ranks_figure(cfg), palette)
+def _sharding_png(renders: Renders, cfg: Config, palette=False,
+                  standing: StandingFigure | None = None) -> bytes:
+    """The heads→ranks PNG; live (``standing`` given) drawn in a standing frame per number
+    of query heads (and figure kind), whose boxes, lines, legend and title are redrawn."""
+    draw = None if standing is None else (lambda: standing.pixels(layout_structure(cfg), cfg))
+    return renders.png(("sharding", cfg), lambda: heads_to_ranks_figure(cfg), palette, draw)
+
+
+def layout_structure(cfg: Config) -> tuple[str, int]:
+    """What fixes the frame of ``heads_to_ranks_figure(cfg)``: its kind and query heads."""
+    kind = "replica_groups" if cfg.kv_heads < cfg.world_size else "heads"
+    return kind, cfg.query_heads
+
+
+def _set_layout(fig, cfg: Config) -> None:
+    if fig.tpattn_heads["kind"] == "replica_groups":
+        set_replica_groups(fig, cfg)
+    else:
+        set_heads_layout(fig, cfg)
+
+
+def layout_standing_figure() -> StandingFigure:
+    """``heads_to_ranks_figure`` (or the ``replica_groups_figure`` it shows with fewer KV
+    heads than ranks) kept standing per ``layout_structure``."""
+    return StandingFigure(build=lambda structure, cfg: heads_to_ranks_figure(cfg),
+                          update=_set_layout, dynamic=layout_dynamic_artists)
 
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:
     """Which rank holds which heads; an invalid layout shows ``Config``'s own message."""
     controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
                                world_size=world_size)
-    renders = Renders()
+    renders, standing = Renders(), layout_standing_figure()
 
     def draw(query_heads, kv_heads, world_size):
         cfg = sharding_config(query_heads, kv_heads, world_size)
-        png = _sharding_png(renders, cfg)
+        png = _sharding_png(renders, cfg, standing=standing)
         text, markup = _sharding_caption(cfg)
         return [html_output(markup, text),
                 png_output(png, f"<heads to ranks, {query_heads}/{kv_heads}/{world_size}>")]
 
     explorer = Explorer("sharding", controls, draw, static=lambda: static_sharding_explorer(
         initial=(query_heads, kv_heads, world_size), renders=renders))
-    explorer.renders = renders
+    explorer.renders, explorer.standing = renders, standing
     return explorer
 
 

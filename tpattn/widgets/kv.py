@@ -8,8 +8,10 @@ import ipywidgets as widgets
 
 from ..config import KV_STRATEGIES, Config
 from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, kv_head_of_rank, replica_groups
-from ..viz.kv import replica_groups_figure
-from .core import Explorer, Renders, config_controls, html_output, message_html, png_img, png_output
+from ..viz.kv import replica_groups_figure, set_replica_groups
+from ..viz.sharding import layout_dynamic_artists
+from .core import (Explorer, Renders, StandingFigure, config_controls, html_output, message_html,
+                   png_img, png_output)
 from .static import StaticExplorer
 
 __all__ = ["KV_LAYOUTS", "kv_config", "kv_explorer", "static_kv_explorer"]
@@ -59,8 +61,19 @@ def _caption(cfg: Config) -> tuple[str, str]:
     return text, markup
 
 
-def _png(renders: Renders, cfg: Config, palette=False) -> bytes:
-    return renders.png(("kv", cfg), lambda: replica_groups_figure(cfg), palette)
+def _png(renders: Renders, cfg: Config, palette=False,
+         standing: StandingFigure | None = None) -> bytes:
+    """The replica-groups PNG; live (``standing`` given) drawn in a standing frame per number
+    of query heads, whose boxes, groups, legend and title are redrawn."""
+    draw = None if standing is None else (
+        lambda: standing.pixels(("replica_groups", cfg.query_heads), cfg))
+    return renders.png(("kv", cfg), lambda: replica_groups_figure(cfg), palette, draw)
+
+
+def replica_groups_standing_figure() -> StandingFigure:
+    """``replica_groups_figure`` kept standing per number of query heads."""
+    return StandingFigure(build=lambda structure, cfg: replica_groups_figure(cfg),
+                          update=set_replica_groups, dynamic=layout_dynamic_artists)
 
 
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
@@ -71,17 +84,20 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
     controls["kv_strategy"] = widgets.ToggleButtons(options=list(KV_STRATEGIES), value=kv_strategy,
                                                     description="strategy",
                                                     style={"button_width": "auto"})
-    renders = Renders()
+    renders, standing = Renders(), replica_groups_standing_figure()
 
     def draw(query_heads, kv_heads, world_size, kv_strategy):
         cfg = kv_config(query_heads, kv_heads, world_size, kv_strategy)
         text, markup = _caption(cfg)
         return [html_output(markup, text),
-                png_output(_png(renders, cfg), f"<replica groups, {query_heads}/{kv_heads}/"
-                                               f"{world_size}, {kv_strategy}>")]
+                png_output(_png(renders, cfg, standing=standing),
+                           f"<replica groups, {query_heads}/{kv_heads}/{world_size}, "
+                           f"{kv_strategy}>")]
 
-    return Explorer("kv", controls, draw, static=lambda: static_kv_explorer(
+    explorer = Explorer("kv", controls, draw, static=lambda: static_kv_explorer(
         initial=((query_heads, kv_heads, world_size), kv_strategy), renders=renders))
+    explorer.renders, explorer.standing = renders, standing
+    return explorer
 
 
 def static_kv_explorer(layouts=KV_LAYOUTS, initial=((8, 2, 4), "replicate_weights"),
