@@ -43,6 +43,12 @@ __all__ = [
     "check_missing_f_signature", "check_missing_f_parameters",
     "check_signature", "check_diagnose",
     "check_bytes_per_step", "check_ledger_counts", "check_real_f_and_g",
+    "check_norm_grad_reduce", "check_rope_offset",
+    "check_kv_grad_reduce", "check_missing_kv_parameters",
+    "check_relative_bound", "check_classify",
+    "check_shard_concat_qkv", "check_shard_fused_qkv",
+    "check_bias_once", "check_forward_visible",
+    "check_ledger_verdict", "check_hunts", "hunt_evidence",
 ]
 
 #: Seeds every checker uses: two of the fixture's and one the chapters never show.
@@ -1386,9 +1392,9 @@ def check_bias_once(forward) -> str:
             where = f"for seed {seed}, {_shape(cfg)}"
             b = base["bias"]
             w = cfg.world_size
-            with torch.no_grad():
-                out = forward(x0.clone(), {k: v.clone() for k, v in base.items()}, cfg)
-            off = _tensor(out, "your output") - dense["output"]
+            trial = clone_trainable(base)
+            out = _tensor(forward(x0.clone(), trial, cfg), "your output")
+            off = out.detach() - dense["output"]
             _expect_shape(off, dense["output"].shape, f"for {_shape(cfg)} your output")
             if _near(off, ((w - 1) * b).expand_as(off), w + 2):
                 raise _Wrong(f"{where} the output is off by (W-1)·b: the bias is added on "
@@ -1397,6 +1403,13 @@ def check_bias_once(forward) -> str:
             if _near(off, (-b).expand_as(off), w + 2):
                 raise _Wrong(f"{where} the output lacks the bias: add p['bias'] once, after "
                              f"g.")
+            if out.requires_grad:
+                out.sum().backward()
+            unreached = [k for k, t in trial.items() if t.grad is None]
+            if unreached:
+                raise _Wrong(f"{where} the output is right but the gradients do not reach "
+                             f"{', '.join(unreached)}: use the parameters of p themselves "
+                             f"(no detach, no copy).")
             tp = one_step(lambda x, p: forward(x, p, cfg), x0, target, base)
             _expect_shape(_tensor(tp["output"], "your output"), dense["output"].shape,
                           f"for {_shape(cfg)} your output")
