@@ -199,3 +199,11 @@ def test_a_readers_exception_in_a_later_checker_is_one_sentence():
     assert not result.passed
     assert result.message.startswith("your code raised"), result.message
     assert "g.view(3, -1)" in result.message and "See chapter 12" in result.message
+
+
+def test_a_ledger_verdict_that_always_names_a_bug_is_told_the_plan_held():
+    result = ex.check_ledger_verdict(lambda obs: "missing_output_reduce")
+    assert not result.passed
+    assert result.message.startswith("for a correct run the ledger shows forward 1 (plan 1), "
+                                     "backward 1 (plan 1) — as planned — but you said "
+                                     "missing_output_reduce: answer None."), result.message
