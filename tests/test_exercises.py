@@ -64,7 +64,7 @@ def test_every_chapter_from_5_on_has_two_exercises_and_every_checker_is_used():
     per_chapter = {}
     for nb, check, *_ in EXERCISES:
         per_chapter.setdefault(nb[:2], []).append(check)
-    assert sorted(per_chapter) == ["05", "06", "07", "08", "09", "10", "11"]
+    assert sorted(per_chapter) == [f"{n:02d}" for n in range(5, 18)]
     assert all(len(checks) >= 2 for checks in per_chapter.values())
     used = [check for _, check, *_ in EXERCISES]
     assert sorted(used) == sorted(n for n in ex.__all__ if n.startswith("check_"))
@@ -90,6 +90,8 @@ def test_no_solution_lives_in_the_package():
     source = (Path(ex.__file__)).read_text()
     assert "def train_step" not in source and "def keeps_groups" not in source
     assert "class G(" not in source
+    assert "def reduce_kv_grads" not in source and "def shard_interleaved" not in source
+    assert "def forward_with_bias" not in source and "def guess" not in source
 
 
 # --- known-wrong answers, each with the message that must name its mistake -------------------
@@ -306,7 +308,9 @@ def test_every_checker_has_at_least_two_known_wrong_answers():
     counts = {}
     for checker, *_ in WRONG:
         counts[checker] = counts.get(checker, 0) + 1
-    assert all(counts.get(n, 0) >= 2 for n in ex.__all__ if n.startswith("check_"))
+    # chapters 12-17's wrong answers: tests/test_exercises_later.py
+    assert all(counts.get(n, 0) >= 2 for n in ex.__all__
+               if n.startswith("check_") and getattr(ex, n).chapter <= 11)
 
 
 # --- the reader's exceptions ------------------------------------------------------------------

@@ -43,9 +43,16 @@ __all__ = [
     "check_missing_f_signature", "check_missing_f_parameters",
     "check_signature", "check_diagnose",
     "check_bytes_per_step", "check_ledger_counts", "check_real_f_and_g",
+    "check_norm_grad_reduce", "check_rope_offset",
+    "check_kv_grad_reduce", "check_missing_kv_parameters",
+    "check_relative_bound", "check_classify",
+    "check_shard_concat_qkv", "check_shard_fused_qkv",
+    "check_bias_once", "check_forward_visible",
+    "check_ledger_verdict", "check_hunts", "hunt_evidence",
 ]
 
-#: Seeds every checker uses: two of the fixture's and one the chapters never show.
+#: Seeds the checkers of chapters 5-11 use: two of the fixture's and one the chapters never
+#: show (the slower ones of chapters 12-17 use ``EXTRA_SEEDS``).
 CHECKED_SEEDS = (11, 17, 5)
 #: Shapes every checker uses: the fixture's; 8 query heads sharing 4 KV heads on 4 ranks; and
 #: a small odd one (3 tokens, batch 1, hidden 8, 6 query heads in groups of 3, head_dim 2).
@@ -58,7 +65,10 @@ CHECKED_CONFIGS = (
 CHAPTERS = {5: "chapter 5 (the dense block)", 6: "chapter 6 (head sharding)",
             7: "chapter 7 (the two reductions)", 8: "chapter 8 (the missing output reduce)",
             9: "chapter 9 (the missing input-gradient reduce)", 10: "chapter 10 (the matrix)",
-            11: "chapter 11 (real ranks)"}
+            11: "chapter 11 (real ranks)", 12: "chapter 12 (sequence parallelism)",
+            13: "chapter 13 (fewer KV heads than ranks)", 14: "chapter 14 (equal at scale)",
+            15: "chapter 15 (your model)", 16: "chapter 16 (the bug zoo)",
+            17: "chapter 17 (debugging without dense)"}
 #: Width of the text paragraph (the book's code column).
 WIDTH = 75
 
@@ -158,6 +168,8 @@ def _exercise(name: str, chapter: int):
         checker.__name__ = body.__name__
         checker.__qualname__ = body.__qualname__
         checker.__doc__ = body.__doc__
+        checker.chapter = chapter
+        checker.__wrapped__ = body
         return checker
 
     return decorate
@@ -608,7 +620,9 @@ def _as_names(prediction, allowed, what: str) -> set[str]:
     return set(prediction)
 
 
-def _grade_prediction(predicted: set, found: list[set], what: str, mode: str, order) -> str:
+def _grade_prediction(predicted: set, found: list[set], what: str, mode: str, order,
+                      shapes: int = len(CHECKED_CONFIGS),
+                      seeds: int = len(CHECKED_SEEDS)) -> str:
     """Compare a predicted set with the sets found on every run (all runs must agree)."""
     always = set.intersection(*found)
     sometimes = set.union(*found)
@@ -626,10 +640,10 @@ def _grade_prediction(predicted: set, found: list[set], what: str, mode: str, or
             parts.append(f"you named {', '.join(extra)}, which pass{'es' if len(extra) == 1 else ''} "
                          f"on every run")
         raise _Wrong(f"not quite: {' and '.join(parts)} of {mode} ({len(found)} runs: "
-                     f"{len(CHECKED_SEEDS)} seeds × {len(CHECKED_CONFIGS)} shapes × both "
+                     f"{seeds} seeds × {shapes} shapes × both "
                      f"simulations).")
-    return (f"right: on all {len(found)} runs of {mode} ({len(CHECKED_SEEDS)} seeds × "
-            f"{len(CHECKED_CONFIGS)} shapes × the fixture's and the per-rank simulation), "
+    return (f"right: on all {len(found)} runs of {mode} ({seeds} seeds × "
+            f"{shapes} shapes × the fixture's and the per-rank simulation), "
             f"exactly the {what} you named fail.")
 
 
@@ -973,3 +987,585 @@ def check_real_f_and_g(f_and_g) -> str:
                          f"backward must pass the gradient through unchanged.")
     return (f"on 2 real gloo ranks your F and G give dense's step on all five measures for "
             f"{len(CHECKED_SEEDS)} seeds.")
+
+
+# --- chapter 12 -----------------------------------------------------------------------------
+
+#: Seeds of the slower checkers (chapters 12 on): one of the fixture's, one never shown.
+EXTRA_SEEDS = (11, 5)
+#: Shapes the sequence-parallel exercises are graded on (seq a multiple of world_size): 2 ranks;
+#: 4 ranks with 2 query heads each; 3 ranks, batch 1, hidden 8.
+SP_CONFIGS = (
+    Config(seq=4, sequence_parallel=True),
+    Config(seq=8, query_heads=8, kv_heads=4, world_size=4, sequence_parallel=True),
+    Config(seq=6, batch=1, hidden=8, query_heads=6, kv_heads=3, head_dim=2, world_size=3,
+           sequence_parallel=True),
+)
+
+
+def _tensor_list(value, count: int, shape, what: str) -> list[torch.Tensor]:
+    if not isinstance(value, (list, tuple)) or len(value) != count:
+        raise _Wrong(f"your function should return a list of {count} tensors, one per rank "
+                     f"({what}).")
+    for r, t in enumerate(value):
+        _expect_shape(_tensor(t, f"rank {r}'s {what}"), shape, f"rank {r}'s {what}")
+    return list(value)
+
+
+def _near(a: torch.Tensor, b: torch.Tensor, terms: int) -> bool:
+    """Equal up to the rounding of a sum of ``terms`` terms of size ~ max |b| (or |a|)."""
+    scale = max(a.detach().abs().max().item(), b.detach().abs().max().item(), 1e-30)
+    bound = 4 * terms * torch.finfo(b.dtype).eps * scale
+    return bool((a.detach() - b.detach()).abs().max() <= bound)
+
+
+@_exercise("the norm-gradient all-reduce under SP", 12)
+def check_norm_grad_reduce(finalize) -> str:
+    """Check ``finalize(norm_grads) -> list``: given every simulated rank's gradient of its
+    replicated ``norm`` weight after the backward pass (one ``[hidden]`` per rank: the share of
+    its own ``S/W`` tokens), what each rank must use for its SGD step. Each rank's steps come
+    from ``tpattn.sequence_parallel.sp_ranks_step``; graded on the five measures against dense
+    and on whether the replicas of ``norm`` stay identical."""
+    from .sequence_parallel import gather_sp_ranks, sp_ranks_step
+    count = 0
+    for cfg in SP_CONFIGS:
+        w = cfg.world_size
+        for seed in EXTRA_SEEDS:
+            x0, target = make_inputs(cfg, seed)
+            base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+            steps = sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)),
+                                  shard_params(base, cfg), cfg, norm_grad="none")
+            own = [s["grads"]["norm"].clone() for s in steps]
+            got = _tensor_list(finalize([g.clone() for g in own]), w, [cfg.hidden],
+                               "norm gradient")
+            total = sum(own[1:], own[0])
+            where = f"for seed {seed}, {_shape(cfg)}"
+            for r in range(w):
+                if _near(got[r], total, w):
+                    continue
+                if _near(got[r], total / w, w):
+                    raise _Wrong(f"{where}, rank {r} uses the average of the ranks' shares; "
+                                 f"each share is a different set of tokens' term of one sum, "
+                                 f"so they add up (sum, not mean).")
+                if _near(got[r], own[r], 1):
+                    raise _Wrong(f"{where}, rank {r} keeps only its own tokens' share: the "
+                                 f"norm weight sees S/W tokens per rank, so its gradient "
+                                 f"needs an all-reduce (sum) over the TP group.")
+                raise _Wrong(f"{where}, rank {r}'s norm gradient is neither the sum of the "
+                             f"ranks' shares nor any one of them.")
+            for r, s in enumerate(steps):
+                s["grads"]["norm"] = got[r].detach()
+                s["weights"]["norm"] = base["norm"] - LR * got[r].detach()
+            metrics = five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg),
+                                    gather_sp_ranks(steps, cfg))
+            failing = _failing(metrics)
+            if failing:
+                raise _Wrong(f"{where}, the SP step fails {', '.join(failing)}.")
+            count += 1
+    return (f"every rank uses the sum of the ranks' shares, so the norm replicas stay "
+            f"equal and the SP step equals dense on all five measures for {count} cases "
+            f"({len(EXTRA_SEEDS)} seeds × {len(SP_CONFIGS)} shapes, 2 to 4 ranks).")
+
+
+@_exercise("RoPE positions under SP", 12)
+def check_rope_offset(offset) -> str:
+    """Check ``offset(cfg, rank) -> int``: the position of the first token rank ``rank``
+    holds under SP, the ``offset`` it must pass to ``apply_rope`` when it rotates its own
+    tokens' queries or keys. Graded by rotating each rank's tokens with it and comparing with
+    the rotation of the whole gathered sequence."""
+    from .layers import apply_rope
+    from .sequence_parallel import rank_tokens
+    configs = SP_CONFIGS + (Config(seq=12, query_heads=4, kv_heads=4, world_size=4,
+                                   sequence_parallel=True),)
+    gen = torch.Generator().manual_seed(12)
+    for cfg in configs:
+        q = torch.randn(cfg.seq, cfg.batch, cfg.query_heads, cfg.head_dim, generator=gen)
+        full = apply_rope(q)
+        for rank in range(cfg.world_size):
+            got = offset(cfg, rank)
+            if isinstance(got, torch.Tensor) and got.numel() == 1:
+                got = got.item()
+            if isinstance(got, bool) or not isinstance(got, int):
+                raise _Wrong(f"your offset should be an int, but it is {type(got).__name__}.")
+            tokens = rank_tokens(cfg, rank)
+            if not 0 <= got <= 4 * cfg.seq:
+                raise _Wrong(f"for {cfg.world_size} ranks, seq {cfg.seq}, rank {rank}: "
+                             f"offset {got} is not a position of this sequence.")
+            mine = apply_rope(q[tokens], offset=got)
+            if not _near(mine, full[tokens], 2):
+                first = tokens.start
+                hint = (" — that rotates every rank's tokens as if they started the sequence"
+                        if got == 0 and first else "")
+                raise _Wrong(f"for {cfg.world_size} ranks, seq {cfg.seq}: rank {rank} holds "
+                             f"positions {first}..{tokens.stop - 1} of the gathered sequence, "
+                             f"but offset {got} rotates them as positions "
+                             f"{got}..{got + tokens.stop - first - 1}{hint}.")
+    return (f"right for every rank of {len(configs)} shapes (2 to 4 ranks): each rank's "
+            f"rotated tokens equal the gathered sequence's, so attention sees global "
+            f"positions.")
+
+
+# --- chapter 13 -----------------------------------------------------------------------------
+
+#: Shapes with fewer KV heads than ranks (replicated KV weights): 2 KV heads on 4 ranks; 1 KV
+#: head on 4 ranks; 2 KV heads on 8 ranks (seq 3, batch 1, hidden 8, head_dim 2).
+KV_CONFIGS = (
+    Config(query_heads=8, kv_heads=2, world_size=4),
+    Config(query_heads=4, kv_heads=1, world_size=4),
+    Config(seq=3, batch=1, hidden=8, query_heads=8, kv_heads=2, head_dim=2, world_size=8),
+)
+
+
+@_exercise("reduce the KV gradients over the replica group", 13)
+def check_kv_grad_reduce(reduce) -> str:
+    """Check ``reduce(grads, cfg) -> list``: given every simulated rank's gradient of its own
+    copy of a replicated KV weight (``wk`` or ``wv``, one ``[D, hidden]`` per rank, as the
+    block's backward leaves it without the replica-group reduce), the gradient each rank's
+    copy must get. Graded against the dense block's gradient of that KV head's rows."""
+    from .kv_heads import kv_weight_rows, replica_groups, tp_forward_kv_ranks
+    count = 0
+    for cfg, seed, x0, target, base in _cases(KV_CONFIGS, EXTRA_SEEDS):
+        w = cfg.world_size
+        steps = ranks_step(lambda xs, ps: tp_forward_kv_ranks(xs, ps, cfg, reduce_kv_grad=False),
+                           x0, target, shard_params(base, cfg))
+        dense = dense_reference(x0, target, base, cfg)
+        groups = replica_groups(cfg)
+        for name in ("wk", "wv"):
+            own = [s["grads"][name].clone() for s in steps]
+            rows = own[0].shape[0]
+            got = _tensor_list(reduce([g.clone() for g in own], cfg), w,
+                               [rows, cfg.hidden], f"{name} gradient")
+            everyone = sum(own[1:], own[0])
+            where = f"for seed {seed}, {_shape(cfg)}"
+            for r in range(w):
+                want = dense["grads"][name][kv_weight_rows(cfg, r)]
+                group = next(g for g in groups if r in g)
+                if _near(got[r], want, w):
+                    continue
+                in_group = sum(own[i] for i in group)
+                if _near(got[r], own[r], 1):
+                    raise _Wrong(f"{where}, rank {r}'s copy of {name} keeps only its own "
+                                 f"rank's gradient; ranks {group} read the same KV head, so "
+                                 f"the head's gradient is the sum over that replica group.")
+                if _near(got[r], everyone, w):
+                    raise _Wrong(f"{where}, rank {r}'s {name} gradient is summed over all "
+                                 f"{w} ranks; the other replica groups hold other KV heads — "
+                                 f"sum only over its replica group {group}.")
+                if _near(got[r], in_group / len(group), w):
+                    raise _Wrong(f"{where}, rank {r}'s {name} gradient is the replica "
+                                 f"group's average; each replica's gradient is a different "
+                                 f"term of the head's gradient, so they add up.")
+                raise _Wrong(f"{where}, rank {r}'s {name} gradient is not the dense "
+                             f"gradient of its KV head's rows.")
+            count += 1
+    return (f"every rank's copy of wk and wv gets its KV head's full gradient (the sum over "
+            f"its replica group) on {count} cases: {len(EXTRA_SEEDS)} seeds × "
+            f"{len(KV_CONFIGS)} shapes, 4 and 8 ranks.")
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_mode_hits() -> tuple[frozenset, ...]:
+    """For every KV shape × seed × simulation of ``missing_kv_grad_reduce``: the parameters
+    whose gradients are wrong."""
+    from .check import MISSING_KV_GRAD_REDUCE
+    found = []
+    for cfg, seed, x0, target, base in _cases(KV_CONFIGS[:2], EXTRA_SEEDS):
+        dense = dense_reference(x0, target, base, cfg)
+        for simulate in SIMULATIONS:
+            tp = tp_step(x0, target, base, cfg, MISSING_KV_GRAD_REDUCE, simulate)
+            found.append(frozenset(
+                k for k in PARAM_NAMES
+                if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE))
+    return tuple(found)
+
+
+@_exercise("which parameters a missing KV reduce hits", 13)
+def check_missing_kv_parameters(predict) -> str:
+    """Check ``predict() -> set``: the names (``tpattn.params.PARAM_NAMES``) of the parameters
+    whose gradients are wrong when the replica-group all-reduce of the KV gradients is
+    missing. Graded against runs of ``missing_kv_grad_reduce``, parameter by parameter."""
+    from .check import MISSING_KV_GRAD_REDUCE
+    predicted = _as_names(predict(), PARAM_NAMES, "parameter")
+    found = [set(hit) for hit in _kv_mode_hits()]
+    return _grade_prediction(predicted, found, "parameter gradients", MISSING_KV_GRAD_REDUCE,
+                             PARAM_NAMES, shapes=2, seeds=len(EXTRA_SEEDS))
+
+
+# --- chapter 14 -----------------------------------------------------------------------------
+
+def _bound_configs() -> tuple[Config, ...]:
+    from .at_scale import llama3_8b_attention
+    return (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
+            Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, world_size=4),
+            llama3_8b_attention(), llama3_8b_attention(dtype="bfloat16"),
+            llama3_8b_attention(seq=512, world_size=2))
+
+
+def _bound_variants(cfg: Config) -> dict[str, float]:
+    """The bound with one ingredient wrong, each with what it misses."""
+    import math
+    from .tolerance import ACCUMULATOR, LATER_STAGES, UNIT_ROUNDOFF, fan_in
+    u, n = UNIT_ROUNDOFF[cfg.dtype], fan_in(cfg)
+    u_acc = UNIT_ROUNDOFF[ACCUMULATOR[cfg.dtype]]
+    w, later = cfg.world_size, LATER_STAGES
+    return {
+        "the long sums accumulate in the accumulator's precision (float32 for bfloat16), "
+        "so their term uses u_acc, not the stored dtype's u":
+            u * math.sqrt(n) + u * (w + later),
+        "the later stages and the W-term of the sum over ranks round in the stored dtype: "
+        "u, not u_acc": u_acc * math.sqrt(n) + u_acc * (w + later),
+        "rounding errors of a long sum grow like sqrt(n), not n":
+            u_acc * n + u * (w + later),
+        "the sum over W ranks' partials adds W roundings": u_acc * math.sqrt(n) + u * later,
+        f"the {later} elementwise stages after the reductions each round once":
+            u_acc * math.sqrt(n) + u * w,
+        "n is the longest dot product of the step: max(hidden, (Hq + 2 Hkv) D, S·B), not "
+        "hidden alone": u_acc * math.sqrt(cfg.hidden) + u * (w + later),
+    }
+
+
+@_exercise("the tolerance bound", 14)
+def check_relative_bound(bound) -> str:
+    """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of
+    the block's step may differ by (``tpattn.tolerance``), for shapes from the fixture's to
+    Llama-3-8B's attention, in float32, float64 and bfloat16."""
+    from .tolerance import relative_bound
+    configs = _bound_configs()
+    for cfg in configs:
+        got = bound(cfg)
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise _Wrong(f"your bound should be a float, but it is {type(got).__name__}.")
+        want = relative_bound(cfg)
+        if abs(got - want) <= 1e-9 * want:
+            continue
+        why = next((text for text, value in _bound_variants(cfg).items()
+                    if abs(got - value) <= 1e-9 * value), None)
+        ratio = got / want if want else float("inf")
+        raise _Wrong(f"for {_shape(cfg)}, your bound is {ratio:.3g} times the package's"
+                     + (f": {why}." if why else "."))
+    return (f"right for all {len(configs)} shapes, float32, float64 and bfloat16 among them, "
+            f"up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
+
+
+#: The dtypes and shapes ``check_classify`` runs.
+CLASSIFY_CONFIGS = (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
+                    Config(query_heads=8, kv_heads=4, world_size=4, dtype="bfloat16"))
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_runs() -> tuple[dict, ...]:
+    return tuple((cfg, run(seed, mode, cfg, tolerance="auto"))
+                 for cfg, seed in zip(CLASSIFY_CONFIGS, CHECKED_SEEDS + CHECKED_SEEDS)
+                 for mode in MODES)
+
+
+@_exercise("rounding or a bug", 14)
+def check_classify(classify) -> str:
+    """Check ``classify(result) -> str``: ``"rounding"`` when a run's measures are within
+    what rounding explains, ``"bug"`` when they are not, for a ``tpattn.run(...,
+    tolerance="auto")`` dict (its measures and its ``"bounds"``). Graded on real runs of every
+    mode in float32, float64 and bfloat16: correct TP is rounding, every bug a bug."""
+    cases = [(cfg, dict(r, bounds=dict(r["bounds"]))) for cfg, r in _auto_runs()]
+    for cfg, result in cases:
+        want = "rounding" if result["mode"] == EQUIVALENCE else "bug"
+        got = classify({k: v for k, v in result.items() if k not in ("passed", "mode")})
+        if got not in ("rounding", "bug"):
+            raise _Wrong(f"your function should return 'rounding' or 'bug', but it gave "
+                         f"{got!r}.")
+        if got != want:
+            dtype = cfg.dtype
+            over = [m for m in MEASURES if result[m] > result["bounds"][m]]
+            if want == "rounding":
+                raise _Wrong(f"correct TP (seed {result['seed']}, {dtype}) "
+                             f"is rounding: every measure is within its bound, even where "
+                             f"it is above the seed's fixed 1e-6 — the bound scales with "
+                             f"the dtype and the size.")
+            raise _Wrong(f"{result['mode']} (seed {result['seed']}, {dtype}) "
+                         f"is a bug: {', '.join(over)} exceed{'s' if len(over) == 1 else ''} "
+                         f"{'its bound' if len(over) == 1 else 'their bounds'}; any one "
+                         f"measure over its bound is enough.")
+    return (f"right on {len(cases)} runs: every mode, {len(CHECKED_SEEDS)} seeds, "
+            f"float32, float64 and bfloat16 — correct TP within its bounds, every bug over "
+            f"at least one.")
+
+
+# --- chapter 15 -----------------------------------------------------------------------------
+
+def _block_source(block: torch.Tensor, params: dict, d: int) -> str:
+    """Which dense head ``block`` (``d`` rows) is, in words: 'query head 2', or '' if none."""
+    for name, what in (("wq", "query head"), ("wk", "key head"), ("wv", "value head")):
+        h = _head_of(block.detach(), params[name].detach(), d)
+        if h is not None:
+            return f"{what} {h}"
+    return ""
+
+
+#: Shapes the fused-QKV exercises read the heads on: two KV groups per rank among them.
+FUSED_CONFIGS = CHECKED_CONFIGS + (Config(query_heads=8, kv_heads=4),)
+
+
+def _grade_fused(shard, fuse, layout: str) -> str:
+    """Run the reader's ``shard(w, cfg)`` on the fused weight ``fuse(params, cfg)``: which
+    head every rank's rows are, then chapter 6's checks of the shards on every checked case;
+    returns the success text."""
+    want_kind = {"wq": "query head", "wk": "key head", "wv": "value head"}
+    for cfg in FUSED_CONFIGS:
+        d = cfg.head_dim
+        base = clone_trainable(init_params(cfg, 11 + PARAM_SEED_OFFSET))
+        shards = shard(fuse(base, cfg), cfg)
+        if not isinstance(shards, (list, tuple)) or len(shards) != cfg.world_size:
+            raise _Wrong(f"for {_shape(cfg)} your function should return a list of "
+                         f"{cfg.world_size} dicts, one per rank.")
+        for rank, mine in enumerate(shards):
+            if not isinstance(mine, dict) or any(k not in mine for k in ("wq", "wk", "wv")):
+                raise _Wrong(f"rank {rank}'s shard should be a dict with the keys wq, wk, wv.")
+            rows = {"wq": cfg.local_query_heads * d, "wk": cfg.local_kv_heads * d,
+                    "wv": cfg.local_kv_heads * d}
+            for name, count in rows.items():
+                t = _tensor(mine[name], f"rank {rank}'s {name}")
+                _expect_shape(t, [count, cfg.hidden], f"for {_shape(cfg)}, rank {rank}'s {name}")
+                for i in range(count // d):
+                    source = _block_source(t[i * d:(i + 1) * d], base, d)
+                    if not source.startswith(want_kind[name]):
+                        raise _Wrong(f"for {_shape(cfg)}, rank {rank}'s {name} rows "
+                                     f"{i * d}..{(i + 1) * d - 1} are "
+                                     f"{source or 'no whole head'} of the {layout} weight, not "
+                                     f"a {want_kind[name]}: read the fused rows by the "
+                                     f"layout, then cut by heads.")
+
+    def shard_fn(params, cfg):
+        cut = shard(fuse(params, cfg), cfg)
+        return [{"norm": params["norm"], "wq": cut[r]["wq"], "wk": cut[r]["wk"],
+                 "wv": cut[r]["wv"],
+                 "wo": params["wo"][:, rank_head_slices(cfg, r)[0]]}
+                for r in range(cfg.world_size)]
+
+    try:
+        check_shard_params.__wrapped__(shard_fn)
+    except _Wrong as e:
+        raise _Wrong(f"with the wo columns of chapter 6, {e}") from None
+    return (f"every rank's rows are its own heads on {len(FUSED_CONFIGS)} shapes (two KV "
+            f"groups per rank among them), gradients reach the dense parameters, and with "
+            f"chapter 6's wo columns the sharded block passes all five measures for "
+            f"{len(CHECKED_SEEDS)} seeds × {len(CHECKED_CONFIGS)} shapes.")
+
+
+@_exercise("shard a concatenated [Wq; Wk; Wv] weight", 15)
+def check_shard_concat_qkv(shard) -> str:
+    """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows cut
+    from a fused checkpoint weight ``w = [Wq; Wk; Wv]`` (``[(Hq + 2 Hkv) D, hidden]``,
+    ``tpattn.interop.concat_qkv``), differentiably. Graded by the heads each rank holds and
+    by the five measures of the sharded block (chapter 6's checks)."""
+    def fuse(params, cfg):
+        return torch.cat([params["wq"], params["wk"], params["wv"]])
+
+    return _grade_fused(shard, fuse, "concatenated")
+
+
+@_exercise("shard Megatron's interleaved QKV weight", 15)
+def check_shard_fused_qkv(shard) -> str:
+    """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows cut
+    from Megatron's fused weight (``tpattn.interop.fuse_qkv``: per KV group its query heads,
+    its key head, its value head), differentiably. Graded as ``check_shard_concat_qkv``."""
+    from .interop import fuse_qkv
+
+    def fuse(params, cfg):
+        return fuse_qkv(params["wq"], params["wk"], params["wv"], cfg)
+
+    return _grade_fused(shard, fuse, "interleaved")
+
+
+# --- chapter 16 -----------------------------------------------------------------------------
+
+@_exercise("add the row-parallel bias once", 16)
+def check_bias_once(forward) -> str:
+    """Check ``forward(x, p, cfg) -> [S, B, hidden]``: the sharded block (the fixture's one
+    process, as ``tpattn.tp.tp_forward``) with the output projection's bias ``p["bias"]``
+    (``[hidden]``, replicated) — the fix of ``row_bias_on_every_rank``. Graded on the five
+    measures against the dense block with its bias (``tpattn.zoo``)."""
+    from . import zoo
+    from .check import one_step
+    inj = zoo.Injection(bias="after_g")
+    for cfg in CHECKED_CONFIGS:
+        for seed in EXTRA_SEEDS:
+            x0, target = make_inputs(cfg, seed)
+            base = zoo.make_params(cfg, seed, inj)
+            dense = zoo._dense_step(x0, target, base, cfg, inj)
+            where = f"for seed {seed}, {_shape(cfg)}"
+            b = base["bias"]
+            w = cfg.world_size
+            trial = clone_trainable(base)
+            out = _tensor(forward(x0.clone(), trial, cfg), "your output")
+            off = out.detach() - dense["output"]
+            _expect_shape(off, dense["output"].shape, f"for {_shape(cfg)} your output")
+            if _near(off, ((w - 1) * b).expand_as(off), w + 2):
+                raise _Wrong(f"{where} the output is off by (W-1)·b: the bias is added on "
+                             f"every rank before g sums the partials — add it once, after "
+                             f"the sum.")
+            if _near(off, (-b).expand_as(off), w + 2):
+                raise _Wrong(f"{where} the output lacks the bias: add p['bias'] once, after "
+                             f"g.")
+            if out.requires_grad:
+                out.sum().backward()
+            unreached = [k for k, t in trial.items() if t.grad is None]
+            if unreached:
+                raise _Wrong(f"{where} the output is right but the gradients do not reach "
+                             f"{', '.join(unreached)}: use the parameters of p themselves "
+                             f"(no detach, no copy).")
+            tp = one_step(lambda x, p: forward(x, p, cfg), x0, target, base)
+            _expect_shape(_tensor(tp["output"], "your output"), dense["output"].shape,
+                          f"for {_shape(cfg)} your output")
+            metrics = five_measures(seed, EQUIVALENCE, dense, tp)
+            failing = _failing(metrics)
+            if not failing:
+                continue
+            if "forward_max_abs_diff" not in failing:
+                raise _Wrong(f"{where} the output is right but {', '.join(failing)} fail: "
+                             f"the bias must be the parameter p['bias'] itself, so its "
+                             f"gradient reaches it.")
+            raise _Wrong(f"{where} the sharded block fails {', '.join(failing)}.")
+    return (f"the bias is added once, after the all-reduce: the block equals dense with its "
+            f"bias on all five measures for {len(EXTRA_SEEDS)} seeds × "
+            f"{len(CHECKED_CONFIGS)} shapes.")
+
+
+@functools.lru_cache(maxsize=None)
+def _zoo_forward_hits() -> tuple[tuple[str, Config, int, bool], ...]:
+    """For every runnable registry bug on both hunt shapes (a seed each): whether rank 0's
+    forward output (``tpattn.zoo.forward_fixture``, the fixture's view, as ``zoo.run``
+    builds it) differs from the dense block's by ``TOLERANCE`` or more. Forward only: the
+    forward measure needs no backward."""
+    from . import zoo
+    from .bug_hunt import HUNT_SHAPES
+    found = []
+    for mode in zoo.runnable_modes():
+        if mode == EQUIVALENCE:
+            continue
+        inj = zoo.get_mode(mode).injection
+        for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
+            x0, _ = make_inputs(cfg, seed)
+            base = zoo.make_params(cfg, seed, inj)
+            xs = [x0] * cfg.world_size
+            if inj.inputs == "per_rank":
+                xs = [x0] + [b[0] for b in zoo.rank_batches(cfg, seed, inj)[1:]]
+            with torch.no_grad():
+                dense = dense_forward(x0, base, cfg) + base.get("bias", 0)
+                hit = max_abs_diff(dense, zoo.forward_fixture(xs, base, cfg, inj)) >= TOLERANCE
+            found.append((mode, cfg, seed, hit))
+    return tuple(found)
+
+
+@_exercise("which zoo bugs the forward shows", 16)
+def check_forward_visible(predict) -> str:
+    """Check ``predict() -> set``: the names of the zoo's bugs (``tpattn.zoo.runnable_modes``,
+    without ``equivalence``) whose forward output differs from dense's
+    (``forward_max_abs_diff`` fails, rank 0's view). Graded on the zoo's block with each
+    bug injected, on both hunt shapes."""
+    from . import zoo
+    names = [m for m in zoo.runnable_modes() if m != EQUIVALENCE]
+    predicted = _as_names(predict(), names, "zoo bug")
+    runs = _zoo_forward_hits()
+    for mode in names:
+        hits = {hit for m, _, _, hit in runs if m == mode}
+        if len(hits) != 1:  # pragma: no cover - not seen in the package so far
+            raise _Wrong(f"the shapes disagree on whether {mode}'s forward is wrong.")
+        if (mode in predicted) != hits.pop():
+            if mode in predicted:
+                raise _Wrong(f"you named {mode}, but its forward output equals dense's on "
+                             f"both shapes: it shows only in the backward pass or the "
+                             f"step.")
+            raise _Wrong(f"you left out {mode}: its forward output differs from dense's "
+                         f"on both shapes.")
+    return (f"right on all {len(names)} zoo bugs, each run on 2 shapes and seeds: exactly "
+            f"the ones you named change the forward output.")
+
+
+# --- chapter 17 -----------------------------------------------------------------------------
+
+#: The registry bugs that change what the ledger records, by construction of their injection.
+_LEDGER_BUGS = (MISSING_OUTPUT_REDUCE, "output_reduced_twice", MISSING_INPUT_GRAD_REDUCE,
+                "input_grad_reduced_twice")
+
+
+@functools.lru_cache(maxsize=None)
+def _observed(mode: str, seed: int, cfg: Config, reference: bool, steps: int = 2) -> dict:
+    from .observe import observe
+    return observe(mode, seed, cfg, steps=steps, reference=reference)
+
+
+@_exercise("read the ledger", 17)
+def check_ledger_verdict(verdict) -> str:
+    """Check ``verdict(obs) -> str | None``: from the ledger alone (``obs["ledger"]`` against
+    ``obs["planned_ledger"]``, as ``tpattn.observe.observe`` records them), the bug a run's
+    collectives show — ``missing_output_reduce``, ``output_reduced_twice``,
+    ``missing_input_grad_reduce``, ``input_grad_reduced_twice`` — or ``None`` when the ledger
+    is as planned. Graded on observed runs of every runnable zoo mode."""
+    import copy
+    from . import zoo
+    from .bug_hunt import HUNT_SHAPES
+    modes = zoo.runnable_modes()
+    for mode in modes:
+        for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
+            if mode not in _LEDGER_BUGS and cfg is not HUNT_SHAPES[0]:
+                continue  # the ledger of these is the plan on every shape
+            obs = _observed(mode, seed, cfg, False, 1)
+            got = verdict(copy.deepcopy(obs))
+            want = mode if mode in _LEDGER_BUGS else None
+            if got == want:
+                continue
+            if got is not None and got not in _LEDGER_BUGS:
+                raise _Wrong(f"your function returned {got!r}; return one of "
+                             f"{', '.join(_LEDGER_BUGS)}, or None.")
+            counts = {phase: sum(e["phase"] == phase for e in obs["ledger"])
+                      for phase in ("forward", "backward")}
+            plan = {phase: sum(e["phase"] == phase for e in obs["planned_ledger"])
+                    for phase in ("forward", "backward")}
+            shown = (f"forward {counts['forward']} (plan {plan['forward']}), backward "
+                     f"{counts['backward']} (plan {plan['backward']})")
+            if want is None:
+                run_of = "a correct run" if mode == EQUIVALENCE else f"a run of {mode}"
+                raise _Wrong(f"for {run_of} the ledger shows {shown} — as planned — but "
+                             f"you said {got}: "
+                             + ("" if mode == EQUIVALENCE else "this bug leaves the "
+                                "collectives alone; ") + "answer None.")
+            phase = "forward" if counts["forward"] != plan["forward"] else "backward"
+            fewer = counts[phase] < plan[phase]
+            raise _Wrong(f"the ledger shows {shown}, and you said {got}: one all-reduce "
+                         f"{'fewer' if fewer else 'more'} in the {phase} pass is {want}.")
+    return (f"right on observed runs of all {len(modes)} runnable zoo modes (two shapes for "
+            f"the four the ledger shows): a count below the plan is a missing reduce, above "
+            f"it a doubled one, and the other bugs leave the ledger as planned.")
+
+
+#: The hunts of ``check_hunts`` (``tpattn.bug_hunt.hunt_case``): a clipping bug, a bias bug,
+#: diverged data and a run with no bug.
+HUNTS = (0, 3, 10, 1)
+
+
+@_exercise("three bug hunts and a healthy run", 17)
+def check_hunts(guess) -> str:
+    """Check ``guess(hunt) -> str``: for each hunt of ``HUNTS``, the cause of the run
+    ``tpattn.bug_hunt.hunt_case(hunt)`` hides, named from its observables alone: a registry
+    bug's name or ``tpattn.diagnose.NO_KNOWN_CAUSE``. Judged by ``tpattn.bug_hunt.judge``."""
+    from .bug_hunt import choices, hunt_case, judge
+    for hunt in HUNTS:
+        answer = guess(hunt)
+        if answer not in choices():
+            raise _Wrong(f"for hunt {hunt} you said {answer!r}; name a registry bug or "
+                         f"NO_KNOWN_CAUSE ({', '.join(choices())}).")
+        mode, seed, cfg = hunt_case(hunt)
+        right, why = judge(_observed(mode, seed, cfg, True), mode, answer)
+        if not right:
+            raise _Wrong(f"hunt {hunt}: {why}")
+    return (f"right on all {len(HUNTS)} hunts, the healthy run among them: each cause "
+            f"named from the observables alone, no dense model.")
+
+
+def hunt_evidence(hunt: int) -> list[str]:
+    """What hunt ``hunt``'s run shows, in words (``tpattn.bug_hunt.describe`` of the same
+    observation ``check_hunts`` judges), without naming the hidden cause."""
+    from .bug_hunt import describe, hunt_case
+    mode, seed, cfg = hunt_case(hunt)
+    return describe(_observed(mode, seed, cfg, True))

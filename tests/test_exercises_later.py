@@ -1,0 +1,209 @@
+"""tpattn.exercises, chapters 12-17: every checker rejects at least two known-wrong answers
+with the message that names the mistake (the reference solutions, read from the notebooks,
+are accepted by tests/test_exercises.py). The wrong answers live here only."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tpattn
+from tpattn import exercises as ex
+from tpattn.dense import attend_and_project
+from tpattn.tolerance import ACCUMULATOR, UNIT_ROUNDOFF, fan_in
+from tpattn.tp import copy_to_ranks, reduce_output_partials
+
+
+def mean_norm(grads):  # norm_grad_averaged
+    total = sum(grads) / len(grads)
+    return [total.clone() for _ in grads]
+
+
+def own_norm(grads):  # missing_norm_grad_reduce
+    return [g.clone() for g in grads]
+
+
+def rank0_only_sums(grads):  # sums, but only rank 0 uses it: the replicas drift apart
+    return [sum(grads)] + [g.clone() for g in grads[1:]]
+
+
+def kv_everyone(grads, cfg):  # all-reduce over the whole TP group
+    total = sum(grads)
+    return [total.clone() for _ in grads]
+
+
+def kv_group_mean(grads, cfg):
+    from tpattn.kv_heads import replica_groups
+    out = [None] * len(grads)
+    for group in replica_groups(cfg):
+        for r in group:
+            out[r] = sum(grads[i] for i in group) / len(group)
+    return out
+
+
+def bound_with(acc_is_stored=False, ranks=True, sqrt=True):
+    def bound(cfg):
+        u = UNIT_ROUNDOFF[cfg.dtype]
+        u_acc = u if acc_is_stored else UNIT_ROUNDOFF[ACCUMULATOR[cfg.dtype]]
+        n = fan_in(cfg)
+        return u_acc * (math.sqrt(n) if sqrt else n) + u * ((cfg.world_size if ranks else 0) + 4)
+    return bound
+
+
+def classify_with(threshold=None, measures=tpattn.MEASURES):
+    def classify(result):
+        over = [m for m in measures
+                if result[m] > (threshold if threshold is not None else result["bounds"][m])]
+        return "bug" if over else "rounding"
+    return classify
+
+
+def split_concat(w, cfg):
+    d = cfg.head_dim
+    wq, wk, wv = w.split([cfg.query_heads * d, cfg.kv_heads * d, cfg.kv_heads * d])
+    q, kv = cfg.local_query_heads * d, cfg.local_kv_heads * d
+    return [{"wq": wq[r * q:(r + 1) * q], "wk": wk[r * kv:(r + 1) * kv],
+             "wv": wv[r * kv:(r + 1) * kv]} for r in range(cfg.world_size)]
+
+
+def contiguous_slices(w, cfg):  # fused_qkv_naive_split: rank r reads its rows as [q; k; v]
+    d = cfg.head_dim
+    q, kv = cfg.local_query_heads * d, cfg.local_kv_heads * d
+    return [{"wq": c[:q], "wk": c[q:q + kv], "wv": c[q + kv:]} for c in w.chunk(cfg.world_size)]
+
+
+def detached(w, cfg):
+    return [{k: t.detach() for k, t in s.items()} for s in split_concat(w, cfg)]
+
+
+def forward_bias(where):
+    def forward(x, p, cfg):
+        n = tpattn.rms_norm(x, p["norm"], cfg.eps)
+        shards = tpattn.shard_params({k: p[k] for k in tpattn.params.PARAM_NAMES}, cfg)
+        parts = [attend_and_project(n_r, s, cfg) for n_r, s in
+                 zip(copy_to_ranks(n, cfg.world_size), shards)]
+        if where == "every_rank":
+            parts = [part + p["bias"] for part in parts]
+        out = x + reduce_output_partials(parts)
+        if where == "after_g":
+            out = out + p["bias"]
+        if where == "constant":  # the bias's values, but not the parameter: no gradient
+            out = out + p["bias"].detach()
+        return out
+    return forward
+
+
+FORWARD_VISIBLE = {"missing_output_reduce", "output_reduced_twice", "row_bias_on_every_rank",
+                   "fused_qkv_naive_split", "repeat_kv_tiled", "inputs_not_replicated"}
+
+
+def ledger_by_length(obs):  # counts all collectives, not per phase
+    got, plan = len(obs["ledger"]), len(obs["planned_ledger"])
+    return None if got == plan else ("missing_output_reduce" if got < plan
+                                     else "output_reduced_twice")
+
+
+HUNT_ANSWERS = {0: "grad_norm_counts_replicas", 3: "row_bias_on_every_rank",
+                10: "inputs_not_replicated", 1: "no known cause"}
+
+WRONG_LATER = [
+    ("check_norm_grad_reduce", mean_norm, "uses the average of the ranks' shares"),
+    ("check_norm_grad_reduce", own_norm, "keeps only its own tokens' share"),
+    ("check_norm_grad_reduce", rank0_only_sums, "rank 1 keeps only its own tokens' share"),
+    ("check_rope_offset", lambda cfg, rank: 0, "as if they started the sequence"),
+    ("check_rope_offset", lambda cfg, rank: rank, "but offset 1 rotates them as positions 1..2"),
+    ("check_rope_offset", lambda cfg, rank: float(rank), "should be an int"),
+    ("check_kv_grad_reduce", lambda grads, cfg: grads, "keeps only its own rank's gradient"),
+    ("check_kv_grad_reduce", kv_everyone, "summed over all 4 ranks"),
+    ("check_kv_grad_reduce", kv_group_mean, "the replica group's average"),
+    ("check_missing_kv_parameters", lambda: {"wk"}, "you left out wv"),
+    ("check_missing_kv_parameters", lambda: {"wk", "wv", "wq"}, "you named wq"),
+    ("check_relative_bound", bound_with(acc_is_stored=True),
+     "the long sums accumulate in the accumulator's precision"),
+    ("check_relative_bound", bound_with(ranks=False), "the sum over W ranks' partials"),
+    ("check_relative_bound", bound_with(sqrt=False), "grow like sqrt(n), not n"),
+    ("check_classify", classify_with(threshold=1e-4), "correct TP (seed 5, bfloat16) is rounding"),
+    ("check_classify", classify_with(measures=tpattn.MEASURES[:1]),
+     "missing_input_grad_reduce (seed 11, float32) is a bug"),
+    ("check_shard_concat_qkv", contiguous_slices,
+     "rank 0's wk rows 0..3 are query head 2 of the concatenated weight"),
+    ("check_shard_concat_qkv", detached, "the gradients do not reach the dense parameters"),
+    ("check_shard_fused_qkv", split_concat,
+     "rank 0's wk rows 0..3 are query head 2 of the interleaved weight"),
+    ("check_shard_fused_qkv", contiguous_slices,
+     "for 8 query / 4 KV heads on 2 ranks, rank 0's wq rows 8..11 are key head 0"),
+    ("check_bias_once", forward_bias("every_rank"), "the output is off by (W-1)·b"),
+    ("check_bias_once", forward_bias("none"), "the output lacks the bias"),
+    ("check_bias_once", forward_bias("constant"), "the output is right but"),
+    ("check_forward_visible", lambda: FORWARD_VISIBLE | {"missing_input_grad_reduce"},
+     "you named missing_input_grad_reduce, but its forward output equals dense's"),
+    ("check_forward_visible", lambda: FORWARD_VISIBLE - {"inputs_not_replicated"},
+     "you left out inputs_not_replicated"),
+    ("check_forward_visible", lambda: {"missing_f"}, "'missing_f' is not one of the zoo bug"),
+    ("check_ledger_verdict", lambda obs: None,
+     "the ledger shows forward 0 (plan 1), backward 1 (plan 1), and you said None"),
+    ("check_ledger_verdict", ledger_by_length,
+     "one all-reduce fewer in the backward pass is missing_input_grad_reduce"),
+    ("check_ledger_verdict", lambda obs: "missing_f", "your function returned 'missing_f'"),
+    ("check_hunts", lambda hunt: {**HUNT_ANSWERS, 3: "output_reduced_twice"}[hunt],
+     "hunt 3: Not output_reduced_twice: its fingerprint needs"),
+    ("check_hunts", lambda hunt: {**HUNT_ANSWERS, 1: "missing_input_grad_reduce"}[hunt],
+     "hunt 1: Not missing_input_grad_reduce"),
+    ("check_hunts", lambda hunt: {**HUNT_ANSWERS, 0: "no known cause"}[hunt],
+     "hunt 0: Not quite: something here does deviate"),
+]
+
+
+@pytest.mark.parametrize("checker, answer, expected", WRONG_LATER,
+                         ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG_LATER)])
+def test_checker_rejects_a_known_wrong_answer_with_its_message(checker, answer, expected):
+    result = getattr(ex, checker)(answer)
+    assert not result.passed
+    assert expected in result.message, result.message
+    assert "Traceback" not in result.message and "\n" not in result.message
+
+
+def test_every_later_checker_has_at_least_two_known_wrong_answers():
+    counts = {}
+    for checker, *_ in WRONG_LATER:
+        counts[checker] = counts.get(checker, 0) + 1
+    later = [n for n in ex.__all__ if n.startswith("check_") and getattr(ex, n).chapter >= 12]
+    assert len(later) == 12
+    assert all(counts.get(n, 0) >= 2 for n in later), counts
+
+
+def test_the_ledger_bugs_are_exactly_those_whose_ledger_differs_from_the_plan():
+    from tpattn import zoo
+    from tpattn.bug_hunt import HUNT_SHAPES
+    from tpattn.observe import observe
+    for mode in zoo.runnable_modes():
+        obs = observe(mode, 11, HUNT_SHAPES[1], steps=1, reference=False)
+        assert (obs["ledger"] != obs["planned_ledger"]) == (mode in ex._LEDGER_BUGS), mode
+
+
+def test_hunt_evidence_names_no_cause():
+    from tpattn.bug_hunt import hunt_case
+    for hunt in ex.HUNTS:
+        mode, _, _ = hunt_case(hunt)
+        text = " ".join(ex.hunt_evidence(hunt))
+        assert mode not in text
+        assert all(len(line) <= 120 for line in ex.hunt_evidence(hunt))
+
+
+def test_a_readers_exception_in_a_later_checker_is_one_sentence():
+    def finalize_norm(grads):
+        return [g.view(3, -1) for g in grads]  # hidden 16 is no multiple of 3
+
+    result = ex.check_norm_grad_reduce(finalize_norm)
+    assert not result.passed
+    assert result.message.startswith("your code raised"), result.message
+    assert "g.view(3, -1)" in result.message and "See chapter 12" in result.message
+
+
+def test_a_ledger_verdict_that_always_names_a_bug_is_told_the_plan_held():
+    result = ex.check_ledger_verdict(lambda obs: "missing_output_reduce")
+    assert not result.passed
+    assert result.message.startswith("for a correct run the ledger shows forward 1 (plan 1), "
+                                     "backward 1 (plan 1) — as planned — but you said "
+                                     "missing_output_reduce: answer None."), result.message
