@@ -7,17 +7,25 @@ loaded each one. Printed per notebook:
 
 - ``total s``: kernel start + every cell (as ``bench/notebook_times.py`` measures it);
 - ``start-up s``: kernel start to the end of the first code cell that imports torch or tpattn;
-- the heavy modules loaded by the end, each marked ``unused`` when the notebook's code cells
-  never use it (``USED_BY`` below: the names a cell must mention, or the outputs it must
-  produce, for the module to count as used — e.g. ``torch.distributed.tensor`` loaded only
-  through ``torch.testing.assert_close`` is unused).
+- the heavy modules loaded by the end, each marked ``unused`` when nothing in the notebook needs
+  it: its code cells never use it (``USED_BY``: the names a cell must mention or the outputs it
+  must produce), no call needs it (``needs_sympy``) and no used heavy module imports it
+  (measured once per run in a fresh interpreter). E.g. ``torch.distributed.tensor`` loaded only
+  by the first ``torch.testing.assert_close`` call is unused.
 
-Usage: python bench/notebook_imports.py [--json PATH] [NOTEBOOK ...]
+``--compare A B`` runs every notebook of checkout A with ``PYTHONPATH=A``, then the same
+notebook of checkout B with ``PYTHONPATH=B``, alternating, so both sides share the machine's
+load: the before/after table of one run.
+
+Usage: python bench/notebook_imports.py [--json PATH] [--compare A B] [NOTEBOOK ...]
+(NOTEBOOK names are relative to a checkout, e.g. book/02_rmsnorm.ipynb; default: all.)
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import os
 import pathlib
 import re
 import sys
@@ -28,36 +36,76 @@ import nbformat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-#: Modules that cost real start-up time (seconds, cold) and that ``import torch`` itself does
-#: not load.
+#: Modules that cost real start-up time and that ``import torch`` itself does not load.
 HEAVY = ("torch.distributed.tensor", "torch._dynamo", "matplotlib", "ipywidgets",
          "transformers", "hypothesis", "pandas", "scipy", "sympy")
 
 #: A heavy module counts as used when a code cell's source matches this pattern (the module
-#: itself, or a tpattn entry point that needs it) ...
+#: itself, or a tpattn entry point that needs it; a line importing the module is not a use) ...
 USED_BY = {
     "torch.distributed.tensor": r"torch\.distributed\.tensor|DTensor|device_mesh|"
                                 r"parallelize_module|dtensor_check|dtensor_sp|module_check|"
                                 r"check_module|interop",
     "torch._dynamo": r"torch\.compile|_dynamo|torch\.export",
     "matplotlib": r"matplotlib|\bplt\.",
-    "ipywidgets": r"ipywidgets",
+    "ipywidgets": r"ipywidgets|tpattn\.widgets|\bwidgets\.\w+explorer",
     "transformers": r"transformers|interop",
     "hypothesis": r"hypothesis",
     "pandas": r"pandas|\bpd\.",
     "scipy": r"scipy",
     "sympy": r"sympy",
 }
-#: ... or when a cell's output is one of these (a figure drawn; a live widget shown, whose
-#: explorers draw with matplotlib).
+#: ... or when a cell's output has one of these types (a figure drawn; a live widget shown) ...
 USED_BY_OUTPUT = {
-    "matplotlib": ("image/png", "application/vnd.jupyter.widget-view+json"),
+    "matplotlib": ("image/png",),
     "ipywidgets": ("application/vnd.jupyter.widget-view+json",),
 }
+#: ... or an HTML output holds this (an explorer's static twin: PNGs drawn with matplotlib).
+USED_BY_HTML = {"matplotlib": "data:image/png"}
 
 _QUERY = ("import sys as _s, json as _j; print(_j.dumps([_m for _m in "
           + repr(list(HEAVY)) + " if _m in _s.modules]))")
 _IMPORTS_TORCH = re.compile(r"^\s*(import|from)\s+(torch|tpattn)\b", re.M)
+
+
+def needs_sympy(source: str) -> bool:
+    """Whether ``source`` calls autograd with explicit output gradients:
+    ``t.backward(g)`` or ``torch.autograd.grad(out, x, g)`` (torch 2.13's shape check of
+    ``g`` imports ``torch.fx.experimental.symbolic_shapes``, hence sympy)."""
+    code = "\n".join(line for line in source.splitlines()
+                     if not line.lstrip().startswith(("%", "!")))
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            keywords = {k.arg for k in node.keywords}
+            if node.func.attr == "backward" and (node.args or "gradient" in keywords):
+                return True
+            if node.func.attr == "grad" and (len(node.args) >= 3 or "grad_outputs" in keywords):
+                return True
+    return False
+
+
+_DEPENDENCIES: dict[str, list[str]] = {}
+#: What the dependency probe imports for a module (its submodules the package uses).
+PROBE = {"torch.distributed.tensor": "import torch.distributed.tensor.parallel, "
+                                     "torch.distributed.tensor.debug"}
+
+
+def pulled_in_by(module: str) -> list[str]:
+    """The other heavy modules that importing ``module`` loads, measured in a fresh kernel
+    (a kernel, not a plain interpreter: e.g. tqdm, under transformers, imports ipywidgets only
+    there). Cached for the run."""
+    if module not in _DEPENDENCIES:
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+            f"import torch\n{PROBE.get(module, f'import {module}')}")])
+        client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300)
+        with client.setup_kernel():
+            client.execute_cell(nb.cells[0], 0)
+            _DEPENDENCIES[module] = [m for m in _loaded(client) if m != module]
+    return _DEPENDENCIES[module]
 
 
 def _loaded(client: nbclient.NotebookClient) -> list[str]:
@@ -77,15 +125,34 @@ def _outputs(cell) -> set[str]:
     return {mime for o in cell.get("outputs", []) for mime in o.get("data", {})}
 
 
-def used(nb, module: str) -> bool:
+def used_directly(nb, module: str) -> bool:
     """Whether ``nb``'s code cells (sources, or outputs after execution) use ``module``."""
     code = [c for c in nb.cells if c.cell_type == "code"]
     # importing the module itself is not using it: drop those lines
-    own_import = re.compile(rf"^\s*(import|from)\s+{re.escape(module.split('.')[0])}\b.*$", re.M)
+    own_import = re.compile(rf"^\s*(import|from)\s+{re.escape(module.split('.')[0])}\b.*$",
+                            re.M)
     if any(re.search(USED_BY[module], own_import.sub("", c.source)) for c in code):
         return True
+    if module == "sympy" and any(needs_sympy(c.source) for c in code):
+        return True
     mimes = set().union(*(_outputs(c) for c in code)) if code else set()
-    return bool(mimes & set(USED_BY_OUTPUT.get(module, ())))
+    if mimes & set(USED_BY_OUTPUT.get(module, ())):
+        return True
+    marker = USED_BY_HTML.get(module)
+    return marker is not None and any(
+        marker in "".join(o.get("data", {}).get("text/html", ""))
+        for c in code for o in c.get("outputs", []))
+
+
+def usage(nb, loaded: list[str]) -> dict[str, str | None]:
+    """For each loaded heavy module: ``None`` if unused, else why it is needed."""
+    direct = {m for m in loaded if used_directly(nb, m)}
+    why: dict[str, str | None] = {m: "used" for m in direct}
+    for m in loaded:
+        if m not in why:
+            via = [d for d in sorted(direct) if m in pulled_in_by(d)]
+            why[m] = f"via {via[0]}" if via else None
+    return why
 
 
 def _name(path: pathlib.Path) -> str:
@@ -117,43 +184,94 @@ def measure(path: pathlib.Path) -> dict:
                 first_loaded.setdefault(module, index)
             busy += time.perf_counter() - q0
         total = time.perf_counter() - t0 - busy
+    why = usage(nb, list(first_loaded))
     return {
         "notebook": _name(path),
         "total_s": round(total, 2),
         "kernel_start_s": round(kernel_s, 2),
         "startup_s": None if startup is None else round(startup, 2),
-        "heavy": {m: {"first_cell": first_loaded[m], "used": used(nb, m)}
+        "heavy": {m: {"first_cell": first_loaded[m], "needed": why[m]}
                   for m in HEAVY if m in first_loaded},
     }
 
 
 def describe(row: dict) -> str:
-    """``matplotlib, torch.distributed.tensor (unused, cell 12)``: the heavy-module column."""
-    parts = [m if info["used"] else f"{m} (unused, cell {info['first_cell']})"
-             for m, info in row["heavy"].items()]
+    """``matplotlib, sympy (via torch.distributed.tensor), torch.distributed.tensor (unused,
+    cell 12)``: the heavy-module column."""
+    parts = []
+    for m, info in row["heavy"].items():
+        if info["needed"] is None:
+            parts.append(f"{m} (UNUSED, cell {info['first_cell']})")
+        elif info["needed"] != "used":
+            parts.append(f"{m} ({info['needed']})")
+        else:
+            parts.append(m)
     return ", ".join(parts) or "-"
+
+
+def _unused(row: dict) -> int:
+    return sum(info["needed"] is None for info in row["heavy"].values())
+
+
+def _run(path: pathlib.Path, pythonpath: str | None) -> dict:
+    """``measure`` with the kernel (a child of this process) on ``pythonpath``."""
+    old = os.environ.get("PYTHONPATH")
+    if pythonpath is not None:
+        os.environ["PYTHONPATH"] = pythonpath
+    try:
+        return measure(path)
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebooks", nargs="*", type=pathlib.Path)
+    parser.add_argument("notebooks", nargs="*", help="e.g. book/02_rmsnorm.ipynb")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
+    parser.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
+                        help="two checkouts, run alternately, each on its own PYTHONPATH")
     args = parser.parse_args(argv)
-    paths = [p.resolve() for p in args.notebooks] or sorted(
-        p for p in (ROOT / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
-    rows = []
-    print(f"{'notebook':<40} {'total s':>7} {'start-up s':>10}  heavy modules loaded")
-    for path in paths:
-        row = measure(path)
-        rows.append(row)
-        startup = "-" if row["startup_s"] is None else f"{row['startup_s']:.1f}"
-        print(f"{row['notebook']:<40} {row['total_s']:7.1f} {startup:>10}  {describe(row)}",
-              flush=True)
-    unused = sum(not info["used"] for r in rows for info in r["heavy"].values())
-    print(f"{len(rows)} notebooks, total {sum(r['total_s'] for r in rows):.1f} s; "
-          f"{unused} unused heavy imports")
+    trees = [t.resolve() for t in args.compare] if args.compare else [ROOT]
+    names = args.notebooks or sorted(
+        p.relative_to(trees[0]).as_posix() for p in (trees[0] / "book").rglob("*.ipynb")
+        if ".ipynb_checkpoints" not in p.parts)
+    rows: dict[str, list[dict]] = {str(t): [] for t in trees}
+    if args.compare:
+        print(f"A = {trees[0]}\nB = {trees[1]}")
+        print(f"{'notebook':<40} {'A s':>6} {'B s':>6}  {'A up':>5} {'B up':>5}  heavy modules "
+              f"A | B")
+    else:
+        print(f"{'notebook':<40} {'total s':>7} {'start-up s':>10}  heavy modules loaded")
+    for name in names:
+        side = []
+        for tree in trees:
+            path = tree / name
+            row = _run(path, str(tree) if args.compare else None) if path.exists() else None
+            rows[str(tree)].append(row)
+            side.append(row)
+        if not args.compare:
+            row = side[0]
+            up = "-" if row["startup_s"] is None else f"{row['startup_s']:.1f}"
+            print(f"{row['notebook']:<40} {row['total_s']:7.1f} {up:>10}  {describe(row)}",
+                  flush=True)
+            continue
+        a, b = side
+        cols = [f"{r['total_s']:6.1f}" if r else f"{'-':>6}" for r in side]
+        ups = [f"{r['startup_s']:5.1f}" if r and r["startup_s"] is not None else f"{'-':>5}"
+               for r in side]
+        heavy = " | ".join(describe(r) if r else "-" for r in side)
+        print(f"{name:<40} {cols[0]} {cols[1]}  {ups[0]} {ups[1]}  {heavy}", flush=True)
+    for tree in trees:
+        done = [r for r in rows[str(tree)] if r]
+        print(f"{tree}: {len(done)} notebooks, total {sum(r['total_s'] for r in done):.1f} s, "
+              f"start-up {sum(r['startup_s'] or 0 for r in done):.1f} s; "
+              f"{sum(_unused(r) for r in done)} unused heavy imports")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        payload = rows[str(trees[0])] if not args.compare else rows
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
     return 0
 
 
