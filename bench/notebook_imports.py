@@ -5,7 +5,9 @@ Every notebook under book/ is executed in a fresh kernel the way the book build 
 kernel is asked which heavy modules are in ``sys.modules``, so the table says which cell first
 loaded each one. Printed per notebook:
 
-- ``total s``: kernel start + every cell (as ``bench/notebook_times.py`` measures it);
+- ``total s``: kernel start + every cell, wall (as ``bench/notebook_times.py`` measures it);
+- ``cpu s``: the kernel process's own CPU time (user + system) at the end: on a shared machine
+  it moves less with other load than wall time does;
 - ``start-up s``: kernel start to the end of the first code cell that imports torch or tpattn;
 - the heavy modules loaded by the end, each marked ``unused`` when nothing in the notebook needs
   it: its code cells never use it (``USED_BY``: the names a cell must mention or the outputs it
@@ -13,9 +15,9 @@ loaded each one. Printed per notebook:
   (measured once per run in a fresh interpreter). E.g. ``torch.distributed.tensor`` loaded only
   by the first ``torch.testing.assert_close`` call is unused.
 
-``--compare A B`` runs every notebook of checkout A with ``PYTHONPATH=A``, then the same
-notebook of checkout B with ``PYTHONPATH=B``, alternating, so both sides share the machine's
-load: the before/after table of one run.
+``--compare A B`` runs every notebook of checkout A with ``PYTHONPATH=A`` and the same
+notebook of checkout B with ``PYTHONPATH=B`` back to back (A first, then B first for the next
+notebook), so both sides share the machine's load: the before/after table of one run.
 
 Usage: python bench/notebook_imports.py [--json PATH] [--compare A B] [NOTEBOOK ...]
 (NOTEBOOK names are relative to a checkout, e.g. book/02_rmsnorm.ipynb; default: all.)
@@ -63,8 +65,9 @@ USED_BY_OUTPUT = {
 #: ... or an HTML output holds this (an explorer's static twin: PNGs drawn with matplotlib).
 USED_BY_HTML = {"matplotlib": "data:image/png"}
 
-_QUERY = ("import sys as _s, json as _j; print(_j.dumps([_m for _m in "
-          + repr(list(HEAVY)) + " if _m in _s.modules]))")
+_QUERY = ("import sys as _s, json as _j, resource as _r; _u = _r.getrusage(_r.RUSAGE_SELF); "
+          "print(_j.dumps([[_m for _m in " + repr(list(HEAVY)) + " if _m in _s.modules], "
+          "_u.ru_utime + _u.ru_stime]))")
 _IMPORTS_TORCH = re.compile(r"^\s*(import|from)\s+(torch|tpattn)\b", re.M)
 
 
@@ -109,8 +112,15 @@ def pulled_in_by(module: str) -> list[str]:
 
 
 def _loaded(client: nbclient.NotebookClient) -> list[str]:
-    """The heavy modules now in the kernel's ``sys.modules``, asked by a scratch cell at the
-    end of the notebook (``execute_cell`` stores the cell it runs at its index)."""
+    """The heavy modules now in the kernel's ``sys.modules``."""
+    return _ask(client)[0]
+
+
+def _ask(client: nbclient.NotebookClient) -> tuple[list[str], float]:
+    """The heavy modules now in the kernel's ``sys.modules`` and the kernel process's CPU
+    seconds so far (user + system: less moved by other load on the machine than wall time),
+    asked by a scratch cell at the end of the notebook (``execute_cell`` stores the cell it
+    runs at its index)."""
     cell = nbformat.v4.new_code_cell(_QUERY)
     client.nb.cells.append(cell)
     try:
@@ -118,7 +128,8 @@ def _loaded(client: nbclient.NotebookClient) -> list[str]:
     finally:
         client.nb.cells.pop()
     text = "".join(o.get("text", "") for o in cell.outputs if o.get("name") == "stdout")
-    return json.loads(text.strip().splitlines()[-1])
+    modules, cpu = json.loads(text.strip().splitlines()[-1])
+    return modules, cpu
 
 
 def _outputs(cell) -> set[str]:
@@ -180,7 +191,8 @@ def measure(path: pathlib.Path) -> dict:
             if startup is None and _IMPORTS_TORCH.search(cell.source):
                 startup = time.perf_counter() - t0 - busy
             q0 = time.perf_counter()
-            for module in _loaded(client):
+            modules, cpu = _ask(client)
+            for module in modules:
                 first_loaded.setdefault(module, index)
             busy += time.perf_counter() - q0
         total = time.perf_counter() - t0 - busy
@@ -188,6 +200,7 @@ def measure(path: pathlib.Path) -> dict:
     return {
         "notebook": _name(path),
         "total_s": round(total, 2),
+        "kernel_cpu_s": round(cpu, 2),
         "kernel_start_s": round(kernel_s, 2),
         "startup_s": None if startup is None else round(startup, 2),
         "heavy": {m: {"first_cell": first_loaded[m], "needed": why[m]}
@@ -241,32 +254,36 @@ def main(argv: list[str]) -> int:
     rows: dict[str, list[dict]] = {str(t): [] for t in trees}
     if args.compare:
         print(f"A = {trees[0]}\nB = {trees[1]}")
-        print(f"{'notebook':<40} {'A s':>6} {'B s':>6}  {'A up':>5} {'B up':>5}  heavy modules "
-              f"A | B")
+        print(f"{'notebook':<36} {'A s':>5} {'B s':>5} {'A cpu':>5} {'B cpu':>5} {'A up':>5} "
+              f"{'B up':>5}  heavy modules A | B")
     else:
-        print(f"{'notebook':<40} {'total s':>7} {'start-up s':>10}  heavy modules loaded")
-    for name in names:
-        side = []
-        for tree in trees:
+        print(f"{'notebook':<40} {'total s':>7} {'cpu s':>6} {'start-up s':>10}  "
+              f"heavy modules loaded")
+    for number, name in enumerate(names):
+        measured = {}
+        # alternate which side runs first, so neither always meets the other's leftovers
+        for tree in (trees if number % 2 == 0 else trees[::-1]):
             path = tree / name
-            row = _run(path, str(tree) if args.compare else None) if path.exists() else None
+            measured[tree] = (_run(path, str(tree) if args.compare else None)
+                              if path.exists() else None)
+        side = [measured[tree] for tree in trees]
+        for tree, row in zip(trees, side):
             rows[str(tree)].append(row)
-            side.append(row)
         if not args.compare:
             row = side[0]
             up = "-" if row["startup_s"] is None else f"{row['startup_s']:.1f}"
-            print(f"{row['notebook']:<40} {row['total_s']:7.1f} {up:>10}  {describe(row)}",
-                  flush=True)
+            print(f"{row['notebook']:<40} {row['total_s']:7.1f} {row['kernel_cpu_s']:6.1f} "
+                  f"{up:>10}  {describe(row)}", flush=True)
             continue
-        a, b = side
-        cols = [f"{r['total_s']:6.1f}" if r else f"{'-':>6}" for r in side]
-        ups = [f"{r['startup_s']:5.1f}" if r and r["startup_s"] is not None else f"{'-':>5}"
-               for r in side]
+        def col(key):
+            return [f"{r[key]:5.1f}" if r and r[key] is not None else f"{'-':>5}" for r in side]
         heavy = " | ".join(describe(r) if r else "-" for r in side)
-        print(f"{name:<40} {cols[0]} {cols[1]}  {ups[0]} {ups[1]}  {heavy}", flush=True)
+        print(f"{name:<36} {' '.join(col('total_s'))} {' '.join(col('kernel_cpu_s'))} "
+              f"{' '.join(col('startup_s'))}  {heavy}", flush=True)
     for tree in trees:
         done = [r for r in rows[str(tree)] if r]
         print(f"{tree}: {len(done)} notebooks, total {sum(r['total_s'] for r in done):.1f} s, "
+              f"kernel CPU {sum(r['kernel_cpu_s'] for r in done):.1f} s, "
               f"start-up {sum(r['startup_s'] or 0 for r in done):.1f} s; "
               f"{sum(_unused(r) for r in done)} unused heavy imports")
     if args.json:

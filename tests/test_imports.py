@@ -21,7 +21,8 @@ import tpattn
 from tpattn.check import assert_close_within
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted(p for p in (ROOT / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+NOTEBOOKS = sorted(p for p in (ROOT / "book").rglob("*.ipynb")
+                   if ".ipynb_checkpoints" not in p.parts)
 #: A notebook that mentions one of these uses DTensor itself (then torch.testing costs nothing).
 USES_DTENSOR = re.compile(r"torch\.distributed\.tensor|DTensor|dtensor_check|dtensor_sp|"
                           r"module_check|check_module|interop")
@@ -104,7 +105,16 @@ def test_the_message_says_what_where_and_by_how_much():
     message = str(failure.value)
     assert message.startswith("dX: 2 of 24 elements differ")
     assert "atol=1e-06, rtol=0" in message
-    assert "largest |actual - expected| = 5.000e-01 at index [1, 2, 3]" in message
+    assert "the largest of them, |actual - expected| = 5.000e-01 at index [1, 2, 3]" in message
+
+
+def test_the_message_points_at_a_failing_element():
+    # with rtol, the largest gap (at a large value) passes; the reported one must fail
+    expected = torch.tensor([1000.0, 0.0], dtype=torch.float64)
+    actual = torch.tensor([1000.5, 0.01], dtype=torch.float64)
+    with pytest.raises(AssertionError) as failure:
+        assert_close_within(actual, expected, rtol=1e-3, atol=1e-6)
+    assert "1 of 2" in str(failure.value) and "at index [1]" in str(failure.value)
 
 
 def test_nan_never_matches():

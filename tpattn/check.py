@@ -146,8 +146,9 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
     actual, expected: tensors of one shape (any, e.g. ``[S, B, hidden]``) and one dtype,
     compared elementwise by ``torch.isclose`` in that dtype; NaN never matches. Both
     tolerances are required: each call states its bound. The message names ``what``, how many
-    elements are off, the largest ``|actual - expected|``, where, and the bound. A shape or
-    dtype mismatch, a non-tensor or a negative or non-finite tolerance raises ``ValueError``.
+    elements are off, the largest ``|actual - expected|`` among those, where, and the bound.
+    A shape or dtype mismatch, a non-tensor or a negative or non-finite tolerance raises
+    ``ValueError``.
     """
     for name, value in (("actual", actual), ("expected", expected)):
         if not isinstance(value, torch.Tensor):
@@ -167,8 +168,8 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
     if bool(matches.all()):
         return
     diff = actual - expected if actual.is_complex() else actual.double() - expected.double()
-    gap = diff.abs().double().nan_to_num(nan=float("inf"))
-    worst = int(gap.argmax())
+    gap = diff.abs().double().nan_to_num(nan=float("inf")).where(~matches, -1.0)
+    worst = int(gap.argmax())  # the worst of the elements that fail
     where, rest = [], worst
     for size in reversed(actual.shape):  # flat index -> [i, j, ...] (torch.unravel_index
         rest, i = divmod(rest, size)     # imports sympy)
@@ -176,7 +177,7 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
     off = int((~matches).sum())
     raise AssertionError(
         f"{what}: {off} of {matches.numel()} elements differ by more than "
-        f"atol + rtol * |expected| (atol={atol:g}, rtol={rtol:g}); largest "
+        f"atol + rtol * |expected| (atol={atol:g}, rtol={rtol:g}); the largest of them, "
         f"|actual - expected| = {diff.abs().flatten()[worst].item():.3e} at index {where} "
         f"(actual {actual.flatten()[worst].item():.6g}, "
         f"expected {expected.flatten()[worst].item():.6g})")
