@@ -21,6 +21,7 @@ from .check import (
     MODES,
     SEEDS,
     TOLERANCE,
+    assert_close_within,
     inspect_fixture,
     run,
     run_matrix,
@@ -34,7 +35,7 @@ __all__ = [
     "copy_to_ranks", "reduce_output_partials", "tp_forward",
     "run", "run_matrix", "inspect_fixture",
     "MODES", "EQUIVALENCE", "MISSING_OUTPUT_REDUCE", "MISSING_INPUT_GRAD_REDUCE",
-    "SEEDS", "MEASURES", "TOLERANCE", "observe", "diagnose",
+    "SEEDS", "MEASURES", "TOLERANCE", "assert_close_within", "observe", "diagnose",
 ]
 
 

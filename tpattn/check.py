@@ -145,6 +145,52 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().detach().item()
 
 
+def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float,
+                        atol: float, what: str = "values") -> None:
+    """Raise ``AssertionError`` unless ``|actual - expected| <= atol + rtol * |expected|``
+    holds for every element; the check of ``torch.testing.assert_close(actual, expected,
+    rtol=rtol, atol=atol)`` without its import of ``torch.distributed.tensor`` (~1 s a kernel).
+
+    actual, expected: tensors of one shape (any, e.g. ``[S, B, hidden]``) and one dtype,
+    compared elementwise by ``torch.isclose`` in that dtype; NaN never matches. Both
+    tolerances are required: each call states its bound. The message names ``what``, how many
+    elements are off, the largest ``|actual - expected|`` among those, where, and the bound.
+    A shape or dtype mismatch, a non-tensor or a negative or non-finite tolerance raises
+    ``ValueError``.
+    """
+    for name, value in (("actual", actual), ("expected", expected)):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0 (got {value!r})")
+    if actual.shape != expected.shape:
+        raise ValueError(f"{what}: actual and expected must have one shape "
+                         f"(got {list(actual.shape)} and {list(expected.shape)})")
+    if actual.dtype != expected.dtype:
+        raise ValueError(f"{what}: actual and expected must have one dtype "
+                         f"(got {actual.dtype} and {expected.dtype})")
+    actual, expected = actual.detach(), expected.detach()
+    matches = torch.isclose(actual, expected, rtol=rtol, atol=atol)
+    if bool(matches.all()):
+        return
+    diff = actual - expected if actual.is_complex() else actual.double() - expected.double()
+    gap = diff.abs().double().nan_to_num(nan=float("inf")).where(~matches, -1.0)
+    worst = int(gap.argmax())  # the worst of the elements that fail
+    where, rest = [], worst
+    for size in reversed(actual.shape):  # flat index -> [i, j, ...] (torch.unravel_index
+        rest, i = divmod(rest, size)     # imports sympy)
+        where.insert(0, i)
+    off = int((~matches).sum())
+    raise AssertionError(
+        f"{what}: {off} of {matches.numel()} elements differ by more than "
+        f"atol + rtol * |expected| (atol={atol:g}, rtol={rtol:g}); the largest of them, "
+        f"|actual - expected| = {diff.abs().flatten()[worst].item():.3e} at index {where} "
+        f"(actual {actual.flatten()[worst].item():.6g}, "
+        f"expected {expected.flatten()[worst].item():.6g})")
+
+
 def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor]) -> dict:
     """One training step of the fixture: ``forward(x, params) -> y``, MSE loss, backward, SGD.
 
