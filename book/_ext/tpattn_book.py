@@ -82,11 +82,15 @@ def book_notebooks(app: Sphinx) -> list[Path]:
     """Every ``.ipynb`` Sphinx will read: under the source folder, minus ``exclude_patterns``."""
     from sphinx.util.matching import Matcher
 
-    excluded = Matcher(app.config.exclude_patterns)
+    matcher = Matcher(app.config.exclude_patterns)
     source = Path(app.srcdir)
+
+    def excluded(path: Path) -> bool:  # the file, or a folder above it (Sphinx prunes folders)
+        parts = path.relative_to(source).parts
+        return any(matcher("/".join(parts[:i])) for i in range(1, len(parts) + 1))
+
     return [p for p in sorted(source.rglob("*.ipynb"))
-            if not excluded(p.relative_to(source).as_posix())
-            and ".ipynb_checkpoints" not in p.parts]
+            if not excluded(p) and ".ipynb_checkpoints" not in p.parts]
 
 
 def prefill_execution_cache(app: Sphinx, config: Config) -> None:
