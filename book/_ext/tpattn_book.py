@@ -79,18 +79,19 @@ def execution_jobs() -> int:
 
 
 def book_notebooks(app: Sphinx) -> list[Path]:
-    """Every ``.ipynb`` Sphinx will read: under the source folder, minus ``exclude_patterns``."""
+    """Every ``.ipynb`` Sphinx will read: under the source folder, minus ``exclude_patterns``
+    (a matching folder is pruned whole, as Sphinx does, so ``.venv`` is never walked)."""
     from sphinx.util.matching import Matcher
 
-    matcher = Matcher(app.config.exclude_patterns)
+    excluded = Matcher(list(app.config.exclude_patterns) + ["**.ipynb_checkpoints"])
     source = Path(app.srcdir)
-
-    def excluded(path: Path) -> bool:  # the file, or a folder above it (Sphinx prunes folders)
-        parts = path.relative_to(source).parts
-        return any(matcher("/".join(parts[:i])) for i in range(1, len(parts) + 1))
-
-    return [p for p in sorted(source.rglob("*.ipynb"))
-            if not excluded(p) and ".ipynb_checkpoints" not in p.parts]
+    found = []
+    for folder, subfolders, files in os.walk(source):
+        rel = Path(folder).relative_to(source)
+        subfolders[:] = sorted(d for d in subfolders if not excluded((rel / d).as_posix()))
+        found += [Path(folder) / f for f in files
+                  if f.endswith(".ipynb") and not excluded((rel / f).as_posix())]
+    return sorted(found)
 
 
 def prefill_execution_cache(app: Sphinx, config: Config) -> None:
