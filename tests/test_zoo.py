@@ -191,6 +191,24 @@ def test_modes_other_modules_provide_run_in_check_run():
         tpattn.run(11, "nope")
 
 
+def test_mode_route_sends_the_packages_modes_to_run_and_the_rest_to_the_registry():
+    from tpattn.check import NATIVE_MODES, mode_route
+    from tpattn.distributed import planned_collectives
+    from tpattn.zoo_real import planned_collectives as registry_plan
+
+    assert mode_route("equivalence") == "native"
+    assert mode_route("missing_norm_grad_reduce", tpattn.Config(seq=8, sequence_parallel=True)) \
+        == "native"
+    bugs = [m for m in zoo.runnable_modes() if m not in NATIVE_MODES]
+    assert bugs and all(mode_route(m) == "registry" for m in bugs)
+    # every caller routes alike: the distributed plan of a registry mode is the zoo's plan
+    assert all(planned_collectives(m) == registry_plan(m) for m in bugs)
+    with pytest.raises(ValueError, match="needs replicated KV heads"):  # validated first
+        mode_route("missing_kv_grad_reduce", tpattn.Config())
+    with pytest.raises(ValueError, match="mode must be one of .* registry mode"):
+        mode_route("nope")
+
+
 def test_register_adds_a_runnable_mode_and_refuses_to_steal_a_name():
     calls = []
     entry = zoo.BugMode("test_only_mode", "a test's mode", "none", provider="tests")

@@ -109,6 +109,14 @@ def check_any_mode(mode: str, cfg: Config | None = None) -> str:
                      f"(python -m tpattn --list-modes) (got {mode!r})")
 
 
+def mode_route(mode: str, cfg: Config | None = None) -> str:
+    """Where ``mode`` runs, once ``check_any_mode`` has accepted it for ``cfg`` (else its
+    ``ValueError``): ``"native"`` for ``NATIVE_MODES``, computed by ``run`` itself (on real
+    ranks by ``tpattn.distributed``), ``"registry"`` for the other modes of the bug registry,
+    run by ``tpattn.zoo`` (on real ranks by ``tpattn.zoo_real``)."""
+    return "native" if check_any_mode(mode, cfg) in NATIVE_MODES else "registry"
+
+
 def check_seed(seed: int) -> int:
     """Return ``seed`` if it is an integer in ``[0, 2**63 - 101]``, else raise ``ValueError``."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
@@ -268,7 +276,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     """
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
-    if check_any_mode(mode, cfg) not in NATIVE_MODES:
+    if mode_route(mode, cfg) == "registry":
         if tolerance != "seed":
             raise ValueError(f"tolerance must be 'seed' for a bug-registry mode such as {mode} "
                              f"(the auto bound covers {', '.join(NATIVE_MODES)})")

@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 
 from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                    MISSING_OUTPUT_REDUCE, MODES, NATIVE_MODES, PARAM_SEED_OFFSET, SEEDS,
-                    check_any_mode, check_mode, check_seed, dense_reference, five_measures,
-                    inspect_fixture, make_inputs, max_abs_diff, modes_for, one_step)
+                    MISSING_OUTPUT_REDUCE, MODES, PARAM_SEED_OFFSET, SEEDS, check_mode,
+                    check_seed, dense_reference, five_measures, inspect_fixture, make_inputs,
+                    max_abs_diff, mode_route, modes_for, one_step)
 from .cli import build_parser, config_from_args
 from .config import Config
 from .dense import attend_and_project
@@ -90,7 +90,7 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
     before f (unless ``missing_kv_grad_reduce``); ``gather_activations`` all-gathers K/V in
     forward, before g, and reduce-scatters their gradient in backward, before f.
     """
-    if check_any_mode(mode, cfg) not in NATIVE_MODES:
+    if mode_route(mode, cfg) == "registry":
         from .zoo_real import planned_collectives as registry_plan
 
         return registry_plan(mode)
@@ -305,7 +305,7 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     head are apart (``kv_replica_grad_max_diff``, ``kv_replica_after_step_max_diff``: max over
     replica groups and wk/wv of the max abs difference from the group's first rank).
     """
-    if mode not in NATIVE_MODES:
+    if mode_route(mode, cfg) == "registry":
         from .zoo_real import zoo_rank_check
 
         return zoo_rank_check(seed, mode, cfg, rank, ledger, device)
@@ -499,8 +499,8 @@ def _validate(world_size, seeds, modes, config, timeout, fault):
     if isinstance(seeds, int) or isinstance(modes, str):
         raise ValueError("seeds and modes must be sequences (e.g. seeds=[11], modes=['equivalence'])")
     seeds = tuple(check_seed(s) for s in seeds)
-    modes = tuple(check_any_mode(m, cfg) for m in modes)
-    if any(m not in NATIVE_MODES for m in modes):
+    modes = tuple(modes)
+    if "registry" in [mode_route(m, cfg) for m in modes]:  # each mode checked, in order
         from .zoo import check_needs
 
         for m in modes:
@@ -553,7 +553,7 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     preload = ("tpattn.distributed",) + (("tpattn.sequence_parallel",) if cfg.sequence_parallel else ()) \
         + ((("tpattn.dtensor_sp",) if cfg.sequence_parallel else ("tpattn.dtensor_check",))
            if dtensor_seeds else ()) \
-        + (("tpattn.zoo_real",) if any(m not in NATIVE_MODES for m in modes) else ())
+        + (("tpattn.zoo_real",) if any(mode_route(m, cfg) == "registry" for m in modes) else ())
     results, timings = run_on_ranks(run_rank, world_size, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]

@@ -40,13 +40,15 @@ class AttentionBlock(nn.Module):
     """``dense_forward`` as an ``nn.Module``, so that ``parallelize_module`` can shard it.
 
     The forward is the package's layer functions in ``dense_forward``'s order; head counts are
-    read from the projections' (possibly rank-local) output width, never from ``cfg``.
+    read from the projections' (possibly rank-local) output width, never from ``cfg``, and the
+    sequence length from ``wq``'s output (``dtensor_sp.SequenceParallelBlock``, a subclass,
+    gathers the tokens inside ``wq``). Subclasses change only ``make_norm``/``normalize``.
     """
 
     def __init__(self, params: dict[str, torch.Tensor], cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.norm = nn.Parameter(params["norm"].clone())
+        self.norm = self.make_norm(params["norm"], cfg.eps)
         for name in ("wq", "wk", "wv", "wo"):
             out_features, in_features = params[name].shape
             linear = nn.Linear(in_features, out_features, bias=False,
@@ -55,11 +57,20 @@ class AttentionBlock(nn.Module):
                 linear.weight.copy_(params[name])
             setattr(self, name, linear)
 
+    def make_norm(self, weight: torch.Tensor, eps: float) -> nn.Module | nn.Parameter:
+        """The ``norm`` weight ``[hidden]`` as a parameter (``normalize`` applies it)."""
+        return nn.Parameter(weight.clone())
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``rms_norm`` of x ``[..., hidden]`` with ``norm``; returns ``[..., hidden]``."""
+        return rms_norm(x, self.norm, self.cfg.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
-        s, b, d = x.shape[0], x.shape[1], self.cfg.head_dim
-        n = rms_norm(x, self.norm, self.cfg.eps)
-        q = apply_rope(self.wq(n).view(s, b, -1, d))  # -1: local query heads on a TP rank
+        n = self.normalize(x)
+        q = self.wq(n)  # [S, B, local query heads * D]: the whole sequence, even under SP
+        s, b, d = q.shape[0], q.shape[1], self.cfg.head_dim
+        q = apply_rope(q.view(s, b, -1, d))  # -1: local query heads; positions 0..S-1
         k = apply_rope(self.wk(n).view(s, b, -1, d))
         v = self.wv(n).view(s, b, -1, d)
         g = self.cfg.group_size

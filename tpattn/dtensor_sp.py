@@ -32,7 +32,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from .check import EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs
 from .config import Config
-from .layers import apply_rope, attention, repeat_kv, rms_norm
+from .dtensor_check import AttentionBlock
+from .layers import rms_norm
 from .params import PARAM_NAMES, init_params
 from .sequence_parallel import rank_tokens
 
@@ -55,36 +56,21 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class SequenceParallelBlock(nn.Module):
-    """``dense_forward`` with ``norm`` as a module. The sequence length of Q/K/V is read from the
-    projections' output — after ``ColwiseParallel``'s all-gather it is the whole sequence, while
-    ``x`` (and the residual) hold one rank's tokens; head counts are read from the (local)
-    weights, as in ``tpattn.dtensor_check.AttentionBlock``.
+class SequenceParallelBlock(AttentionBlock):
+    """``AttentionBlock`` with ``norm`` as a module (``RMSNorm``); its forward is
+    ``AttentionBlock.forward``: x ``[S_local, B, hidden]`` (``S/W`` tokens when parallelized)
+    in, the same shape out. The sequence length of Q/K/V is read from the projections' output
+    — after ``ColwiseParallel``'s all-gather it is the whole sequence, while ``x`` (and the
+    residual) hold one rank's tokens; head counts are read from the (local) weights.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], cfg: Config):
-        super().__init__()
-        self.cfg = cfg
-        self.norm = RMSNorm(params["norm"], cfg.eps)
-        for name in ("wq", "wk", "wv", "wo"):
-            out_features, in_features = params[name].shape
-            linear = nn.Linear(in_features, out_features, bias=False,
-                               device=params[name].device, dtype=params[name].dtype)
-            with torch.no_grad():
-                linear.weight.copy_(params[name])
-            setattr(self, name, linear)
+    def make_norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
+        """``norm`` as a module: ``SequenceParallel`` shards a module's input."""
+        return RMSNorm(weight, eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[S_local, B, hidden]`` (``S/W`` tokens when parallelized); returns the same shape."""
-        n = self.norm(x)
-        q = self.wq(n)  # [S, B, local heads * D]: the whole sequence
-        s, b, d = q.shape[0], q.shape[1], self.cfg.head_dim
-        q = apply_rope(q.view(s, b, -1, d))  # global positions 0..S-1
-        k = apply_rope(self.wk(n).view(s, b, -1, d))
-        v = self.wv(n).view(s, b, -1, d)
-        g = self.cfg.group_size
-        ctx = attention(q, repeat_kv(k, g), repeat_kv(v, g))
-        return x + self.wo(ctx.reshape(s, b, -1))
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[S_local, B, hidden]``, one rank's tokens; returns the same shape."""
+        return self.norm(x)
 
 
 def parallelize_sp_block(block: SequenceParallelBlock, world_size: int,
