@@ -39,12 +39,12 @@ book: setup
 	$(JB) build . --all -W -n --keep-going
 
 # One pytest run: unit/property/CLI/distributed tests, every chapter notebook under nbval,
-# and the browser test of the HTML that `book` just built. On every core (pytest-xdist: a
-# notebook's cells stay together on one worker, see tests/conftest.py); PYTEST_WORKERS=0 runs
-# it in this one process.
+# and the browser test of the HTML that `book` just built. On every core: pytest-xdist hands
+# out whole modules (--dist loadscope), so a notebook's nbval cells run in order in one
+# kernel on one worker; PYTEST_WORKERS=0 runs it all in this one process.
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 PYTEST_WORKERS ?= auto
-XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+XDIST := -n $(PYTEST_WORKERS) --dist loadscope
 test: book
 	$(PY) -m pytest -q $(XDIST) $(NBVAL) tests book
 
