@@ -39,10 +39,14 @@ book: setup
 	$(JB) build . --all -W -n --keep-going
 
 # One pytest run: unit/property/CLI/distributed tests, every chapter notebook under nbval,
-# and the browser test of the HTML that `book` just built.
+# and the browser test of the HTML that `book` just built. On every core: pytest-xdist hands
+# out whole modules (--dist loadscope), so a notebook's nbval cells run in order in one
+# kernel on one worker; PYTEST_WORKERS=0 runs it all in this one process.
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist loadscope
 test: book
-	$(PY) -m pytest -q $(NBVAL) tests book
+	$(PY) -m pytest -q $(XDIST) $(NBVAL) tests book
 
 # The numeric tests and every chapter again under other CPU kernels, so that no test and no
 # stored output depends on this machine's rounding (CI's and readers' CPUs have other kernels).
@@ -58,9 +62,9 @@ NUMERIC_TESTS := tests/test_golden.py tests/test_rederive.py tests/test_properti
 KERNELS := import torch; print("kernels:", torch.backends.cpu.get_cpu_capability(), "threads:", torch.get_num_threads())
 test-portable: setup
 	@set -e; for s in $(PORTABLE_SETTINGS); do echo "== $$s"; env $$s $(PY) -c '$(KERNELS)'; \
-	  env $$s $(PY) -m pytest -q -p no:cacheprovider $(NBVAL) $(NUMERIC_TESTS) book; done
+	  env $$s $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) $(NUMERIC_TESTS) book; done
 	@echo "== MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
-	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(NBVAL) $(NUMERIC_TESTS) book
+	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) $(NUMERIC_TESTS) book
 
 test-browser: book
 	$(PY) -m pytest -q tests/test_browser.py
@@ -68,8 +72,14 @@ test-browser: book
 lab: setup
 	$(VENV)/bin/jupyter lab book/
 
+# Issue 15's four speed figures first (bench/speed.py runs book_build, test_time,
+# widget_latency, notebook_imports and sums them up), then every other benchmark.
+SPEED_BENCHES := bench/speed.py bench/book_build.py bench/test_time.py bench/widget_latency.py \
+                 bench/notebook_imports.py
 bench: setup
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	$(PY) bench/speed.py
+	@for b in $(filter-out $(SPEED_BENCHES),$(wildcard bench/*.py)); do echo "== $$b"; \
+	  $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf _build

@@ -16,3 +16,4 @@ def load_golden(name: str):
 @pytest.fixture
 def golden():
     return load_golden
+

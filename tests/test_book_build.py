@@ -155,3 +155,58 @@ def test_block_map_is_drawn_from_the_package():
     assert "copy_to_ranks" in texts and "reduce_output" in texts
     # f's backward all-reduces dn (the gradient at n, after RMSNorm), never dX
     assert "bwd: all-reduce dn" in texts and "all-reduce dX" not in texts
+
+
+def load_book_extension():
+    spec = importlib.util.spec_from_file_location("tpattn_book", BOOK / "_ext" / "tpattn_book.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_book_jobs_setting_is_checked(monkeypatch):
+    ext = load_book_extension()
+    monkeypatch.delenv("TPATTN_BOOK_JOBS", raising=False)
+    assert 1 <= ext.execution_jobs() <= 8
+    monkeypatch.setenv("TPATTN_BOOK_JOBS", "3")
+    assert ext.execution_jobs() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("TPATTN_BOOK_JOBS", bad)
+        with pytest.raises(Exception, match="TPATTN_BOOK_JOBS must be a positive integer"):
+            ext.execution_jobs()
+
+
+def test_parallel_prefill_caches_what_myst_nb_then_finds(tmp_path, monkeypatch):
+    """Two notebooks executed by the pre-fill: the one that runs is in the cache under the key
+    myst-nb matches; the one that raises is not cached (myst-nb re-runs it and reports it)."""
+    import types
+
+    import nbformat
+    from jupyter_cache import get_cache
+
+    ext = load_book_extension()
+    src = tmp_path / "src"
+    (src / "book").mkdir(parents=True)
+    good = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\nprint(os.path.basename(os.getcwd()))")])
+    bad = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 / 0")])
+    for nb in (good, bad):
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}
+    nbformat.write(good, src / "book" / "good.ipynb")
+    nbformat.write(bad, src / "book" / "bad.ipynb")
+    (src / "_build").mkdir()
+    nbformat.write(good, src / "_build" / "excluded.ipynb")  # exclude_patterns: not a page
+    config = types.SimpleNamespace(
+        nb_execution_mode="cache", nb_execution_cache_path=str(tmp_path / "cache"),
+        nb_execution_timeout=60, nb_execution_allow_errors=False, exclude_patterns=["_build"])
+    app = types.SimpleNamespace(srcdir=str(src), config=config)
+    assert [p.name for p in ext.book_notebooks(app)] == ["bad.ipynb", "good.ipynb"]
+    monkeypatch.setenv("TPATTN_BOOK_JOBS", "2")
+    ext.prefill_execution_cache(app, config)
+    cache = get_cache(config.nb_execution_cache_path)
+    record = cache.match_cache_notebook(nbformat.read(src / "book" / "good.ipynb", as_version=4))
+    executed = cache.get_cache_bundle(record.pk).nb
+    assert executed.cells[0].outputs[0]["text"] == "book\n"  # ran in the notebook's folder
+    with pytest.raises(KeyError):
+        cache.match_cache_notebook(nbformat.read(src / "book" / "bad.ipynb", as_version=4))

@@ -22,6 +22,14 @@ Two things the stock Jupyter Book does not do:
    package means a fresh cache (every notebook runs again) and a changed Sphinx config (every
    page is read again).
 
+3. Parallel execution — myst-nb executes the notebooks a build needs one after another, while
+   Sphinx reads the pages. Before reading starts, every notebook the cache lacks is executed
+   by ``jupyter_cache``'s own parallel worker (``local-parallel``: in the notebook's folder, as
+   myst-nb does) in ``TPATTN_BOOK_JOBS`` processes (default: the CPU count, at most 8) and
+   cached, so myst-nb finds each one in the cache. A notebook that fails there is not cached:
+   myst-nb then executes it itself and reports the error as always (``-W`` fails the build).
+   ``TPATTN_BOOK_JOBS=1`` leaves execution to myst-nb alone.
+
 It also fails the build early, with the fix, when ``make setup`` has not fetched MathJax yet.
 """
 from __future__ import annotations
@@ -30,7 +38,9 @@ import base64
 import hashlib
 import importlib
 import io
+import os
 import sys
+import time
 from pathlib import Path
 
 from docutils import nodes
@@ -56,6 +66,67 @@ def key_cache_to_package(app: Sphinx, config: Config) -> None:
     """Point myst-nb's execution cache at ``_build/.jupyter_cache/tpattn-<digest>``."""
     cache_root = Path(app.outdir).parent / ".jupyter_cache"
     config.nb_execution_cache_path = str(cache_root / f"tpattn-{package_digest()}")
+
+
+def execution_jobs() -> int:
+    """``TPATTN_BOOK_JOBS`` (a positive integer), else the CPU count capped at 8."""
+    raw = os.environ.get("TPATTN_BOOK_JOBS", "")
+    if not raw:
+        return max(1, min(8, os.cpu_count() or 1))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"TPATTN_BOOK_JOBS must be a positive integer (got {raw!r})")
+    return int(raw)
+
+
+def book_notebooks(app: Sphinx) -> list[Path]:
+    """Every ``.ipynb`` Sphinx will read: under the source folder, minus ``exclude_patterns``
+    (a matching folder is pruned whole, as Sphinx does, so ``.venv`` is never walked)."""
+    from sphinx.util.matching import Matcher
+
+    excluded = Matcher(list(app.config.exclude_patterns) + ["**.ipynb_checkpoints"])
+    source = Path(app.srcdir)
+    found = []
+    for folder, subfolders, files in os.walk(source):
+        rel = Path(folder).relative_to(source)
+        subfolders[:] = sorted(d for d in subfolders if not excluded((rel / d).as_posix()))
+        found += [Path(folder) / f for f in files
+                  if f.endswith(".ipynb") and not excluded((rel / f).as_posix())]
+    return sorted(found)
+
+
+def prefill_execution_cache(app: Sphinx, config: Config) -> None:
+    """Execute the notebooks missing from myst-nb's cache in parallel and cache them."""
+    jobs = execution_jobs()
+    if config.nb_execution_mode != "cache" or jobs == 1:
+        return
+    import multiprocessing
+
+    import nbformat
+    from jupyter_cache import get_cache
+    from jupyter_cache.executors.basic import ExecutionWorkerLocalMProc, ProcessData
+    from sphinx.util import logging
+
+    logger = logging.getLogger(__name__)
+    cache = get_cache(config.nb_execution_cache_path)
+    todo = []
+    for path in book_notebooks(app):
+        try:
+            cache.match_cache_notebook(nbformat.read(path, as_version=4))
+        except KeyError:
+            todo.append(cache.add_nb_to_project(str(path)))
+    if not todo:
+        return
+    workers = min(jobs, len(todo))
+    logger.info(f"tpattn: executing {len(todo)} notebooks in {workers} processes")
+    start = time.perf_counter()
+    data = [ProcessData(r.pk, r.uri, cache, config.nb_execution_timeout,
+                        config.nb_execution_allow_errors) for r in todo]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        results = pool.map(ExecutionWorkerLocalMProc(), data, chunksize=1)
+    failed = [uri for code, uri in results if code != 0]
+    logger.info(f"tpattn: {len(todo) - len(failed)} notebooks executed and cached in "
+                f"{time.perf_counter() - start:.1f} s" +
+                (f"; left to myst-nb: {', '.join(failed)}" if failed else ""))
 
 
 def require_vendored_assets(app: Sphinx, config: Config) -> None:
@@ -111,5 +182,6 @@ def setup(app: Sphinx) -> dict:
         sys.path.insert(0, str(ROOT))
     app.connect("config-inited", require_vendored_assets)
     app.connect("config-inited", key_cache_to_package)
+    app.connect("config-inited", prefill_execution_cache, priority=900)  # after the cache key
     app.add_directive("tpattn-figure", TpattnFigure)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

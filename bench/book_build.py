@@ -1,0 +1,86 @@
+"""Cold book build against bare serial execution of the same notebooks (issue 15, figure 1).
+
+Side by side, in one run, on the same machine and load:
+
+1. *serial*: ``jupyter execute`` of every book notebook, one after another, each in the
+   notebook's folder (``book/``), nothing written back — the execution alone, no Sphinx;
+2. *cold build*: ``jupyter-book build . --all -W -n --keep-going`` (what ``make book`` runs)
+   into a fresh temporary ``--path-output``, so the execution cache starts empty — Sphinx,
+   the parallel pre-execution of ``book/_ext/tpattn_book.py`` and the HTML writing included.
+
+Prints both wall times, the process-tree CPU seconds, and ``cold / serial`` against the target
+of 0.7; ``--json PATH`` writes them. A benchmark, not a test: exit status 0 unless a command
+fails. On a machine busy with other work the wall times stretch; the ratio is the figure.
+
+    .venv/bin/python bench/book_build.py [--jobs N] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+TARGET_RATIO = 0.7
+
+
+def notebooks() -> list[Path]:
+    return sorted(p for p in (ROOT / "book").rglob("*.ipynb")
+                  if ".ipynb_checkpoints" not in p.parts)
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(cmds: list[list[str]], **kw) -> tuple[float, float]:
+    """Run ``cmds`` one after another; (wall s, CPU s of all their processes)."""
+    cpu0, t0 = children_cpu(), time.perf_counter()
+    for cmd in cmds:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+    return time.perf_counter() - t0, children_cpu() - cpu0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="TPATTN_BOOK_JOBS for the build (default: the extension's)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    nbs = notebooks()
+    serial_wall, serial_cpu = timed(
+        [[str(BIN / "jupyter"), "execute", "--kernel_name=python3", p.name] for p in nbs],
+        cwd=ROOT / "book")
+    print(f"serial jupyter execute, {len(nbs)} notebooks: {serial_wall:6.1f} s wall "
+          f"{serial_cpu:6.1f} s CPU", flush=True)
+    env = dict(os.environ)
+    if args.jobs is not None:
+        env["TPATTN_BOOK_JOBS"] = str(args.jobs)
+    with tempfile.TemporaryDirectory(prefix="tpattn-cold-build-") as out:
+        build_wall, build_cpu = timed(
+            [[str(BIN / "jupyter-book"), "build", ".", "--all", "-W", "-n", "--keep-going",
+              "--path-output", out]], cwd=ROOT, env=env)
+    ratio = build_wall / serial_wall
+    print(f"cold jupyter-book build (make book):      {build_wall:6.1f} s wall "
+          f"{build_cpu:6.1f} s CPU")
+    print(f"cold build / serial execute = {ratio:.2f} (target <= {TARGET_RATIO}): "
+          f"{'PASS' if ratio <= TARGET_RATIO else 'OVER'}  [{os.cpu_count()} CPUs]")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "notebooks": len(nbs), "cpus": os.cpu_count(),
+            "serial_execute_s": round(serial_wall, 1), "serial_execute_cpu_s": round(serial_cpu, 1),
+            "cold_build_s": round(build_wall, 1), "cold_build_cpu_s": round(build_cpu, 1),
+            "ratio": round(ratio, 3), "target": TARGET_RATIO}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

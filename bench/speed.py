@@ -1,0 +1,60 @@
+"""Issue 15's four figures, one after another on this machine, then a summary.
+
+1. cold ``make book`` / bare serial ``jupyter execute`` (bench/book_build.py; target <= 0.7);
+2. ``make test`` with a warm venv (bench/test_time.py; target <= 6 min on 2 cores) —
+   ``--ci`` adds ``bash .ci/run`` from a fresh clone (target <= 20 min; about that long);
+3. every live explorer's update p95 (bench/widget_latency.py; target <= 33 ms);
+4. per-notebook start-up and heavy imports a notebook does not use (bench/notebook_imports.py;
+   target: none).
+
+``make bench`` runs this first. A benchmark, not a test: exit status 0 unless a script fails.
+
+    .venv/bin/python bench/speed.py [--ci]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+
+
+def run(script: str, out: Path, *extra: str) -> dict:
+    print(f"-- {script} {' '.join(extra)}".rstrip(), flush=True)
+    subprocess.run([sys.executable, str(BENCH / script), "--json", str(out), *extra], check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ci", action="store_true", help="also time .ci/run in a fresh clone")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        book = run("book_build.py", tmp / "book.json")
+        tests = run("test_time.py", tmp / "test.json")
+        ci = run("test_time.py", tmp / "ci.json", "--ci") if args.ci else None
+        widgets = run("widget_latency.py", tmp / "widgets.json")
+        imports = run("notebook_imports.py", tmp / "imports.json")
+    print("\n== issue 15: the four figures")
+    print(f"1. cold make book / serial execute: {book['ratio']:.2f} "
+          f"({book['cold_build_s']:.0f} s / {book['serial_execute_s']:.0f} s; target <= 0.7)")
+    line = f"2. make test, warm venv: {tests['make_test_s'] / 60:.1f} min (target <= 6)"
+    if ci:
+        line += f"; .ci/run, fresh clone: {ci['ci_run_s'] / 60:.1f} min (target <= 20)"
+    print(line)
+    worst = max(widgets["explorers"], key=lambda e: e["p95_ms"])
+    print(f"3. explorer update p95, worst: {worst['p95_ms']:.1f} ms ({worst['name']}; "
+          f"target <= 33 ms)")
+    unused = {nb["notebook"]: nb["unused"] for nb in imports["notebooks"] if nb["unused"]}
+    print(f"4. notebooks importing a heavy module they do not use: {len(unused)}"
+          + (f" {unused}" if unused else "") + " (target: 0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

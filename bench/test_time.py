@@ -1,0 +1,107 @@
+"""How long `make test` takes with a warm venv, and where the time goes (issue 15, figure 2).
+
+Runs ``make test`` (the book build from its cache, then one pytest run on every core) with a
+JUnit report, and prints the wall time, the pytest part of it, and the test seconds summed by
+group (the JupyterLab test, nbval per notebook, the browser test, the distributed tests, the
+rest). Under pytest-xdist the group sums are worker seconds, so they add up to more than the
+wall time. Target: <= 6 min on 2 cores.
+
+``--ci`` instead clones this repository into a temporary folder (with ``../shared`` beside it,
+as CI has it) and times ``bash .ci/run`` there: fresh venv, cold book, ``make test`` and
+``make test-portable``. Target: <= 20 min. It takes about that long.
+
+A benchmark, not a test: exit status 0 unless the timed command fails. ``--json PATH`` writes
+the figures.
+
+    .venv/bin/python bench/test_time.py [--ci] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_TEST_S = 6 * 60
+TARGET_CI_S = 20 * 60
+
+
+def group_of(classname: str, name: str) -> str:
+    """A JUnit test case's group: what the time is spent on."""
+    path = classname.replace(".", "/")
+    if "ipynb" in path or "ipynb" in name:
+        return "nbval (every notebook)"
+    for key, label in (("test_lab", "JupyterLab (every chapter)"),
+                       ("test_browser", "browser (built HTML)"),
+                       ("test_distributed", "real ranks (torchrun)"),
+                       ("test_sequence_parallel", "sequence parallel"),
+                       ("test_properties", "property tests"),
+                       ("test_rederive", "property tests"),
+                       ("test_tolerance", "property tests")):
+        if key in path:
+            return label
+    return "other unit tests"
+
+
+def make_test(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        env = dict(os.environ, PYTEST_ADDOPTS=f"--junitxml={report} -p no:cacheprovider")
+        t0 = time.perf_counter()
+        subprocess.run(["make", "test"], cwd=ROOT, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        suite = ET.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        groups = collections.Counter()
+        for case in suite.iter("testcase"):
+            groups[group_of(case.get("classname", ""), case.get("name", ""))] += float(
+                case.get("time", 0))
+    pytest_s = float(suite.get("time"))
+    print(f"make test (warm venv): {wall:6.1f} s wall (target <= {TARGET_TEST_S} s): "
+          f"{'PASS' if wall <= TARGET_TEST_S else 'OVER'}  [{os.cpu_count()} CPUs]")
+    print(f"  book build (from cache) {wall - pytest_s:6.1f} s, pytest {pytest_s:6.1f} s "
+          f"({suite.get('tests')} tests); test seconds by group:")
+    for name, seconds in groups.most_common():
+        print(f"    {name:<30} {seconds:7.1f} s")
+    return {"make_test_s": round(wall, 1), "pytest_s": round(pytest_s, 1),
+            "groups_s": {k: round(v, 1) for k, v in groups.items()}, "cpus": os.cpu_count()}
+
+
+def ci_run(args) -> dict:
+    shared = ROOT.parent / "shared"
+    with tempfile.TemporaryDirectory(prefix="tpattn-ci-") as tmp:
+        clone = Path(tmp) / "repo"
+        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+        if shared.exists():
+            (Path(tmp) / "shared").symlink_to(shared)
+        t0 = time.perf_counter()
+        subprocess.run(["bash", ".ci/run"], cwd=clone, check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, CI="true"))
+        wall = time.perf_counter() - t0
+    print(f"bash .ci/run from a fresh clone: {wall / 60:5.1f} min (target <= "
+          f"{TARGET_CI_S // 60} min): {'PASS' if wall <= TARGET_CI_S else 'OVER'}  "
+          f"[{os.cpu_count()} CPUs]")
+    return {"ci_run_s": round(wall, 1), "cpus": os.cpu_count()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ci", action="store_true", help="time .ci/run in a fresh clone")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    figures = ci_run(args) if args.ci else make_test(args)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
