@@ -75,3 +75,20 @@ def test_a_first_code_cell_that_is_not_the_setup_cell_is_left_alone():
                                      "source": "print(1)"}]}
     assert tool.clean(nb, "https://example.org/x") == []
     assert nb["cells"][0]["metadata"] == {}
+
+
+def test_consecutive_chunks_of_one_stream_are_joined_and_nothing_else():
+    def stream(name, text):
+        return {"output_type": "stream", "name": name, "text": text}
+
+    shown = {"output_type": "display_data", "metadata": {}, "data": {"text/plain": "x"}}
+    outputs = [stream("stdout", ["a\n", "b"]), stream("stdout", "\nc\n"), stream("stderr", "w\n"),
+               stream("stdout", "d\n"), shown, stream("stdout", "e\n")]
+    nb = {"metadata": {}, "cells": [{"cell_type": "code", "metadata": {}, "source": "run()",
+                                     "outputs": outputs}]}
+    assert tool.clean(nb, "https://example.org/x") == [
+        "joined 1 stream chunk(s) into the output before"]
+    kept = nb["cells"][0]["outputs"]
+    assert [o.get("name") for o in kept] == ["stdout", "stderr", "stdout", None, "stdout"]
+    assert kept[0]["text"] == "a\nb\nc\n"      # the text read is unchanged
+    assert tool.clean(nb, "https://example.org/x") == []

@@ -14,7 +14,12 @@ What goes, and why it is safe:
   view could not render anyway, and a frontend that finds no view shows the twin too. An output
   with a widget view and no ``text/html`` is kept as it is.
 
-What stays: outputs, execution counts (nbval and readers use them), ``kernelspec`` and
+- the kernel's chunking of a cell's prints — consecutive ``stream`` outputs of one name
+  (stdout, stderr) are joined into one. How many chunks a run produces depends on timing, so a
+  re-run would otherwise rewrite outputs whose text did not change. nbval joins them before
+  comparing and the book joins them too (``nb_merge_streams``): the text read is the same.
+
+What stays: outputs (their text), execution counts (nbval and readers use them), ``kernelspec`` and
 ``language_info``.
 
 The setup cell (the first code cell of every chapter, which installs the package in Colab)
@@ -79,6 +84,11 @@ def _source(cell: dict) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
+def _text(output: dict) -> str:
+    text = output.get("text", "")
+    return "".join(text) if isinstance(text, list) else text
+
+
 def clean(nb: dict, url: str) -> list[str]:
     """Clean ``nb`` in place; returns what changed, one line per kind (empty: nothing)."""
     changes = []
@@ -94,6 +104,21 @@ def clean(nb: dict, url: str) -> list[str]:
                 views += 1
     if views:
         changes.append(f"dropped {views} widget view(s) that have a static twin")
+    joined = 0
+    for cell in nb.get("cells", []):
+        merged = []
+        for output in cell.get("outputs", []):
+            last = merged[-1] if merged else None
+            if (output.get("output_type") == "stream" and last is not None
+                    and last.get("output_type") == "stream" and last.get("name") == output.get("name")):
+                last["text"] = _text(last) + _text(output)
+                joined += 1
+            else:
+                merged.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = merged
+    if joined:
+        changes.append(f"joined {joined} stream chunk(s) into the output before")
     code = [c for c in nb.get("cells", []) if c.get("cell_type") == "code"]
     if code and setup_cell_url(_source(code[0])) is not None:
         first = code[0]
