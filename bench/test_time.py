@@ -67,7 +67,7 @@ def make_test(args) -> dict:
     pytest_s = float(suite.get("time"))
     print(f"make test (warm venv): {wall:6.1f} s wall (target <= {TARGET_TEST_S} s): "
           f"{'PASS' if wall <= TARGET_TEST_S else 'OVER'}  [{os.cpu_count()} CPUs]")
-    print(f"  book build (from cache) {wall - pytest_s:6.1f} s, pytest {pytest_s:6.1f} s "
+    print(f"  book build {wall - pytest_s:6.1f} s, pytest {pytest_s:6.1f} s "
           f"({suite.get('tests')} tests); test seconds by group:")
     for name, seconds in groups.most_common():
         print(f"    {name:<30} {seconds:7.1f} s")
