@@ -3,7 +3,7 @@
 Side by side, in one run, on the same machine and load:
 
 1. *serial*: ``jupyter execute`` of every book notebook, one after another, each in the
-   notebook's folder (``book/``), nothing written back — the execution alone, no Sphinx;
+   notebook's folder, nothing written back — the execution alone, no Sphinx;
 2. *cold build*: ``jupyter-book build . --all -W -n --keep-going`` (what ``make book`` runs)
    into a fresh temporary ``--path-output``, so the execution cache starts empty — Sphinx,
    the parallel pre-execution of ``book/_ext/tpattn_book.py`` and the HTML writing included.
@@ -41,11 +41,12 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(cmds: list[list[str]], **kw) -> tuple[float, float]:
-    """Run ``cmds`` one after another; (wall s, CPU s of all their processes)."""
+def timed(cmds: list[tuple[list[str], Path]], **kw) -> tuple[float, float]:
+    """Run each ``(command, folder)`` one after another; (wall s, CPU s of their processes)."""
     cpu0, t0 = children_cpu(), time.perf_counter()
-    for cmd in cmds:
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+    for cmd, cwd in cmds:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       cwd=cwd, **kw)
     return time.perf_counter() - t0, children_cpu() - cpu0
 
 
@@ -57,8 +58,8 @@ def main() -> int:
     args = parser.parse_args()
     nbs = notebooks()
     serial_wall, serial_cpu = timed(
-        [[str(BIN / "jupyter"), "execute", "--kernel_name=python3", p.name] for p in nbs],
-        cwd=ROOT / "book")
+        [([str(BIN / "jupyter"), "execute", "--kernel_name=python3", p.name], p.parent)
+         for p in nbs])
     print(f"serial jupyter execute, {len(nbs)} notebooks: {serial_wall:6.1f} s wall "
           f"{serial_cpu:6.1f} s CPU", flush=True)
     env = dict(os.environ)
@@ -66,8 +67,8 @@ def main() -> int:
         env["TPATTN_BOOK_JOBS"] = str(args.jobs)
     with tempfile.TemporaryDirectory(prefix="tpattn-cold-build-") as out:
         build_wall, build_cpu = timed(
-            [[str(BIN / "jupyter-book"), "build", ".", "--all", "-W", "-n", "--keep-going",
-              "--path-output", out]], cwd=ROOT, env=env)
+            [([str(BIN / "jupyter-book"), "build", ".", "--all", "-W", "-n", "--keep-going",
+               "--path-output", out], ROOT)], env=env)
     ratio = build_wall / serial_wall
     print(f"cold jupyter-book build (make book):      {build_wall:6.1f} s wall "
           f"{build_cpu:6.1f} s CPU")
