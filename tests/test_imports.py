@@ -75,6 +75,36 @@ def test_the_modules_the_early_chapters_import_stay_light():
     assert loaded_after(code, heavy) == []
 
 
+def test_printing_measures_and_the_html_bug_hunt_do_not_load_matplotlib():
+    # chapter 15 prints viz.format_measure; chapter 17's bug hunt explorer shows only HTML
+    code = ("from tpattn import viz\n"
+            "from tpattn.viz import format_measure, measures_table\n"
+            "assert format_measure(1e-9) == '< 1e-06'\n"
+            "from tpattn.widgets.bug_hunt import bug_hunt_explorer\n"
+            "explorer = bug_hunt_explorer(hunt=2)\n"
+            "explorer._repr_mimebundle_()\n"
+            "explorer.controls['hunt'].value = 3\n"
+            "assert explorer.redraws == 2 and explorer.output.outputs")
+    assert loaded_after(code, ("matplotlib",)) == []
+    # the probe sees matplotlib as soon as a figure's name is used
+    assert loaded_after("from tpattn import viz; viz.heads_frame", ("matplotlib",)) == ["matplotlib"]
+
+
+def test_the_lazy_packages_give_the_modules_own_objects():
+    from tpattn import viz, widgets
+    from tpattn.viz import kv, layers, sharding, style, tables
+    from tpattn.widgets import explorers
+
+    assert viz.heads_frame is sharding.heads_frame and viz.rope_rotation_figure is layers.rope_rotation_figure
+    assert viz.use_book_style is style.use_book_style and viz.replica_groups_frame is kv.replica_groups_frame
+    assert viz.format_measure is tables.format_measure is sharding.format_measure
+    assert widgets.rope_explorer is explorers.rope_explorer and viz.sharding is sharding
+    assert {"format_measure", "heads_frame", "replica_groups_figure"} <= set(viz.__all__)
+    assert {"Explorer", "kv_explorer", "sp_explorer", "rope_explorer"} <= set(widgets.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_figure'"):
+        viz.no_such_figure
+
+
 # --- the check itself -------------------------------------------------------------------------
 
 def test_passes_at_the_bound_and_raises_just_above_it():

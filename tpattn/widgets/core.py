@@ -16,14 +16,13 @@ import contextlib
 import html
 import io
 import struct
+import sys
 import zlib
 from typing import Callable, Mapping, Sequence
 
 import ipywidgets as widgets
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
 from ..check import EQUIVALENCE, MODES
@@ -34,6 +33,28 @@ __all__ = [
     "figure_png", "figure_pixels", "encode_png", "fast_png", "Renders", "StandingFigure",
     "png_output", "html_output", "message_output", "message_html", "png_img", "single_thread",
 ]
+
+# matplotlib is imported where a figure is drawn, not here: an explorer that shows only HTML
+# (the bug hunt, chapter 17) does not load it.
+
+
+def _agg_canvas(fig):
+    """Attach an Agg canvas to ``fig`` (matplotlib's own, imported on first use)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    return FigureCanvasAgg(fig)
+
+
+def _close(fig) -> None:
+    """Take ``fig`` out of pyplot's registry (where nothing would flush it into a cell)."""
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def _open_figures() -> set[int]:
+    """Numbers of pyplot's open figures (none if pyplot was never imported)."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    return set(pyplot.get_fignums()) if pyplot is not None else set()
+
 
 #: Resolution of every PNG an explorer shows (the book style's savefig dpi).
 PNG_DPI = 100
@@ -111,12 +132,12 @@ def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:
     """The figure drawn once on an Agg canvas (``savefig`` would draw twice under constrained
     layout), as an ``[H, W, 4]`` uint8 array; closes the figure."""
     try:
-        FigureCanvasAgg(fig)
+        _agg_canvas(fig)
         fig.set_dpi(dpi)
         fig.canvas.draw()
         return np.array(fig.canvas.buffer_rgba())
     finally:
-        plt.close(fig)
+        _close(fig)
 
 
 def figure_png(fig, dpi: int = PNG_DPI, palette: bool = False) -> bytes:
@@ -181,8 +202,8 @@ class StandingFigure:
 
     def _stand(self, structure, state) -> None:
         fig = self._build(structure, state)
-        plt.close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
-        FigureCanvasAgg(fig)
+        _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
+        _agg_canvas(fig)
         fig.set_dpi(self.dpi)
         renderer = fig.canvas.get_renderer()
         for ax in fig.axes:  # what ``Figure.draw`` does before laying out: fixed aspects
@@ -325,7 +346,7 @@ class Explorer:
 
     def redraw(self) -> None:
         """Recompute and replace the output area's contents (a message on any failure)."""
-        open_before = set(plt.get_fignums())
+        open_before = _open_figures()
         try:
             outputs = list(self._draw(**self.values))
         except ValueError as error:  # the package's own "field must … (got …)" message
@@ -333,8 +354,8 @@ class Explorer:
         except Exception as error:  # noqa: BLE001 — a reader must never see a traceback
             outputs = [message_output(f"cannot draw this: {type(error).__name__}: {error}")]
         finally:
-            for number in set(plt.get_fignums()) - open_before:
-                plt.close(number)  # a failed draw must not leave a figure for the next cell
+            for number in _open_figures() - open_before:
+                _close(number)  # a failed draw must not leave a figure for the next cell
         self.output.outputs = tuple(outputs)
         self.redraws += 1
 

@@ -1,0 +1,80 @@
+"""The five measures as text: labels, ``format_measure`` and ``measures_table`` (no matplotlib).
+
+A chapter that prints measures but draws nothing (e.g. chapter 15) imports only this module;
+``tpattn.viz.sharding`` re-exports all of it next to its figures.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from ..check import MEASURES, TOLERANCE
+
+__all__ = ["MEASURE_LABELS", "SHORT_MEASURE_LABELS", "format_measure", "measures_table"]
+
+#: Short labels of the five measures, in ``MEASURES`` order.
+MEASURE_LABELS = {
+    "forward_max_abs_diff": "forward output",
+    "loss_abs_diff": "loss",
+    "input_grad_max_abs_diff": "input grad dX",
+    "parameter_grad_max_abs_diff": "parameter grads dW",
+    "post_step_weight_max_abs_diff": "weights after a step",
+}
+
+
+def format_measure(value: float, tolerance: float = TOLERANCE) -> str:
+    """A measure as text that does not depend on the CPU's last bits.
+
+    Values below ``tolerance`` are float32 rounding noise (their exact size can differ between
+    machines), so they print as ``"< 1e-06"``; larger values print with 3 significant digits (``"7.01e-01"``).
+    """
+    if value < tolerance:
+        return f"< {tolerance:.0e}"
+    return f"{value:.2e}"
+
+
+#: Column headers of ``measures_table(..., compact=True)``, in ``MEASURES`` order.
+SHORT_MEASURE_LABELS = {
+    "forward_max_abs_diff": "forward",
+    "loss_abs_diff": "loss",
+    "input_grad_max_abs_diff": "dX",
+    "parameter_grad_max_abs_diff": "dW",
+    "post_step_weight_max_abs_diff": "weights",
+}
+
+
+def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURES,
+                   labels: Sequence[str] | None = None, compact: bool = False) -> str:
+    """A fixed-width text table of ``run()`` results: one row per result, one column per measure,
+    values through ``format_measure``, then the verdict. ``labels`` (one per result) replace
+    the mode column, headed "variant".
+
+    ``compact=True`` fits a book's text column (< 70 characters): short headers
+    (``SHORT_MEASURE_LABELS``) and, instead of a mode column, one section per run of equal
+    modes (or labels), headed by it."""
+    second = "mode" if labels is None else "variant"
+    labels = [r["mode"] for r in results] if labels is None else list(labels)
+    if compact:
+        sections, start = [], 0
+        for i in range(1, len(results) + 1):
+            if i == len(results) or labels[i] != labels[start]:
+                sections.append((labels[start], results[start:i]))
+                start = i
+        headers = ["seed"] + [SHORT_MEASURE_LABELS.get(m, m) for m in measures] + ["verdict"]
+        grouped = [(label, [[str(r["seed"])] + [format_measure(r[m]) for m in measures]
+                            + ["PASSED" if r["passed"] else "FAILED"] for r in group])
+                   for label, group in sections]
+        every_row = [row for _, rows in grouped for row in rows]
+        widths = [max(len(h), *(len(row[i]) for row in every_row)) for i, h in enumerate(headers)]
+        blocks = []
+        for label, rows in grouped:
+            lines = [headers, ["-" * w for w in widths]] + rows
+            blocks.append(f"{label}\n" + "\n".join(
+                "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines))
+        return "\n\n".join(blocks)
+    headers = ["seed", second] + [MEASURE_LABELS.get(m, m) for m in measures] + ["verdict"]
+    rows = [[str(r["seed"]), label] + [format_measure(r[m]) for m in measures]
+            + ["PASSED" if r["passed"] else "FAILED"] for r, label in zip(results, labels)]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    lines = [headers, ["-" * w for w in widths]] + rows
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+                     for line in lines)
