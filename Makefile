@@ -38,15 +38,28 @@ $(MATHJAX):
 book: setup
 	$(JB) build . --all -W -n --keep-going
 
-# One pytest run: unit/property/CLI/distributed tests, every chapter notebook under nbval,
-# and the browser test of the HTML that `book` just built. On every core: pytest-xdist hands
-# out whole modules (--dist loadscope), so a notebook's nbval cells run in order in one
-# kernel on one worker; PYTEST_WORKERS=0 runs it all in this one process.
+# make test, in three steps; each runs even if an earlier one failed, and make test fails if any
+# did:
+# 1. pytest: unit/property/CLI/distributed tests, the JupyterLab test and every chapter under
+#    nbval. nbval executes every notebook from scratch; each notebook whose cells all passed is
+#    kept with the outputs nbval just compared (tests/nbval_record.py, in _build/nbval-executed);
+# 2. the book, which caches those executions instead of running the notebooks a second time
+#    (book/_ext/tpattn_book.py: only for this package's digest and unchanged code cells);
+# 3. pytest on the tests that read the built HTML (marker built_book): the browser test, ...
+# On every core: pytest-xdist hands out whole modules and classes (--dist loadscope), so a
+# notebook's nbval cells run in order in one kernel on one worker; PYTEST_WORKERS=0 runs each
+# step in one process. JUNIT=PREFIX writes PREFIX-1.xml and PREFIX-3.xml (bench/test_time.py).
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 PYTEST_WORKERS ?= auto
 XDIST := -n $(PYTEST_WORKERS) --dist loadscope
-test: book
-	$(PY) -m pytest -q $(XDIST) $(NBVAL) tests book
+RECORD := -p tests.nbval_record --record-executed _build/nbval-executed
+JUNIT ?=
+test: setup
+	@status=0; \
+	$(PY) -m pytest -q $(XDIST) $(NBVAL) $(RECORD) -m "not built_book" $(if $(JUNIT),--junitxml=$(JUNIT)-1.xml) tests book || status=1; \
+	$(JB) build . --all -W -n --keep-going || status=1; \
+	$(PY) -m pytest -q $(XDIST) -m built_book $(if $(JUNIT),--junitxml=$(JUNIT)-3.xml) tests || status=1; \
+	exit $$status
 
 # The numeric tests and every chapter again under other CPU kernels, so that no test and no
 # stored output depends on this machine's rounding (CI's and readers' CPUs have other kernels).
@@ -67,7 +80,7 @@ test-portable: setup
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) $(NUMERIC_TESTS) book
 
 test-browser: book
-	$(PY) -m pytest -q tests/test_browser.py
+	$(PY) -m pytest -q $(XDIST) tests/test_browser.py
 
 lab: setup
 	$(VENV)/bin/jupyter lab book/

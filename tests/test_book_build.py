@@ -119,6 +119,7 @@ CDN_HOST = re.compile(r"(^|\.)(unpkg\.com|jsdelivr\.net|cdnjs\.cloudflare\.com|g
                       r"|gstatic\.com|cdn\.[\w.-]+)$", re.IGNORECASE)
 
 
+@pytest.mark.built_book
 @pytest.mark.skipif(not (HTML / "book" / "intro.html").exists(),
                     reason="no built book (run `make book`; `make test` does)")
 def test_built_html_loads_nothing_from_the_internet():

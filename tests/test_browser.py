@@ -37,6 +37,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 LOCAL_HOST = "127.0.0.1"
 
+pytestmark = pytest.mark.built_book  # make test runs this module after building the book
+
 #: Hosts other than 127.0.0.1 a page may request. None: the book serves MathJax itself, loads
 #: no widget JavaScript, fonts or analytics from a CDN, and links (launch buttons, papers) are
 #: only followed on click. Any request elsewhere would be a page that breaks offline; the test
@@ -152,9 +154,40 @@ def context(browser):
     context.close()
 
 
+#: The pages are dealt round robin into this many test classes: pytest-xdist
+#: (``--dist loadscope``) hands a class to one worker whole, so that many workers open pages
+#: at once, each with its own server and browser (module fixtures are per worker).
+SHARDS = 2
+
+
 @pytest.mark.skipif(not PAGES, reason=f"no built book at {HTML} (run `make book` first)")
-@pytest.mark.parametrize("page_path", PAGES or ["(none)"])
-def test_page(page_path, server, context):
+class PagesInBrowser:
+    """``test_page`` over this shard's ``pages``."""
+    pages: list[str] = []
+
+    def test_page(self, page_path, server, context):
+        check_page(page_path, server, context)
+
+
+class TestPages0(PagesInBrowser):
+    pages = PAGES[0::SHARDS]
+
+
+class TestPages1(PagesInBrowser):
+    pages = PAGES[1::SHARDS]
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.cls is not None and issubclass(metafunc.cls, PagesInBrowser):
+        metafunc.parametrize("page_path", metafunc.cls.pages or ["(none)"])
+
+
+def test_every_page_is_in_exactly_one_shard():
+    shards = [TestPages0.pages, TestPages1.pages]
+    assert len(shards) == SHARDS and sorted(sum(shards, [])) == sorted(PAGES)
+
+
+def check_page(page_path, server, context):
     page = context.new_page()
     try:
         log = PageLog(page)

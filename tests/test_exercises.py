@@ -363,6 +363,7 @@ def test_result_text_fits_the_column_and_html_is_escaped():
     assert result._repr_html_().startswith("<p") and "✗ not yet" in result._repr_html_()
 
 
+@pytest.mark.built_book
 @pytest.mark.parametrize("nb", sorted({e[0] for e in EXERCISES}))
 def test_the_html_book_shows_the_stubs_message_and_hides_the_solution(nb):
     page = BOOK.parent / "_build" / "html" / "book" / nb.replace(".ipynb", ".html")

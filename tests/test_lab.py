@@ -197,8 +197,45 @@ _ALL_RAN = """() => {
 }"""
 
 
-@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
-def test_chapter_runs_in_jupyterlab(chapter, lab, browser):
+#: The chapters are dealt round robin into this many test classes. pytest-xdist
+#: (``--dist loadscope``) hands a class to one worker whole, so up to this many workers run
+#: chapters at once, each with its own server and browser (module fixtures are per worker);
+#: one class of all 18 chapters kept one worker busy for minutes while the others idled.
+SHARDS = 3
+
+
+class ChaptersInLab:
+    """``test_chapter_runs_in_jupyterlab`` over this shard's ``chapters``."""
+    chapters: list[pathlib.Path] = []
+
+    def test_chapter_runs_in_jupyterlab(self, chapter, lab, browser):
+        run_chapter_in_lab(chapter, lab, browser)
+
+
+class TestChapters0(ChaptersInLab):
+    chapters = CHAPTERS[0::SHARDS]
+
+
+class TestChapters1(ChaptersInLab):
+    chapters = CHAPTERS[1::SHARDS]
+
+
+class TestChapters2(ChaptersInLab):
+    chapters = CHAPTERS[2::SHARDS]
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.cls is not None and issubclass(metafunc.cls, ChaptersInLab):
+        metafunc.parametrize("chapter", metafunc.cls.chapters,
+                             ids=[c.stem for c in metafunc.cls.chapters])
+
+
+def test_every_chapter_is_in_exactly_one_shard():
+    shards = [TestChapters0.chapters, TestChapters1.chapters, TestChapters2.chapters]
+    assert len(shards) == SHARDS and sorted(sum(shards, [])) == CHAPTERS
+
+
+def run_chapter_in_lab(chapter, lab, browser):
     served = json.loads((lab.book / chapter.name).read_text())  # what the server serves
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()

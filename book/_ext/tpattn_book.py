@@ -1,6 +1,6 @@
 """Sphinx glue for the tpattn book (loaded from ``_config.yml`` → ``sphinx.local_extensions``).
 
-Two things the stock Jupyter Book does not do:
+What the stock Jupyter Book does not do:
 
 1. ``tpattn-figure`` directive — embeds a figure that a ``tpattn.viz`` function draws *at build
    time*, so a markdown page (the landing page) shows a figure generated from the package's code,
@@ -30,6 +30,12 @@ Two things the stock Jupyter Book does not do:
    myst-nb then executes it itself and reports the error as always (``-W`` fails the build).
    ``TPATTN_BOOK_JOBS=1`` leaves execution to myst-nb alone.
 
+4. One execution for nbval and the book — ``make test`` runs nbval first, which executes every
+   notebook from scratch and writes each one that passed, with the outputs it just compared,
+   under ``_build/nbval-executed/<package digest>/`` (``tests/nbval_record.py``). A notebook
+   missing from the cache whose recorded execution has this package's digest and the same code
+   cells (jupyter-cache's hash) is cached from it, not executed again.
+
 It also fails the build early, with the fix, when ``make setup`` has not fetched MathJax yet.
 """
 from __future__ import annotations
@@ -52,6 +58,8 @@ from sphinx.util.docutils import SphinxDirective
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tpattn"
+#: Where ``make test``'s nbval run writes the notebooks it executed (``tests/nbval_record.py``).
+RECORDED = ROOT / "_build" / "nbval-executed"
 
 
 def package_digest() -> str:
@@ -94,11 +102,42 @@ def book_notebooks(app: Sphinx) -> list[Path]:
     return sorted(found)
 
 
+def recorded_execution(path: Path) -> Path | None:
+    """Where ``make test``'s nbval run left its execution of notebook ``path``: a path under
+    ``RECORDED/<package digest>/`` that need not exist (``tests/nbval_record.py``); ``None``
+    for a notebook outside the repository."""
+    try:
+        return RECORDED / package_digest() / path.resolve().relative_to(ROOT)
+    except ValueError:
+        return None
+
+
+def cache_recorded_execution(cache, path: Path) -> bool:
+    """Cache nbval's execution of ``path`` if one exists for this package and these code cells."""
+    import nbformat
+    from jupyter_cache.cache.main import CacheBundleIn
+
+    recorded = recorded_execution(path)
+    if recorded is None or not recorded.is_file():
+        return False
+    executed = nbformat.read(recorded, as_version=4)
+    current = nbformat.read(path, as_version=4)
+    if cache.create_hashed_notebook(executed)[1] != cache.create_hashed_notebook(current)[1]:
+        return False  # the notebook changed since nbval ran it
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    if [c.execution_count for c in code] != list(range(1, len(code) + 1)):
+        return False  # not one complete run
+    cache.cache_notebook_bundle(CacheBundleIn(executed, str(path), data={"executed_by": "nbval"}),
+                                check_validity=False, overwrite=True)
+    return True
+
+
 def prefill_execution_cache(app: Sphinx, config: Config) -> None:
-    """Execute the notebooks missing from myst-nb's cache in parallel and cache them."""
-    jobs = execution_jobs()
-    if config.nb_execution_mode != "cache" or jobs == 1:
+    """Cache nbval's executions from ``make test``; execute the notebooks still missing from
+    myst-nb's cache in parallel and cache them."""
+    if config.nb_execution_mode != "cache":
         return
+    jobs = execution_jobs()
     import multiprocessing
 
     import nbformat
@@ -108,14 +147,20 @@ def prefill_execution_cache(app: Sphinx, config: Config) -> None:
 
     logger = logging.getLogger(__name__)
     cache = get_cache(config.nb_execution_cache_path)
-    todo = []
+    todo, recorded = [], 0
     for path in book_notebooks(app):
         try:
             cache.match_cache_notebook(nbformat.read(path, as_version=4))
         except KeyError:
-            todo.append(cache.add_nb_to_project(str(path)))
-    if not todo:
+            if cache_recorded_execution(cache, path):
+                recorded += 1
+            else:
+                todo.append(path)
+    if recorded:
+        logger.info(f"tpattn: {recorded} notebooks cached from nbval's run of them (make test)")
+    if not todo or jobs == 1:
         return
+    todo = [cache.add_nb_to_project(str(path)) for path in todo]
     workers = min(jobs, len(todo))
     logger.info(f"tpattn: executing {len(todo)} notebooks in {workers} processes")
     start = time.perf_counter()
