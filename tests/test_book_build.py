@@ -201,7 +201,8 @@ def test_parallel_prefill_caches_what_myst_nb_then_finds(tmp_path, monkeypatch):
     config = types.SimpleNamespace(
         nb_execution_mode="cache", nb_execution_cache_path=str(tmp_path / "cache"),
         nb_execution_timeout=60, nb_execution_allow_errors=False, exclude_patterns=["_build"])
-    app = types.SimpleNamespace(srcdir=str(src), config=config)
+    app = types.SimpleNamespace(srcdir=str(src), outdir=str(src / "_build" / "html"),
+                                config=config)
     assert [p.name for p in ext.book_notebooks(app)] == ["bad.ipynb", "good.ipynb"]
     monkeypatch.setenv("TPATTN_BOOK_JOBS", "2")
     ext.prefill_execution_cache(app, config)

@@ -60,13 +60,10 @@ def test_nbval_keeps_each_passing_notebook_with_the_outputs_it_compared(tmp_path
 def test_the_book_caches_a_recorded_run_only_if_it_is_this_packages_complete_run(
         tmp_path, monkeypatch):
     ext = load_book_extension()
-    src, recorded = tmp_path / "src", tmp_path / "rec"
+    src = tmp_path / "src"
     (src / "book").mkdir(parents=True)
-    digest = ext.package_digest()
-    monkeypatch.setattr(ext, "package_digest", lambda: digest)
-    monkeypatch.setattr(ext, "ROOT", src)
-    monkeypatch.setattr(ext, "RECORDED", recorded)
-    here = recorded / digest / "book"
+    recorded = src / "_build" / "nbval-executed"  # beside the build's html folder
+    here = recorded / ext.package_digest() / "book"
     here.mkdir(parents=True)
     cases = {  # name: (the notebook now, what nbval recorded, cached from the record?)
         "same": (notebook(("print(1)", [])), notebook(("print(1)", ["recorded\n"])), True),
@@ -84,9 +81,10 @@ def test_the_book_caches_a_recorded_run_only_if_it_is_this_packages_complete_run
     nbformat.write(notebook(("print(3)", [])), src / "book" / "other.ipynb")
     config = types.SimpleNamespace(
         nb_execution_mode="cache", nb_execution_cache_path=str(tmp_path / "cache"),
-        nb_execution_timeout=60, nb_execution_allow_errors=False, exclude_patterns=[])
+        nb_execution_timeout=60, nb_execution_allow_errors=False, exclude_patterns=["_build"])
     monkeypatch.setenv("TPATTN_BOOK_JOBS", "1")  # cache what was recorded, execute nothing
-    ext.prefill_execution_cache(types.SimpleNamespace(srcdir=str(src), config=config), config)
+    app = types.SimpleNamespace(srcdir=str(src), outdir=str(src / "_build" / "html"), config=config)
+    ext.prefill_execution_cache(app, config)
     cache = get_cache(config.nb_execution_cache_path)
     for name, cached in [*((n, c[2]) for n, c in cases.items()), ("other", False)]:
         now = nbformat.read(src / "book" / f"{name}.ipynb", as_version=4)

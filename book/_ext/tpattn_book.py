@@ -58,8 +58,9 @@ from sphinx.util.docutils import SphinxDirective
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tpattn"
-#: Where ``make test``'s nbval run writes the notebooks it executed (``tests/nbval_record.py``).
-RECORDED = ROOT / "_build" / "nbval-executed"
+#: Where ``make test``'s nbval run writes the notebooks it executed (``tests/nbval_record.py``),
+#: next to the build's output folder (``_build/html``) and its execution cache.
+RECORDED = "nbval-executed"
 
 
 def package_digest() -> str:
@@ -102,22 +103,23 @@ def book_notebooks(app: Sphinx) -> list[Path]:
     return sorted(found)
 
 
-def recorded_execution(path: Path) -> Path | None:
+def recorded_execution(app: Sphinx, path: Path) -> Path | None:
     """Where ``make test``'s nbval run left its execution of notebook ``path``: a path under
-    ``RECORDED/<package digest>/`` that need not exist (``tests/nbval_record.py``); ``None``
-    for a notebook outside the repository."""
+    ``_build/nbval-executed/<package digest>/`` that need not exist (``tests/nbval_record.py``);
+    ``None`` for a notebook outside the source folder."""
     try:
-        return RECORDED / package_digest() / path.resolve().relative_to(ROOT)
+        where = path.resolve().relative_to(Path(app.srcdir).resolve())
     except ValueError:
         return None
+    return Path(app.outdir).parent / RECORDED / package_digest() / where
 
 
-def cache_recorded_execution(cache, path: Path) -> bool:
+def cache_recorded_execution(app: Sphinx, cache, path: Path) -> bool:
     """Cache nbval's execution of ``path`` if one exists for this package and these code cells."""
     import nbformat
     from jupyter_cache.cache.main import CacheBundleIn
 
-    recorded = recorded_execution(path)
+    recorded = recorded_execution(app, path)
     if recorded is None or not recorded.is_file():
         return False
     executed = nbformat.read(recorded, as_version=4)
@@ -152,7 +154,7 @@ def prefill_execution_cache(app: Sphinx, config: Config) -> None:
         try:
             cache.match_cache_notebook(nbformat.read(path, as_version=4))
         except KeyError:
-            if cache_recorded_execution(cache, path):
+            if cache_recorded_execution(app, cache, path):
                 recorded += 1
             else:
                 todo.append(path)
