@@ -9,7 +9,7 @@ import matplotlib.patches as mpatches
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import drift_figure
+from .sharding import _clear_layer, _heads_frame, drift_figure
 from .style import FAIL_COLOR, new_figure, rank_color
 
 __all__ = ["replica_groups_figure", "replica_groups_frame", "set_replica_groups",
@@ -32,28 +32,16 @@ def replica_groups_figure(cfg: Config):
 def replica_groups_frame(query_heads: int):
     """The empty frame of ``replica_groups_figure`` for ``query_heads``."""
     hq = query_heads
-    width = min(12.0, max(6.0, 0.55 * hq + 3.0))
-    fig, ax = new_figure(figsize=(width, 3.2))
-    q_y, kv_y = 1.7, 0.0
-    ax.text(-0.9, q_y, "query\nheads", ha="right", va="center", fontsize=9)
-    ax.text(-0.9, kv_y, "K/V\nper rank", ha="right", va="center", fontsize=9)
-    ax.set_xlim(-2.4, hq - 0.3)
-    ax.set_ylim(-0.95, 2.2)
-    ax.axis("off")
-    fig.tpattn_heads = {"kind": "replica_groups", "query_heads": hq, "layer": []}
-    return fig
+    return _heads_frame(hq, "replica_groups", min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
+                        ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
+                        (-0.95, 2.2))
 
 
 def set_replica_groups(fig, cfg: Config) -> None:
     """Draw ``cfg``'s replica groups in a ``replica_groups_frame`` of ``cfg.query_heads``,
     replacing what was drawn there before."""
+    ax = _clear_layer(fig, cfg)
     frame = fig.tpattn_heads
-    if frame["query_heads"] != cfg.query_heads:
-        raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
-                         f"(got {cfg.query_heads})")
-    ax = fig.axes[0]
-    for artist in frame["layer"]:
-        artist.remove()
     hq, w, d = cfg.query_heads, cfg.world_size, cfg.head_dim
     per_rank = hq // w
     fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5

@@ -136,34 +136,51 @@ def _check_query_ranks(cfg: Config, query_ranks) -> None:
                          f"the {cfg.query_heads} query heads (got {list(query_ranks)!r})")
 
 
+def _heads_frame(query_heads: int, kind: str, width: float, height: float,
+                 labels: tuple[str, str], label_ys: tuple[float, float],
+                 xlim: tuple[float, float], ylim: tuple[float, float]):
+    """An empty frame of ``width`` × ``height`` inches: the two row labels (right-aligned at
+    x = -0.9, at ``label_ys``), fixed limits, no axis, and the ``tpattn_heads`` record
+    (``kind``, ``query_heads``, the ``layer`` drawn in it)."""
+    fig, ax = new_figure(figsize=(width, height))
+    for label, y in zip(labels, label_ys):
+        ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_aspect("auto")
+    ax.axis("off")
+    fig.tpattn_heads = {"kind": kind, "query_heads": query_heads, "layer": []}
+    return fig
+
+
+def _clear_layer(fig, cfg: Config):
+    """The axes of a heads frame (``_heads_frame``) of ``cfg.query_heads``, with the layer
+    drawn there before removed (``ValueError`` for a frame of another head count)."""
+    frame = fig.tpattn_heads
+    if frame["query_heads"] != cfg.query_heads:
+        raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
+                         f"(got {cfg.query_heads})")
+    for artist in frame["layer"]:
+        artist.remove()
+    frame["layer"] = []
+    return fig.axes[0]
+
+
 def heads_frame(query_heads: int):
     """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (size, limits, row
     labels); ``set_heads_layout`` draws a layout in it."""
     hq = query_heads
-    width = min(12.0, max(6.0, 0.55 * hq + 2.5))
-    fig, ax = new_figure(figsize=(width, 2.9))
-    q_y, kv_y = 1.6, 0.0
-    ax.text(-0.9, q_y, "query\nheads", ha="right", va="center", fontsize=9)
-    ax.text(-0.9, kv_y, "KV\nheads", ha="right", va="center", fontsize=9)
-    ax.set_xlim(-2.2, hq - 0.3)
-    ax.set_ylim(-0.55, 2.1)
-    ax.set_aspect("auto")
-    ax.axis("off")
-    fig.tpattn_heads = {"kind": "heads", "query_heads": hq, "layer": []}
-    return fig
+    return _heads_frame(hq, "heads", min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
+                        ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
+                        (-0.55, 2.1))
 
 
 def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None) -> None:
     """Draw ``cfg``'s heads → ranks (boxes, lines, legend, title) in a ``heads_frame`` of
     ``cfg.query_heads``, replacing the layout drawn there before."""
-    frame = fig.tpattn_heads
-    if frame["query_heads"] != cfg.query_heads:
-        raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
-                         f"(got {cfg.query_heads})")
     _check_query_ranks(cfg, query_ranks)
-    ax = fig.axes[0]
-    for artist in frame["layer"]:
-        artist.remove()
+    ax = _clear_layer(fig, cfg)
+    frame = fig.tpattn_heads
     hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
     if query_ranks is None:
         query_ranks = [h // cfg.local_query_heads for h in range(hq)]
