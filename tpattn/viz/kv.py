@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
 
 from ..config import Config
@@ -51,8 +52,9 @@ def set_replica_groups(fig, cfg: Config) -> None:
     layer = []
     for h in range(hq):
         r = h // per_rank
-        layer += ax.plot([h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], color="#888888",
-                         linewidth=1.0, zorder=1)
+        layer.append(ax.add_artist(mlines.Line2D(  # not ax.plot: fixed limits, ~3x cheaper
+            [h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], color="#888888",
+            linewidth=1.0, zorder=1)))
         layer.append(ax.add_artist(mpatches.FancyBboxPatch(  # fixed limits: no autoscale
             (h - 0.4, q_y - box_h / 2), 0.8, box_h, boxstyle="round,pad=0.02",
             facecolor=rank_color(r), edgecolor="white", zorder=2)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
 import torch
 
@@ -136,19 +137,35 @@ def _check_query_ranks(cfg: Config, query_ranks) -> None:
                          f"the {cfg.query_heads} query heads (got {list(query_ranks)!r})")
 
 
+#: Margins of the heads frames, in inches (left, bottom, right, top): the room constrained
+#: layout gives them — the two-line title above the axes, the rank legend (up to two-digit
+#: ranks) to their right. A fixed layout: the axes stay where they are whatever layout is
+#: drawn in them (a standing figure's frame), and no layout engine runs for a new frame.
+HEADS_MARGINS = (3 / 72, 3 / 72, 0.92, 0.44)
+
+
 def _heads_frame(query_heads: int, kind: str, width: float, height: float,
                  labels: tuple[str, str], label_ys: tuple[float, float],
                  xlim: tuple[float, float], ylim: tuple[float, float]):
     """An empty frame of ``width`` × ``height`` inches: the two row labels (right-aligned at
-    x = -0.9, at ``label_ys``), fixed limits, no axis, and the ``tpattn_heads`` record
-    (``kind``, ``query_heads``, the ``layer`` drawn in it)."""
-    fig, ax = new_figure(figsize=(width, height))
-    for label, y in zip(labels, label_ys):
-        ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+    x = -0.9, at ``label_ys``), fixed limits, no axis, margins ``HEADS_MARGINS`` (the left one
+    widened if a row label would reach past the figure's edge), and the ``tpattn_heads``
+    record (``kind``, ``query_heads``, the ``layer`` drawn in it)."""
+    fig, ax = new_figure(figsize=(width, height), layout=None)
+    texts = [ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+             for label, y in zip(labels, label_ys)]
     ax.set_xlim(*xlim)
     ax.set_ylim(*ylim)
     ax.set_aspect("auto")
     ax.axis("off")
+    left, bottom, right, top = HEADS_MARGINS
+    span, room = xlim[1] - xlim[0], -0.9 - xlim[0]  # data units: all, left of the labels
+    widest = max(t.get_window_extent(fig.canvas.get_renderer()).width for t in texts) / fig.dpi
+    inches = width - left - right  # the axes' width if the labels fit
+    if widest > room * inches / span:  # they do not: move the axes right until they do
+        left += (widest * span - room * inches) / (span - room)
+    ax.set_position([left / width, bottom / height, 1 - (left + right) / width,
+                     1 - (bottom + top) / height])
     fig.tpattn_heads = {"kind": kind, "query_heads": query_heads, "layer": []}
     return fig
 
@@ -197,10 +214,10 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
         j = h // cfg.group_size
         crosses = int(query_ranks[h]) != kv_ranks[j]
         split += crosses
-        layer += ax.plot([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
-                         color=FAIL_COLOR if crosses else "#888888",
-                         linestyle="--" if crosses else "-", linewidth=1.6 if crosses else 1.0,
-                         zorder=1)
+        layer.append(ax.add_artist(mlines.Line2D(  # not ax.plot: fixed limits, ~3x cheaper
+            [q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
+            color=FAIL_COLOR if crosses else "#888888", linestyle="--" if crosses else "-",
+            linewidth=1.6 if crosses else 1.0, zorder=1)))
     for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
         for i, (x, r) in enumerate(zip(xs, ranks)):
             layer.append(ax.add_artist(mpatches.FancyBboxPatch(  # fixed limits: no autoscale

@@ -2,9 +2,14 @@
 replica groups, and what each ``kv_strategy`` holds and moves (live and static twins)."""
 from __future__ import annotations
 
+import functools
 import html
+import math
 
 import ipywidgets as widgets
+import numpy as np
+from matplotlib.legend import Legend
+from matplotlib.text import Text
 
 from ..config import KV_STRATEGIES, Config
 from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, kv_head_of_rank, replica_groups
@@ -14,7 +19,8 @@ from .core import (Explorer, Renders, StandingFigure, config_controls, html_outp
                    png_img, png_output)
 from .static import StaticExplorer
 
-__all__ = ["KV_LAYOUTS", "kv_config", "kv_explorer", "static_kv_explorer"]
+__all__ = ["KV_LAYOUTS", "kv_config", "kv_explorer", "static_kv_explorer",
+           "PastingStandingFigure"]
 
 #: (query_heads, kv_heads, world_size) precomputed for the book: GQA and MQA with fewer KV
 #: heads than ranks, and one invalid layout (each figure costs ~0.5 s of build time).
@@ -70,10 +76,100 @@ def _png(renders: Renders, cfg: Config, palette=False,
     return renders.png(("kv", cfg), lambda: replica_groups_figure(cfg), palette, draw)
 
 
+def _text_look(artist: Text) -> tuple | None:
+    """What a text's pixels depend on (besides what lies under it), or ``None`` for a text
+    that may draw more than glyphs (a box, path effects, TeX)."""
+    if artist.get_bbox_patch() is not None or artist.get_path_effects() or artist.get_usetex():
+        return None
+    font = artist.get_fontproperties()
+    return ("text", artist.get_text(), tuple(font.get_family()), font.get_style(),
+            font.get_variant(), font.get_weight(), font.get_stretch(), font.get_size_in_points(),
+            font.get_file(), font.get_math_fontfamily(), str(artist.get_color()),
+            artist.get_alpha(), artist.get_ha(), artist.get_va(), artist.get_rotation(),
+            artist.get_rotation_mode(), artist._linespacing, artist._multialignment,
+            artist.get_antialiased(), artist.get_wrap(),
+            tuple(artist.get_transform().transform(artist.get_unitless_position())))
+
+
+def _legend_look(legend: Legend) -> tuple:
+    """What a (frameless) legend's pixels depend on: its entries, fonts and anchor."""
+    return ("legend", legend.get_frame_on(), legend._loc,
+            tuple(legend.get_bbox_to_anchor().bounds),
+            tuple(_text_look(t) for t in legend.texts),
+            tuple((type(h).__name__, tuple(h.get_facecolor()), tuple(h.get_edgecolor()))
+                  for h in legend.legend_handles))
+
+
+class PastingStandingFigure(StandingFigure):
+    """A ``StandingFigure`` whose texts and legends are drawn once per look and then pasted.
+
+    Rasterizing text is most of a heads frame's update (~1 ms a label, ~10 ms a legend on a
+    small machine), and most labels look the same from one layout to the next: ``q3`` on
+    rank 1's color. Where an artist's pixel rectangle (its extent, 2 px wider) holds one
+    color before it is drawn, its pixels there are a function of that color and of the
+    artist's look (text, font, color, alignment, position on the canvas), so the first draw
+    of each (look, color) is kept and pasted after. The first draw also checks that the
+    artist changed nothing outside its rectangle (else it is always drawn). The pixels are
+    those of drawing it (``tests/test_widgets.py`` compares them with a fresh figure's).
+    """
+
+    PAD, RING = 2, 4  # px around an artist's extent: its rectangle, then the checked ring
+
+    def draw_dynamic(self, fig) -> None:
+        canvas = fig.canvas
+        pixels = np.asarray(canvas.buffer_rgba())  # the canvas itself (a view)
+        kept = fig.__dict__.setdefault("tpattn_pasted", {})  # look -> rectangle, pixels
+        for artist in self._dynamic(fig):
+            if not artist.get_visible():
+                continue
+            look = (_text_look(artist) if isinstance(artist, Text)
+                    else _legend_look(artist) if isinstance(artist, Legend) else None)
+            if look is None:
+                fig.draw_artist(artist)
+                continue
+            if look not in kept:
+                kept[look] = self._rectangle(artist, canvas, pixels.shape)
+            entry = kept[look]
+            if entry is None:  # near the edge, or drew outside its rectangle
+                fig.draw_artist(artist)
+                continue
+            (top, bottom, left, right), looks = entry
+            under = pixels[top:bottom, left:right]
+            color = under[0, 0].tobytes()
+            if not (under == under[0, 0]).all():  # not one color under it: draw it
+                fig.draw_artist(artist)
+            elif color in looks:
+                under[...] = looks[color]
+            else:
+                ring = (slice(top - self.RING, bottom + self.RING),
+                        slice(left - self.RING, right + self.RING))
+                before = pixels[ring].copy()
+                fig.draw_artist(artist)
+                changed = (pixels[ring] != before).any(axis=-1)
+                changed[self.RING:-self.RING, self.RING:-self.RING] = False
+                if changed.any():
+                    kept[look] = None
+                else:
+                    looks[color] = under.copy()
+
+    def _rectangle(self, artist, canvas, shape):
+        """``((top, bottom, left, right), {})``: the artist's pixel rows and columns (its
+        extent, ``PAD`` wider), or ``None`` if they and the ring do not fit on the canvas."""
+        extent = artist.get_window_extent(canvas.get_renderer())
+        height, width = shape[:2]
+        top = height - math.ceil(extent.y1) - self.PAD
+        bottom = height - math.floor(extent.y0) + self.PAD
+        left, right = math.floor(extent.x0) - self.PAD, math.ceil(extent.x1) + self.PAD
+        margin = self.RING
+        if top < margin or left < margin or bottom > height - margin or right > width - margin:
+            return None
+        return (top, bottom, left, right), {}
+
+
 def replica_groups_standing_figure() -> StandingFigure:
     """``replica_groups_figure`` kept standing per number of query heads."""
-    return StandingFigure(build=lambda structure, cfg: replica_groups_figure(cfg),
-                          update=set_replica_groups, dynamic=layout_dynamic_artists)
+    return PastingStandingFigure(build=lambda structure, cfg: replica_groups_figure(cfg),
+                                 update=set_replica_groups, dynamic=layout_dynamic_artists)
 
 
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
@@ -86,24 +182,31 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
                                                     style={"button_width": "auto"})
     renders, standing = Renders(), replica_groups_standing_figure()
 
-    def draw(query_heads, kv_heads, world_size, kv_strategy):
-        cfg = kv_config(query_heads, kv_heads, world_size, kv_strategy)
+    @functools.lru_cache(maxsize=32)  # a layout shown again: its outputs, not a new PNG
+    def shown(cfg: Config) -> tuple[dict, dict]:
         text, markup = _caption(cfg)
-        return [html_output(markup, text),
+        return (html_output(markup, text),
                 png_output(_png(renders, cfg, standing=standing),
-                           f"<replica groups, {query_heads}/{kv_heads}/{world_size}, "
-                           f"{kv_strategy}>")]
+                           f"<replica groups, {cfg.query_heads}/{cfg.kv_heads}/"
+                           f"{cfg.world_size}, {cfg.kv_strategy}>"))
+
+    def draw(query_heads, kv_heads, world_size, kv_strategy):
+        return list(shown(kv_config(query_heads, kv_heads, world_size, kv_strategy)))
 
     explorer = Explorer("kv", controls, draw, static=lambda: static_kv_explorer(
-        initial=((query_heads, kv_heads, world_size), kv_strategy), renders=renders))
-    explorer.renders, explorer.standing = renders, standing
+        initial=((query_heads, kv_heads, world_size), kv_strategy), renders=renders,
+        standing=standing))
+    explorer.renders, explorer.standing, explorer.shown = renders, standing, shown
     return explorer
 
 
 def static_kv_explorer(layouts=KV_LAYOUTS, initial=((8, 2, 4), "replicate_weights"),
-                       renders: Renders | None = None) -> StaticExplorer:
+                       renders: Renders | None = None,
+                       standing: StandingFigure | None = None) -> StaticExplorer:
     """The live explorer's panels for each layout × strategy (an invalid one shows
-    ``Config``'s message)."""
+    ``Config``'s message). ``standing``: draw them in the live explorer's standing frames
+    (the same pixels, one build per number of query heads, which then stand for the live
+    updates)."""
     layouts = [tuple(layout) for layout in layouts]
     renders = Renders() if renders is None else renders
     panels = {}
@@ -115,7 +218,7 @@ def static_kv_explorer(layouts=KV_LAYOUTS, initial=((8, 2, 4), "replicate_weight
                 panels[(i, j)] = message_html(str(error))
                 continue
             panels[(i, j)] = _caption(cfg)[1] + png_img(
-                _png(renders, cfg, palette=True),
+                _png(renders, cfg, palette=True, standing=standing),
                 "{} q / {} kv / {} ranks".format(*layout) + f", {strategy}")
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     layout0, strategy0 = initial
