@@ -27,8 +27,9 @@ from ..config import Config
 from ..layers import rope_angles
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
                           rope_rotation_figure, set_attention_state, set_rope_position)
-from ..viz.kv import set_replica_groups
-from ..viz.sharding import heads_to_ranks_figure, layout_dynamic_artists, set_heads_layout
+from ..viz.kv import replica_groups_frame, set_replica_groups
+from ..viz.sharding import (heads_frame, heads_to_ranks_figure, layout_dynamic_artists,
+                            set_heads_layout)
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, measures_html, measures_text
@@ -266,8 +267,12 @@ def layout_standing_figure() -> StandingFigure:
     heads than ranks) kept standing per ``layout_structure``."""
     from .kv import PastingStandingFigure
 
-    return PastingStandingFigure(build=lambda structure, cfg: heads_to_ranks_figure(cfg),
-                                 update=_set_layout, dynamic=layout_dynamic_artists)
+    def frame(structure, _cfg):  # the background is the frame: its layer is all dynamic
+        kind, query_heads = structure
+        return (replica_groups_frame if kind == "replica_groups" else heads_frame)(query_heads)
+
+    return PastingStandingFigure(build=frame, update=_set_layout,
+                                 dynamic=layout_dynamic_artists)
 
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:

@@ -13,7 +13,7 @@ from matplotlib.text import Text
 
 from ..config import KV_STRATEGIES, Config
 from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, kv_head_of_rank, replica_groups
-from ..viz.kv import replica_groups_figure, set_replica_groups
+from ..viz.kv import replica_groups_figure, replica_groups_frame, set_replica_groups
 from ..viz.sharding import layout_dynamic_artists
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output, message_html,
                    png_img, png_output)
@@ -168,8 +168,9 @@ class PastingStandingFigure(StandingFigure):
 
 def replica_groups_standing_figure() -> StandingFigure:
     """``replica_groups_figure`` kept standing per number of query heads."""
-    return PastingStandingFigure(build=lambda structure, cfg: replica_groups_figure(cfg),
-                                 update=set_replica_groups, dynamic=layout_dynamic_artists)
+    return PastingStandingFigure(  # the background is the frame: its layer is all dynamic
+        build=lambda structure, _cfg: replica_groups_frame(structure[1]),
+        update=set_replica_groups, dynamic=layout_dynamic_artists)
 
 
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
