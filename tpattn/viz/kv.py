@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
 
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import _clear_layer, _heads_frame, drift_figure
+from .sharding import _clear_layer, _head_box, _head_line, _heads_frame, drift_figure
 from .style import FAIL_COLOR, new_figure, rank_color
 
 __all__ = ["replica_groups_figure", "replica_groups_frame", "set_replica_groups",
@@ -52,14 +51,10 @@ def set_replica_groups(fig, cfg: Config) -> None:
     layer = []
     for h in range(hq):
         r = h // per_rank
-        layer.append(ax.add_artist(mlines.Line2D(  # not ax.plot: fixed limits, ~3x cheaper
-            [h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], color="#888888",
-            linewidth=1.0, zorder=1)))
-        layer.append(ax.add_artist(mpatches.FancyBboxPatch(  # fixed limits: no autoscale
-            (h - 0.4, q_y - box_h / 2), 0.8, box_h, boxstyle="round,pad=0.02",
-            facecolor=rank_color(r), edgecolor="white", zorder=2)))
-        layer.append(ax.text(h, q_y, f"q{h}", ha="center", va="center", color="white",
-                             fontsize=fontsize, fontweight="bold", zorder=3))
+        layer.append(_head_line(ax, frame, h, [h, rank_x[r]],
+                                [q_y - box_h / 2, kv_y + box_h / 2], "#888888"))
+        layer += _head_box(ax, frame, "q", h, h, q_y, 0.8, box_h, rank_color(r), f"q{h}",
+                           fontsize)
     box_w = max(0.8, per_rank - 0.2)
     for r in range(w):
         first = kv_head_of_rank(cfg, r)
@@ -70,11 +65,8 @@ def set_replica_groups(fig, cfg: Config) -> None:
             label = f"kv{first}" + (" copy" if has_replicas(cfg) else "")
         else:
             label = f"kv{first}–{first + cfg.local_kv_heads - 1}"
-        layer.append(ax.add_artist(mpatches.FancyBboxPatch(
-            (rank_x[r] - box_w / 2, kv_y - box_h / 2), box_w, box_h, boxstyle="round,pad=0.02",
-            facecolor=rank_color(r), edgecolor="white", zorder=2)))
-        layer.append(ax.text(rank_x[r], kv_y, label, ha="center", va="center", color="white",
-                             fontsize=fontsize - 1, fontweight="bold", zorder=3))
+        layer += _head_box(ax, frame, "rank", r, rank_x[r], kv_y, box_w, box_h, rank_color(r),
+                           label, fontsize - 1)
     for g, group in enumerate(replica_groups(cfg)):
         if len(group) < 2:
             continue

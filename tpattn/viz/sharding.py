@@ -5,7 +5,7 @@ Tensors are read, never modified; they may require grad.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
@@ -178,9 +178,49 @@ def _clear_layer(fig, cfg: Config):
         raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
                          f"(got {cfg.query_heads})")
     for artist in frame["layer"]:
-        artist.remove()
+        if getattr(artist, "tpattn_kept", False):
+            artist.set_visible(False)  # kept for the next layout (``_kept``)
+        else:
+            artist.remove()
     frame["layer"] = []
     return fig.axes[0]
+
+
+def _kept(frame, role: str, i: int, make: Callable):
+    """The ``i``-th artist of ``role`` in a heads frame, made (and added to the axes) by
+    ``make()`` the first time: the next layout sets its properties again, ~5x cheaper than
+    adding a new artist. A layout sets every property it depends on."""
+    kept = frame.setdefault("kept", {}).setdefault(role, [])
+    while len(kept) <= i:
+        kept.append(make())
+        kept[-1].tpattn_kept = True
+    artist = kept[i]
+    artist.set_visible(True)
+    return artist
+
+
+def _head_line(ax, frame, i: int, xs, ys, color: str, linestyle: str = "-",
+               linewidth: float = 1.0):
+    """A line from a query head to the KV box it reads (under the boxes)."""
+    line = _kept(frame, "line", i, lambda: ax.add_artist(mlines.Line2D([], [], zorder=1)))
+    line.set_data(xs, ys)
+    line.set(color=color, linestyle=linestyle, linewidth=linewidth)
+    return line
+
+
+def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, height: float,
+              color: str, label: str, fontsize: float):
+    """A rounded box centered at ``(x, y)`` in ``color`` with a white bold ``label``."""
+    box = _kept(frame, role + " box", i, lambda: ax.add_artist(mpatches.FancyBboxPatch(
+        (0, 0), 1, 1, boxstyle="round,pad=0.02", edgecolor="white", zorder=2)))
+    box.set_bounds(x - width / 2, y - height / 2, width, height)
+    box.set_facecolor(color)
+    text = _kept(frame, role + " label", i, lambda: ax.text(
+        0, 0, "", ha="center", va="center", color="white", fontweight="bold", zorder=3))
+    text.set_position((x, y))
+    text.set_text(label)
+    text.set_fontsize(fontsize)
+    return box, text
 
 
 def heads_frame(query_heads: int):
@@ -214,17 +254,14 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
         j = h // cfg.group_size
         crosses = int(query_ranks[h]) != kv_ranks[j]
         split += crosses
-        layer.append(ax.add_artist(mlines.Line2D(  # not ax.plot: fixed limits, ~3x cheaper
-            [q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
-            color=FAIL_COLOR if crosses else "#888888", linestyle="--" if crosses else "-",
-            linewidth=1.6 if crosses else 1.0, zorder=1)))
+        layer.append(_head_line(ax, frame, h, [q_x[h], kv_x[j]],
+                                [q_y - box_h / 2, kv_y + box_h / 2],
+                                FAIL_COLOR if crosses else "#888888",
+                                "--" if crosses else "-", 1.6 if crosses else 1.0))
     for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
         for i, (x, r) in enumerate(zip(xs, ranks)):
-            layer.append(ax.add_artist(mpatches.FancyBboxPatch(  # fixed limits: no autoscale
-                (x - box_w / 2, y - box_h / 2), box_w, box_h, boxstyle="round,pad=0.02",
-                facecolor=rank_color(int(r)), edgecolor="white", zorder=2)))
-            layer.append(ax.text(x, y, f"{prefix}{i}", ha="center", va="center", color="white",
-                                 fontsize=fontsize, fontweight="bold", zorder=3))
+            layer += _head_box(ax, frame, prefix, i, x, y, box_w, box_h, rank_color(int(r)),
+                               f"{prefix}{i}", fontsize)
     handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)]
     layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                            frameon=False, fontsize=8))
