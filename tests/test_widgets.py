@@ -291,18 +291,20 @@ def test_sharding_and_kv_redraw_one_standing_frame_per_head_count():
 
 def test_pasted_labels_show_a_fresh_figures_pixels_in_every_layout():
     """The standing heads frames paste each text and legend drawn before in the same look
-    on the same color: after a tour of one frame's layouts (each label seen on several rank
-    colors, back and forth), every PNG equals a fresh figure's, and pasting happened."""
+    on the same color (a label on a whole pixel: anywhere, in any frame): after a tour of
+    layouts (each label seen on several rank colors, back and forth, in three frames),
+    every PNG equals a fresh figure's, and pasting happened."""
     sharding = widgets.sharding_explorer(8, 4, 2)
     tour = [(8, 8, 2), (8, 4, 4), (8, 2, 2), (8, 8, 8), (8, 4, 2), (8, 8, 4), (8, 2, 1),
-            (8, 8, 2), (8, 2, 4), (8, 1, 8), (8, 2, 4), (8, 1, 2)]
+            (8, 8, 2), (8, 2, 4), (8, 1, 8), (8, 2, 4), (8, 1, 2), (4, 2, 2), (16, 4, 4),
+            (16, 16, 8), (4, 4, 4), (16, 2, 8), (4, 1, 2), (8, 4, 2)]
     for layout in tour:
         sharding.set(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
         cfg = tpattn.Config(query_heads=layout[0], kv_heads=layout[1], world_size=layout[2])
         fresh = figure_png(viz_sharding.heads_to_ranks_figure(cfg))
         assert np.array_equal(pixels(base64.b64decode(pngs(sharding)[0])), pixels(fresh)), layout
-    fig = sharding.standing.figure(("heads", 8))
-    pasted = [looks for entry in fig.tpattn_pasted.values() if entry for _, looks in [entry]]
+    pasted = [looks for entry in sharding.standing.kept.values() if entry
+              for _, looks in [entry]]
     assert sum(len(looks) for looks in pasted) > 20  # labels kept, on several colors each
     assert any(len(looks) > 1 for looks in pasted)
 

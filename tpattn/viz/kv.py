@@ -9,7 +9,8 @@ import matplotlib.patches as mpatches
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import _clear_layer, _head_box, _head_line, _heads_frame, drift_figure
+from .sharding import (_clear_layer, _head_box, _head_line, _heads_frame, _label, _title,
+                       drift_figure)
 from .style import FAIL_COLOR, new_figure, rank_color
 
 __all__ = ["replica_groups_figure", "replica_groups_frame", "set_replica_groups",
@@ -75,9 +76,10 @@ def set_replica_groups(fig, cfg: Config) -> None:
         layer.append(ax.add_artist(mpatches.Rectangle(
             (left, kv_y - box_h / 2 - 0.18), right - left, box_h + 0.36, fill=False,
             edgecolor="#333333", linestyle="--", linewidth=1.1, zorder=1)))
-        layer.append(ax.text((left + right) / 2, kv_y - box_h / 2 - 0.32,
-                             f"replica group of kv{g}: ranks {group[0]}–{group[-1]}",
-                             ha="center", va="top", fontsize=8))
+        label = _label(ax, f"replica group of kv{g}: ranks {group[0]}–{group[-1]}",
+                       ha="center", va="top", fontsize=8)
+        label.set_position(((left + right) / 2, kv_y - box_h / 2 - 0.32))
+        layer.append(label)
     handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(min(w, 8))]
     layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                            frameon=False, fontsize=8))
@@ -88,7 +90,8 @@ def set_replica_groups(fig, cfg: Config) -> None:
     else:
         how = (f"each KV head copied on {cfg.kv_replicas} ranks: "
                f"wk/wv grads all-reduced within each group")
-    ax.set_title(f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks ({d}-dim heads)\n{how}")
+    layer.append(_title(ax, frame, f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks "
+                                   f"({d}-dim heads)", how))
     frame["layer"] = layer
 
 

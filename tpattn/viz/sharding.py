@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+import matplotlib as mpl
 import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
+import matplotlib.transforms as mtransforms
+import numpy as np
 import torch
+from matplotlib.font_manager import FontProperties
+from matplotlib.text import Text
 
 from ..check import MEASURES, MODES, TOLERANCE
 from ..config import Config
@@ -208,6 +213,40 @@ def _head_line(ax, frame, i: int, xs, ys, color: str, linestyle: str = "-",
     return line
 
 
+class WholePixels(mtransforms.Transform):
+    """Rounds display coordinates to whole pixels. A label anchored through it
+    (``ax.transData + WholePixels()``) has the same pixels wherever it is drawn, shifted by
+    whole pixels (what ``tpattn.widgets.kv.PastingStandingFigure`` pastes); it moves by less
+    than half a pixel."""
+
+    input_dims = output_dims = 2
+
+    def transform_non_affine(self, values):
+        return np.round(np.asarray(values, dtype=float))
+
+
+def _label(ax, text: str = "", **style):
+    """``ax.text`` at ``(0, 0)`` in data coordinates rounded to whole pixels."""
+    return ax.text(0, 0, text, transform=ax.transData + WholePixels(), **style)
+
+
+def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
+    """A two-line title as two texts: ``first`` is the axes' title, ``second`` (returned, one
+    of few sentences, pasted where it was drawn before) a text below it, where the title's
+    second line would be. The lines step by the title font's line height."""
+    size = mpl.rcParams["axes.titlesize"]
+    pad = mpl.rcParams["axes.titlepad"]
+    step = 1.2 * FontProperties(size=size).get_size_in_points()  # points between baselines
+    ax.set_title(first, color=color, pad=pad + step)
+    line = _kept(frame, "title line 2", 0, lambda: ax.text(
+        0.5, 1.0, "", ha="center", va="baseline", fontsize=size,
+        transform=ax.transAxes + mtransforms.ScaledTranslation(0, pad / 72,
+                                                               ax.figure.dpi_scale_trans)))
+    line.set_text(second)
+    line.set_color(color)
+    return line
+
+
 def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, height: float,
               color: str, label: str, fontsize: float):
     """A rounded box centered at ``(x, y)`` in ``color`` with a white bold ``label``."""
@@ -215,8 +254,8 @@ def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, he
         (0, 0), 1, 1, boxstyle="round,pad=0.02", edgecolor="white", zorder=2)))
     box.set_bounds(x - width / 2, y - height / 2, width, height)
     box.set_facecolor(color)
-    text = _kept(frame, role + " label", i, lambda: ax.text(
-        0, 0, "", ha="center", va="center", color="white", fontweight="bold", zorder=3))
+    text = _kept(frame, role + " label", i, lambda: _label(
+        ax, ha="center", va="center", color="white", fontweight="bold", zorder=3))
     text.set_position((x, y))
     text.set_text(label)
     text.set_fontsize(fontsize)
@@ -267,8 +306,8 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
                            frameon=False, fontsize=8))
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
-    ax.set_title(f"{hq} query heads, {hkv} KV heads, {world} ranks\n{verdict}",
-                 color=FAIL_COLOR if split else "black")
+    layer.append(_title(ax, frame, f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
+                        FAIL_COLOR if split else "black"))
     frame["layer"] = layer
 
 

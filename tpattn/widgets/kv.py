@@ -77,8 +77,8 @@ def _png(renders: Renders, cfg: Config, palette=False,
 
 
 def _text_look(artist: Text) -> tuple | None:
-    """What a text's pixels depend on (besides what lies under it), or ``None`` for a text
-    that may draw more than glyphs (a box, path effects, TeX)."""
+    """What a text's pixels depend on besides what lies under it and where it is anchored,
+    or ``None`` for a text that may draw more than glyphs (a box, path effects, TeX)."""
     if artist.get_bbox_patch() is not None or artist.get_path_effects() or artist.get_usetex():
         return None
     font = artist.get_fontproperties()
@@ -87,8 +87,7 @@ def _text_look(artist: Text) -> tuple | None:
             font.get_file(), font.get_math_fontfamily(), str(artist.get_color()),
             artist.get_alpha(), artist.get_ha(), artist.get_va(), artist.get_rotation(),
             artist.get_rotation_mode(), artist._linespacing, artist._multialignment,
-            artist.get_antialiased(), artist.get_wrap(),
-            tuple(artist.get_transform().transform(artist.get_unitless_position())))
+            artist.get_antialiased(), artist.get_wrap())
 
 
 def _legend_look(legend: Legend) -> tuple:
@@ -100,40 +99,66 @@ def _legend_look(legend: Legend) -> tuple:
                   for h in legend.legend_handles))
 
 
+def _look_and_anchor(artist, height: int) -> tuple[tuple | None, int, int]:
+    """``(key, row, column)``: what the artist's pixels depend on (besides what lies under
+    it), and the pixel its rectangle is relative to. A text anchored on a whole pixel (see
+    ``tpattn.viz.sharding.WholePixels``) has the same pixels, shifted, at any whole pixel: its
+    key leaves out where; any other artist's key holds its exact place on this canvas."""
+    if isinstance(artist, Legend):
+        return (_legend_look(artist), height), 0, 0
+    look = _text_look(artist) if isinstance(artist, Text) else None
+    if look is None:
+        return None, 0, 0
+    x, y = artist.get_transform().transform(artist.get_unitless_position())
+    if x == math.floor(x) and y == math.floor(y) and abs(x) < 2**20 and abs(y) < 2**20:
+        return (look, "whole pixel"), height - int(y), int(x)
+    return (look, x, y, height), 0, 0
+
+
 class PastingStandingFigure(StandingFigure):
     """A ``StandingFigure`` whose texts and legends are drawn once per look and then pasted.
 
     Rasterizing text is most of a heads frame's update (~1 ms a label, ~10 ms a legend on a
     small machine), and most labels look the same from one layout to the next: ``q3`` on
     rank 1's color. Where an artist's pixel rectangle (its extent, 2 px wider) holds one
-    color before it is drawn, its pixels there are a function of that color and of the
-    artist's look (text, font, color, alignment, position on the canvas), so the first draw
-    of each (look, color) is kept and pasted after. The first draw also checks that the
-    artist changed nothing outside its rectangle (else it is always drawn). The pixels are
-    those of drawing it (``tests/test_widgets.py`` compares them with a fresh figure's).
+    color before it is drawn, its pixels there are a function of that color, of the artist's
+    look (text, font, color, alignment) and of where it is anchored — for a label anchored
+    on a whole pixel, of nothing else: it is pasted at any whole pixel, in any standing
+    frame. The first draw of each (look, color) is kept and pasted after; it also checks that
+    the artist changed nothing outside its rectangle (else it is always drawn). The pixels
+    are those of drawing it (``tests/test_widgets.py`` compares them with a fresh figure's).
     """
 
     PAD, RING = 2, 4  # px around an artist's extent: its rectangle, then the checked ring
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept: dict = {}  # key -> (rectangle relative to the anchor, {color: pixels})
+
     def draw_dynamic(self, fig) -> None:
         canvas = fig.canvas
         pixels = np.asarray(canvas.buffer_rgba())  # the canvas itself (a view)
-        kept = fig.__dict__.setdefault("tpattn_pasted", {})  # look -> rectangle, pixels
+        height, width = pixels.shape[:2]
         for artist in self._dynamic(fig):
             if not artist.get_visible():
                 continue
-            look = (_text_look(artist) if isinstance(artist, Text)
-                    else _legend_look(artist) if isinstance(artist, Legend) else None)
-            if look is None:
+            key, row, column = _look_and_anchor(artist, height)
+            if key is None:
                 fig.draw_artist(artist)
                 continue
-            if look not in kept:
-                kept[look] = self._rectangle(artist, canvas, pixels.shape)
-            entry = kept[look]
-            if entry is None:  # near the edge, or drew outside its rectangle
+            if key not in self.kept:
+                self.kept[key] = self._rectangle(artist, canvas, height, row, column)
+            entry = self.kept[key]
+            if entry is None:  # drew outside its rectangle once
                 fig.draw_artist(artist)
                 continue
             (top, bottom, left, right), looks = entry
+            top, bottom, left, right = top + row, bottom + row, left + column, right + column
+            margin = self.RING
+            if (top < margin or left < margin or bottom > height - margin
+                    or right > width - margin):  # near the edge: no ring to check
+                fig.draw_artist(artist)
+                continue
             under = pixels[top:bottom, left:right]
             color = under[0, 0].tobytes()
             if not (under == under[0, 0]).all():  # not one color under it: draw it
@@ -141,28 +166,24 @@ class PastingStandingFigure(StandingFigure):
             elif color in looks:
                 under[...] = looks[color]
             else:
-                ring = (slice(top - self.RING, bottom + self.RING),
-                        slice(left - self.RING, right + self.RING))
+                ring = (slice(top - margin, bottom + margin), slice(left - margin, right + margin))
                 before = pixels[ring].copy()
                 fig.draw_artist(artist)
                 changed = (pixels[ring] != before).any(axis=-1)
-                changed[self.RING:-self.RING, self.RING:-self.RING] = False
+                changed[margin:-margin, margin:-margin] = False
                 if changed.any():
-                    kept[look] = None
+                    self.kept[key] = None
                 else:
                     looks[color] = under.copy()
 
-    def _rectangle(self, artist, canvas, shape):
+    def _rectangle(self, artist, canvas, height, row, column):
         """``((top, bottom, left, right), {})``: the artist's pixel rows and columns (its
-        extent, ``PAD`` wider), or ``None`` if they and the ring do not fit on the canvas."""
+        extent, ``PAD`` wider), relative to ``(row, column)``."""
         extent = artist.get_window_extent(canvas.get_renderer())
-        height, width = shape[:2]
-        top = height - math.ceil(extent.y1) - self.PAD
-        bottom = height - math.floor(extent.y0) + self.PAD
-        left, right = math.floor(extent.x0) - self.PAD, math.ceil(extent.x1) + self.PAD
-        margin = self.RING
-        if top < margin or left < margin or bottom > height - margin or right > width - margin:
-            return None
+        top = height - math.ceil(extent.y1) - self.PAD - row
+        bottom = height - math.floor(extent.y0) + self.PAD - row
+        left = math.floor(extent.x0) - self.PAD - column
+        right = math.ceil(extent.x1) + self.PAD - column
         return (top, bottom, left, right), {}
 
 
