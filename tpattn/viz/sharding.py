@@ -193,8 +193,8 @@ def _clear_layer(fig, cfg: Config):
 
 def _kept(frame, role: str, i: int, make: Callable):
     """The ``i``-th artist of ``role`` in a heads frame, made (and added to the axes) by
-    ``make()`` the first time: the next layout sets its properties again, ~5x cheaper than
-    adding a new artist. A layout sets every property it depends on."""
+    ``make()`` the first time: the next layout sets its properties again (~4x cheaper than
+    adding new artists). A layout sets every property it depends on."""
     kept = frame.setdefault("kept", {}).setdefault(role, [])
     while len(kept) <= i:
         kept.append(make())
