@@ -130,6 +130,8 @@ class PastingStandingFigure(StandingFigure):
     """
 
     PAD, RING = 2, 4  # px around an artist's extent: its rectangle, then the checked ring
+    #: Looks kept at most (the oldest go first): a few MB of small pixel blocks.
+    MAX_LOOKS = 1024
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -148,6 +150,8 @@ class PastingStandingFigure(StandingFigure):
                 continue
             if key not in self.kept:
                 self.kept[key] = self._rectangle(artist, canvas, height, row, column)
+                while len(self.kept) > self.MAX_LOOKS:
+                    del self.kept[next(iter(self.kept))]
             entry = self.kept[key]
             if entry is None:  # drew outside its rectangle once
                 fig.draw_artist(artist)
