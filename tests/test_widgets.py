@@ -289,6 +289,46 @@ def test_sharding_and_kv_redraw_one_standing_frame_per_head_count():
     assert kv.standing.builds == 2 and kv.standing.figure(("replica_groups", 16)) is not fig
 
 
+def test_pasted_labels_show_a_fresh_figures_pixels_in_every_layout():
+    """The standing heads frames paste each text and legend drawn before in the same look
+    on the same color (a label on a whole pixel: anywhere, in any frame): after a tour of
+    layouts (each label seen on several rank colors, back and forth, in three frames),
+    every PNG equals a fresh figure's, and pasting happened."""
+    sharding = widgets.sharding_explorer(8, 4, 2)
+    tour = [(8, 8, 2), (8, 4, 4), (8, 2, 2), (8, 8, 8), (8, 4, 2), (8, 8, 4), (8, 2, 1),
+            (8, 8, 2), (8, 2, 4), (8, 1, 8), (8, 2, 4), (8, 1, 2), (4, 2, 2), (16, 4, 4),
+            (16, 16, 8), (4, 4, 4), (16, 2, 8), (4, 1, 2), (8, 4, 2)]
+    for layout in tour:
+        sharding.set(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
+        cfg = tpattn.Config(query_heads=layout[0], kv_heads=layout[1], world_size=layout[2])
+        fresh = figure_png(viz_sharding.heads_to_ranks_figure(cfg))
+        assert np.array_equal(pixels(base64.b64decode(pngs(sharding)[0])), pixels(fresh)), layout
+    pasted = [looks for entry in sharding.standing.kept.values() if entry
+              for _, looks in [entry]]
+    assert sum(len(looks) for looks in pasted) > 20  # labels kept, on several colors each
+    assert any(len(looks) > 1 for looks in pasted)
+
+
+def test_a_layout_shown_again_shows_its_own_outputs():
+    """The explorers keep the outputs of the layouts shown last: going back to a layout
+    shows exactly what a fresh explorer shows for it, never the previous layout's."""
+    for make, first, second in (
+            (widgets.sharding_explorer, dict(query_heads=4, kv_heads=2, world_size=2),
+             dict(query_heads=4, kv_heads=4, world_size=4)),
+            (widgets.kv_explorer, dict(query_heads=8, kv_heads=2, world_size=4),
+             dict(query_heads=8, kv_heads=2, world_size=4, kv_strategy="gather_activations"))):
+        explorer = make(**first)
+        shown_first = explorer.output.outputs
+        explorer.set(**second)
+        shown_second = explorer.output.outputs
+        assert shown_second != shown_first
+        explorer.set(**{**{k: v for k, v in first.items()}, "kv_strategy": "replicate_weights"}
+                     if make is widgets.kv_explorer else first)
+        assert explorer.output.outputs == shown_first
+        assert explorer.shown.cache_info().hits >= 1
+        assert tuple(make(**second).output.outputs) == tuple(shown_second)
+
+
 @pytest.mark.parametrize("channels, alpha", [(3, None), (4, 255), (4, 128)])
 def test_fast_png_holds_exactly_the_pixels(channels, alpha):
     rng = np.random.default_rng(0)

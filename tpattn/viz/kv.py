@@ -9,7 +9,8 @@ import matplotlib.patches as mpatches
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import drift_figure
+from .sharding import (_clear_layer, _head_box, _head_line, _heads_frame, _label, _title,
+                       drift_figure)
 from .style import FAIL_COLOR, new_figure, rank_color
 
 __all__ = ["replica_groups_figure", "replica_groups_frame", "set_replica_groups",
@@ -32,28 +33,16 @@ def replica_groups_figure(cfg: Config):
 def replica_groups_frame(query_heads: int):
     """The empty frame of ``replica_groups_figure`` for ``query_heads``."""
     hq = query_heads
-    width = min(12.0, max(6.0, 0.55 * hq + 3.0))
-    fig, ax = new_figure(figsize=(width, 3.2))
-    q_y, kv_y = 1.7, 0.0
-    ax.text(-0.9, q_y, "query\nheads", ha="right", va="center", fontsize=9)
-    ax.text(-0.9, kv_y, "K/V\nper rank", ha="right", va="center", fontsize=9)
-    ax.set_xlim(-2.4, hq - 0.3)
-    ax.set_ylim(-0.95, 2.2)
-    ax.axis("off")
-    fig.tpattn_heads = {"kind": "replica_groups", "query_heads": hq, "layer": []}
-    return fig
+    return _heads_frame(hq, "replica_groups", min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
+                        ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
+                        (-0.95, 2.2))
 
 
 def set_replica_groups(fig, cfg: Config) -> None:
     """Draw ``cfg``'s replica groups in a ``replica_groups_frame`` of ``cfg.query_heads``,
     replacing what was drawn there before."""
+    ax = _clear_layer(fig, cfg)
     frame = fig.tpattn_heads
-    if frame["query_heads"] != cfg.query_heads:
-        raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
-                         f"(got {cfg.query_heads})")
-    ax = fig.axes[0]
-    for artist in frame["layer"]:
-        artist.remove()
     hq, w, d = cfg.query_heads, cfg.world_size, cfg.head_dim
     per_rank = hq // w
     fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5
@@ -63,13 +52,10 @@ def set_replica_groups(fig, cfg: Config) -> None:
     layer = []
     for h in range(hq):
         r = h // per_rank
-        layer += ax.plot([h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], color="#888888",
-                         linewidth=1.0, zorder=1)
-        layer.append(ax.add_artist(mpatches.FancyBboxPatch(  # fixed limits: no autoscale
-            (h - 0.4, q_y - box_h / 2), 0.8, box_h, boxstyle="round,pad=0.02",
-            facecolor=rank_color(r), edgecolor="white", zorder=2)))
-        layer.append(ax.text(h, q_y, f"q{h}", ha="center", va="center", color="white",
-                             fontsize=fontsize, fontweight="bold", zorder=3))
+        layer.append(_head_line(ax, frame, h, [h, rank_x[r]],
+                                [q_y - box_h / 2, kv_y + box_h / 2], "#888888"))
+        layer += _head_box(ax, frame, "q", h, h, q_y, 0.8, box_h, rank_color(r), f"q{h}",
+                           fontsize)
     box_w = max(0.8, per_rank - 0.2)
     for r in range(w):
         first = kv_head_of_rank(cfg, r)
@@ -80,11 +66,8 @@ def set_replica_groups(fig, cfg: Config) -> None:
             label = f"kv{first}" + (" copy" if has_replicas(cfg) else "")
         else:
             label = f"kv{first}–{first + cfg.local_kv_heads - 1}"
-        layer.append(ax.add_artist(mpatches.FancyBboxPatch(
-            (rank_x[r] - box_w / 2, kv_y - box_h / 2), box_w, box_h, boxstyle="round,pad=0.02",
-            facecolor=rank_color(r), edgecolor="white", zorder=2)))
-        layer.append(ax.text(rank_x[r], kv_y, label, ha="center", va="center", color="white",
-                             fontsize=fontsize - 1, fontweight="bold", zorder=3))
+        layer += _head_box(ax, frame, "rank", r, rank_x[r], kv_y, box_w, box_h, rank_color(r),
+                           label, fontsize - 1)
     for g, group in enumerate(replica_groups(cfg)):
         if len(group) < 2:
             continue
@@ -93,9 +76,10 @@ def set_replica_groups(fig, cfg: Config) -> None:
         layer.append(ax.add_artist(mpatches.Rectangle(
             (left, kv_y - box_h / 2 - 0.18), right - left, box_h + 0.36, fill=False,
             edgecolor="#333333", linestyle="--", linewidth=1.1, zorder=1)))
-        layer.append(ax.text((left + right) / 2, kv_y - box_h / 2 - 0.32,
-                             f"replica group of kv{g}: ranks {group[0]}–{group[-1]}",
-                             ha="center", va="top", fontsize=8))
+        label = _label(ax, f"replica group of kv{g}: ranks {group[0]}–{group[-1]}",
+                       ha="center", va="top", fontsize=8)
+        label.set_position(((left + right) / 2, kv_y - box_h / 2 - 0.32))
+        layer.append(label)
     handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(min(w, 8))]
     layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                            frameon=False, fontsize=8))
@@ -106,7 +90,8 @@ def set_replica_groups(fig, cfg: Config) -> None:
     else:
         how = (f"each KV head copied on {cfg.kv_replicas} ranks: "
                f"wk/wv grads all-reduced within each group")
-    ax.set_title(f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks ({d}-dim heads)\n{how}")
+    layer.append(_title(ax, frame, f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks "
+                                   f"({d}-dim heads)", how))
     frame["layer"] = layer
 
 

@@ -5,10 +5,16 @@ Tensors are read, never modified; they may require grad.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
+import matplotlib as mpl
+import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
+import matplotlib.transforms as mtransforms
+import numpy as np
 import torch
+from matplotlib.font_manager import FontProperties
+from matplotlib.text import Text
 
 from ..check import MEASURES, MODES, TOLERANCE
 from ..config import Config
@@ -69,34 +75,141 @@ def _check_query_ranks(cfg: Config, query_ranks) -> None:
                          f"the {cfg.query_heads} query heads (got {list(query_ranks)!r})")
 
 
+#: Margins of the heads frames, in inches (left, bottom, right, top): the room constrained
+#: layout gives them — the two-line title above the axes, the rank legend (up to two-digit
+#: ranks) to their right. A fixed layout: the axes stay where they are whatever layout is
+#: drawn in them (a standing figure's frame), and no layout engine runs for a new frame.
+HEADS_MARGINS = (3 / 72, 3 / 72, 0.92, 0.44)
+
+
+def _heads_frame(query_heads: int, kind: str, width: float, height: float,
+                 labels: tuple[str, str], label_ys: tuple[float, float],
+                 xlim: tuple[float, float], ylim: tuple[float, float]):
+    """An empty frame of ``width`` × ``height`` inches: the two row labels (right-aligned at
+    x = -0.9, at ``label_ys``), fixed limits, no axis, margins ``HEADS_MARGINS`` (the left one
+    widened if a row label would reach past the figure's edge), and the ``tpattn_heads``
+    record (``kind``, ``query_heads``, the ``layer`` drawn in it)."""
+    fig, ax = new_figure(figsize=(width, height), layout=None)
+    texts = [ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+             for label, y in zip(labels, label_ys)]
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_aspect("auto")
+    ax.axis("off")
+    left, bottom, right, top = HEADS_MARGINS
+    span, room = xlim[1] - xlim[0], -0.9 - xlim[0]  # data units: all, left of the labels
+    widest = max(t.get_window_extent(fig.canvas.get_renderer()).width for t in texts) / fig.dpi
+    inches = width - left - right  # the axes' width if the labels fit
+    if widest > room * inches / span:  # they do not: move the axes right until they do
+        left += (widest * span - room * inches) / (span - room)
+    ax.set_position([left / width, bottom / height, 1 - (left + right) / width,
+                     1 - (bottom + top) / height])
+    fig.tpattn_heads = {"kind": kind, "query_heads": query_heads, "layer": []}
+    return fig
+
+
+def _clear_layer(fig, cfg: Config):
+    """The axes of a heads frame (``_heads_frame``) of ``cfg.query_heads``, with the layer
+    drawn there before removed (``ValueError`` for a frame of another head count)."""
+    frame = fig.tpattn_heads
+    if frame["query_heads"] != cfg.query_heads:
+        raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
+                         f"(got {cfg.query_heads})")
+    for artist in frame["layer"]:
+        if getattr(artist, "tpattn_kept", False):
+            artist.set_visible(False)  # kept for the next layout (``_kept``)
+        else:
+            artist.remove()
+    frame["layer"] = []
+    return fig.axes[0]
+
+
+def _kept(frame, role: str, i: int, make: Callable):
+    """The ``i``-th artist of ``role`` in a heads frame, made (and added to the axes) by
+    ``make()`` the first time: the next layout sets its properties again (~4x cheaper than
+    adding new artists). A layout sets every property it depends on."""
+    kept = frame.setdefault("kept", {}).setdefault(role, [])
+    while len(kept) <= i:
+        kept.append(make())
+        kept[-1].tpattn_kept = True
+    artist = kept[i]
+    artist.set_visible(True)
+    return artist
+
+
+def _head_line(ax, frame, i: int, xs, ys, color: str, linestyle: str = "-",
+               linewidth: float = 1.0):
+    """A line from a query head to the KV box it reads (under the boxes)."""
+    line = _kept(frame, "line", i, lambda: ax.add_artist(mlines.Line2D([], [], zorder=1)))
+    line.set_data(xs, ys)
+    line.set(color=color, linestyle=linestyle, linewidth=linewidth)
+    return line
+
+
+class WholePixels(mtransforms.Transform):
+    """Rounds display coordinates to whole pixels. A label anchored through it
+    (``ax.transData + WholePixels()``) has the same pixels wherever it is drawn, shifted by
+    whole pixels (what ``tpattn.widgets.kv.PastingStandingFigure`` pastes); it moves by less
+    than half a pixel."""
+
+    input_dims = output_dims = 2
+
+    def transform_non_affine(self, values):
+        return np.round(np.asarray(values, dtype=float))
+
+
+def _label(ax, text: str = "", **style):
+    """``ax.text`` at ``(0, 0)`` in data coordinates rounded to whole pixels."""
+    return ax.text(0, 0, text, transform=ax.transData + WholePixels(), **style)
+
+
+def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
+    """A two-line title as two texts: ``first`` is the axes' title, ``second`` (returned, one
+    of few sentences, pasted where it was drawn before) a text below it, where the title's
+    second line would be. The lines step by the title font's line height."""
+    size = mpl.rcParams["axes.titlesize"]
+    pad = mpl.rcParams["axes.titlepad"]
+    step = 1.2 * FontProperties(size=size).get_size_in_points()  # points between baselines
+    ax.set_title(first, color=color, pad=pad + step)
+    line = _kept(frame, "title line 2", 0, lambda: ax.text(
+        0.5, 1.0, "", ha="center", va="baseline", fontsize=size,
+        transform=ax.transAxes + mtransforms.ScaledTranslation(0, pad / 72,
+                                                               ax.figure.dpi_scale_trans)))
+    line.set_text(second)
+    line.set_color(color)
+    return line
+
+
+def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, height: float,
+              color: str, label: str, fontsize: float):
+    """A rounded box centered at ``(x, y)`` in ``color`` with a white bold ``label``."""
+    box = _kept(frame, role + " box", i, lambda: ax.add_artist(mpatches.FancyBboxPatch(
+        (0, 0), 1, 1, boxstyle="round,pad=0.02", edgecolor="white", zorder=2)))
+    box.set_bounds(x - width / 2, y - height / 2, width, height)
+    box.set_facecolor(color)
+    text = _kept(frame, role + " label", i, lambda: _label(
+        ax, ha="center", va="center", color="white", fontweight="bold", zorder=3))
+    text.set_position((x, y))
+    text.set_text(label)
+    text.set_fontsize(fontsize)
+    return box, text
+
+
 def heads_frame(query_heads: int):
     """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (size, limits, row
     labels); ``set_heads_layout`` draws a layout in it."""
     hq = query_heads
-    width = min(12.0, max(6.0, 0.55 * hq + 2.5))
-    fig, ax = new_figure(figsize=(width, 2.9))
-    q_y, kv_y = 1.6, 0.0
-    ax.text(-0.9, q_y, "query\nheads", ha="right", va="center", fontsize=9)
-    ax.text(-0.9, kv_y, "KV\nheads", ha="right", va="center", fontsize=9)
-    ax.set_xlim(-2.2, hq - 0.3)
-    ax.set_ylim(-0.55, 2.1)
-    ax.set_aspect("auto")
-    ax.axis("off")
-    fig.tpattn_heads = {"kind": "heads", "query_heads": hq, "layer": []}
-    return fig
+    return _heads_frame(hq, "heads", min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
+                        ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
+                        (-0.55, 2.1))
 
 
 def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None) -> None:
     """Draw ``cfg``'s heads → ranks (boxes, lines, legend, title) in a ``heads_frame`` of
     ``cfg.query_heads``, replacing the layout drawn there before."""
-    frame = fig.tpattn_heads
-    if frame["query_heads"] != cfg.query_heads:
-        raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
-                         f"(got {cfg.query_heads})")
     _check_query_ranks(cfg, query_ranks)
-    ax = fig.axes[0]
-    for artist in frame["layer"]:
-        artist.remove()
+    ax = _clear_layer(fig, cfg)
+    frame = fig.tpattn_heads
     hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
     if query_ranks is None:
         query_ranks = [h // cfg.local_query_heads for h in range(hq)]
@@ -113,24 +226,21 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
         j = h // cfg.group_size
         crosses = int(query_ranks[h]) != kv_ranks[j]
         split += crosses
-        layer += ax.plot([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
-                         color=FAIL_COLOR if crosses else "#888888",
-                         linestyle="--" if crosses else "-", linewidth=1.6 if crosses else 1.0,
-                         zorder=1)
+        layer.append(_head_line(ax, frame, h, [q_x[h], kv_x[j]],
+                                [q_y - box_h / 2, kv_y + box_h / 2],
+                                FAIL_COLOR if crosses else "#888888",
+                                "--" if crosses else "-", 1.6 if crosses else 1.0))
     for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
         for i, (x, r) in enumerate(zip(xs, ranks)):
-            layer.append(ax.add_artist(mpatches.FancyBboxPatch(  # fixed limits: no autoscale
-                (x - box_w / 2, y - box_h / 2), box_w, box_h, boxstyle="round,pad=0.02",
-                facecolor=rank_color(int(r)), edgecolor="white", zorder=2)))
-            layer.append(ax.text(x, y, f"{prefix}{i}", ha="center", va="center", color="white",
-                                 fontsize=fontsize, fontweight="bold", zorder=3))
+            layer += _head_box(ax, frame, prefix, i, x, y, box_w, box_h, rank_color(int(r)),
+                               f"{prefix}{i}", fontsize)
     handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)]
     layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                            frameon=False, fontsize=8))
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
-    ax.set_title(f"{hq} query heads, {hkv} KV heads, {world} ranks\n{verdict}",
-                 color=FAIL_COLOR if split else "black")
+    layer.append(_title(ax, frame, f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
+                        FAIL_COLOR if split else "black"))
     frame["layer"] = layer
 
 

@@ -240,10 +240,15 @@ class StandingFigure:
         fig, background = self._standing[structure]
         self._update(fig, state)
         fig.canvas.restore_region(background)
+        self.draw_dynamic(fig)
+        return np.array(fig.canvas.buffer_rgba())
+
+    def draw_dynamic(self, fig) -> None:
+        """Draw the dynamic artists, in order, over the restored background (a subclass may
+        paste some of them from a cache of their pixels instead)."""
         for artist in self._dynamic(fig):
             if artist.get_visible():
                 fig.draw_artist(artist)
-        return np.array(fig.canvas.buffer_rgba())
 
 
 def png_output(png: bytes, text: str = "<Figure>") -> dict:

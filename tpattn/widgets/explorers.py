@@ -17,6 +17,7 @@ from ``tpattn.viz``; nothing here re-implements the block.
 """
 from __future__ import annotations
 
+import functools
 import html
 
 import ipywidgets as widgets
@@ -26,8 +27,9 @@ from ..config import Config
 from ..layers import rope_angles
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
                           rope_rotation_figure, set_attention_state, set_rope_position)
-from ..viz.kv import set_replica_groups
-from ..viz.sharding import heads_to_ranks_figure, layout_dynamic_artists, set_heads_layout
+from ..viz.kv import replica_groups_frame, set_replica_groups
+from ..viz.sharding import (heads_frame, heads_to_ranks_figure, layout_dynamic_artists,
+                            set_heads_layout)
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, measures_html, measures_text
@@ -263,8 +265,14 @@ def _set_layout(fig, cfg: Config) -> None:
 def layout_standing_figure() -> StandingFigure:
     """``heads_to_ranks_figure`` (or the ``replica_groups_figure`` it shows with fewer KV
     heads than ranks) kept standing per ``layout_structure``."""
-    return StandingFigure(build=lambda structure, cfg: heads_to_ranks_figure(cfg),
-                          update=_set_layout, dynamic=layout_dynamic_artists)
+    from .kv import PastingStandingFigure
+
+    def frame(structure, _cfg):  # the background is the frame: its layer is all dynamic
+        kind, query_heads = structure
+        return (replica_groups_frame if kind == "replica_groups" else heads_frame)(query_heads)
+
+    return PastingStandingFigure(build=frame, update=_set_layout,
+                                 dynamic=layout_dynamic_artists)
 
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:
@@ -273,23 +281,29 @@ def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int =
                                world_size=world_size)
     renders, standing = Renders(), layout_standing_figure()
 
-    def draw(query_heads, kv_heads, world_size):
-        cfg = sharding_config(query_heads, kv_heads, world_size)
+    @functools.lru_cache(maxsize=32)  # a layout shown again: its outputs, not a new PNG
+    def shown(cfg: Config) -> tuple[dict, dict]:
         png = _sharding_png(renders, cfg, standing=standing)
         text, markup = _sharding_caption(cfg)
-        return [html_output(markup, text),
-                png_output(png, f"<heads to ranks, {query_heads}/{kv_heads}/{world_size}>")]
+        return (html_output(markup, text),
+                png_output(png, f"<heads to ranks, {cfg.query_heads}/{cfg.kv_heads}/"
+                                f"{cfg.world_size}>"))
+
+    def draw(query_heads, kv_heads, world_size):
+        return list(shown(sharding_config(query_heads, kv_heads, world_size)))
 
     explorer = Explorer("sharding", controls, draw, static=lambda: static_sharding_explorer(
-        initial=(query_heads, kv_heads, world_size), renders=renders))
-    explorer.renders, explorer.standing = renders, standing
+        initial=(query_heads, kv_heads, world_size), renders=renders, standing=standing))
+    explorer.renders, explorer.standing, explorer.shown = renders, standing, shown
     return explorer
 
 
-def static_sharding_explorer(layouts=None, initial=(4, 2, 2),
-                             renders: Renders | None = None) -> StaticExplorer:
+def static_sharding_explorer(layouts=None, initial=(4, 2, 2), renders: Renders | None = None,
+                             standing: StandingFigure | None = None) -> StaticExplorer:
     """The heads→ranks figure for each ``(query_heads, kv_heads, world_size)`` in ``layouts``
-    (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s message."""
+    (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s message.
+    ``standing``: draw them in the live explorer's standing frames (the same pixels, one
+    build per frame, which then stand for the live updates)."""
     layouts = [tuple(layout) for layout in (SHARDING_LAYOUTS if layouts is None else layouts)]
     renders = Renders() if renders is None else renders
     panels = {}
@@ -300,7 +314,7 @@ def static_sharding_explorer(layouts=None, initial=(4, 2, 2),
             panels[(i,)] = message_html(str(error))
             continue
         panels[(i,)] = _sharding_caption(cfg)[1] + png_img(
-            _sharding_png(renders, cfg, palette=True),
+            _sharding_png(renders, cfg, palette=True, standing=standing),
             "query and KV heads colored by rank, {} q / {} kv / {} ranks".format(*layout))
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     start = layouts.index(tuple(initial)) if tuple(initial) in layouts else 0
