@@ -7,7 +7,8 @@ another host, every ``<img>`` decoded (``naturalWidth > 0``), and it embeds no i
 (a widget without a kernel is a control that does nothing). On pages with static explorers,
 every option of every control is clicked: exactly one panel shows, it is the selected one, its
 content differs from the previous one, and on the seed × mode explorer the verdict follows the
-mode. A full-page screenshot of each page goes to ``_build/screenshots/``. At 1280 px wide, no
+mode. A screenshot of each page (its first 1280 x 900 px; the whole page with
+``TPATTN_FULL_SCREENSHOTS=1``) goes to ``_build/screenshots/``. At 1280 px wide, no
 code block or cell output on any page scrolls sideways (``scrollWidth > clientWidth + 1``): code
 and outputs fit the text column.
 
@@ -32,6 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = pathlib.Path(os.environ.get("TPATTN_BUILD_DIR", ROOT / "_build"))
 HTML = BUILD / "html"
 SCREENSHOTS = BUILD / "screenshots"
+#: A whole-page screenshot costs 3-10 s of Chromium per page here (the first screen: 0.15 s).
+FULL_SCREENSHOTS = os.environ.get("TPATTN_FULL_SCREENSHOTS", "") == "1"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -196,7 +199,8 @@ def check_page(page_path, server, context):
         page.wait_for_function("Array.from(document.images).every(i => i.complete)",
                                timeout=15_000)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOTS / _screenshot_name(page_path)), full_page=True)
+        page.screenshot(path=str(SCREENSHOTS / _screenshot_name(page_path)),
+                        full_page=FULL_SCREENSHOTS)
 
         broken = page.evaluate("""Array.from(document.images)
             .filter(i => i.naturalWidth === 0).map(i => i.src.slice(0, 100))""")
