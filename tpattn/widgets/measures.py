@@ -13,11 +13,13 @@ from typing import Mapping
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
 
 from ..check import MEASURES, TOLERANCE
 from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, measures_table
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
 from ..viz.sharding import _value_label, _zero_floor
+from ..viz.fast_text import draw_text
 from ..viz.style import FAIL_COLOR, PASS_COLOR
 from .core import encode_png
 
@@ -128,8 +130,12 @@ class MeasuresPlot:
             self._update(result, values)
         canvas = self._fig.canvas
         canvas.restore_region(self._background)
+        renderer = canvas.get_renderer()
         for ax in self._fig.axes:
             for artist in self._dynamic(ax):
-                ax.draw_artist(artist)
+                if isinstance(artist, Text):
+                    draw_text(artist, renderer)  # the pixels of artist.draw, from caches
+                else:
+                    artist.draw(renderer)
         rgba = np.asarray(canvas.buffer_rgba())  # encoded as is: dropping alpha costs a copy
         return encode_png(rgba, palette=palette, compress_level=6 if palette else 1)
