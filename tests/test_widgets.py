@@ -247,7 +247,8 @@ def test_attention_redraws_one_standing_figure_with_the_packages_probabilities()
             shown = np.asarray(image.get_array().filled(np.nan))
             expected = probs[h].masked_fill(future, float("nan")).numpy()
             assert np.array_equal(shown, expected, equal_nan=True)
-        assert f"seed {seed}, batch {batch_index}" in fig._suptitle.get_text()
+        assert fig.tpattn_attention["state"].get_text() == f"seed {seed}, batch {batch_index}"
+        assert fig._suptitle.get_text() == "Causal attention: 4 query heads share 2 KV heads"
         fresh = figure_png(attention_heatmaps(cfg, seed, batch_index))
         assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
     attention.set(batch_index=2)
