@@ -5,6 +5,7 @@ and never calls ``show``. Data come from the package's own functions, never re-i
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import matplotlib.pyplot as plt
@@ -253,15 +254,24 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
 
 
 def attention_probabilities(cfg: Config, seed: int, batch_index: int = 0) -> torch.Tensor:
-    """``[Hq, S, S]`` causal attention probabilities of ``attention_heatmaps``."""
+    """``[Hq, S, S]`` causal attention probabilities of ``attention_heatmaps`` (a new tensor;
+    every batch element of ``(cfg, seed)`` is computed at once and remembered, so the live
+    explorer's other batch element costs nothing)."""
     check_seed(seed)
     _check_int("batch_index", batch_index, 0, cfg.batch - 1)
+    return _batch_probabilities(cfg, seed)[batch_index].clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_probabilities(cfg: Config, seed: int) -> torch.Tensor:
+    """``[B, Hq, S, S]`` probabilities of ``(cfg, seed)`` — cached: never modify it (a valid
+    seed is a plain ``int``: ``check_seed`` rejects ``bool``)."""
     x, _ = make_inputs(cfg, seed)
     p = init_params(cfg, seed + PARAM_SEED_OFFSET)
     with torch.no_grad():
         n = rms_norm(x, p["norm"], cfg.eps)
         q, k, _ = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
-        return attention_probs(q, repeat_kv(k, cfg.group_size))[batch_index]  # [Hq, S, S]
+        return attention_probs(q, repeat_kv(k, cfg.group_size))  # [B, Hq, S, S]
 
 
 def set_attention_state(fig, seed: int, batch_index: int = 0) -> None:

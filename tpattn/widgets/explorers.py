@@ -21,7 +21,7 @@ import html
 
 import ipywidgets as widgets
 
-from ..check import EQUIVALENCE, MODES, SEEDS, run
+from ..check import EQUIVALENCE, MODES, SEEDS
 from ..config import Config
 from ..layers import rope_angles
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
@@ -30,7 +30,7 @@ from ..viz.kv import set_replica_groups
 from ..viz.sharding import heads_to_ranks_figure, layout_dynamic_artists, set_heads_layout
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
-from .measures import MeasuresPlot, measures_html, measures_text
+from .measures import MeasuresPlot, live_run, measures_html, measures_text
 from .static import StaticExplorer
 
 __all__ = [
@@ -316,8 +316,7 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE,
     plot = MeasuresPlot()
 
     def draw(seed, mode):
-        with single_thread():
-            result = run(seed, mode, cfg)
+        result = live_run(seed, mode, cfg)
         return [html_output(measures_html(result), measures_text(result)),
                 png_output(plot.png(result), f"<measures, seed {seed}, mode {mode}>")]
 
@@ -335,8 +334,7 @@ def static_seed_mode_explorer(seeds=SEEDS, modes=MODES, cfg: Config | None = Non
     panels = {}
     for i, seed in enumerate(seeds):
         for j, mode in enumerate(modes):
-            with single_thread():
-                result = run(seed, mode, cfg)
+            result = live_run(seed, mode, cfg)  # remembered: the live explorer's too
             panels[i, j] = measures_html(result) + png_img(
                 plot.png(result, palette=True),
                 f"the five measures of seed {seed}, mode {mode}, against 1e-6")
