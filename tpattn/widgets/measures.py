@@ -22,7 +22,7 @@ from ..config import Config
 from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, measures_table
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
 from ..viz.sharding import _value_label, _zero_floor
-from ..viz.fast_text import draw_text
+from ..viz.fast_text import draw_texts
 from ..viz.style import FAIL_COLOR, PASS_COLOR
 from .core import encode_png, single_thread
 
@@ -104,7 +104,8 @@ class MeasuresPlot:
     def _dynamic(ax):
         """Artists drawn over the background on every result, in z order: the bars, what lies
         on top of them (threshold line, spines), their value labels (``measures_figure``'s
-        first texts; the threshold's label stays in the background) and the title."""
+        first texts; the threshold's label stays in the background) and the title — the
+        texts last, drawn together by ``viz.fast_text.draw_texts``."""
         return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)],
                 ax.title]
 
@@ -155,10 +156,10 @@ class MeasuresPlot:
         canvas.restore_region(self._background)
         renderer = canvas.get_renderer()
         for ax in self._fig.axes:
-            for artist in self._dynamic(ax):
-                if isinstance(artist, Text):
-                    draw_text(artist, renderer)  # the pixels of artist.draw, from caches
-                else:
-                    artist.draw(renderer)
+            dynamic = self._dynamic(ax)
+            first = next(i for i, artist in enumerate(dynamic) if isinstance(artist, Text))
+            for artist in dynamic[:first]:
+                artist.draw(renderer)
+            draw_texts(dynamic[first:], renderer)  # each one's draw, in order, from caches
         rgba = np.asarray(canvas.buffer_rgba())  # encoded as is: dropping alpha costs a copy
         return encode_png(rgba, palette=palette, compress_level=6 if palette else 1)
