@@ -19,7 +19,7 @@ from ..config import Config
 from ..dense import project_qkv
 from ..layers import apply_rope, attention_probs, causal_mask, repeat_kv, rms_norm, rope_angles
 from ..params import PARAM_NAMES, init_params
-from .fast_text import FastDrawn, FastDrawnGroup
+from .fast_text import FastDrawn, FastDrawnGroup, warm
 from .style import DENSE_COLOR, new_figure
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "attention_probabilities",
     "set_attention_state",
     "attention_dynamic_artists",
+    "warm_attention_labels",
     "gradient_figure",
 ]
 
@@ -305,6 +306,15 @@ def attention_dynamic_artists(fig) -> list:
         labels = [FastDrawnGroup(parts["values"][h])] if parts["values"] else []
         artists += [im, *im.axes.spines.values(), *labels]
     return artists + [FastDrawn(parts["state"])]
+
+
+def warm_attention_labels(fig) -> None:
+    """Cache the glyphs of every value a cell label of this ``attention_heatmaps`` figure can
+    show ("0.00" … "1.00") at every cell, for its live updates (``viz.fast_text.warm``; the
+    figure on an Agg canvas, as a ``StandingFigure`` keeps it). Changes nothing drawn."""
+    labels = [label for row in fig.tpattn_attention["values"] for label in row]
+    if labels:
+        warm(labels, [f"{v / 100:.2f}" for v in range(101)], fig.canvas.get_renderer())
 
 
 def gradient_figure(grads: dict[str, torch.Tensor]):

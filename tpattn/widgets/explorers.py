@@ -25,7 +25,8 @@ from ..check import EQUIVALENCE, MODES, SEEDS
 from ..config import Config
 from ..layers import rope_angles
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
-                          rope_rotation_figure, set_attention_state, set_rope_position)
+                          rope_rotation_figure, set_attention_state, set_rope_position,
+                          warm_attention_labels)
 from ..viz.kv import set_replica_groups
 from ..viz.sharding import heads_to_ranks_figure, layout_dynamic_artists, set_heads_layout
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
@@ -183,8 +184,15 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         text, markup = _attention_caption(layout_cfg)
         return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
-    explorer = Explorer("attention", controls, draw, static=lambda: static_attention_explorer(
-        cfg=cfg, initial=(heads, seed), renders=renders, standing=standing))
+    def static():
+        twin = static_attention_explorer(cfg=cfg, initial=(heads, seed), renders=renders,
+                                         standing=standing)
+        opening = standing.figure(attention_config(*ATTENTION_LAYOUTS[heads], base=cfg))
+        if opening is not None:  # while the cell runs: the glyphs of every cell value
+            warm_attention_labels(opening)
+        return twin
+
+    explorer = Explorer("attention", controls, draw, static=static)
     explorer.renders, explorer.standing = renders, standing
     return explorer
 
