@@ -293,7 +293,9 @@ def _show_attention(fig, probs: torch.Tensor, seed: int, batch_index: int) -> No
         for label, (s, t) in zip(labels, cells):
             val = listed[h][s][t]
             label.set_text(f"{val:.2f}")
-            label.set_color("k" if val > 0.6 else "w")
+            color = "k" if val > 0.6 else "w"
+            if label.get_color() != color:  # (set_color validates: skipped when unchanged)
+                label.set_color(color)
     parts["state"].set_text(f"seed {seed}, batch {batch_index}")
 
 
