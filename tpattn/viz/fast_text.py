@@ -48,7 +48,7 @@ MAX_ENTRIES = 20_000
 _IDENTITY = np.array([[0x10000, 0], [0, 0x10000]])
 
 _layouts: dict = {}  # layout key -> [offset x, offset y, ((font, size, glyph, dx, dy), ...), runs]
-_glyphs: dict = {}   # (font, size, dpi, glyph, fraction x, fraction y, flags) -> (bitmap, left, top)
+_glyphs: dict = {}  # (font, size, dpi, glyph, fraction x, y, flags) -> (bitmap, left, top)
 
 
 def cache_sizes() -> dict[str, int]:
