@@ -30,7 +30,7 @@ from tpattn.viz.kv import replica_groups_figure
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
 from tpattn.widgets.core import Renders, fast_png, figure_png
-from tpattn.widgets.measures import MeasuresPlot
+from tpattn.widgets.measures import MeasuresPlot, live_run
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +120,99 @@ def test_seed_mode_invalid_seed_is_a_message(seed_mode, seed):
     assert message(seed_mode) == str(raised.value)
     seed_mode.set(seed=17)
     assert "PASSED" in plain(seed_mode)  # and it recovers
+
+
+def test_live_run_remembers_each_state_apart():
+    """``live_run`` serves every (seed, mode, cfg, simulate) its own result — visited in an
+    order where a result served for the wrong state would differ from a fresh ``run`` — and
+    a copy: changing what it returned does not change what it serves next."""
+    sp = widgets.SP_EXPLORER_CONFIG
+    states = [(11, tpattn.EQUIVALENCE, None, "fixture"), (17, tpattn.EQUIVALENCE, None, "fixture"),
+              (11, tpattn.MISSING_OUTPUT_REDUCE, None, "fixture"),
+              (11, tpattn.EQUIVALENCE, tpattn.Config(dtype="float64"), "fixture"),
+              (11, tpattn.EQUIVALENCE, sp, "ranks"), (11, tpattn.EQUIVALENCE, sp, "fixture")]
+    for _ in range(2):  # the second pass is served from memory
+        for seed, mode, cfg, simulate in states:
+            served = live_run(seed, mode, cfg, simulate)
+            assert served == tpattn.run(seed, mode, cfg, simulate=simulate), (seed, mode, cfg)
+    served["passed"] = "changed"
+    assert live_run(*states[-1])["passed"] is True
+    with pytest.raises(ValueError, match="seed must be"):
+        live_run(-1, tpattn.EQUIVALENCE)
+
+
+def test_attention_probabilities_are_remembered_per_layout_and_seed():
+    """The remembered probabilities of one (cfg, seed) serve each batch element its own
+    maps, never another layout's or seed's, and a caller cannot change them."""
+    from tpattn.viz.layers import _batch_probabilities
+
+    layouts = [explorers.attention_config(4, kv) for kv in (4, 2, 1)]
+    for cfg in layouts + layouts[::-1]:
+        for seed in (11, 17):
+            fresh = _batch_probabilities.__wrapped__(cfg, seed)  # computed anew
+            for batch_index in range(cfg.batch):
+                served = attention_probabilities(cfg, seed, batch_index)
+                assert torch.equal(served, fresh[batch_index]), (cfg, seed, batch_index)
+    attention_probabilities(layouts[0], 11, 0).fill_(0)
+    assert attention_probabilities(layouts[0], 11, 0).sum() > 0
+
+
+def test_fast_text_draws_the_pixels_of_text_draw():
+    """``viz.fast_text`` blends exactly what ``Text.draw`` blends — strings, sizes,
+    alignments, colors, alpha, clipping at the axes' edge — one by one and grouped (texts
+    that overlap are drawn one after the other), from cold and from warm caches."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from tpattn.viz import fast_text
+    from tpattn.viz.style import new_figure
+
+    rng = np.random.default_rng(7)
+    fig, ax = new_figure(figsize=(5, 4))
+    FigureCanvasAgg(fig)
+    ax.imshow(rng.random((6, 6)))
+    texts = [ax.text(rng.uniform(-1, 6), rng.uniform(-1, 6),  # some cross the axes' edge
+                     f"{rng.random():.{rng.integers(1, 5)}f}" if i % 5 else f"seed {i}, batch 1",
+                     ha=rng.choice(["left", "center", "right"]),
+                     va=rng.choice(["top", "center", "bottom", "baseline"]),
+                     fontsize=float(rng.choice([6.5, 9, 12.3])), color=rng.choice(["k", "w", "C1"]),
+                     alpha=rng.choice([None, 0.5])) for i in range(80)]
+    texts.append(ax.set_title("seed 11, mode equivalence: PASSED", color="C2"))
+    hidden = ax.text(1, 1, "hidden")
+    hidden.set_visible(False)
+    texts += [hidden, ax.text(2, 2, ""), ax.text(1, 2, "$x^2$")]  # skipped, empty, math
+    grid = [ax.text(t, s, f"{rng.random():.2f}", ha="center", va="center", fontsize=6.5,
+                    color="k" if (s + t) % 3 else "w") for s in range(6) for t in range(6)]
+    fig.canvas.draw()
+    fig.set_layout_engine("none")
+    renderer = fig.canvas.get_renderer()
+    for text in texts + grid:
+        text.set_visible(False)
+    fig.canvas.draw()
+    background = fig.canvas.copy_from_bbox(fig.bbox)
+    for text in texts + grid:
+        text.set_visible(text is not hidden)
+
+    def frame(draw):
+        fig.canvas.restore_region(background)
+        draw()
+        return np.array(fig.canvas.buffer_rgba())
+
+    expected = frame(lambda: [text.draw(renderer) for text in texts])
+    fast_text.clear_caches()
+    for _ in range(2):  # cold, then warm
+        one_by_one = frame(lambda: [fast_text.draw_text(text, renderer) for text in texts])
+        assert np.array_equal(one_by_one, expected)
+        for group in (grid, texts[:80]):  # apart: blended per color at once; overlapping
+            others = [text for text in texts if text not in group]
+            grouped = frame(lambda: ([text.draw(renderer) for text in others],
+                                     fast_text.draw_texts(group, renderer)))
+            reference = frame(lambda: ([text.draw(renderer) for text in others],
+                                       [text.draw(renderer) for text in group]))
+            assert np.array_equal(grouped, reference)
+            merged = fast_text._merge_by_key(list(zip(group, fast_text._plans(group, renderer))))
+            assert (merged is not None) == (group is grid)  # each case took its path
+    assert fast_text.cache_sizes()["glyphs"] > 0  # the cached path was taken
+    plt.close(fig)
 
 
 def test_measures_plot_draws_exactly_measures_figure():
@@ -221,8 +314,8 @@ def test_rope_moves_the_arrows_of_one_standing_figure():
         unit = torch.zeros(position + 1, 1, 1, 8, dtype=torch.float64)
         unit[..., :4] = 1.0
         rotated = tpattn.layers.apply_rope(unit)[position, 0, 0]
-        for i, arrow in enumerate(fig.tpattn_rope["arrows"]):
-            assert arrow.xy == (rotated[i].item(), rotated[4 + i].item())
+        for i, arrow in enumerate(fig.tpattn_rope["arrows"]):  # tail at 0, tip at the pair
+            assert arrow._posA_posB == [(0.0, 0.0), (rotated[i].item(), rotated[4 + i].item())]
         fresh = figure_png(rope_rotation_figure(position, head_dim=8, max_position=16))
         assert np.array_equal(pixels(base64.b64decode(pngs(rope)[0])), pixels(fresh)), position
     rope.set(head_dim=4)  # another structure: a second standing figure
@@ -247,7 +340,8 @@ def test_attention_redraws_one_standing_figure_with_the_packages_probabilities()
             shown = np.asarray(image.get_array().filled(np.nan))
             expected = probs[h].masked_fill(future, float("nan")).numpy()
             assert np.array_equal(shown, expected, equal_nan=True)
-        assert f"seed {seed}, batch {batch_index}" in fig._suptitle.get_text()
+        assert fig.tpattn_attention["state"].get_text() == f"seed {seed}, batch {batch_index}"
+        assert fig._suptitle.get_text() == "Causal attention: 4 query heads share 2 KV heads"
         fresh = figure_png(attention_heatmaps(cfg, seed, batch_index))
         assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
     attention.set(batch_index=2)

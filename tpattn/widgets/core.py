@@ -119,13 +119,15 @@ def fast_png(pixels) -> bytes:
         raise ValueError(f"pixels must be a uint8 array [H, W, 3|4] (got {array.dtype} "
                          f"{array.shape})")
     if array.shape[2] == 4 and array[..., 3].min() == 255:
-        array = array[..., :3]
+        # RGBA -> RGB by Pillow (C, ~4x faster than numpy's copy of the strided [..., :3])
+        array = np.asarray(Image.fromarray(np.ascontiguousarray(array), "RGBA").convert("RGB"))
     height, width, channels = array.shape
-    rows = np.zeros((height, width * channels + 1), dtype=np.uint8)  # filter byte 0: none
+    rows = np.empty((height, width * channels + 1), dtype=np.uint8)
+    rows[:, 0] = 0  # filter byte 0: none
     rows[:, 1:] = array.reshape(height, width * channels)
     header = struct.pack(">IIBBBBB", width, height, 8, 2 if channels == 3 else 6, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
-            + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 1)) + _png_chunk(b"IEND", b""))
+            + _png_chunk(b"IDAT", zlib.compress(rows, 1)) + _png_chunk(b"IEND", b""))
 
 
 def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:

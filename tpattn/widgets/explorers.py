@@ -22,17 +22,18 @@ import html
 
 import ipywidgets as widgets
 
-from ..check import EQUIVALENCE, MODES, SEEDS, run
+from ..check import EQUIVALENCE, MODES, SEEDS
 from ..config import Config
 from ..layers import rope_angles
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
-                          rope_rotation_figure, set_attention_state, set_rope_position)
+                          rope_rotation_figure, set_attention_state, set_rope_position,
+                          warm_attention_labels)
 from ..viz.kv import replica_groups_frame, set_replica_groups
 from ..viz.sharding import (heads_frame, heads_to_ranks_figure, layout_dynamic_artists,
                             set_heads_layout)
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
-from .measures import MeasuresPlot, measures_html, measures_text
+from .measures import MeasuresPlot, live_run, measures_html, measures_text
 from .static import StaticExplorer
 
 __all__ = [
@@ -185,8 +186,15 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         text, markup = _attention_caption(layout_cfg)
         return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
-    explorer = Explorer("attention", controls, draw, static=lambda: static_attention_explorer(
-        cfg=cfg, initial=(heads, seed), renders=renders, standing=standing))
+    def static():
+        twin = static_attention_explorer(cfg=cfg, initial=(heads, seed), renders=renders,
+                                         standing=standing)
+        opening = standing.figure(attention_config(*ATTENTION_LAYOUTS[heads], base=cfg))
+        if opening is not None:  # while the cell runs: the glyphs of every cell value
+            warm_attention_labels(opening)
+        return twin
+
+    explorer = Explorer("attention", controls, draw, static=static)
     explorer.renders, explorer.standing = renders, standing
     return explorer
 
@@ -330,8 +338,7 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE,
     plot = MeasuresPlot()
 
     def draw(seed, mode):
-        with single_thread():
-            result = run(seed, mode, cfg)
+        result = live_run(seed, mode, cfg)
         return [html_output(measures_html(result), measures_text(result)),
                 png_output(plot.png(result), f"<measures, seed {seed}, mode {mode}>")]
 
@@ -349,8 +356,7 @@ def static_seed_mode_explorer(seeds=SEEDS, modes=MODES, cfg: Config | None = Non
     panels = {}
     for i, seed in enumerate(seeds):
         for j, mode in enumerate(modes):
-            with single_thread():
-                result = run(seed, mode, cfg)
+            result = live_run(seed, mode, cfg)  # remembered: the live explorer's too
             panels[i, j] = measures_html(result) + png_img(
                 plot.png(result, palette=True),
                 f"the five measures of seed {seed}, mode {mode}, against 1e-6")

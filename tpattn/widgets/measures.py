@@ -7,21 +7,46 @@ costs a fraction, which keeps the seed × mode explorer interactive.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import html
 from typing import Mapping
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
 
-from ..check import MEASURES, TOLERANCE
+from ..check import MEASURES, TOLERANCE, run
+from ..config import Config
 from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, measures_table
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
 from ..viz.sharding import _value_label, _zero_floor
+from ..viz.fast_text import draw_texts
 from ..viz.style import FAIL_COLOR, PASS_COLOR
-from .core import encode_png
+from .core import encode_png, single_thread
 
-__all__ = ["MeasuresPlot", "measures_html", "measures_text", "verdict"]
+__all__ = ["MeasuresPlot", "live_run", "measures_html", "measures_text", "verdict"]
+
+
+def live_run(seed, mode, cfg: Config | None = None, simulate: str = "fixture") -> dict:
+    """``run(seed, mode, cfg, simulate=simulate)`` on one thread (see ``single_thread``),
+    remembered for the last 256 states: a reader clicking back to a seed or mode sees its
+    result again without the ~5 ms run. Returns a new dict each call (the remembered one is
+    never handed out); ``run``'s ``ValueError`` for a bad value is raised, not remembered."""
+    key = (type(seed), seed, type(mode), mode, cfg, simulate)
+    try:
+        hash(key)
+    except TypeError:  # not a value run accepts; let run say why
+        with single_thread():
+            return run(seed, mode, cfg, simulate=simulate)
+    return copy.deepcopy(_remembered_run(*key))
+
+
+@functools.lru_cache(maxsize=256)
+def _remembered_run(_seed_type, seed, _mode_type, mode, cfg, simulate) -> dict:
+    with single_thread():
+        return run(seed, mode, cfg, simulate=simulate)
 
 
 def verdict(result: Mapping) -> str:
@@ -79,7 +104,8 @@ class MeasuresPlot:
     def _dynamic(ax):
         """Artists drawn over the background on every result, in z order: the bars, what lies
         on top of them (threshold line, spines), their value labels (``measures_figure``'s
-        first texts; the threshold's label stays in the background) and the title."""
+        first texts; the threshold's label stays in the background) and the title — the
+        texts last, drawn together by ``viz.fast_text.draw_texts``."""
         return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)],
                 ax.title]
 
@@ -128,8 +154,12 @@ class MeasuresPlot:
             self._update(result, values)
         canvas = self._fig.canvas
         canvas.restore_region(self._background)
+        renderer = canvas.get_renderer()
         for ax in self._fig.axes:
-            for artist in self._dynamic(ax):
-                ax.draw_artist(artist)
+            dynamic = self._dynamic(ax)
+            first = next(i for i, artist in enumerate(dynamic) if isinstance(artist, Text))
+            for artist in dynamic[:first]:
+                artist.draw(renderer)
+            draw_texts(dynamic[first:], renderer)  # each one's draw, in order, from caches
         rgba = np.asarray(canvas.buffer_rgba())  # encoded as is: dropping alpha costs a copy
         return encode_png(rgba, palette=palette, compress_level=6 if palette else 1)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from ..check import EQUIVALENCE, SEEDS, SP_MODES, run
+from ..check import EQUIVALENCE, SEEDS, SP_MODES
 from ..config import Config
-from .core import Explorer, html_output, png_img, png_output, seed_control, single_thread
-from .measures import MeasuresPlot, measures_html, measures_text
+from .core import Explorer, html_output, png_img, png_output, seed_control
+from .measures import MeasuresPlot, live_run, measures_html, measures_text
 from .static import StaticExplorer
 
 __all__ = ["SP_EXPLORER_CONFIG", "sp_explorer", "static_sp_explorer"]
@@ -36,8 +36,7 @@ def sp_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = No
     plot = MeasuresPlot()
 
     def draw(seed, mode):
-        with single_thread():
-            result = run(seed, mode, cfg, simulate="ranks")
+        result = live_run(seed, mode, cfg, simulate="ranks")
         return [html_output(measures_html(result), measures_text(result)),
                 png_output(plot.png(result), f"<measures, seed {seed}, mode {mode}>")]
 
@@ -53,8 +52,7 @@ def static_sp_explorer(seeds=SEEDS, modes=SP_MODES, cfg: Config | None = None,
     panels = {}
     for i, seed in enumerate(seeds):
         for j, mode in enumerate(modes):
-            with single_thread():
-                result = run(seed, mode, cfg, simulate="ranks")
+            result = live_run(seed, mode, cfg, simulate="ranks")  # remembered for the live one
             panels[i, j] = measures_html(result) + png_img(
                 plot.png(result, palette=True),
                 f"the five measures of seed {seed}, SP mode {mode}, against 1e-6")
