@@ -103,23 +103,24 @@ def book_notebooks(app: Sphinx) -> list[Path]:
     return sorted(found)
 
 
-def recorded_execution(app: Sphinx, path: Path) -> Path | None:
+def recorded_execution(app: Sphinx, path: Path, digest: str) -> Path | None:
     """Where ``make test``'s nbval run left its execution of notebook ``path``: a path under
-    ``_build/nbval-executed/<package digest>/`` that need not exist (``tests/nbval_record.py``);
+    ``_build/nbval-executed/<digest>/`` (``digest``: the package's) that need not exist
+    (``tests/nbval_record.py``);
     ``None`` for a notebook outside the source folder."""
     try:
         where = path.resolve().relative_to(Path(app.srcdir).resolve())
     except ValueError:
         return None
-    return Path(app.outdir).parent / RECORDED / package_digest() / where
+    return Path(app.outdir).parent / RECORDED / digest / where
 
 
-def cache_recorded_execution(app: Sphinx, cache, path: Path) -> bool:
+def cache_recorded_execution(app: Sphinx, cache, path: Path, digest: str) -> bool:
     """Cache nbval's execution of ``path`` if one exists for this package and these code cells."""
     import nbformat
     from jupyter_cache.cache.main import CacheBundleIn
 
-    recorded = recorded_execution(app, path)
+    recorded = recorded_execution(app, path, digest)
     if recorded is None or not recorded.is_file():
         return False
     executed = nbformat.read(recorded, as_version=4)
@@ -149,12 +150,12 @@ def prefill_execution_cache(app: Sphinx, config: Config) -> None:
 
     logger = logging.getLogger(__name__)
     cache = get_cache(config.nb_execution_cache_path)
-    todo, recorded = [], 0
+    todo, recorded, digest = [], 0, package_digest()
     for path in book_notebooks(app):
         try:
             cache.match_cache_notebook(nbformat.read(path, as_version=4))
         except KeyError:
-            if cache_recorded_execution(app, cache, path):
+            if cache_recorded_execution(app, cache, path, digest):
                 recorded += 1
             else:
                 todo.append(path)

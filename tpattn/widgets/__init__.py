@@ -22,9 +22,7 @@ the static explorer: a reader never meets a control that does nothing.
 explorer that shows only HTML (``tpattn.widgets.bug_hunt``) does not load matplotlib.
 """
 
-import importlib
-import importlib.util
-
+from .._lazy import lazy_names
 from .core import Explorer, config_controls, mode_control, seed_control
 from .static import StaticExplorer
 
@@ -32,29 +30,4 @@ _EAGER = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_
 #: The modules of explorers that draw figures, in the order their names are looked up.
 FIGURE_MODULES = ("explorers", "sp", "kv")
 
-
-def _figure_names() -> dict[str, str]:
-    """Every public name of the figure modules → its module (imports them: matplotlib)."""
-    names: dict[str, str] = {}
-    for module in FIGURE_MODULES:
-        for name in importlib.import_module(f".{module}", __name__).__all__:
-            names.setdefault(name, module)
-    return names
-
-
-def __getattr__(name: str):
-    if name == "__all__":
-        value = [*_EAGER, *_figure_names()]
-    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f".{name}", __name__)  # a submodule: viz.sharding
-    else:
-        module = _figure_names().get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # found once, then an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EAGER, *_figure_names()})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _EAGER, FIGURE_MODULES)
