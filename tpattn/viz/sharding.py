@@ -149,7 +149,7 @@ def _head_line(ax, frame, i: int, xs, ys, color: str, linestyle: str = "-",
 class WholePixels(mtransforms.Transform):
     """Rounds display coordinates to whole pixels. A label anchored through it
     (``ax.transData + WholePixels()``) has the same pixels wherever it is drawn, shifted by
-    whole pixels (what ``tpattn.widgets.kv.PastingStandingFigure`` pastes); it moves by less
+    whole pixels (what ``tpattn.widgets.pasting.PastingStandingFigure`` pastes); it moves by less
     than half a pixel."""
 
     input_dims = output_dims = 2

@@ -34,6 +34,7 @@ from ..viz.sharding import (heads_frame, heads_to_ranks_figure, layout_dynamic_a
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text
+from .pasting import PastingStandingFigure
 from .static import StaticExplorer
 
 __all__ = [
@@ -273,8 +274,6 @@ def _set_layout(fig, cfg: Config) -> None:
 def layout_standing_figure() -> StandingFigure:
     """``heads_to_ranks_figure`` (or the ``replica_groups_figure`` it shows with fewer KV
     heads than ranks) kept standing per ``layout_structure``."""
-    from .kv import PastingStandingFigure
-
     def frame(structure, _cfg):  # the background is the frame: its layer is all dynamic
         kind, query_heads = structure
         return (replica_groups_frame if kind == "replica_groups" else heads_frame)(query_heads)
