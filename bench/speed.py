@@ -44,6 +44,8 @@ def main() -> int:
     print(f"1. cold make book / serial execute: {book['ratio']:.2f} "
           f"({book['cold_build_s']:.0f} s / {book['serial_execute_s']:.0f} s; target <= 0.7)")
     line = f"2. make test, warm venv: {tests['make_test_s'] / 60:.1f} min (target <= 6)"
+    if "test_lab_s" in tests:
+        line += f"; make test-lab (CI only): {tests['test_lab_s'] / 60:.1f} min"
     if ci:
         line += f"; .ci/run, fresh clone: {ci['ci_run_s'] / 60:.1f} min (target <= 20)"
     print(line)

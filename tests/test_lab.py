@@ -13,7 +13,11 @@ chapter passes when:
   ``inspect.getsource`` of the object its caption ``tpattn/x.py · name`` names;
 - where the chapter has a live explorer, the first one responds to a click: its output changes.
 
-Skipped without Chromium or playwright (failed under ``CI=true``). ``make test`` runs it.
+Skipped without Chromium or playwright (failed under ``CI=true``). ``make test-lab`` runs it, and
+``.ci/run`` runs ``make test-lab``; ``make test`` leaves it out (marker ``lab``): it is the
+slowest test by far (every chapter a second time, in a browser) and only a frontend can break
+it. ``make test`` keeps its cheap part: ``tests/test_source.py`` checks that no markdown cell
+holds a raw directive.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import urllib.request
 
 import pytest
 
+from tests.test_source import RAW_DIRECTIVES
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "book").glob("*.ipynb"))
 CHROMIUM = "/usr/bin/chromium"
@@ -49,7 +55,6 @@ RUN_ALL_START_S = 30
 #: Longest a chapter may take to run all its cells here (the slowest, chapter 11, starts real
 #: rank processes: ~30 s on 2 busy cores).
 RUN_ALL_TIMEOUT_S = 300
-RAW_DIRECTIVES = ("```{", ":pyobject:", "{literalinclude}", "{eval-rst}", ":language: python")
 #: JupyterLab user settings for the test: no autosave, every cell in the DOM (no windowing),
 #: no news prompt.
 SETTINGS = {
@@ -57,6 +62,9 @@ SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
 }
+
+
+pytestmark = pytest.mark.lab  # make test-lab (and CI) runs this module; make test does not
 
 
 def _skip_or_fail(message: str):
