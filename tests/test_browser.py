@@ -76,10 +76,6 @@ def _is_redirect(page_path: str) -> bool:
     return 'http-equiv="Refresh"' in (HTML / page_path).read_text(errors="replace")[:500]
 
 
-#: Pages with a layout to measure.
-LAYOUT_PAGES = [p for p in PAGES if not _is_redirect(p)]
-
-
 @pytest.fixture(scope="module")
 def server():
     """``_build/html`` over HTTP on 127.0.0.1, on a free port, in a thread."""
@@ -190,6 +186,16 @@ def test_every_page_is_in_exactly_one_shard():
     assert len(shards) == SHARDS and sorted(sum(shards, [])) == sorted(PAGES)
 
 
+#: Code blocks and cell outputs of a page: what must fit the text column.
+_BLOCKS = "div.highlight pre, div.cell_output pre, div.cell_output .output, .tpattn-source pre"
+
+_OVERFLOWING = """sel => Array.from(document.querySelectorAll(sel))
+    .filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1)
+    .map(e => ({width: e.scrollWidth, column: e.clientWidth,
+                text: (e.innerText || '').split('\\n').sort((a, b) => b.length - a.length)[0]
+                      .slice(0, 90)}))"""
+
+
 def check_page(page_path, server, context):
     page = context.new_page()
     try:
@@ -202,6 +208,12 @@ def check_page(page_path, server, context):
         page.screenshot(path=str(SCREENSHOTS / _screenshot_name(page_path)),
                         full_page=FULL_SCREENSHOTS)
 
+        if not _is_redirect(page_path):
+            overflowing = page.evaluate(_OVERFLOWING, _BLOCKS)
+            assert not overflowing, (
+                f"{page_path}: {len(overflowing)} code block(s)/output(s) scroll sideways at "
+                f"1280 px: " + "; ".join(f"{o['width']} px in {o['column']} px: {o['text']!r}"
+                                         for o in overflowing[:8]))
         broken = page.evaluate("""Array.from(document.images)
             .filter(i => i.naturalWidth === 0).map(i => i.src.slice(0, 100))""")
         assert not broken, f"{page_path}: images that did not load: {broken}"
@@ -216,34 +228,6 @@ def check_page(page_path, server, context):
         assert not log.page_errors, f"{page_path}: JavaScript errors: {log.page_errors}"
         assert not log.console_errors, f"{page_path}: console errors: {log.console_errors}"
         assert not log.failed, f"{page_path}: failed requests: {log.failed}"
-    finally:
-        page.close()
-
-
-#: Code blocks and cell outputs of a page: what must fit the text column.
-_BLOCKS = "div.highlight pre, div.cell_output pre, div.cell_output .output, .tpattn-source pre"
-
-_OVERFLOWING = """sel => Array.from(document.querySelectorAll(sel))
-    .filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1)
-    .map(e => ({width: e.scrollWidth, column: e.clientWidth,
-                text: (e.innerText || '').split('\\n').sort((a, b) => b.length - a.length)[0]
-                      .slice(0, 90)}))"""
-
-
-@pytest.mark.skipif(not LAYOUT_PAGES, reason=f"no built book at {HTML} (run `make book` first)")
-@pytest.mark.parametrize("page_path", LAYOUT_PAGES or ["(none)"])
-@pytest.mark.timeout(120)  # a page that never settles is a failure, not a stuck CI
-def test_code_and_outputs_fit_the_column(page_path, server, context):
-    """At 1280 px wide no code block or output scrolls horizontally (its longest line is
-    named in the failure)."""
-    page = context.new_page()
-    try:
-        page.goto(server + page_path, wait_until="load")
-        overflowing = page.evaluate(_OVERFLOWING, _BLOCKS)
-        assert not overflowing, (
-            f"{page_path}: {len(overflowing)} code block(s)/output(s) scroll sideways at 1280 px: "
-            + "; ".join(f"{o['width']} px in {o['column']} px: {o['text']!r}"
-                        for o in overflowing[:8]))
     finally:
         page.close()
 
