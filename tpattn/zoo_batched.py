@@ -103,12 +103,17 @@ def forward_batched(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, in
         if inj.f == "mean":
             n = _ScaleGrad.apply(n, 1.0 / w)
     tokens = n.reshape(w, s * b, hidden)
+    # every rank's Q, K and V rows in one batched matmul; RoPE once over the Q and K heads
+    hq, hkv = cfg.local_query_heads, cfg.local_kv_heads
+    wqkv = torch.cat([p["wq"], p["wk"], p["wv"]], dim=1)             # [W, rows, hidden]
+    qkv = torch.bmm(tokens, wqkv.transpose(1, 2)).view(w, s, b, -1, d)
+    qkv = qkv.permute(1, 2, 0, 3, 4)                                  # [S, B, W, heads, D]
+    qk = apply_rope(qkv[:, :, :, :hq + hkv].reshape(s, b, -1, d)).view(s, b, w, -1, d)
 
-    def heads(weight):  # [W, rows, hidden] -> [W, T, rows] -> [S, B, W * local heads, D]
-        t = torch.bmm(tokens, weight.transpose(1, 2)).view(w, s, b, -1, d)
-        return t.permute(1, 2, 0, 3, 4).reshape(s, b, -1, d)
+    def heads(t):  # [S, B, W, local heads, D] -> [S, B, W * local heads, D] (rank-major)
+        return t.reshape(s, b, -1, d)
 
-    q, k, v = apply_rope(heads(p["wq"])), apply_rope(heads(p["wk"])), heads(p["wv"])
+    q, k, v = heads(qk[:, :, :, :hq]), heads(qk[:, :, :, hq:]), heads(qkv[:, :, :, hq + hkv:])
     if inj.kv == "tile":  # each rank tiles its own block of KV heads
         k, v = (t.view(s, b, w, -1, d).repeat(1, 1, 1, groups, 1).reshape(s, b, -1, d)
                 for t in (k, v))
