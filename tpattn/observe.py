@@ -114,11 +114,14 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     cfg = Config() if cfg is None else cfg
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+    if not isinstance(batched, bool):
+        raise ValueError(f"batched must be True or False (got {batched!r})")
     good_inj = inj.correct()
-    # One checkpoint for both runs: the twin has the same setup (bias or not), so
-    # make_params draws the same numbers; its shards are the slices every rank should hold.
+    # One checkpoint for both runs (the twin has the same setup: the same numbers);
+    # the twin's shards are the slices every rank should hold.
     base = make_params(cfg, seed, inj)
-    shards0, expected = _detached(shard(base, cfg, inj)), _detached(shard(base, cfg, good_inj))
+    shards0 = _detached(shard(base, cfg, inj))
+    expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
     train = _train_batched if batched else _train
     run = train(shards0, batches, cfg, inj, steps)
@@ -127,7 +130,8 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     else:
         good_batches = batches if inj.inputs == good_inj.inputs else \
             rank_batches(cfg, seed, good_inj)
-        good = train(expected, good_batches, cfg, good_inj, steps, last_update=False)
+        good = train(expected, good_batches, cfg, good_inj, steps,
+                     last_update=False)
     first, good_first = run["first"], good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
