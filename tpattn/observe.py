@@ -27,10 +27,14 @@ Tensors are float; checksums are sums (float64 accumulation of the float32 value
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .check import check_seed
 from .config import Config
-from .zoo import Injection, check_needs, make_params, rank_batches, ranks_train_step, shard, unshard
+from .zoo import Injection, check_needs, forward_ranks, make_params, rank_batches, \
+    ranks_train_step, shard, unshard
+from .zoo_batched import batched_losses, batched_train_step, forward_batched, stack_ranks, \
+    unstack_ranks
 
 __all__ = ["observe", "observe_injection", "STEPS"]
 
@@ -42,14 +46,29 @@ def _checksum(t: torch.Tensor) -> float:
     return float(t.detach().double().sum())
 
 
-def _train(cfg: Config, seed: int, inj: Injection, steps: int) -> dict:
-    base = make_params(cfg, seed, inj)
-    shards = [{k: t.detach() for k, t in s.items()} for s in shard(base, cfg, inj)]
-    expected = [{k: t.detach() for k, t in s.items()} for s in shard(base, cfg, inj.correct())]
-    batches = rank_batches(cfg, seed, inj)
-    out = {"shards0": shards, "expected": expected, "batches": batches, "curve": [],
-           "replicas": {}}
+def _detached(shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    return [{k: t.detach() for k, t in s.items()} for s in shards]
+
+
+def _losses(shards, batches, cfg: Config, inj: Injection) -> list[torch.Tensor]:
+    """Every rank's loss of ``shards`` (forward only: what a step logs before its backward;
+    the same numbers as ``ranks_train_step``'s ``losses``)."""
+    with torch.no_grad():
+        ps = [{k: t.clone() for k, t in s.items()} for s in shards]
+        ys = forward_ranks([x.clone() for x, _ in batches], ps, cfg, inj)
+        return [F.mse_loss(y, target) for y, (_, target) in zip(ys, batches)]
+
+
+def _train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config, inj: Injection,
+           steps: int, last_update: bool = True) -> dict:
+    """``steps`` steps of ``ranks_train_step`` from ``shards`` on ``batches``; with
+    ``last_update=False`` the last step stops at its losses (no backward, no update: the
+    good twin's replicas are never looked at)."""
+    out = {"curve": [], "replicas": {}}
     for step in range(steps):
+        if step == steps - 1 and step > 0 and not last_update:
+            out["curve"].append(float(_losses(shards, batches, cfg, inj)[0]))
+            break
         result = ranks_train_step(shards, batches, cfg, inj)
         if step == 0:
             out["first"] = result
@@ -59,29 +78,70 @@ def _train(cfg: Config, seed: int, inj: Injection, steps: int) -> dict:
             out["replicas"]["after_1" if step == 0 else "after_k"] = {
                 name: [_checksum(s[name]) for s in shards] for name in ("norm", "bias")
                 if name in shards[0]}
-    out["base"] = base
+    return out
+
+
+def _train_batched(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
+                   inj: Injection, steps: int, last_update: bool = True) -> dict:
+    """``_train`` with the ranks as a batch dimension (``zoo_batched.batched_train_step``)."""
+    p = stack_ranks(shards)
+    x = torch.stack([x for x, _ in batches])
+    target = torch.stack([t for _, t in batches])
+    out = {"curve": [], "replicas": {}}
+    for step in range(steps):
+        if step == steps - 1 and step > 0 and not last_update:
+            with torch.no_grad():
+                losses = batched_losses(forward_batched(x, p, cfg, inj), target)
+            out["curve"].append(float(losses[0]))
+            break
+        result = batched_train_step(p, x, target, cfg, inj)
+        if step == 0:
+            out["first"] = {**result, "losses": list(result["losses"]),
+                            "grads": unstack_ranks(result["grads"])}
+        out["curve"].append(float(result["losses"][0]))
+        p = result["weights"]
+        if step in (0, steps - 1):
+            out["replicas"]["after_1" if step == 0 else "after_k"] = {
+                name: [_checksum(t) for t in p[name]] for name in ("norm", "bias") if name in p}
     return out
 
 
 def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
-                      steps: int = STEPS, reference: bool = True) -> dict:
+                      steps: int = STEPS, reference: bool = True,
+                      batched: bool = False) -> dict:
     """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up)."""
     check_seed(seed)
     cfg = Config() if cfg is None else cfg
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
-    run = _train(cfg, seed, inj, steps)
-    good = _train(cfg, seed, inj.correct(), steps)
+    if not isinstance(batched, bool):
+        raise ValueError(f"batched must be True or False (got {batched!r})")
+    good_inj = inj.correct()
+    # One checkpoint for both runs (the twin has the same setup: the same numbers);
+    # the twin's shards are the slices every rank should hold.
+    base = make_params(cfg, seed, inj)
+    shards0 = _detached(shard(base, cfg, inj))
+    expected = _detached(shard(base, cfg, good_inj))
+    batches = rank_batches(cfg, seed, inj)
+    train = _train_batched if batched else _train
+    run = train(shards0, batches, cfg, inj, steps)
+    if good_inj == inj:  # no bug: the good run is this run
+        good = run
+    else:
+        good_batches = batches if inj.inputs == good_inj.inputs else \
+            rank_batches(cfg, seed, good_inj)
+        good = train(expected, good_batches, cfg, good_inj, steps,
+                     last_update=False)
     first, good_first = run["first"], good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
                   "kv_heads": cfg.kv_heads},
         "rank_losses": [float(l) for l in first["losses"]],
-        "batch_checksums": [_checksum(x) + _checksum(t) for x, t in run["batches"]],
+        "batch_checksums": [_checksum(x) + _checksum(t) for x, t in batches],
         "shard_checksums": {name: [_checksum(s[name]) - _checksum(e[name])
-                                   for s, e in zip(run["shards0"], run["expected"])]
+                                   for s, e in zip(shards0, expected)]
                             for name in ("wq", "wk", "wv", "wo")},
-        "shard_scale": {name: float(run["base"][name].abs().sum())
+        "shard_scale": {name: float(base[name].abs().sum())
                         for name in ("wq", "wk", "wv", "wo")},
         "replica_checksums": run["replicas"],
         "ledger": [{k: e[k] for k in ("collective", "phase", "group")} for e in first["ledger"]],
@@ -100,18 +160,20 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                                   for k in good_grads}
         if "bias" in grads:
             shift = (grads["bias"] - good_grads["bias"]).double()
-            b = run["base"]["bias"].double()
+            b = base["bias"].double()
             obs["bias_grad_shift_cosine"] = float(shift @ b / (shift.norm() * b.norm() + 1e-30))
     return obs
 
 
 def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
-            reference: bool = True) -> dict:
+            reference: bool = True, batched: bool = False) -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
-    module docstring); ``reference=False`` leaves out what needs a known-good run."""
+    module docstring); ``reference=False`` leaves out what needs a known-good run.
+    ``batched=True``: the ranks as a batch dimension (``tpattn.zoo_batched``; faster, the
+    same conclusions, digits within float32 rounding of the loop's)."""
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
         raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
                          f"an injection of this block")
-    return observe_injection(entry.injection, seed, cfg, steps, reference)
+    return observe_injection(entry.injection, seed, cfg, steps, reference, batched)

@@ -2,8 +2,9 @@
 
 Live: ``bug_hunt_explorer()`` — pick a hunt number and a cause; the panel shows what the run
 shows (``tpattn.bug_hunt.describe``) and whether the guess is right and why
-(``tpattn.bug_hunt.judge``). Static: ``static_bug_hunt_explorer(hunts)`` precomputes every
-hunt x answer for the HTML book.
+(``tpattn.bug_hunt.judge``), observed with the ranks as a batch dimension
+(``observe(..., batched=True)``, ``tpattn.zoo_batched``). Static:
+``static_bug_hunt_explorer(hunts)`` precomputes every hunt x answer for the HTML book.
 """
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ UNANSWERED = "(choose a cause)"
 
 
 def _observe(hunt: int) -> tuple[str, dict]:
+    # batched ranks: 2-3x faster than the rank loop, the same describe/judge text
+    # (tests/test_zoo_batched.py)
     mode, seed, cfg = hunt_case(hunt)
     with single_thread():
-        return mode, observe(mode, seed, cfg)
+        return mode, observe(mode, seed, cfg, batched=True)
 
 
 def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, str]:
