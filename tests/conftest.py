@@ -3,6 +3,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 DATA = pathlib.Path(__file__).parent / "data"
 ROOT = pathlib.Path(__file__).parent.parent
@@ -17,3 +18,13 @@ def load_golden(name: str):
 def golden():
     return load_golden
 
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    its matmuls are tiny, and threads only contend (10x slower on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

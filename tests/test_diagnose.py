@@ -10,7 +10,6 @@ import json
 import re
 
 import pytest
-import torch
 
 import tpattn
 from tpattn import Config, zoo
@@ -26,13 +25,7 @@ SEEDS = range(10)
 BUGS = [m for m in zoo.runnable_modes() if m != tpattn.EQUIVALENCE]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: threads only contend (10x slower on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def top(diagnosis):

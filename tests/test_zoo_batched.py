@@ -18,12 +18,7 @@ from tpattn.observe import observe, observe_injection
 from tests.rounding import longest_sum
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _leaves(obs, path=""):

@@ -55,8 +55,8 @@ from .tp import AllReduce, AllReduceGrads
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "register", "get_mode", "mode_names",
            "list_modes", "runnable_modes", "check_needs", "run", "run_matrix", "make_params",
-           "shard", "unshard", "sides", "forward_fixture", "forward_ranks", "ranks_train_step",
-           "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
+           "shard", "unshard", "sides", "forward_fixture", "forward_ranks", "ledger_recorders",
+           "ranks_train_step", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
 #: seed's parameters and their init order never change.
@@ -398,14 +398,12 @@ def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Con
     return xs[0] + out
 
 
-def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]], cfg: Config,
-                  inj: Injection, ledger: list | None = None) -> list[torch.Tensor]:
-    """Every simulated rank's own output, each rank with its own leaf tensors (as
-    ``tp.tp_forward_ranks``, with the injection's knobs).
+def ledger_recorders(ledger: list | None):
+    """``(record, record_on_backward)`` for a collectives ledger (``None``: record nothing).
 
-    ``ledger``: if a list, every collective is appended to it as
-    ``{"collective", "phase", "group", "label"}`` when it runs (backward ones during backward).
-    Returns one ``[S, B, hidden]`` per rank.
+    ``record(phase, label)`` appends ``{"collective": "all_reduce", "phase", "group": "tp",
+    "label"}`` now; ``record_on_backward(t, label)`` appends a ``"backward"`` entry when ``t``'s
+    gradient is computed (a hook), i.e. when backward reaches that all-reduce.
     """
     def record(phase, label):
         if ledger is not None:
@@ -416,6 +414,19 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
         if ledger is not None and t.requires_grad:
             t.register_hook(lambda g: record("backward", label))
 
+    return record, record_on_backward
+
+
+def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]], cfg: Config,
+                  inj: Injection, ledger: list | None = None) -> list[torch.Tensor]:
+    """Every simulated rank's own output, each rank with its own leaf tensors (as
+    ``tp.tp_forward_ranks``, with the injection's knobs).
+
+    ``ledger``: if a list, every collective is appended to it as
+    ``{"collective", "phase", "group", "label"}`` when it runs (backward ones during backward).
+    Returns one ``[S, B, hidden]`` per rank.
+    """
+    record, record_on_backward = ledger_recorders(ledger)
     w = cfg.world_size
     ns = [rms_norm(x, s["norm"], cfg.eps) for x, s in zip(xs, shards)]
     if inj.f != "none":

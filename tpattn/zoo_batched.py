@@ -27,7 +27,7 @@ import torch
 from .check import LR
 from .config import Config
 from .layers import apply_rope, attention, repeat_kv, rms_norm
-from .zoo import REPLICATED, Injection, _clip_coef, _ScaleGrad
+from .zoo import REPLICATED, Injection, _clip_coef, _ScaleGrad, ledger_recorders
 
 __all__ = ["stack_ranks", "unstack_ranks", "forward_batched", "batched_losses",
            "batched_train_step"]
@@ -82,15 +82,7 @@ def forward_batched(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, in
     """``zoo.forward_ranks`` with the ranks stacked: x ``[W, S, B, hidden]``, ``p`` stacked
     parameters (see the module docstring); returns every rank's output ``[W, S, B, hidden]``.
     ``ledger``: as in ``forward_ranks`` (the same entries, in the same order)."""
-    def record(phase, label):
-        if ledger is not None:
-            ledger.append({"collective": "all_reduce", "phase": phase, "group": "tp",
-                           "label": label})
-
-    def record_on_backward(t, label):
-        if ledger is not None and t.requires_grad:
-            t.register_hook(lambda g: record("backward", label))
-
+    record, record_on_backward = ledger_recorders(ledger)
     w, s, b, hidden = x.shape
     d, groups = cfg.head_dim, cfg.group_size
     n = rms_norm(x, p["norm"].view(w, 1, 1, hidden), cfg.eps)
