@@ -9,11 +9,12 @@ import matplotlib.patches as mpatches
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import (_clear_layer, _head_box, _head_line, _heads_frame, _label, _title,
-                       drift_figure)
+from .sharding import (FrameGeometry, _clear_layer, _head_box, _head_line, _heads_frame, _label,
+                       _rank_legend, _title, drift_figure)
 from .style import FAIL_COLOR, new_figure, rank_color
 
-__all__ = ["replica_groups_figure", "replica_groups_frame", "set_replica_groups",
+__all__ = ["replica_groups_figure", "replica_groups_frame", "replica_groups_geometry",
+           "set_replica_groups",
            "kv_drift_figure", "kv_costs_figure"]
 
 
@@ -30,12 +31,19 @@ def replica_groups_figure(cfg: Config):
     return fig
 
 
-def replica_groups_frame(query_heads: int):
-    """The empty frame of ``replica_groups_figure`` for ``query_heads``."""
+def replica_groups_geometry(query_heads: int) -> FrameGeometry:
+    """The geometry of ``replica_groups_frame(query_heads)`` (6 to 12 inches wide)."""
     hq = query_heads
-    return _heads_frame(hq, "replica_groups", min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
-                        ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
-                        (-0.95, 2.2))
+    return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
+                         ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
+                         (-0.95, 2.2))
+
+
+def replica_groups_frame(query_heads: int):
+    """The empty frame of ``replica_groups_figure`` for ``query_heads``
+    (``replica_groups_geometry``); ``tpattn.viz.sharding.reshape_heads_frame`` makes it the
+    frame of another number of heads."""
+    return _heads_frame(query_heads, "replica_groups", replica_groups_geometry)
 
 
 def set_replica_groups(fig, cfg: Config) -> None:
@@ -80,9 +88,7 @@ def set_replica_groups(fig, cfg: Config) -> None:
                        ha="center", va="top", fontsize=8)
         label.set_position(((left + right) / 2, kv_y - box_h / 2 - 0.32))
         layer.append(label)
-    handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(min(w, 8))]
-    layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                           frameon=False, fontsize=8))
+    layer.append(_rank_legend(ax, frame, min(w, 8)))
     if not has_replicas(cfg):
         how = "every rank holds whole KV heads: no replicas"
     elif gather:

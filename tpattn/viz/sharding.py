@@ -5,7 +5,7 @@ Tensors are read, never modified; they may require grad.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import matplotlib as mpl
 import matplotlib.lines as mlines
@@ -14,6 +14,7 @@ import matplotlib.transforms as mtransforms
 import numpy as np
 import torch
 from matplotlib.font_manager import FontProperties
+from matplotlib.legend import Legend
 from matplotlib.text import Text
 
 from ..check import MEASURES, MODES, TOLERANCE
@@ -24,7 +25,8 @@ from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measur
 __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
-    "heads_to_ranks_figure", "heads_frame", "set_heads_layout", "layout_dynamic_artists",
+    "heads_to_ranks_figure", "heads_frame", "heads_geometry", "reshape_heads_frame",
+    "FrameGeometry", "set_heads_layout", "layout_dynamic_artists",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -82,30 +84,82 @@ def _check_query_ranks(cfg: Config, query_ranks) -> None:
 HEADS_MARGINS = (3 / 72, 3 / 72, 0.92, 0.44)
 
 
-def _heads_frame(query_heads: int, kind: str, width: float, height: float,
-                 labels: tuple[str, str], label_ys: tuple[float, float],
-                 xlim: tuple[float, float], ylim: tuple[float, float]):
-    """An empty frame of ``width`` × ``height`` inches: the two row labels (right-aligned at
-    x = -0.9, at ``label_ys``), fixed limits, no axis, margins ``HEADS_MARGINS`` (the left one
-    widened if a row label would reach past the figure's edge), and the ``tpattn_heads``
-    record (``kind``, ``query_heads``, the ``layer`` drawn in it)."""
-    fig, ax = new_figure(figsize=(width, height), layout=None)
-    texts = [ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
-             for label, y in zip(labels, label_ys)]
-    ax.set_xlim(*xlim)
-    ax.set_ylim(*ylim)
+class FrameGeometry(NamedTuple):
+    """What a heads frame of some number of query heads looks like: its size in inches, its
+    two row labels (right-aligned at x = -0.9, at ``label_ys``) and its data limits."""
+
+    width: float
+    height: float
+    labels: tuple[str, str]
+    label_ys: tuple[float, float]
+    xlim: tuple[float, float]
+    ylim: tuple[float, float]
+
+
+def _heads_frame(query_heads: int, kind: str, geometry: Callable[[int], FrameGeometry]):
+    """An empty frame of ``geometry(query_heads)``: the two row labels, fixed limits, no axis,
+    margins ``HEADS_MARGINS`` (``_fit_frame``), and the ``tpattn_heads`` record (``kind``,
+    ``geometry``, ``query_heads``, the ``layer`` drawn in it)."""
+    shape = geometry(query_heads)
+    fig, ax = new_figure(figsize=(shape.width, shape.height), layout=None)
+    rows = [ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+            for label, y in zip(shape.labels, shape.label_ys)]
     ax.set_aspect("auto")
     ax.axis("off")
+    fig.tpattn_heads = {"kind": kind, "geometry": geometry, "rows": rows, "layer": []}
+    _fit_frame(fig, query_heads)
+    return fig
+
+
+def _fit_frame(fig, query_heads: int) -> None:
+    """Give a heads frame the size, limits and margins of ``query_heads``
+    (``HEADS_MARGINS``, the left one widened if a row label would reach past the figure's
+    edge)."""
+    frame, ax = fig.tpattn_heads, fig.axes[0]
+    shape = frame["geometry"](query_heads)
+    width, height, xlim = shape.width, shape.height, shape.xlim
+    fig.set_size_inches(width, height)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*shape.ylim)
     left, bottom, right, top = HEADS_MARGINS
     span, room = xlim[1] - xlim[0], -0.9 - xlim[0]  # data units: all, left of the labels
-    widest = max(t.get_window_extent(fig.canvas.get_renderer()).width for t in texts) / fig.dpi
+    widest = _widest_row_label(fig)
     inches = width - left - right  # the axes' width if the labels fit
     if widest > room * inches / span:  # they do not: move the axes right until they do
         left += (widest * span - room * inches) / (span - room)
     ax.set_position([left / width, bottom / height, 1 - (left + right) / width,
                      1 - (bottom + top) / height])
-    fig.tpattn_heads = {"kind": kind, "query_heads": query_heads, "layer": []}
-    return fig
+    frame["query_heads"] = query_heads
+
+
+def _widest_row_label(fig) -> float:
+    """The width of a heads frame's widest row label, in inches (measured once per dpi)."""
+    frame, dpi = fig.tpattn_heads, fig.dpi
+    widths = frame.setdefault("widest", {})
+    if dpi not in widths:
+        renderer = fig.canvas.get_renderer()
+        widths[dpi] = max(t.get_window_extent(renderer).width for t in frame["rows"]) / dpi
+    return widths[dpi]
+
+
+def reshape_heads_frame(fig, query_heads: int) -> None:
+    """Make a heads frame (``heads_frame``, ``replica_groups_frame``) of any number of query
+    heads the empty frame of ``query_heads`` — the same size, limits, margins and pixels as a
+    new one — keeping its figure, axes and the artists its layouts keep (``_kept``), e.g. for
+    a standing figure (building a frame costs ~0.1 s on a small machine)."""
+    _remove_layer(fig.tpattn_heads)
+    fig.axes[0].title.set_text("")
+    _fit_frame(fig, query_heads)
+
+
+def _remove_layer(frame) -> None:
+    """Take the layer drawn in a heads frame away (kept artists hidden, ``_kept``)."""
+    for artist in frame["layer"]:
+        if getattr(artist, "tpattn_kept", False):
+            artist.set_visible(False)  # kept for the next layout (``_kept``)
+        else:
+            artist.remove()
+    frame["layer"] = []
 
 
 def _clear_layer(fig, cfg: Config):
@@ -115,24 +169,19 @@ def _clear_layer(fig, cfg: Config):
     if frame["query_heads"] != cfg.query_heads:
         raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
                          f"(got {cfg.query_heads})")
-    for artist in frame["layer"]:
-        if getattr(artist, "tpattn_kept", False):
-            artist.set_visible(False)  # kept for the next layout (``_kept``)
-        else:
-            artist.remove()
-    frame["layer"] = []
+    _remove_layer(frame)
     return fig.axes[0]
 
 
-def _kept(frame, role: str, i: int, make: Callable):
-    """The ``i``-th artist of ``role`` in a heads frame, made (and added to the axes) by
-    ``make()`` the first time: the next layout sets its properties again (~4x cheaper than
-    adding new artists). A layout sets every property it depends on."""
-    kept = frame.setdefault("kept", {}).setdefault(role, [])
-    while len(kept) <= i:
-        kept.append(make())
-        kept[-1].tpattn_kept = True
-    artist = kept[i]
+def _kept(frame, role: str, key, make: Callable):
+    """The artist of ``role`` and ``key`` (an index, a count) in a heads frame, made (and
+    added to the axes) by ``make()`` the first time: the next layout sets its properties
+    again (~4x cheaper than adding new artists). A layout sets every property it depends on."""
+    kept = frame.setdefault("kept", {}).setdefault(role, {})
+    artist = kept.get(key)
+    if artist is None:
+        artist = kept[key] = make()
+        artist.tpattn_kept = True
     artist.set_visible(True)
     return artist
 
@@ -161,6 +210,21 @@ class WholePixels(mtransforms.Transform):
 def _label(ax, text: str = "", **style):
     """``ax.text`` at ``(0, 0)`` in data coordinates rounded to whole pixels."""
     return ax.text(0, 0, text, transform=ax.transData + WholePixels(), **style)
+
+
+def _rank_legend(ax, frame, ranks: int) -> Legend:
+    """The legend of the colors of ranks ``0 … ranks - 1``, right of the axes, its anchor
+    rounded to a whole pixel (``WholePixels``: the same pixels, shifted, in any frame — what
+    ``tpattn.widgets.pasting.PastingStandingFigure`` pastes); kept per number of ranks and
+    made the axes' legend."""
+    def make():
+        handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(ranks)]
+        return Legend(ax, handles, [h.get_label() for h in handles], loc="upper left",
+                      bbox_to_anchor=(1.0, 1.0), bbox_transform=ax.transAxes + WholePixels(),
+                      frameon=False, fontsize=8)
+
+    ax.legend_ = _kept(frame, "legend", ranks, make)
+    return ax.legend_
 
 
 def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
@@ -195,13 +259,19 @@ def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, he
     return box, text
 
 
-def heads_frame(query_heads: int):
-    """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (size, limits, row
-    labels); ``set_heads_layout`` draws a layout in it."""
+def heads_geometry(query_heads: int) -> FrameGeometry:
+    """The geometry of ``heads_frame(query_heads)``: wider with more heads (6 to 12 inches)."""
     hq = query_heads
-    return _heads_frame(hq, "heads", min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
-                        ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
-                        (-0.55, 2.1))
+    return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
+                         ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
+                         (-0.55, 2.1))
+
+
+def heads_frame(query_heads: int):
+    """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (``heads_geometry``:
+    size, limits, row labels); ``set_heads_layout`` draws a layout in it,
+    ``reshape_heads_frame`` makes it the frame of another number of heads."""
+    return _heads_frame(query_heads, "heads", heads_geometry)
 
 
 def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None) -> None:
@@ -234,9 +304,7 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
         for i, (x, r) in enumerate(zip(xs, ranks)):
             layer += _head_box(ax, frame, prefix, i, x, y, box_w, box_h, rank_color(int(r)),
                                f"{prefix}{i}", fontsize)
-    handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)]
-    layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                           frameon=False, fontsize=8))
+    layer.append(_rank_legend(ax, frame, world))
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
     layer.append(_title(ax, frame, f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
