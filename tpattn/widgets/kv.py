@@ -73,10 +73,13 @@ def _png(renders: Renders, cfg: Config, palette=False,
 
 
 def replica_groups_standing_figure() -> StandingFigure:
-    """``replica_groups_figure`` kept standing per number of query heads."""
+    """``replica_groups_figure`` kept standing: one frame, reshaped for another number of
+    query heads."""
+    from .explorers import HEADS_FRAME_FAMILIES
+
     return PastingStandingFigure(  # the background is the frame: its layer is all dynamic
         build=lambda structure, _cfg: replica_groups_frame(structure[1]),
-        update=set_replica_groups, dynamic=layout_dynamic_artists)
+        update=set_replica_groups, dynamic=layout_dynamic_artists, **HEADS_FRAME_FAMILIES)
 
 
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
