@@ -48,8 +48,9 @@ def _look_and_anchor(artist, height: int) -> tuple[tuple | None, int, int]:
     """``(key, row, column)``: what the artist's pixels depend on (besides what lies under
     it), and the pixel its rectangle is relative to. A text or legend anchored on a whole
     pixel (see ``tpattn.viz.sharding.WholePixels``) has the same pixels, shifted, at any
-    whole pixel: its key leaves out where; any other artist's key holds its exact place on
-    this canvas."""
+    whole pixel: its key leaves out where; a legend elsewhere has a key that holds its exact
+    place on this canvas. A text elsewhere (a title: a new string with most layouts) is not
+    pasted (key ``None``): ``viz.fast_text`` draws a string seen before as fast."""
     if isinstance(artist, Legend):
         look = _legend_look(artist)
         x, y = artist.get_bbox_to_anchor().p0
@@ -60,6 +61,8 @@ def _look_and_anchor(artist, height: int) -> tuple[tuple | None, int, int]:
         x, y = artist.get_transform().transform(artist.get_unitless_position())
     if _whole_pixel(x, y):
         return (look, "whole pixel"), height - int(y), int(x)
+    if isinstance(artist, Text):
+        return None, 0, 0
     return (look, x, y, height), 0, 0
 
 
