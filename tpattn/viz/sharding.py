@@ -229,8 +229,8 @@ def _rank_legend(ax, frame, ranks: int) -> Legend:
 
 def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
     """A two-line title as two texts: ``first`` is the axes' title, ``second`` (returned, one
-    of few sentences, pasted where it was drawn before) a text below it, where the title's
-    second line would be. The lines step by the title font's line height."""
+    of few sentences: a live explorer redraws it from cached glyphs) a text below it, where
+    the title's second line would be. The lines step by the title font's line height."""
     size = mpl.rcParams["axes.titlesize"]
     pad = mpl.rcParams["axes.titlepad"]
     step = 1.2 * FontProperties(size=size).get_size_in_points()  # points between baselines

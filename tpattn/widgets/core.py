@@ -223,7 +223,7 @@ class StandingFigure:
     def _stand(self, structure, state) -> None:
         relative = self._relative(structure)
         if relative is not None:  # the family's figure, reshaped: no new figure
-            fig, self._spare[relative] = self._standing.pop(relative)
+            fig, self._spare[relative] = self._standing.pop(relative)  # keep its background
             self._reshape(fig, structure)
             self.reshapes += 1
             background = self._spare.pop(structure, None)  # drawn when it stood before
@@ -236,7 +236,9 @@ class StandingFigure:
             fig.set_dpi(self.dpi)
             self.builds += 1
             background = None
-        self._standing[structure] = (fig, background or self._background(fig))
+        if background is None:
+            background = self._background(fig)
+        self._standing[structure] = (fig, background)
         while len(self._standing) > self.size:
             del self._standing[next(iter(self._standing))]
 

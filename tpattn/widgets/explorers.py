@@ -30,11 +30,11 @@ from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dy
                           warm_attention_labels)
 from ..viz.kv import replica_groups_frame, set_replica_groups
 from ..viz.sharding import (heads_frame, heads_to_ranks_figure, layout_dynamic_artists,
-                            reshape_heads_frame, set_heads_layout)
+                            set_heads_layout)
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text
-from .pasting import PastingStandingFigure
+from .pasting import HEADS_FRAME_FAMILIES, PastingStandingFigure
 from .static import StaticExplorer
 
 __all__ = [
@@ -282,11 +282,6 @@ def layout_standing_figure() -> StandingFigure:
     return PastingStandingFigure(build=frame, update=_set_layout,
                                  dynamic=layout_dynamic_artists, **HEADS_FRAME_FAMILIES)
 
-
-#: ``StandingFigure`` arguments for structures ``(kind, query_heads)`` of heads frames: one
-#: frame per kind, reshaped from one number of query heads to another.
-HEADS_FRAME_FAMILIES = dict(family=lambda structure: structure[0],
-                            reshape=lambda fig, structure: reshape_heads_frame(fig, structure[1]))
 
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:

@@ -1,6 +1,7 @@
-"""A standing figure whose texts and legends are drawn once per look, then pasted.
+"""A standing figure whose labels and legends are drawn once per look, then pasted.
 
-Used by the heads frames of the sharding (chapter 6) and kv (chapter 13) explorers.
+Used by the heads frames of the sharding (chapter 6) and kv (chapter 13) explorers, one
+frame per kind reshaped from one number of query heads to another (``HEADS_FRAME_FAMILIES``).
 """
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ from matplotlib.legend import Legend
 from matplotlib.text import Text
 
 from ..viz.fast_text import draw_text
+from ..viz.sharding import reshape_heads_frame
 from .core import StandingFigure
 
-__all__ = ["PastingStandingFigure"]
+__all__ = ["PastingStandingFigure", "HEADS_FRAME_FAMILIES"]
+
+#: ``StandingFigure`` arguments for structures ``(kind, query_heads)`` of heads frames: one
+#: frame per kind, reshaped from one number of query heads to another.
+HEADS_FRAME_FAMILIES = dict(family=lambda structure: structure[0],
+                            reshape=lambda fig, structure: reshape_heads_frame(fig, structure[1]))
 
 
 def _text_look(artist: Text) -> tuple | None:
@@ -67,7 +74,7 @@ def _look_and_anchor(artist, height: int) -> tuple[tuple | None, int, int]:
 
 
 class PastingStandingFigure(StandingFigure):
-    """A ``StandingFigure`` whose texts and legends are drawn once per look and then pasted.
+    """A ``StandingFigure`` whose labels and legends are drawn once per look and then pasted.
 
     Rasterizing text is most of a heads frame's update (~1 ms a label, ~10 ms a legend on a
     small machine), and most labels look the same from one layout to the next: ``q3`` on
@@ -78,6 +85,8 @@ class PastingStandingFigure(StandingFigure):
     frame. The first draw of each (look, color) is kept and pasted after; it also checks that
     the artist changed nothing outside its rectangle (else it is always drawn). The pixels
     are those of drawing it (``tests/test_widgets.py`` compares them with a fresh figure's).
+    Texts it draws (not pasted) go through ``tpattn.viz.fast_text``; a legend anchored on a
+    whole pixel is pasted anywhere, like a label.
     """
 
     PAD, RING = 2, 4  # px around an artist's extent: its rectangle, then the checked ring
