@@ -10,7 +10,7 @@ from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
 from .sharding import (FrameGeometry, _clear_layer, _head_box, _head_line, _heads_frame, _label,
-                       _rank_legend, _title, drift_figure)
+                       _rank_legend, _set_layer, _title, drift_figure)
 from .style import FAIL_COLOR, new_figure, rank_color
 
 __all__ = ["replica_groups_figure", "replica_groups_frame", "replica_groups_geometry",
@@ -98,7 +98,7 @@ def set_replica_groups(fig, cfg: Config) -> None:
                f"wk/wv grads all-reduced within each group")
     layer.append(_title(ax, frame, f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks "
                                    f"({d}-dim heads)", how))
-    frame["layer"] = layer
+    _set_layer(frame, layer)
 
 
 def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):

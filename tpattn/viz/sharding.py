@@ -106,7 +106,8 @@ def _heads_frame(query_heads: int, kind: str, geometry: Callable[[int], FrameGeo
             for label, y in zip(shape.labels, shape.label_ys)]
     ax.set_aspect("auto")
     ax.axis("off")
-    fig.tpattn_heads = {"kind": kind, "geometry": geometry, "rows": rows, "layer": []}
+    fig.tpattn_heads = {"kind": kind, "geometry": geometry, "rows": rows, "layer": [],
+                        "previous": []}
     _fit_frame(fig, query_heads)
     return fig
 
@@ -147,30 +148,41 @@ def reshape_heads_frame(fig, query_heads: int) -> None:
     heads the empty frame of ``query_heads`` — the same size, limits, margins and pixels as a
     new one — keeping its figure, axes and the artists its layouts keep (``_kept``), e.g. for
     a standing figure (building a frame costs ~0.1 s on a small machine)."""
-    _remove_layer(fig.tpattn_heads)
+    frame = fig.tpattn_heads
+    _take_away(frame["previous"] + frame["layer"])
+    frame["previous"], frame["layer"] = [], []
     fig.axes[0].title.set_text("")
     _fit_frame(fig, query_heads)
 
 
-def _remove_layer(frame) -> None:
-    """Take the layer drawn in a heads frame away (kept artists hidden, ``_kept``)."""
-    for artist in frame["layer"]:
+def _take_away(artists) -> None:
+    """Take layer artists out of a heads frame (kept ones hidden, for a next layout: ``_kept``)."""
+    for artist in artists:
         if getattr(artist, "tpattn_kept", False):
-            artist.set_visible(False)  # kept for the next layout (``_kept``)
+            artist.set_visible(False)
         else:
             artist.remove()
-    frame["layer"] = []
 
 
 def _clear_layer(fig, cfg: Config):
-    """The axes of a heads frame (``_heads_frame``) of ``cfg.query_heads``, with the layer
-    drawn there before removed (``ValueError`` for a frame of another head count)."""
+    """The axes of a heads frame (``_heads_frame``) of ``cfg.query_heads``, ready for a new
+    layer (``ValueError`` for a frame of another head count): the layer drawn there before
+    goes when the new one is set (``_set_layer``), but for the artists both keep."""
     frame = fig.tpattn_heads
     if frame["query_heads"] != cfg.query_heads:
         raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
                          f"(got {cfg.query_heads})")
-    _remove_layer(frame)
+    frame["previous"], frame["layer"] = frame["previous"] + frame["layer"], []
     return fig.axes[0]
+
+
+def _set_layer(frame, layer: list) -> None:
+    """Make ``layer`` what is drawn in a heads frame: artists of the layer before that it
+    does not reuse are hidden (kept) or removed. (A kept artist in both is left visible:
+    each visibility change marks the figure stale, a chain of callbacks.)"""
+    reused = set(layer)
+    _take_away([a for a in frame["previous"] if a not in reused])
+    frame["previous"], frame["layer"] = [], layer
 
 
 def _kept(frame, role: str, key, make: Callable):
@@ -182,16 +194,28 @@ def _kept(frame, role: str, key, make: Callable):
     if artist is None:
         artist = kept[key] = make()
         artist.tpattn_kept = True
-    artist.set_visible(True)
+    if not artist.get_visible():
+        artist.set_visible(True)
     return artist
+
+
+def _update(artist, what: str, values: tuple, apply: Callable) -> None:
+    """``apply()`` unless ``values`` are those ``what`` of ``artist`` (a kept one) was last
+    set to: a property set marks the figure stale (a chain of callbacks), a line's data
+    makes it recompute its path when drawn."""
+    record = artist.__dict__.setdefault("tpattn_set", {})
+    if record.get(what) != values:
+        apply()
+        record[what] = values
 
 
 def _head_line(ax, frame, i: int, xs, ys, color: str, linestyle: str = "-",
                linewidth: float = 1.0):
     """A line from a query head to the KV box it reads (under the boxes)."""
     line = _kept(frame, "line", i, lambda: ax.add_artist(mlines.Line2D([], [], zorder=1)))
-    line.set_data(xs, ys)
-    line.set(color=color, linestyle=linestyle, linewidth=linewidth)
+    _update(line, "data", (list(xs), list(ys)), lambda: line.set_data(xs, ys))
+    _update(line, "style", (color, linestyle, linewidth),
+            lambda: line.set(color=color, linestyle=linestyle, linewidth=linewidth))
     return line
 
 
@@ -249,13 +273,14 @@ def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, he
     """A rounded box centered at ``(x, y)`` in ``color`` with a white bold ``label``."""
     box = _kept(frame, role + " box", i, lambda: ax.add_artist(mpatches.FancyBboxPatch(
         (0, 0), 1, 1, boxstyle="round,pad=0.02", edgecolor="white", zorder=2)))
-    box.set_bounds(x - width / 2, y - height / 2, width, height)
-    box.set_facecolor(color)
+    _update(box, "bounds", (x, y, width, height),
+            lambda: box.set_bounds(x - width / 2, y - height / 2, width, height))
+    _update(box, "color", (color,), lambda: box.set_facecolor(color))
     text = _kept(frame, role + " label", i, lambda: _label(
         ax, ha="center", va="center", color="white", fontweight="bold", zorder=3))
-    text.set_position((x, y))
-    text.set_text(label)
-    text.set_fontsize(fontsize)
+    _update(text, "position", (x, y), lambda: text.set_position((x, y)))
+    _update(text, "text", (label, fontsize),
+            lambda: (text.set_text(label), text.set_fontsize(fontsize)))
     return box, text
 
 
@@ -309,7 +334,7 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
                else "every rank holds complete query/KV groups")
     layer.append(_title(ax, frame, f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
                         FAIL_COLOR if split else "black"))
-    frame["layer"] = layer
+    _set_layer(frame, layer)
 
 
 def layout_dynamic_artists(fig) -> list:
