@@ -61,15 +61,15 @@ def _look_and_anchor(artist, height: int) -> tuple[tuple | None, int, int]:
     if isinstance(artist, Legend):
         look = _legend_look(artist)
         x, y = artist.get_bbox_to_anchor().p0
-    else:
-        look = _text_look(artist) if isinstance(artist, Text) else None
+    elif isinstance(artist, Text):
+        x, y = artist.get_transform().transform(artist.get_unitless_position())
+        look = _text_look(artist) if _whole_pixel(x, y) else None
         if look is None:
             return None, 0, 0
-        x, y = artist.get_transform().transform(artist.get_unitless_position())
+    else:
+        return None, 0, 0
     if _whole_pixel(x, y):
         return (look, "whole pixel"), height - int(y), int(x)
-    if isinstance(artist, Text):
-        return None, 0, 0
     return (look, x, y, height), 0, 0
 
 
