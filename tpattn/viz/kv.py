@@ -9,8 +9,8 @@ import matplotlib.patches as mpatches
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import (FrameGeometry, _clear_layer, _head_box, _head_line, _heads_frame, _label,
-                       _rank_legend, _set_layer, _title, drift_figure)
+from .sharding import (FrameGeometry, _clear_layer, _head_boxes, _head_label, _head_lines,
+                       _heads_frame, _label, _rank_legend, _set_layer, _title, drift_figure)
 from .style import FAIL_COLOR, new_figure, rank_color
 
 __all__ = ["replica_groups_figure", "replica_groups_frame", "replica_groups_geometry",
@@ -57,13 +57,12 @@ def set_replica_groups(fig, cfg: Config) -> None:
     q_y, kv_y, box_h = 1.7, 0.0, 0.5
     rank_x = [r * per_rank + (per_rank - 1) / 2 for r in range(w)]
     gather = has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
-    layer = []
+    lines, boxes, layer = [], [], []
     for h in range(hq):
         r = h // per_rank
-        layer.append(_head_line(ax, frame, h, [h, rank_x[r]],
-                                [q_y - box_h / 2, kv_y + box_h / 2], "#888888"))
-        layer += _head_box(ax, frame, "q", h, h, q_y, 0.8, box_h, rank_color(r), f"q{h}",
-                           fontsize)
+        lines.append(([h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], "#888888", "-", 1.0))
+        boxes.append((h, q_y, 0.8, box_h, rank_color(r)))
+        layer.append(_head_label(ax, frame, "q", h, h, q_y, f"q{h}", fontsize))
     box_w = max(0.8, per_rank - 0.2)
     for r in range(w):
         first = kv_head_of_rank(cfg, r)
@@ -74,8 +73,9 @@ def set_replica_groups(fig, cfg: Config) -> None:
             label = f"kv{first}" + (" copy" if has_replicas(cfg) else "")
         else:
             label = f"kv{first}–{first + cfg.local_kv_heads - 1}"
-        layer += _head_box(ax, frame, "rank", r, rank_x[r], kv_y, box_w, box_h, rank_color(r),
-                           label, fontsize - 1)
+        boxes.append((rank_x[r], kv_y, box_w, box_h, rank_color(r)))
+        layer.append(_head_label(ax, frame, "rank", r, rank_x[r], kv_y, label, fontsize - 1))
+    layer += [_head_lines(ax, frame, lines), _head_boxes(ax, frame, boxes)]
     for g, group in enumerate(replica_groups(cfg)):
         if len(group) < 2:
             continue

@@ -13,6 +13,7 @@ import matplotlib.patches as mpatches
 import matplotlib.transforms as mtransforms
 import numpy as np
 import torch
+from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.font_manager import FontProperties
 from matplotlib.legend import Legend
 from matplotlib.text import Text
@@ -209,14 +210,19 @@ def _update(artist, what: str, values: tuple, apply: Callable) -> None:
         record[what] = values
 
 
-def _head_line(ax, frame, i: int, xs, ys, color: str, linestyle: str = "-",
-               linewidth: float = 1.0):
-    """A line from a query head to the KV box it reads (under the boxes)."""
-    line = _kept(frame, "line", i, lambda: ax.add_artist(mlines.Line2D([], [], zorder=1)))
-    _update(line, "data", (list(xs), list(ys)), lambda: line.set_data(xs, ys))
-    _update(line, "style", (color, linestyle, linewidth),
-            lambda: line.set(color=color, linestyle=linestyle, linewidth=linewidth))
-    return line
+def _head_lines(ax, frame, lines) -> LineCollection:
+    """The lines from query heads to the KV boxes they read, under the boxes: one kept
+    collection (one artist to draw, not one per head). ``lines``: ``(xs, ys, color,
+    linestyle, linewidth)`` per line."""
+    collection = _kept(frame, "lines", 0, lambda: ax.add_collection(
+        LineCollection([], zorder=1), autolim=False))
+    segments = [list(zip(xs, ys)) for xs, ys, *_ in lines]
+    styles = [tuple(line[2:]) for line in lines]
+    _update(collection, "segments", segments, lambda: collection.set_segments(segments))
+    _update(collection, "styles", styles, lambda: collection.set(
+        color=[c for c, _, _ in styles], linestyle=[ls for _, ls, _ in styles],
+        linewidth=[lw for _, _, lw in styles]))
+    return collection
 
 
 class WholePixels(mtransforms.Transform):
@@ -268,20 +274,37 @@ def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
     return line
 
 
-def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, height: float,
-              color: str, label: str, fontsize: float):
-    """A rounded box centered at ``(x, y)`` in ``color`` with a white bold ``label``."""
-    box = _kept(frame, role + " box", i, lambda: ax.add_artist(mpatches.FancyBboxPatch(
-        (0, 0), 1, 1, boxstyle="round,pad=0.02", edgecolor="white", zorder=2)))
-    _update(box, "bounds", (x, y, width, height),
-            lambda: box.set_bounds(x - width / 2, y - height / 2, width, height))
-    _update(box, "color", (color,), lambda: box.set_facecolor(color))
+#: The rounded box of a head (and its path, by center and size).
+HEAD_BOX = mpatches.BoxStyle("round", pad=0.02)
+
+
+def _head_boxes(ax, frame, boxes) -> PathCollection:
+    """Rounded boxes (white edges) under their labels: one kept collection. ``boxes``:
+    ``(x, y, width, height, color)`` per box, centered at ``(x, y)``."""
+    collection = _kept(frame, "boxes", 0, lambda: ax.add_collection(
+        PathCollection([], edgecolor="white", zorder=2), autolim=False))
+    paths = frame.setdefault("box paths", {})
+    for x, y, width, height, _ in boxes:
+        if (x, y, width, height) not in paths:
+            paths[x, y, width, height] = HEAD_BOX(x - width / 2, y - height / 2, width,
+                                                  height, 1.0)
+    shapes = [box[:4] for box in boxes]
+    _update(collection, "paths", shapes,
+            lambda: collection.set_paths([paths[shape] for shape in shapes]))
+    colors = [box[4] for box in boxes]
+    _update(collection, "colors", colors, lambda: collection.set_facecolor(colors))
+    return collection
+
+
+def _head_label(ax, frame, role: str, i: int, x: float, y: float, label: str,
+                fontsize: float) -> Text:
+    """The white bold ``label`` of the ``i``-th box of ``role``, centered at ``(x, y)``."""
     text = _kept(frame, role + " label", i, lambda: _label(
         ax, ha="center", va="center", color="white", fontweight="bold", zorder=3))
     _update(text, "position", (x, y), lambda: text.set_position((x, y)))
     _update(text, "text", (label, fontsize),
             lambda: (text.set_text(label), text.set_fontsize(fontsize)))
-    return box, text
+    return text
 
 
 def heads_geometry(query_heads: int) -> FrameGeometry:
@@ -315,20 +338,20 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
     kv_x = [cfg.group_size * j + (cfg.group_size - 1) / 2 for j in range(hkv)]
     q_y, kv_y = 1.6, 0.0
 
-    layer = []
+    lines, boxes, layer = [], [], []
     split = 0
     for h in range(hq):
         j = h // cfg.group_size
         crosses = int(query_ranks[h]) != kv_ranks[j]
         split += crosses
-        layer.append(_head_line(ax, frame, h, [q_x[h], kv_x[j]],
-                                [q_y - box_h / 2, kv_y + box_h / 2],
-                                FAIL_COLOR if crosses else "#888888",
-                                "--" if crosses else "-", 1.6 if crosses else 1.0))
+        lines.append(([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
+                      FAIL_COLOR if crosses else "#888888", "--" if crosses else "-",
+                      1.6 if crosses else 1.0))
     for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
         for i, (x, r) in enumerate(zip(xs, ranks)):
-            layer += _head_box(ax, frame, prefix, i, x, y, box_w, box_h, rank_color(int(r)),
-                               f"{prefix}{i}", fontsize)
+            boxes.append((x, y, box_w, box_h, rank_color(int(r))))
+            layer.append(_head_label(ax, frame, prefix, i, x, y, f"{prefix}{i}", fontsize))
+    layer += [_head_lines(ax, frame, lines), _head_boxes(ax, frame, boxes)]
     layer.append(_rank_legend(ax, frame, world))
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
