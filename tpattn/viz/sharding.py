@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import matplotlib as mpl
-import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
 import matplotlib.transforms as mtransforms
 import numpy as np
@@ -202,8 +201,8 @@ def _kept(frame, role: str, key, make: Callable):
 
 def _update(artist, what: str, values: tuple, apply: Callable) -> None:
     """``apply()`` unless ``values`` are those ``what`` of ``artist`` (a kept one) was last
-    set to: a property set marks the figure stale (a chain of callbacks), a line's data
-    makes it recompute its path when drawn."""
+    set to: a property set marks the figure stale (a chain of callbacks) and may make the
+    artist recompute what it draws."""
     record = artist.__dict__.setdefault("tpattn_set", {})
     if record.get(what) != values:
         apply()
@@ -274,7 +273,7 @@ def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
     return line
 
 
-#: The rounded box of a head (and its path, by center and size).
+#: The style of a head's rounded box (``_head_boxes``).
 HEAD_BOX = mpatches.BoxStyle("round", pad=0.02)
 
 
@@ -283,7 +282,7 @@ def _head_boxes(ax, frame, boxes) -> PathCollection:
     ``(x, y, width, height, color)`` per box, centered at ``(x, y)``."""
     collection = _kept(frame, "boxes", 0, lambda: ax.add_collection(
         PathCollection([], edgecolor="white", zorder=2), autolim=False))
-    paths = frame.setdefault("box paths", {})
+    paths = frame.setdefault("box paths", {})  # by center and size: a few per head count
     for x, y, width, height, _ in boxes:
         if (x, y, width, height) not in paths:
             paths[x, y, width, height] = HEAD_BOX(x - width / 2, y - height / 2, width,
