@@ -351,10 +351,10 @@ def test_attention_redraws_one_standing_figure_with_the_packages_probabilities()
     assert np.array_equal(pixels(base64.b64decode(pngs(attention)[0])), pixels(fresh))
 
 
-def test_sharding_and_kv_redraw_one_standing_frame_per_head_count():
-    """Layouts with the same number of query heads (and figure kind) redraw one standing
-    frame — the same ``Figure`` — and show exactly a fresh figure's pixels; an invalid layout
-    in between is a message and leaves the frame intact."""
+def test_sharding_and_kv_redraw_one_standing_frame_per_kind():
+    """Layouts of one figure kind redraw one standing frame — the same ``Figure``, reshaped
+    for another number of query heads — and show exactly a fresh figure's pixels; an invalid
+    layout in between is a message and leaves the frame intact."""
     sharding = widgets.sharding_explorer(4, 2, 2)
     fig = sharding.standing.figure(("heads", 4))
     for layout in ((4, 4, 2), (4, 2, 3), (4, 4, 4), (4, 1, 1)):
@@ -379,8 +379,75 @@ def test_sharding_and_kv_redraw_one_standing_frame_per_head_count():
             query_heads=layout[0], kv_heads=layout[1], world_size=layout[2],
             kv_strategy=strategy)))
         assert np.array_equal(pixels(base64.b64decode(pngs(kv)[0])), pixels(fresh)), layout
-    kv.set(query_heads=16)  # another head count: another frame
-    assert kv.standing.builds == 2 and kv.standing.figure(("replica_groups", 16)) is not fig
+    kv.set(query_heads=16)  # another head count: the same frame, reshaped
+    assert kv.standing.builds == 1 and kv.standing.figure(("replica_groups", 16)) is fig
+    assert kv.standing.figure(("replica_groups", 8)) is None
+    fresh = figure_png(replica_groups_figure(tpattn.Config(
+        query_heads=16, kv_heads=4, world_size=2, kv_strategy="gather_activations")))
+    assert np.array_equal(pixels(base64.b64decode(pngs(kv)[0])), pixels(fresh))
+
+
+#: Head counts visited in an order that reaches each from several others, narrower and wider.
+HEAD_COUNT_TOUR = (16, 4, 8, 2, 16, 6, 8, 32, 4, 16, 2, 8)
+
+
+def _layout_of(query_heads: int, kind: str, visit: int = 0) -> tpattn.Config:
+    """A valid layout of ``query_heads`` for a frame of ``kind`` (fewer KV heads than ranks
+    for the replica groups), another one on the next ``visit`` where there is one."""
+    if kind == "replica_groups":
+        world = 4 if query_heads % 4 == 0 and visit % 2 else 2
+        return tpattn.Config(query_heads=query_heads, kv_heads=1, world_size=world)
+    return tpattn.Config(query_heads=query_heads, kv_heads=2, world_size=1 + visit % 2)
+
+
+@pytest.mark.parametrize("kind", ["heads", "replica_groups"])
+def test_a_heads_frame_reshaped_to_another_head_count_is_a_fresh_frame(kind):
+    """``reshape_heads_frame`` makes a frame of any head count (with a layout drawn in it)
+    the frame of another: the same size, axes position and limits as a new frame of that
+    count, and, with a layout drawn, exactly a fresh figure's pixels — at every step of a
+    tour that goes narrower and wider."""
+    from tpattn.viz import kv as viz_kv
+
+    new_frame, draw, figure = {
+        "heads": (viz_sharding.heads_frame, viz_sharding.set_heads_layout,
+                  viz_sharding.heads_to_ranks_figure),
+        "replica_groups": (viz_kv.replica_groups_frame, viz_kv.set_replica_groups,
+                           replica_groups_figure)}[kind]
+    reused = new_frame(HEAD_COUNT_TOUR[0])
+    draw(reused, _layout_of(HEAD_COUNT_TOUR[0], kind))
+    try:
+        for query_heads in HEAD_COUNT_TOUR[1:]:
+            viz_sharding.reshape_heads_frame(reused, query_heads)
+            fresh = new_frame(query_heads)
+            assert tuple(reused.get_size_inches()) == tuple(fresh.get_size_inches())
+            assert reused.axes[0].get_position().bounds == fresh.axes[0].get_position().bounds
+            assert reused.axes[0].get_xlim() == fresh.axes[0].get_xlim()
+            plt.close(fresh)
+            cfg = _layout_of(query_heads, kind)
+            draw(reused, cfg)
+            shown = widgets.core.figure_pixels(reused)
+            assert np.array_equal(shown, widgets.core.figure_pixels(figure(cfg))), query_heads
+    finally:
+        plt.close(reused)
+
+
+def test_the_explorers_reuse_one_frame_per_kind_across_head_counts():
+    """The sharding explorer keeps one standing frame per figure kind, reshaped from one
+    head count to another (its backgrounds kept for a count seen again): no frame is built
+    after the first of each kind, and every PNG of a tour over head counts, kinds and back
+    equals a fresh figure's."""
+    sharding = widgets.sharding_explorer(4, 2, 2)
+    builds = sharding.standing.builds
+    for visit, query_heads in enumerate(HEAD_COUNT_TOUR):
+        for kind in ("heads", "replica_groups"):
+            cfg = _layout_of(query_heads, kind, visit)
+            sharding.set(query_heads=cfg.query_heads, kv_heads=cfg.kv_heads,
+                         world_size=cfg.world_size)
+            fresh = figure_png(viz_sharding.heads_to_ranks_figure(cfg))
+            assert np.array_equal(pixels(base64.b64decode(pngs(sharding)[0])),
+                                  pixels(fresh)), (query_heads, kind)
+    assert sharding.standing.builds <= builds + 1  # at most the first replica-groups frame
+    assert sharding.standing.reshapes >= 2 * (len(set(HEAD_COUNT_TOUR)) - 1)  # each count, each kind
 
 
 def test_pasted_labels_show_a_fresh_figures_pixels_in_every_layout():

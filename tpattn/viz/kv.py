@@ -9,11 +9,12 @@ import matplotlib.patches as mpatches
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import (_clear_layer, _head_box, _head_line, _heads_frame, _label, _title,
-                       drift_figure)
+from .sharding import (FrameGeometry, _clear_layer, _head_boxes, _head_label, _head_lines,
+                       _heads_frame, _label, _rank_legend, _set_layer, _title, drift_figure)
 from .style import FAIL_COLOR, new_figure, rank_color
 
-__all__ = ["replica_groups_figure", "replica_groups_frame", "set_replica_groups",
+__all__ = ["replica_groups_figure", "replica_groups_frame", "replica_groups_geometry",
+           "set_replica_groups",
            "kv_drift_figure", "kv_costs_figure"]
 
 
@@ -30,12 +31,19 @@ def replica_groups_figure(cfg: Config):
     return fig
 
 
-def replica_groups_frame(query_heads: int):
-    """The empty frame of ``replica_groups_figure`` for ``query_heads``."""
+def replica_groups_geometry(query_heads: int) -> FrameGeometry:
+    """The geometry of ``replica_groups_frame(query_heads)`` (6 to 12 inches wide)."""
     hq = query_heads
-    return _heads_frame(hq, "replica_groups", min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
-                        ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
-                        (-0.95, 2.2))
+    return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
+                         ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
+                         (-0.95, 2.2))
+
+
+def replica_groups_frame(query_heads: int):
+    """The empty frame of ``replica_groups_figure`` for ``query_heads``
+    (``replica_groups_geometry``); ``tpattn.viz.sharding.reshape_heads_frame`` makes it the
+    frame of another number of heads."""
+    return _heads_frame(query_heads, "replica_groups", replica_groups_geometry)
 
 
 def set_replica_groups(fig, cfg: Config) -> None:
@@ -49,13 +57,12 @@ def set_replica_groups(fig, cfg: Config) -> None:
     q_y, kv_y, box_h = 1.7, 0.0, 0.5
     rank_x = [r * per_rank + (per_rank - 1) / 2 for r in range(w)]
     gather = has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
-    layer = []
+    lines, boxes, layer = [], [], []
     for h in range(hq):
         r = h // per_rank
-        layer.append(_head_line(ax, frame, h, [h, rank_x[r]],
-                                [q_y - box_h / 2, kv_y + box_h / 2], "#888888"))
-        layer += _head_box(ax, frame, "q", h, h, q_y, 0.8, box_h, rank_color(r), f"q{h}",
-                           fontsize)
+        lines.append(([h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], "#888888", "-", 1.0))
+        boxes.append((h, q_y, 0.8, box_h, rank_color(r)))
+        layer.append(_head_label(ax, frame, "q", h, h, q_y, f"q{h}", fontsize))
     box_w = max(0.8, per_rank - 0.2)
     for r in range(w):
         first = kv_head_of_rank(cfg, r)
@@ -66,8 +73,9 @@ def set_replica_groups(fig, cfg: Config) -> None:
             label = f"kv{first}" + (" copy" if has_replicas(cfg) else "")
         else:
             label = f"kv{first}–{first + cfg.local_kv_heads - 1}"
-        layer += _head_box(ax, frame, "rank", r, rank_x[r], kv_y, box_w, box_h, rank_color(r),
-                           label, fontsize - 1)
+        boxes.append((rank_x[r], kv_y, box_w, box_h, rank_color(r)))
+        layer.append(_head_label(ax, frame, "rank", r, rank_x[r], kv_y, label, fontsize - 1))
+    layer += [_head_lines(ax, frame, lines), _head_boxes(ax, frame, boxes)]
     for g, group in enumerate(replica_groups(cfg)):
         if len(group) < 2:
             continue
@@ -80,9 +88,7 @@ def set_replica_groups(fig, cfg: Config) -> None:
                        ha="center", va="top", fontsize=8)
         label.set_position(((left + right) / 2, kv_y - box_h / 2 - 0.32))
         layer.append(label)
-    handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(min(w, 8))]
-    layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                           frameon=False, fontsize=8))
+    layer.append(_rank_legend(ax, frame, min(w, 8)))
     if not has_replicas(cfg):
         how = "every rank holds whole KV heads: no replicas"
     elif gather:
@@ -92,7 +98,7 @@ def set_replica_groups(fig, cfg: Config) -> None:
                f"wk/wv grads all-reduced within each group")
     layer.append(_title(ax, frame, f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks "
                                    f"({d}-dim heads)", how))
-    frame["layer"] = layer
+    _set_layer(frame, layer)
 
 
 def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):

@@ -5,15 +5,16 @@ Tensors are read, never modified; they may require grad.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import matplotlib as mpl
-import matplotlib.lines as mlines
 import matplotlib.patches as mpatches
 import matplotlib.transforms as mtransforms
 import numpy as np
 import torch
+from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.font_manager import FontProperties
+from matplotlib.legend import Legend
 from matplotlib.text import Text
 
 from ..check import MEASURES, MODES, TOLERANCE
@@ -24,7 +25,8 @@ from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measur
 __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
-    "heads_to_ranks_figure", "heads_frame", "set_heads_layout", "layout_dynamic_artists",
+    "heads_to_ranks_figure", "heads_frame", "heads_geometry", "reshape_heads_frame",
+    "FrameGeometry", "set_heads_layout", "layout_dynamic_artists",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -82,68 +84,144 @@ def _check_query_ranks(cfg: Config, query_ranks) -> None:
 HEADS_MARGINS = (3 / 72, 3 / 72, 0.92, 0.44)
 
 
-def _heads_frame(query_heads: int, kind: str, width: float, height: float,
-                 labels: tuple[str, str], label_ys: tuple[float, float],
-                 xlim: tuple[float, float], ylim: tuple[float, float]):
-    """An empty frame of ``width`` × ``height`` inches: the two row labels (right-aligned at
-    x = -0.9, at ``label_ys``), fixed limits, no axis, margins ``HEADS_MARGINS`` (the left one
-    widened if a row label would reach past the figure's edge), and the ``tpattn_heads``
-    record (``kind``, ``query_heads``, the ``layer`` drawn in it)."""
-    fig, ax = new_figure(figsize=(width, height), layout=None)
-    texts = [ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
-             for label, y in zip(labels, label_ys)]
-    ax.set_xlim(*xlim)
-    ax.set_ylim(*ylim)
+class FrameGeometry(NamedTuple):
+    """What a heads frame of some number of query heads looks like: its size in inches, its
+    two row labels (right-aligned at x = -0.9, at ``label_ys``) and its data limits."""
+
+    width: float
+    height: float
+    labels: tuple[str, str]
+    label_ys: tuple[float, float]
+    xlim: tuple[float, float]
+    ylim: tuple[float, float]
+
+
+def _heads_frame(query_heads: int, kind: str, geometry: Callable[[int], FrameGeometry]):
+    """An empty frame of ``geometry(query_heads)``: the two row labels, fixed limits, no axis,
+    margins ``HEADS_MARGINS`` (``_fit_frame``), and the ``tpattn_heads`` record (``kind``,
+    ``geometry``, ``query_heads``, the ``layer`` drawn in it)."""
+    shape = geometry(query_heads)
+    fig, ax = new_figure(figsize=(shape.width, shape.height), layout=None)
+    rows = [ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+            for label, y in zip(shape.labels, shape.label_ys)]
     ax.set_aspect("auto")
     ax.axis("off")
+    fig.tpattn_heads = {"kind": kind, "geometry": geometry, "rows": rows, "layer": [],
+                        "previous": []}
+    _fit_frame(fig, query_heads)
+    return fig
+
+
+def _fit_frame(fig, query_heads: int) -> None:
+    """Give a heads frame the size, limits and margins of ``query_heads``
+    (``HEADS_MARGINS``, the left one widened if a row label would reach past the figure's
+    edge)."""
+    frame, ax = fig.tpattn_heads, fig.axes[0]
+    shape = frame["geometry"](query_heads)
+    width, height, xlim = shape.width, shape.height, shape.xlim
+    fig.set_size_inches(width, height)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*shape.ylim)
     left, bottom, right, top = HEADS_MARGINS
     span, room = xlim[1] - xlim[0], -0.9 - xlim[0]  # data units: all, left of the labels
-    widest = max(t.get_window_extent(fig.canvas.get_renderer()).width for t in texts) / fig.dpi
+    widest = _widest_row_label(fig)
     inches = width - left - right  # the axes' width if the labels fit
     if widest > room * inches / span:  # they do not: move the axes right until they do
         left += (widest * span - room * inches) / (span - room)
     ax.set_position([left / width, bottom / height, 1 - (left + right) / width,
                      1 - (bottom + top) / height])
-    fig.tpattn_heads = {"kind": kind, "query_heads": query_heads, "layer": []}
-    return fig
+    frame["query_heads"] = query_heads
+
+
+def _widest_row_label(fig) -> float:
+    """The width of a heads frame's widest row label, in inches (measured once per dpi)."""
+    frame, dpi = fig.tpattn_heads, fig.dpi
+    widths = frame.setdefault("widest", {})
+    if dpi not in widths:
+        renderer = fig.canvas.get_renderer()
+        widths[dpi] = max(t.get_window_extent(renderer).width for t in frame["rows"]) / dpi
+    return widths[dpi]
+
+
+def reshape_heads_frame(fig, query_heads: int) -> None:
+    """Make a heads frame (``heads_frame``, ``replica_groups_frame``) of any number of query
+    heads the empty frame of ``query_heads`` — the same size, limits, margins and pixels as a
+    new one — keeping its figure, axes and the artists its layouts keep (``_kept``), e.g. for
+    a standing figure (building a frame costs ~0.1 s on a small machine)."""
+    frame = fig.tpattn_heads
+    _take_away(frame["previous"] + frame["layer"])
+    frame["previous"], frame["layer"] = [], []
+    fig.axes[0].title.set_text("")
+    _fit_frame(fig, query_heads)
+
+
+def _take_away(artists) -> None:
+    """Take layer artists out of a heads frame (kept ones hidden, for a next layout: ``_kept``)."""
+    for artist in artists:
+        if getattr(artist, "tpattn_kept", False):
+            artist.set_visible(False)
+        else:
+            artist.remove()
 
 
 def _clear_layer(fig, cfg: Config):
-    """The axes of a heads frame (``_heads_frame``) of ``cfg.query_heads``, with the layer
-    drawn there before removed (``ValueError`` for a frame of another head count)."""
+    """The axes of a heads frame (``_heads_frame``) of ``cfg.query_heads``, ready for a new
+    layer (``ValueError`` for a frame of another head count): the layer drawn there before
+    goes when the new one is set (``_set_layer``), but for the artists both keep."""
     frame = fig.tpattn_heads
     if frame["query_heads"] != cfg.query_heads:
         raise ValueError(f"query_heads: this frame is for {frame['query_heads']} query heads "
                          f"(got {cfg.query_heads})")
-    for artist in frame["layer"]:
-        if getattr(artist, "tpattn_kept", False):
-            artist.set_visible(False)  # kept for the next layout (``_kept``)
-        else:
-            artist.remove()
-    frame["layer"] = []
+    frame["previous"], frame["layer"] = frame["previous"] + frame["layer"], []
     return fig.axes[0]
 
 
-def _kept(frame, role: str, i: int, make: Callable):
-    """The ``i``-th artist of ``role`` in a heads frame, made (and added to the axes) by
-    ``make()`` the first time: the next layout sets its properties again (~4x cheaper than
-    adding new artists). A layout sets every property it depends on."""
-    kept = frame.setdefault("kept", {}).setdefault(role, [])
-    while len(kept) <= i:
-        kept.append(make())
-        kept[-1].tpattn_kept = True
-    artist = kept[i]
-    artist.set_visible(True)
+def _set_layer(frame, layer: list) -> None:
+    """Make ``layer`` what is drawn in a heads frame: artists of the layer before that it
+    does not reuse are hidden (kept) or removed. (A kept artist in both is left visible:
+    each visibility change marks the figure stale, a chain of callbacks.)"""
+    reused = set(layer)
+    _take_away([a for a in frame["previous"] if a not in reused])
+    frame["previous"], frame["layer"] = [], layer
+
+
+def _kept(frame, role: str, key, make: Callable):
+    """The artist of ``role`` and ``key`` (an index, a count) in a heads frame, made (and
+    added to the axes) by ``make()`` the first time: the next layout sets its properties
+    again (~4x cheaper than adding new artists). A layout sets every property it depends on."""
+    kept = frame.setdefault("kept", {}).setdefault(role, {})
+    artist = kept.get(key)
+    if artist is None:
+        artist = kept[key] = make()
+        artist.tpattn_kept = True
+    if not artist.get_visible():
+        artist.set_visible(True)
     return artist
 
 
-def _head_line(ax, frame, i: int, xs, ys, color: str, linestyle: str = "-",
-               linewidth: float = 1.0):
-    """A line from a query head to the KV box it reads (under the boxes)."""
-    line = _kept(frame, "line", i, lambda: ax.add_artist(mlines.Line2D([], [], zorder=1)))
-    line.set_data(xs, ys)
-    line.set(color=color, linestyle=linestyle, linewidth=linewidth)
-    return line
+def _update(artist, what: str, values: tuple, apply: Callable) -> None:
+    """``apply()`` unless ``values`` are those ``what`` of ``artist`` (a kept one) was last
+    set to: a property set marks the figure stale (a chain of callbacks) and may make the
+    artist recompute what it draws."""
+    record = artist.__dict__.setdefault("tpattn_set", {})
+    if record.get(what) != values:
+        apply()
+        record[what] = values
+
+
+def _head_lines(ax, frame, lines) -> LineCollection:
+    """The lines from query heads to the KV boxes they read, under the boxes: one kept
+    collection (one artist to draw, not one per head). ``lines``: ``(xs, ys, color,
+    linestyle, linewidth)`` per line."""
+    collection = _kept(frame, "lines", 0, lambda: ax.add_collection(
+        LineCollection([], zorder=1), autolim=False))
+    segments = [list(zip(xs, ys)) for xs, ys, *_ in lines]
+    styles = [tuple(line[2:]) for line in lines]
+    _update(collection, "segments", segments, lambda: collection.set_segments(segments))
+    _update(collection, "styles", styles, lambda: collection.set(
+        color=[c for c, _, _ in styles], linestyle=[ls for _, ls, _ in styles],
+        linewidth=[lw for _, _, lw in styles]))
+    return collection
 
 
 class WholePixels(mtransforms.Transform):
@@ -163,10 +241,25 @@ def _label(ax, text: str = "", **style):
     return ax.text(0, 0, text, transform=ax.transData + WholePixels(), **style)
 
 
+def _rank_legend(ax, frame, ranks: int) -> Legend:
+    """The legend of the colors of ranks ``0 … ranks - 1``, right of the axes, its anchor
+    rounded to a whole pixel (``WholePixels``: the same pixels, shifted, in any frame — what
+    ``tpattn.widgets.pasting.PastingStandingFigure`` pastes); kept per number of ranks and
+    made the axes' legend."""
+    def make():
+        handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(ranks)]
+        return Legend(ax, handles, [h.get_label() for h in handles], loc="upper left",
+                      bbox_to_anchor=(1.0, 1.0), bbox_transform=ax.transAxes + WholePixels(),
+                      frameon=False, fontsize=8)
+
+    ax.legend_ = _kept(frame, "legend", ranks, make)
+    return ax.legend_
+
+
 def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
     """A two-line title as two texts: ``first`` is the axes' title, ``second`` (returned, one
-    of few sentences, pasted where it was drawn before) a text below it, where the title's
-    second line would be. The lines step by the title font's line height."""
+    of few sentences: a live explorer redraws it from cached glyphs) a text below it, where
+    the title's second line would be. The lines step by the title font's line height."""
     size = mpl.rcParams["axes.titlesize"]
     pad = mpl.rcParams["axes.titlepad"]
     step = 1.2 * FontProperties(size=size).get_size_in_points()  # points between baselines
@@ -180,28 +273,52 @@ def _title(ax, frame, first: str, second: str, color: str = "black") -> Text:
     return line
 
 
-def _head_box(ax, frame, role: str, i: int, x: float, y: float, width: float, height: float,
-              color: str, label: str, fontsize: float):
-    """A rounded box centered at ``(x, y)`` in ``color`` with a white bold ``label``."""
-    box = _kept(frame, role + " box", i, lambda: ax.add_artist(mpatches.FancyBboxPatch(
-        (0, 0), 1, 1, boxstyle="round,pad=0.02", edgecolor="white", zorder=2)))
-    box.set_bounds(x - width / 2, y - height / 2, width, height)
-    box.set_facecolor(color)
+#: The style of a head's rounded box (``_head_boxes``).
+HEAD_BOX = mpatches.BoxStyle("round", pad=0.02)
+
+
+def _head_boxes(ax, frame, boxes) -> PathCollection:
+    """Rounded boxes (white edges) under their labels: one kept collection. ``boxes``:
+    ``(x, y, width, height, color)`` per box, centered at ``(x, y)``."""
+    collection = _kept(frame, "boxes", 0, lambda: ax.add_collection(
+        PathCollection([], edgecolor="white", zorder=2), autolim=False))
+    paths = frame.setdefault("box paths", {})  # by center and size: a few per head count
+    for x, y, width, height, _ in boxes:
+        if (x, y, width, height) not in paths:
+            paths[x, y, width, height] = HEAD_BOX(x - width / 2, y - height / 2, width,
+                                                  height, 1.0)
+    shapes = [box[:4] for box in boxes]
+    _update(collection, "paths", shapes,
+            lambda: collection.set_paths([paths[shape] for shape in shapes]))
+    colors = [box[4] for box in boxes]
+    _update(collection, "colors", colors, lambda: collection.set_facecolor(colors))
+    return collection
+
+
+def _head_label(ax, frame, role: str, i: int, x: float, y: float, label: str,
+                fontsize: float) -> Text:
+    """The white bold ``label`` of the ``i``-th box of ``role``, centered at ``(x, y)``."""
     text = _kept(frame, role + " label", i, lambda: _label(
         ax, ha="center", va="center", color="white", fontweight="bold", zorder=3))
-    text.set_position((x, y))
-    text.set_text(label)
-    text.set_fontsize(fontsize)
-    return box, text
+    _update(text, "position", (x, y), lambda: text.set_position((x, y)))
+    _update(text, "text", (label, fontsize),
+            lambda: (text.set_text(label), text.set_fontsize(fontsize)))
+    return text
+
+
+def heads_geometry(query_heads: int) -> FrameGeometry:
+    """The geometry of ``heads_frame(query_heads)``: wider with more heads (6 to 12 inches)."""
+    hq = query_heads
+    return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
+                         ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
+                         (-0.55, 2.1))
 
 
 def heads_frame(query_heads: int):
-    """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (size, limits, row
-    labels); ``set_heads_layout`` draws a layout in it."""
-    hq = query_heads
-    return _heads_frame(hq, "heads", min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
-                        ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
-                        (-0.55, 2.1))
+    """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (``heads_geometry``:
+    size, limits, row labels); ``set_heads_layout`` draws a layout in it,
+    ``reshape_heads_frame`` makes it the frame of another number of heads."""
+    return _heads_frame(query_heads, "heads", heads_geometry)
 
 
 def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None) -> None:
@@ -220,28 +337,26 @@ def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None)
     kv_x = [cfg.group_size * j + (cfg.group_size - 1) / 2 for j in range(hkv)]
     q_y, kv_y = 1.6, 0.0
 
-    layer = []
+    lines, boxes, layer = [], [], []
     split = 0
     for h in range(hq):
         j = h // cfg.group_size
         crosses = int(query_ranks[h]) != kv_ranks[j]
         split += crosses
-        layer.append(_head_line(ax, frame, h, [q_x[h], kv_x[j]],
-                                [q_y - box_h / 2, kv_y + box_h / 2],
-                                FAIL_COLOR if crosses else "#888888",
-                                "--" if crosses else "-", 1.6 if crosses else 1.0))
+        lines.append(([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
+                      FAIL_COLOR if crosses else "#888888", "--" if crosses else "-",
+                      1.6 if crosses else 1.0))
     for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
         for i, (x, r) in enumerate(zip(xs, ranks)):
-            layer += _head_box(ax, frame, prefix, i, x, y, box_w, box_h, rank_color(int(r)),
-                               f"{prefix}{i}", fontsize)
-    handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)]
-    layer.append(ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                           frameon=False, fontsize=8))
+            boxes.append((x, y, box_w, box_h, rank_color(int(r))))
+            layer.append(_head_label(ax, frame, prefix, i, x, y, f"{prefix}{i}", fontsize))
+    layer += [_head_lines(ax, frame, lines), _head_boxes(ax, frame, boxes)]
+    layer.append(_rank_legend(ax, frame, world))
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
     layer.append(_title(ax, frame, f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
                         FAIL_COLOR if split else "black"))
-    frame["layer"] = layer
+    _set_layer(frame, layer)
 
 
 def layout_dynamic_artists(fig) -> list:

@@ -188,25 +188,63 @@ class StandingFigure:
     building and laying out a figure (~0.3–0.5 s on a small machine). The pixels equal a full
     draw of the public function's figure (``tests/test_widgets.py`` compares them). Keeps the
     last ``size`` structures.
+
+    With ``family(structure)`` and ``reshape(fig, structure)``, one figure stands per family:
+    a new structure of a family that has one is drawn on that figure, made the figure of the
+    new structure by ``reshape`` (which must give the pixels ``build`` gives: the same size,
+    layout and artists) — no new figure, axes or texts; its background is drawn the first
+    time, and kept for when the figure is reshaped back to that structure.
     """
 
     def __init__(self, build: Callable, update: Callable, dynamic: Callable,
-                 size: int = 6, dpi: int = PNG_DPI):
+                 size: int = 6, dpi: int = PNG_DPI, family: Callable | None = None,
+                 reshape: Callable | None = None):
+        if (family is None) != (reshape is None):
+            raise ValueError("family and reshape: give both or neither")
         self._build, self._update, self._dynamic = build, update, dynamic
+        self._family, self._reshape = family, reshape
         self.size, self.dpi = size, dpi
-        self.builds = 0
+        self.builds = self.reshapes = 0
         self._standing: dict = {}  # structure -> (fig, background)
+        self._spare: dict = {}  # structure -> background, while its figure is reshaped away
 
     def figure(self, structure):
         """The standing figure of ``structure`` (``None`` if it is not standing)."""
         entry = self._standing.get(structure)
         return None if entry is None else entry[0]
 
+    def _relative(self, structure):
+        """A standing structure of ``structure``'s family (``None``: none, or no families)."""
+        if self._family is None:
+            return None
+        family = self._family(structure)
+        return next((other for other in self._standing if self._family(other) == family), None)
+
     def _stand(self, structure, state) -> None:
-        fig = self._build(structure, state)
-        _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
-        _agg_canvas(fig)
-        fig.set_dpi(self.dpi)
+        relative = self._relative(structure)
+        if relative is not None:  # the family's figure, reshaped: no new figure
+            fig, self._spare[relative] = self._standing.pop(relative)  # keep its background
+            self._reshape(fig, structure)
+            self.reshapes += 1
+            background = self._spare.pop(structure, None)  # drawn when it stood before
+            while len(self._spare) > self.size:
+                del self._spare[next(iter(self._spare))]
+        else:
+            fig = self._build(structure, state)
+            _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
+            _agg_canvas(fig)
+            fig.set_dpi(self.dpi)
+            self.builds += 1
+            background = None
+        if background is None:
+            background = self._background(fig)
+        self._standing[structure] = (fig, background)
+        while len(self._standing) > self.size:
+            del self._standing[next(iter(self._standing))]
+
+    def _background(self, fig):
+        """Lay ``fig`` out once (then freeze its layout) and draw everything but its dynamic
+        artists: the background they are drawn over."""
         renderer = fig.canvas.get_renderer()
         for ax in fig.axes:  # what ``Figure.draw`` does before laying out: fixed aspects
             locator = ax.get_axes_locator()
@@ -223,10 +261,7 @@ class StandingFigure:
         background = fig.canvas.copy_from_bbox(fig.bbox)
         for artist, was_visible in zip(dynamic, visible):
             artist.set_visible(was_visible)
-        self._standing[structure] = (fig, background)
-        self.builds += 1
-        while len(self._standing) > self.size:
-            del self._standing[next(iter(self._standing))]
+        return background
 
     def stand(self, structure, state) -> None:
         """Build the figure of ``structure`` now (in ``state``) unless it stands already."""

@@ -34,7 +34,7 @@ from ..viz.sharding import (heads_frame, heads_to_ranks_figure, layout_dynamic_a
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text
-from .pasting import PastingStandingFigure
+from .pasting import HEADS_FRAME_FAMILIES, PastingStandingFigure
 from .static import StaticExplorer
 
 __all__ = [
@@ -273,13 +273,15 @@ def _set_layout(fig, cfg: Config) -> None:
 
 def layout_standing_figure() -> StandingFigure:
     """``heads_to_ranks_figure`` (or the ``replica_groups_figure`` it shows with fewer KV
-    heads than ranks) kept standing per ``layout_structure``."""
+    heads than ranks) kept standing per ``layout_structure``: one frame per kind, reshaped
+    for another number of query heads (``reshape_heads_frame``)."""
     def frame(structure, _cfg):  # the background is the frame: its layer is all dynamic
         kind, query_heads = structure
         return (replica_groups_frame if kind == "replica_groups" else heads_frame)(query_heads)
 
     return PastingStandingFigure(build=frame, update=_set_layout,
-                                 dynamic=layout_dynamic_artists)
+                                 dynamic=layout_dynamic_artists, **HEADS_FRAME_FAMILIES)
+
 
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:

@@ -13,7 +13,7 @@ from ..viz.kv import replica_groups_figure, replica_groups_frame, set_replica_gr
 from ..viz.sharding import layout_dynamic_artists
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output, message_html,
                    png_img, png_output)
-from .pasting import PastingStandingFigure
+from .pasting import HEADS_FRAME_FAMILIES, PastingStandingFigure
 from .static import StaticExplorer
 
 __all__ = ["KV_LAYOUTS", "kv_config", "kv_explorer", "static_kv_explorer"]
@@ -73,10 +73,11 @@ def _png(renders: Renders, cfg: Config, palette=False,
 
 
 def replica_groups_standing_figure() -> StandingFigure:
-    """``replica_groups_figure`` kept standing per number of query heads."""
+    """``replica_groups_figure`` kept standing: one frame, reshaped for another number of
+    query heads."""
     return PastingStandingFigure(  # the background is the frame: its layer is all dynamic
         build=lambda structure, _cfg: replica_groups_frame(structure[1]),
-        update=set_replica_groups, dynamic=layout_dynamic_artists)
+        update=set_replica_groups, dynamic=layout_dynamic_artists, **HEADS_FRAME_FAMILIES)
 
 
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
