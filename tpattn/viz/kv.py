@@ -9,8 +9,9 @@ import matplotlib.patches as mpatches
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .sharding import (FrameGeometry, _clear_layer, _head_boxes, _head_label, _head_lines,
-                       _heads_frame, _label, _rank_legend, _set_layer, _title, drift_figure)
+from .frames import (FrameGeometry, clear_layer, head_boxes, head_label, head_lines,
+                          new_heads_frame, pixel_label, rank_legend, set_layer, two_line_title)
+from .sharding import drift_figure
 from .style import FAIL_COLOR, new_figure, rank_color
 
 __all__ = ["replica_groups_figure", "replica_groups_frame", "replica_groups_geometry",
@@ -41,15 +42,15 @@ def replica_groups_geometry(query_heads: int) -> FrameGeometry:
 
 def replica_groups_frame(query_heads: int):
     """The empty frame of ``replica_groups_figure`` for ``query_heads``
-    (``replica_groups_geometry``); ``tpattn.viz.sharding.reshape_heads_frame`` makes it the
+    (``replica_groups_geometry``); ``tpattn.viz.frames.reshape_heads_frame`` makes it the
     frame of another number of heads."""
-    return _heads_frame(query_heads, "replica_groups", replica_groups_geometry)
+    return new_heads_frame(query_heads, "replica_groups", replica_groups_geometry)
 
 
 def set_replica_groups(fig, cfg: Config) -> None:
     """Draw ``cfg``'s replica groups in a ``replica_groups_frame`` of ``cfg.query_heads``,
     replacing what was drawn there before."""
-    ax = _clear_layer(fig, cfg)
+    ax = clear_layer(fig, cfg)
     frame = fig.tpattn_heads
     hq, w, d = cfg.query_heads, cfg.world_size, cfg.head_dim
     per_rank = hq // w
@@ -62,7 +63,7 @@ def set_replica_groups(fig, cfg: Config) -> None:
         r = h // per_rank
         lines.append(([h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], "#888888", "-", 1.0))
         boxes.append((h, q_y, 0.8, box_h, rank_color(r)))
-        layer.append(_head_label(ax, frame, "q", h, h, q_y, f"q{h}", fontsize))
+        layer.append(head_label(ax, frame, "q", h, h, q_y, f"q{h}", fontsize))
     box_w = max(0.8, per_rank - 0.2)
     for r in range(w):
         first = kv_head_of_rank(cfg, r)
@@ -74,8 +75,8 @@ def set_replica_groups(fig, cfg: Config) -> None:
         else:
             label = f"kv{first}–{first + cfg.local_kv_heads - 1}"
         boxes.append((rank_x[r], kv_y, box_w, box_h, rank_color(r)))
-        layer.append(_head_label(ax, frame, "rank", r, rank_x[r], kv_y, label, fontsize - 1))
-    layer += [_head_lines(ax, frame, lines), _head_boxes(ax, frame, boxes)]
+        layer.append(head_label(ax, frame, "rank", r, rank_x[r], kv_y, label, fontsize - 1))
+    layer += [head_lines(ax, frame, lines), head_boxes(ax, frame, boxes)]
     for g, group in enumerate(replica_groups(cfg)):
         if len(group) < 2:
             continue
@@ -84,11 +85,11 @@ def set_replica_groups(fig, cfg: Config) -> None:
         layer.append(ax.add_artist(mpatches.Rectangle(
             (left, kv_y - box_h / 2 - 0.18), right - left, box_h + 0.36, fill=False,
             edgecolor="#333333", linestyle="--", linewidth=1.1, zorder=1)))
-        label = _label(ax, f"replica group of kv{g}: ranks {group[0]}–{group[-1]}",
+        label = pixel_label(ax, f"replica group of kv{g}: ranks {group[0]}–{group[-1]}",
                        ha="center", va="top", fontsize=8)
         label.set_position(((left + right) / 2, kv_y - box_h / 2 - 0.32))
         layer.append(label)
-    layer.append(_rank_legend(ax, frame, min(w, 8)))
+    layer.append(rank_legend(ax, frame, min(w, 8)))
     if not has_replicas(cfg):
         how = "every rank holds whole KV heads: no replicas"
     elif gather:
@@ -96,9 +97,9 @@ def set_replica_groups(fig, cfg: Config) -> None:
     else:
         how = (f"each KV head copied on {cfg.kv_replicas} ranks: "
                f"wk/wv grads all-reduced within each group")
-    layer.append(_title(ax, frame, f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks "
+    layer.append(two_line_title(ax, frame, f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks "
                                    f"({d}-dim heads)", how))
-    _set_layer(frame, layer)
+    set_layer(frame, layer)
 
 
 def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):

@@ -28,9 +28,9 @@ from ..layers import rope_angles
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
                           rope_rotation_figure, set_attention_state, set_rope_position,
                           warm_attention_labels)
+from ..viz.frames import layout_dynamic_artists
 from ..viz.kv import replica_groups_frame, set_replica_groups
-from ..viz.sharding import (heads_frame, heads_to_ranks_figure, layout_dynamic_artists,
-                            set_heads_layout)
+from ..viz.sharding import heads_frame, heads_to_ranks_figure, set_heads_layout
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text

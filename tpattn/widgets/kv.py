@@ -10,7 +10,7 @@ import ipywidgets as widgets
 from ..config import KV_STRATEGIES, Config
 from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
 from ..viz.kv import replica_groups_figure, replica_groups_frame, set_replica_groups
-from ..viz.sharding import layout_dynamic_artists
+from ..viz.frames import layout_dynamic_artists
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output, message_html,
                    png_img, png_output)
 from .pasting import HEADS_FRAME_FAMILIES, PastingStandingFigure

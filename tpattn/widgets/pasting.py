@@ -12,7 +12,7 @@ from matplotlib.legend import Legend
 from matplotlib.text import Text
 
 from ..viz.fast_text import draw_text
-from ..viz.sharding import reshape_heads_frame
+from ..viz.frames import reshape_heads_frame
 from .core import StandingFigure
 
 __all__ = ["PastingStandingFigure", "HEADS_FRAME_FAMILIES"]
@@ -54,7 +54,7 @@ def _whole_pixel(x: float, y: float) -> bool:
 def _look_and_anchor(artist, height: int) -> tuple[tuple | None, int, int]:
     """``(key, row, column)``: what the artist's pixels depend on (besides what lies under
     it), and the pixel its rectangle is relative to. A text or legend anchored on a whole
-    pixel (see ``tpattn.viz.sharding.WholePixels``) has the same pixels, shifted, at any
+    pixel (see ``tpattn.viz.frames.WholePixels``) has the same pixels, shifted, at any
     whole pixel: its key leaves out where; a legend elsewhere has a key that holds its exact
     place on this canvas. A text elsewhere (a title: a new string with most layouts) is not
     pasted (key ``None``): ``viz.fast_text`` draws a string seen before as fast."""
