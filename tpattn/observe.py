@@ -64,45 +64,51 @@ def _train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config, inj: Inj
     """``steps`` steps of ``ranks_train_step`` from ``shards`` on ``batches``; with
     ``last_update=False`` the last step stops at its losses (no backward, no update: the
     good twin's replicas are never looked at)."""
-    out = {"curve": [], "replicas": {}}
-    for step in range(steps):
-        if step == steps - 1 and step > 0 and not last_update:
-            out["curve"].append(float(_losses(shards, batches, cfg, inj)[0]))
-            break
-        result = ranks_train_step(shards, batches, cfg, inj)
-        if step == 0:
-            out["first"] = result
-        out["curve"].append(float(result["losses"][0]))
-        shards = result["weights"]
-        if step in (0, steps - 1):
-            out["replicas"]["after_1" if step == 0 else "after_k"] = {
-                name: [_checksum(s[name]) for s in shards] for name in ("norm", "bias")
-                if name in shards[0]}
-    return out
+    def step(state):
+        result = ranks_train_step(state, batches, cfg, inj)
+        return result, result["weights"], result["weights"]
+
+    return _steps(shards, step, lambda state: _losses(state, batches, cfg, inj), steps,
+                  last_update)
 
 
 def _train_batched(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
                    inj: Injection, steps: int, last_update: bool = True) -> dict:
     """``_train`` with the ranks as a batch dimension (``zoo_batched.batched_train_step``)."""
-    p = stack_ranks(shards)
     x = torch.stack([x for x, _ in batches])
     target = torch.stack([t for _, t in batches])
-    out = {"curve": [], "replicas": {}}
-    for step in range(steps):
-        if step == steps - 1 and step > 0 and not last_update:
-            with torch.no_grad():
-                losses = batched_losses(forward_batched(x, p, cfg, inj), target)
-            out["curve"].append(float(losses[0]))
-            break
+
+    def step(p):
         result = batched_train_step(p, x, target, cfg, inj)
-        if step == 0:
-            out["first"] = {**result, "losses": list(result["losses"]),
-                            "grads": unstack_ranks(result["grads"])}
+        per_rank = {**result, "losses": list(result["losses"]),
+                    "grads": unstack_ranks(result["grads"])}
+        return per_rank, result["weights"], unstack_ranks(result["weights"])
+
+    def losses(p):
+        with torch.no_grad():
+            return batched_losses(forward_batched(x, p, cfg, inj), target)
+
+    return _steps(stack_ranks(shards), step, losses, steps, last_update)
+
+
+def _steps(state, step, losses, steps: int, last_update: bool) -> dict:
+    """The training loop of ``_train`` and ``_train_batched``: ``step(state)`` is one step,
+    returning ``(result, next state, every rank's weights)``; ``losses(state)`` every rank's
+    loss without a step. Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per
+    step) and ``replicas`` (the replicated weights' checksums after step 1 and the last)."""
+    out = {"curve": [], "replicas": {}}
+    for i in range(steps):
+        if i == steps - 1 and i > 0 and not last_update:
+            out["curve"].append(float(losses(state)[0]))
+            break
+        result, state, weights = step(state)
+        if i == 0:
+            out["first"] = result
         out["curve"].append(float(result["losses"][0]))
-        p = result["weights"]
-        if step in (0, steps - 1):
-            out["replicas"]["after_1" if step == 0 else "after_k"] = {
-                name: [_checksum(t) for t in p[name]] for name in ("norm", "bias") if name in p}
+        if i in (0, steps - 1):
+            out["replicas"]["after_1" if i == 0 else "after_k"] = {
+                name: [_checksum(w[name]) for w in weights] for name in ("norm", "bias")
+                if name in weights[0]}
     return out
 
 
@@ -152,7 +158,7 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     }
     if reference:
         grads = unshard(first["grads"], cfg, inj)
-        good_grads = unshard(good_first["grads"], cfg, inj.correct())
+        good_grads = unshard(good_first["grads"], cfg, good_inj)
         obs["reference"] = {"rank_losses": [float(l) for l in good_first["losses"]],
                             "logged_grad_norm": good_first["grad_norm"],
                             "loss_curve": good["curve"]}
