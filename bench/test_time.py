@@ -2,8 +2,8 @@
 
 Runs ``make test`` (pytest with nbval on every core, the book build from nbval's executions,
 pytest on the built HTML) with JUnit reports (``JUNIT=``), and prints the wall time, the
-pytest part of it, and the test seconds summed by group (the JupyterLab test, nbval per
-notebook, the browser test, the distributed tests, the rest). Under pytest-xdist the group
+pytest part of it, and the test seconds summed by group (nbval per notebook, the browser
+test, the distributed tests, the rest). Under pytest-xdist the group
 sums are worker seconds, so they add up to more than the wall time. Target: <= 6 min on 2
 cores. The book is built from an empty execution cache (``_build/.jupyter_cache`` is moved
 aside and put back), as on a fresh clone. Then it times ``make test-lab`` (every chapter in a
@@ -42,8 +42,7 @@ def group_of(classname: str, name: str) -> str:
     path = classname.replace(".", "/")
     if "ipynb" in path or "ipynb" in name:
         return "nbval (every notebook)"
-    for key, label in (("test_lab", "JupyterLab (every chapter)"),
-                       ("test_browser", "browser (built HTML)"),
+    for key, label in (("test_browser", "browser (built HTML)"),
                        ("test_distributed", "real ranks (torchrun)"),
                        ("test_sequence_parallel", "sequence parallel"),
                        ("test_properties", "property tests"),
@@ -52,6 +51,12 @@ def group_of(classname: str, name: str) -> str:
         if key in path:
             return label
     return "other unit tests"
+
+
+def junit_suite(path: str) -> ET.Element:
+    """The ``<testsuite>`` of a pytest JUnit report (the root, or the root's first child)."""
+    root = ET.parse(path).getroot()
+    return root if root.tag == "testsuite" else root.find("testsuite")
 
 
 def make_test(args) -> dict:
@@ -73,8 +78,7 @@ def make_test(args) -> dict:
         groups = collections.Counter()
         pytest_s, tests = 0.0, 0
         for part in ("1", "3"):
-            suite = ET.parse(f"{junit}-{part}.xml").getroot()
-            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            suite = junit_suite(f"{junit}-{part}.xml")
             pytest_s += float(suite.get("time"))
             tests += int(suite.get("tests"))
             for case in suite.iter("testcase"):
@@ -95,8 +99,7 @@ def make_test(args) -> dict:
             subprocess.run(["make", "test-lab", f"JUNIT={junit}"], cwd=ROOT, check=True,
                            stdout=subprocess.DEVNULL)
             lab_wall = time.perf_counter() - t0
-            suite = ET.parse(f"{junit}-lab.xml").getroot()
-            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            suite = junit_suite(f"{junit}-lab.xml")
             lab_worker_s = sum(float(c.get("time", 0)) for c in suite.iter("testcase"))
         figures.update(test_lab_s=round(lab_wall, 1), test_lab_worker_s=round(lab_worker_s, 1))
         print(f"make test-lab (CI runs it after make test): {lab_wall:6.1f} s wall, "
