@@ -30,19 +30,67 @@ def config_for(mode: str) -> Config:
 BUGS = [m for m in zoo.runnable_modes() if m != tpattn.EQUIVALENCE]
 
 
-def test_the_registry_lists_at_least_eight_cited_bugs_beyond_the_books_two():
+def test_every_entry_has_a_fidelity_and_a_citation_iff_it_has_a_report():
     listed = {m["name"]: m for m in zoo.list_modes()}
-    cited = [n for n, m in listed.items() if m["citation"]
-             and n not in tpattn.MODES]
-    assert len(cited) >= 8, cited
     for m in listed.values():
-        assert set(m) == {"name", "description", "citation", "needs", "provider", "runnable"}
-    # the modes of the sequence-parallel and KV-replication work are listed, injected there
+        assert set(m) == {"name", "description", "citation", "fidelity", "fidelity_note",
+                          "needs", "provider", "runnable", "observable"}
+        assert m["fidelity"] in zoo.FIDELITIES, m
+        assert bool(m["citation"]) == (m["fidelity"] in ("mechanism", "consistent")), m
+        assert m["fidelity_note"] and "\n" not in m["fidelity_note"], m
+        assert m["runnable"] is True, m  # every mode runs in tpattn.run
+    assert [n for n, m in listed.items() if m["fidelity"] == "correct"] == [tpattn.EQUIVALENCE]
+    # the counted "reported bugs" are the mechanism entries only
+    assert zoo.reported_modes() == tuple(n for n, m in listed.items()
+                                         if m["fidelity"] == "mechanism")
+    # the corrections of issue 23: what the cited threads actually show
+    assert listed["input_grad_reduce_averaged"]["fidelity"] == "no report"
+    assert "norm_grad_averaged" in listed["input_grad_reduce_averaged"]["fidelity_note"]
+    assert listed["output_reduced_twice"]["fidelity"] == "no report"
+    assert listed["input_grad_reduced_twice"]["fidelity"] == "consistent"
+    assert "FP8" in listed["input_grad_reduced_twice"]["fidelity_note"]
+    assert listed["inputs_not_replicated"]["fidelity"] == "consistent"
+    assert "Megatron-DeepSpeed" not in listed["inputs_not_replicated"]["citation"]
+    assert "Dropout" in listed["inputs_not_replicated"]["fidelity_note"]
+    assert "independent of TP" in listed["repeat_kv_tiled"]["fidelity_note"]
+    assert "gpt-neox PR 1259" in listed["norm_grad_averaged"]["citation"]
+    # the modes of the sequence-parallel and KV-replication work: run by tpattn.run itself,
+    # not observable on the zoo's block
     for name, need in [("missing_norm_grad_reduce", "sequence_parallel"),
                        ("norm_grad_averaged", "sequence_parallel"),
                        ("missing_kv_grad_reduce", "kv_heads < world_size")]:
         assert need in listed[name]["needs"]
         assert listed[name]["provider"] != "tpattn.zoo"
+        assert listed[name]["observable"] is False and name not in zoo.runnable_modes()
+    assert all(listed[n]["observable"] for n in zoo.runnable_modes())
+
+
+def test_the_native_modes_run_through_the_registry_and_observe_says_what_is_missing():
+    sp = tpattn.Config(seq=8, sequence_parallel=True)
+    kv = tpattn.Config(query_heads=8, kv_heads=2, world_size=4)
+    for mode, cfg in [("missing_norm_grad_reduce", sp), ("norm_grad_averaged", sp),
+                      ("missing_kv_grad_reduce", kv)]:
+        assert zoo.run(11, mode, cfg, "ranks") == tpattn.run(11, mode, cfg, "ranks")
+        assert zoo.run(11, mode, cfg)["passed"] is False
+        with pytest.raises(ValueError, match="observe cannot watch mode .* tpattn.run"):
+            tpattn.observe(mode, 11, cfg)
+        with pytest.raises(ValueError, match="not an injection of this block"):
+            zoo.sides(mode, 11, cfg)
+    # on a shape the mode does not apply to, the rule that fails is named
+    with pytest.raises(ValueError, match="needs sequence_parallel=True"):
+        tpattn.observe("norm_grad_averaged", 11)
+    with pytest.raises(ValueError, match="needs replicated KV heads"):
+        zoo.check_needs("missing_kv_grad_reduce", tpattn.Config())
+
+
+def test_cli_diagnose_of_a_native_mode_exits_2_with_one_true_line(capsys):
+    argv = ["--mode", "norm_grad_averaged", "--sequence-parallel", "--seq", "8",
+            "--diagnose", "--simulate", "ranks"]
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "observe cannot watch mode 'norm_grad_averaged'" in err[0]
 
 
 @pytest.mark.parametrize("simulate", ["fixture", "ranks"])

@@ -1,10 +1,13 @@
-"""The bug zoo: a registry of tensor-parallel bugs people reported, each one injectable.
+"""The bug zoo: a registry of tensor-parallel bugs, each one injectable, and how faithfully
+each reproduces a public report.
 
 Every entry of ``REGISTRY`` is a ``BugMode``: a name (a valid ``--mode``), a one-line
 description, how it is injected (an ``Injection``: which knob of the sharded block it turns),
-the public report it reproduces (repository + issue/PR number) and what the setup ``needs``
+the public report it is compared with (repository + issue/PR number), its ``fidelity`` to that
+report (one of ``FIDELITIES``, with a one-line ``fidelity_note``) and what the setup ``needs``
 (``bias``, ``world_size >= 2``, ...). ``run(seed, mode, cfg, simulate)`` runs one of them in
 ``tpattn.run``'s dict; ``tpattn.run`` hands every registry mode it does not know to here.
+Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
 
 The block is rebuilt here from the package's own pieces (``rms_norm``, ``project_qkv``,
 ``attention``, ``shard_params``, ``AllReduce``/``AllReduceGrads``) with one knob per way real
@@ -31,8 +34,11 @@ tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every si
 own leaf tensors, output, loss and backward, as real ranks run; ``tpattn.distributed`` runs the
 same injections on real processes).
 
-Other modules contribute modes with ``register``; three are listed by name here and injected by
-the modules that own them (``tpattn.sequence_parallel``, ``tpattn.kv_heads``).
+Other modules contribute modes with ``register``. Three modes are listed here but are not knobs
+of this block: ``tpattn.run`` computes them itself (``check.NATIVE_MODES``) under
+``Config.sequence_parallel`` (``tpattn.sequence_parallel``) or with replicated KV heads
+(``tpattn.kv_heads``); they are runnable, but ``tpattn.observe`` cannot watch them (its
+observables are recorded on this block), so ``runnable_modes()`` leaves them out.
 """
 from __future__ import annotations
 
@@ -44,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    PARAM_SEED_OFFSET, check_seed, check_simulate, dense_reference,
-                    five_measures, make_inputs)
+                    NATIVE_MODES, PARAM_SEED_OFFSET, check_mode, check_seed, check_simulate,
+                    dense_reference, five_measures, make_inputs)
 from .config import Config
 from .dense import dense_forward, project_qkv
 from .layers import attention, repeat_kv, rms_norm
@@ -53,8 +59,8 @@ from .params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_he
     shard_params, unshard_params
 from .tp import AllReduce, AllReduceGrads
 
-__all__ = ["Injection", "BugMode", "REGISTRY", "register", "get_mode", "mode_names",
-           "list_modes", "runnable_modes", "check_needs", "run", "run_matrix", "make_params",
+__all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
+           "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run", "run_matrix", "make_params",
            "shard", "unshard", "sides", "forward_fixture", "forward_ranks", "ledger_recorders",
            "ranks_train_step", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
@@ -68,6 +74,12 @@ OTHER_BATCH_SEED_OFFSET = 7919
 MAX_GRAD_NORM = 0.25
 #: Names of the replicated parameters (every rank holds the whole tensor).
 REPLICATED = ("norm", "bias")
+#: How faithfully an entry reproduces its public report. ``"mechanism"``: the report's
+#: mechanism, at its place; ``"consistent"``: the simplest mechanism consistent with a report
+#: whose thread establishes no root cause; ``"no report"``: no public report found (a plausible
+#: bug); ``"correct"``: not a bug (``equivalence``). An entry has a citation iff its fidelity is
+#: ``"mechanism"`` or ``"consistent"``.
+FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 
 
 @dataclass(frozen=True)
@@ -105,9 +117,12 @@ class Injection:
 class BugMode:
     """One entry of the registry.
 
-    ``injection``: ``None`` for a mode another module injects (``provider``) that has not
-    registered its implementation. ``needs``: conditions on the setup, as text (checked by
-    ``check_needs``). ``citation``: the public report, ``"owner/repo#N"`` style text.
+    ``injection``: ``None`` for a mode that is not a knob of this block (``tpattn.run``
+    computes it, or ``provider`` registers a runner). ``needs``: conditions on the setup, as
+    text (checked by ``check_needs``). ``citation``: the public report(s), ``"owner/repo
+    issue N"`` style text. ``fidelity``: one of ``FIDELITIES``; ``fidelity_note``: one line
+    saying what the cited thread showed and where the reproduction differs (or why there is
+    no citation).
     """
 
     name: str
@@ -118,87 +133,141 @@ class BugMode:
     provider: str = "tpattn.zoo"
     how: str = ""
     fix: str = ""
+    fidelity: str = "no report"
+    fidelity_note: str = ""
 
     def as_dict(self) -> dict:
-        """What ``--list-modes`` prints for this mode."""
+        """What ``--list-modes`` prints for this mode: name, description, citation,
+        fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it:
+        an injection of this block, a mode ``tpattn.run`` computes itself, or a registered
+        runner) and ``observable`` (``tpattn.observe`` can watch it: an injection)."""
         return {"name": self.name, "description": self.description, "citation": self.citation,
+                "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
-                "runnable": self.injection is not None or self.name == EQUIVALENCE}
+                "runnable": (self.injection is not None or self.name in NATIVE_MODES
+                             or self.name in _RUNNERS),
+                "observable": self.injection is not None}
 
 
 def _entries() -> list[BugMode]:
     return [
         BugMode(EQUIVALENCE, "correct TP: g sums the output partials, f sums dn", None,
-                injection=Injection(), how="both reductions", fix="-"),
+                injection=Injection(), how="both reductions", fix="-", fidelity="correct",
+                fidelity_note="not a bug: the correct program every other mode is compared with"),
         BugMode(MISSING_OUTPUT_REDUCE, "g dropped: each rank's output is its own partial", None,
                 ("world_size >= 2",), Injection(g=0), how="no forward all-reduce of partials",
-                fix="all-reduce the row-parallel output (g) before the residual"),
+                fix="all-reduce the row-parallel output (g) before the residual",
+                fidelity_note="the book's own bug (chapter 8); no public report is cited"),
         BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution", None,
                 ("world_size >= 2",), Injection(f="none"), how="no backward all-reduce of dn",
-                fix="all-reduce dn in backward (f, copy_to_tensor_model_parallel_region)"),
+                fix="all-reduce dn in backward (f, copy_to_tensor_model_parallel_region)",
+                fidelity_note="the book's own bug (chapter 9); no public report is cited"),
         BugMode("input_grad_reduce_averaged",
-                "f averages dn over the ranks instead of summing it",
-                "EleutherAI/gpt-neox PR 1259 (the sequence-parallel LayerNorm-gradient form)",
+                "f averages dn over the ranks instead of summing it", None,
                 ("world_size >= 2",), Injection(f="mean"),
                 how="backward all-reduce with op AVG (sum / W)",
-                fix="reduce with SUM: every rank's share of dn is a different term"),
+                fix="reduce with SUM: every rank's share of dn is a different term",
+                fidelity_note="no public report of f averaging dn was found; "
+                "EleutherAI/gpt-neox PR 1259 averaged the sequence-parallel LayerNorm "
+                "weight-gradient hook (dX unaffected), which is norm_grad_averaged, not this"),
         BugMode("input_grad_reduced_twice",
                 "dn all-reduced twice: replicated gradients come out W times too large",
-                "NVIDIA/Megatron-LM issue 1528 (norm weight gradient TP-size times the "
-                "single-device one)", ("world_size >= 2",), Injection(f="twice"),
+                "NVIDIA/Megatron-LM issue 1528 (open)", ("world_size >= 2",),
+                Injection(f="twice"),
                 how="two backward all-reduces of dn (f and an extra dgrad all-reduce)",
-                fix="reduce dn once: drop the second all-reduce"),
+                fix="reduce dn once: drop the second all-reduce", fidelity="consistent",
+                fidelity_note="the issue (open, no root cause found) sees the LayerNorm weight "
+                "gradient TP size times too large only with FP8 + TP + CP (TP alone or CP alone "
+                "match one device) and reports no other tensor; the zoo's second all-reduce of "
+                "dn gives that factor with TP alone and also scales dX"),
         BugMode("output_reduced_twice",
-                "g applied twice: the output is W times the sum of the partials",
-                "NVIDIA/Megatron-LM issue 1528 (its forward twin: a reduction done twice)",
+                "g applied twice: the output is W times the sum of the partials", None,
                 ("world_size >= 2",), Injection(g=2),
                 how="two forward all-reduces of the output partials",
-                fix="all-reduce the partials once"),
+                fix="all-reduce the partials once",
+                fidelity_note="no public report found: the forward twin of "
+                "input_grad_reduced_twice, a plausible bug"),
         BugMode("grad_norm_counts_replicas",
                 "replicated parameters counted W times in the global gradient norm "
                 "(clipping wrong, every gradient right)",
-                "NVIDIA-NeMo/RL PR 3788", ("grad_clip", "world_size >= 2"),
-                Injection(norm="per_rank", clip=True),
+                "NVIDIA-NeMo/RL PR 3788 (open); ROCm/TransformerEngine PR 715",
+                ("grad_clip", "world_size >= 2"), Injection(norm="per_rank", clip=True),
                 how="each rank adds the replicated norm's squared gradient before the sum",
-                fix="count a replicated parameter on one rank only (or divide by W)"),
+                fix="count a replicated parameter on one rank only (or divide by W)",
+                fidelity="mechanism",
+                fidelity_note="RL PR 3788: get_grad_norm summed every parameter over the TP "
+                "group, so TP-replicated q_norm/k_norm were counted tp_size times, the loss "
+                "unchanged; TE PR 715: replicated weights marked tensor-parallel, counted tp_size "
+                "times in Megatron's norm; the zoo counts the replicated norm weight per rank"),
         BugMode("row_bias_on_every_rank",
                 "the row-parallel output bias is added on every rank before g: "
                 "the output is off by (W-1)*b",
                 "huggingface/text-generation-inference issue 1036; Wenyueh/MinivLLM issue 80",
                 ("bias", "world_size >= 2"), Injection(bias="every_rank"),
                 how="partial_r + b on every rank, then the all-reduce",
-                fix="add the bias once, after the all-reduce"),
+                fix="add the bias once, after the all-reduce", fidelity="mechanism",
+                fidelity_note="both report the bias of a row-parallel linear added on every "
+                "rank before the all-reduce (SUM), so the output holds tp_size biases "
+                "(MinivLLM measured one extra bias at tp_size 2); the zoo adds it at that place"),
         BugMode("fused_qkv_naive_split",
                 "a fused [Wq; Wk; Wv] weight cut into contiguous rank slices: "
                 "rank 0 gets only query rows",
-                "deepspeedai/DeepSpeed PR 3844; NVIDIA-NeMo/Automodel PR 1324",
+                "deepspeedai/DeepSpeed PR 3844",
                 ("fused_qkv", "world_size >= 2"), Injection(shard="fused_naive"),
                 how="rank r takes rows [r*R/W, (r+1)*R/W) of the fused weight",
                 fix="split Wq, Wk and Wv by heads separately (or interleave the fused layout "
-                    "by KV group)"),
+                    "by KV group)", fidelity="mechanism",
+                fidelity_note="AutoTP cut fused QKV weights whose layout it did not know (GLM: "
+                "all q heads, then all k, then all v) without regard to heads: incorrect "
+                "inference results, no error; the PR splits each known layout by heads (the "
+                "zoo's is that GLM layout, cut into contiguous slices, in training)"),
         BugMode("repeat_kv_tiled",
                 "repeat_kv tiles the KV heads instead of interleaving them: query heads "
                 "read the wrong KV head",
-                "ekzhang/jax-js PR 180 (GQA: repeat instead of tile)",
+                "onnx/onnx PR 7274 (open); ekzhang/jax-js PR 180",
                 ("kv_heads >= 2 * world_size", "query_heads > kv_heads"), Injection(kv="tile"),
                 how="k.repeat(1, 1, groups, 1) on each rank instead of repeat_interleave",
-                fix="repeat_interleave: query head h reads KV head h // groups"),
+                fix="repeat_interleave: query head h reads KV head h // groups",
+                fidelity="mechanism",
+                fidelity_note="a GQA layout bug independent of TP: ONNX's Attention op and "
+                "jax-js tiled the KV heads ([h0, h1, h0, h1]) where torch repeat-interleaves; "
+                "the zoo injects it on each rank's local KV heads, visible once a rank holds two"),
         BugMode("inputs_not_replicated",
-                "each TP rank draws its own batch (the data-loader RNG diverged)",
-                "bigscience-workshop/Megatron-DeepSpeed PR 276; deepspeedai/DeepSpeed "
-                "issue 7199", ("world_size >= 2",), Injection(inputs="per_rank"),
+                "each TP rank draws its own batch (the batches of a TP group differ)",
+                "deepspeedai/DeepSpeed issue 7199", ("world_size >= 2",),
+                Injection(inputs="per_rank"),
                 how="rank r >= 1 trains on a batch from a different seed",
-                fix="broadcast the batch from TP rank 0 (or seed the loader identically)"),
+                fix="broadcast the batch from TP rank 0 (or seed the loader identically)",
+                fidelity="consistent",
+                fidelity_note="DeepSpeed's AutoTP check stopped an HF Trainer run with 'Data "
+                "inconsistency within the TP group'; the thread gives no root cause. Not "
+                "bigscience-workshop/Megatron-DeepSpeed PR 276: there the data were identical "
+                "and the torch RNG state desynced (the loader's seed consumed RNG on tp_rank 0 "
+                "only), so nn.Dropout masks differed across TP ranks (not reproduced: no "
+                "dropout here)"),
         BugMode("missing_norm_grad_reduce",
                 "sequence parallelism without the all-reduce of the norm weight's gradient",
-                None, ("sequence_parallel",), provider="tpattn.sequence_parallel"),
+                "NVIDIA-NeMo/Speech PR 7184; hpcaitech/ColossalAI PR 4915",
+                ("sequence_parallel",), provider="tpattn.sequence_parallel",
+                fidelity="mechanism",
+                fidelity_note="NeMo PR 7184: the all-reduce of sequence-parallel LayerNorm "
+                "gradients looked for a 'sequence_parallel' attribute that apex's LayerNorm "
+                "names 'sequence_parallel_enabled', so it was skipped; ColossalAI PR 4915 adds "
+                "the missing all-reduce; tpattn.sequence_parallel drops it at that place"),
         BugMode("norm_grad_averaged",
                 "sequence parallelism: the norm weight's gradient averaged instead of summed",
                 "EleutherAI/gpt-neox PR 1259", ("sequence_parallel",),
-                provider="tpattn.sequence_parallel"),
+                provider="tpattn.sequence_parallel", fidelity="mechanism",
+                fidelity_note="the SP LayerNorm gradient hook averaged over the sequence "
+                "shards instead of summing (and was registered before deepspeed.initialize); "
+                "the PR sums, and says it does not fix the run's convergence issue, whose "
+                "slowly changing LayerNorm weights it reports as still open"),
         BugMode("missing_kv_grad_reduce",
                 "replicated KV heads without the all-reduce of their gradients", None,
-                ("kv_heads < world_size",), provider="tpattn.kv_heads"),
+                ("kv_heads < world_size",), provider="tpattn.kv_heads",
+                fidelity_note="no public report of this bug was found; the related "
+                "bigcode-project/Megatron-LM issue 35 (MQA + TP > 1: loss explodes, weights in "
+                "sync) is the other half, the shared K/V's activation gradients (chapter 13)"),
     ]
 
 
@@ -230,13 +299,24 @@ def mode_names() -> tuple[str, ...]:
 
 
 def runnable_modes() -> tuple[str, ...]:
-    """The modes this build can run (an injection, or a registered runner)."""
+    """The modes of this block (an injection) or of a registered runner: those the hunts,
+    the diagnosis's signatures and the zoo's tables run on the zoo's shapes. The three modes
+    ``tpattn.run`` computes itself under sequence parallelism or replicated KV heads are
+    runnable too (``list_modes``'s ``runnable``) but need their own ``Config`` and are not
+    observable, so they are not in this tuple."""
     return tuple(n for n, m in REGISTRY.items() if m.injection is not None or n in _RUNNERS)
 
 
+def reported_modes() -> tuple[str, ...]:
+    """The registry's reproduced reported bugs: the entries whose ``fidelity`` is
+    ``"mechanism"`` (the cited report's mechanism at its place). Any count of "reported
+    bugs" counts these only."""
+    return tuple(n for n, m in REGISTRY.items() if m.fidelity == "mechanism")
+
+
 def list_modes() -> list[dict]:
-    """``--list-modes``: every mode as ``{name, description, citation, needs, provider,
-    runnable}``."""
+    """``--list-modes``: every mode as ``BugMode.as_dict`` (name, description, citation,
+    fidelity, fidelity_note, needs, provider, runnable, observable)."""
     return [m.as_dict() for m in REGISTRY.values()]
 
 
@@ -252,8 +332,11 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
     the unmet need (setup needs such as ``bias`` are met by the mode itself)."""
     entry = get_mode(mode)
     if entry.injection is None and mode not in _RUNNERS:
-        raise ValueError(f"mode {mode!r} is injected by {entry.provider}, which is not part "
-                         f"of this build (needs: {', '.join(entry.needs)})")
+        if mode in NATIVE_MODES:  # tpattn.run computes it: its own rules on cfg
+            check_mode(mode, cfg)
+            return entry
+        raise ValueError(f"mode {mode!r} has neither an injection of this block nor a runner "
+                         f"registered by {entry.provider} (tpattn.zoo.register)")
     rules = {"world_size >= 2": cfg.world_size >= 2,
              "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
              "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
@@ -553,6 +636,9 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
     the starting parameters (with the bias, if the mode has one)."""
     cfg = Config() if cfg is None else cfg
     inj = check_needs(mode, cfg).injection
+    if inj is None:
+        raise ValueError(f"mode {mode!r} is not an injection of this block: tpattn.run "
+                         f"computes it (see {get_mode(mode).provider})")
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
     return _dense_step(x0, target, base, cfg, inj), tp_step(seed, cfg, inj, simulate), base
@@ -582,6 +668,10 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     entry = check_needs(mode, cfg)
     if mode in _RUNNERS:
         return _RUNNERS[mode](seed, cfg, simulate)
+    if entry.injection is None:  # a mode tpattn.run computes itself (check.NATIVE_MODES)
+        from .check import run as run_native
+
+        return run_native(seed, mode, cfg, simulate)
     inj = entry.injection
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj)
