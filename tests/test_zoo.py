@@ -83,6 +83,23 @@ def test_the_native_modes_run_through_the_registry_and_observe_says_what_is_miss
         zoo.check_needs("missing_kv_grad_reduce", tpattn.Config())
 
 
+def test_a_mode_of_the_zoos_block_refuses_a_shape_the_block_does_not_have():
+    """The zoo's block is plain TP: under sequence parallelism it would silently observe
+    plain TP, and with replicated KV heads it used to crash in einsum."""
+    sp = tpattn.Config(seq=8, sequence_parallel=True)
+    kv = tpattn.Config(query_heads=8, kv_heads=2, world_size=4)
+    for mode in ("equivalence", "row_bias_on_every_rank"):
+        with pytest.raises(ValueError, match="no sequence parallelism: sequence_parallel"):
+            tpattn.observe(mode, 11, sp)
+        with pytest.raises(ValueError, match="kv_heads must be >= world_size .*kv_heads=2"):
+            tpattn.observe(mode, 11, kv)
+    with pytest.raises(ValueError, match="no sequence parallelism"):
+        tpattn.run(11, "row_bias_on_every_rank", sp)
+    # tpattn.run still computes its own modes on those shapes
+    assert tpattn.run(11, "equivalence", sp)["passed"] is True
+    assert tpattn.run(11, "equivalence", kv)["passed"] is True
+
+
 def test_cli_diagnose_of_a_native_mode_exits_2_with_one_true_line(capsys):
     argv = ["--mode", "norm_grad_averaged", "--sequence-parallel", "--seq", "8",
             "--diagnose", "--simulate", "ranks"]

@@ -329,7 +329,9 @@ def get_mode(mode: str) -> BugMode:
 
 def check_needs(mode: str, cfg: Config) -> BugMode:
     """The entry of ``mode`` if this build can run it on ``cfg``, else ``ValueError`` naming
-    the unmet need (setup needs such as ``bias`` are met by the mode itself)."""
+    the unmet need (setup needs such as ``bias`` are met by the mode itself). A mode of this
+    block needs a plain-TP ``cfg`` (no ``sequence_parallel``, ``kv_heads >= world_size``);
+    a mode ``tpattn.run`` computes itself is checked by ``check.check_mode``."""
     entry = get_mode(mode)
     if entry.injection is None and mode not in _RUNNERS:
         if mode in NATIVE_MODES:  # tpattn.run computes it: its own rules on cfg
@@ -337,6 +339,14 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
             return entry
         raise ValueError(f"mode {mode!r} has neither an injection of this block nor a runner "
                          f"registered by {entry.provider} (tpattn.zoo.register)")
+    if entry.injection is not None:  # this block: plain TP, every rank its own KV heads
+        if cfg.sequence_parallel:
+            raise ValueError(f"mode {mode!r} is an injection of tpattn.zoo's block, which has "
+                             f"no sequence parallelism: sequence_parallel must be False")
+        if cfg.kv_heads < cfg.world_size:
+            raise ValueError(f"mode {mode!r} is an injection of tpattn.zoo's block, which does "
+                             f"not replicate KV heads: kv_heads must be >= world_size (got "
+                             f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
     rules = {"world_size >= 2": cfg.world_size >= 2,
              "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
              "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
