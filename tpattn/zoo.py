@@ -179,7 +179,7 @@ def _entries() -> list[BugMode]:
                 fidelity_note="the issue (open, no root cause found) sees the LayerNorm weight "
                 "gradient TP size times too large only with FP8 + TP + CP (TP alone or CP alone "
                 "match one device) and reports no other tensor; the zoo's second all-reduce of "
-                "dn gives that factor with TP alone and also scales dX"),
+                "dn gives that factor with TP alone, and dX is wrong too"),
         BugMode("output_reduced_twice",
                 "g applied twice: the output is W times the sum of the partials", None,
                 ("world_size >= 2",), Injection(g=2),
