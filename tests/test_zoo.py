@@ -276,7 +276,12 @@ def test_mode_route_sends_the_packages_modes_to_run_and_the_rest_to_the_registry
 
 def test_register_adds_a_runnable_mode_and_refuses_to_steal_a_name():
     calls = []
-    entry = zoo.BugMode("test_only_mode", "a test's mode", "none", provider="tests")
+    entry = zoo.BugMode("test_only_mode", "a test's mode", None, provider="tests")
+    with pytest.raises(ValueError, match="fidelity must be one of"):
+        zoo.register(zoo.BugMode("test_only_mode", "x", None, fidelity="reported"))
+    with pytest.raises(ValueError, match="citation must be given iff"):
+        zoo.register(zoo.BugMode("test_only_mode", "x", "a/b issue 1"))
+    assert "test_only_mode" not in zoo.REGISTRY
     try:
         zoo.register(entry, runner=lambda seed, cfg, sim: calls.append(seed) or {"seed": seed})
         assert "test_only_mode" in zoo.runnable_modes()

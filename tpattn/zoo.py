@@ -280,8 +280,15 @@ def register(mode: BugMode, runner: Callable | None = None) -> None:
 
     ``runner(seed, cfg, simulate) -> run() dict`` runs a mode that is not an ``Injection`` of
     this block (sequence parallelism, replicated KV heads). Raises ``ValueError`` if the name
-    is taken by a runnable mode of another provider.
+    is taken by a runnable mode of another provider, if ``mode.fidelity`` is not one of
+    ``FIDELITIES``, or if it has a citation without a report's fidelity (or one without it).
     """
+    if mode.fidelity not in FIDELITIES:
+        raise ValueError(f"fidelity must be one of {', '.join(FIDELITIES)} "
+                         f"(got {mode.fidelity!r})")
+    if bool(mode.citation) != (mode.fidelity in ("mechanism", "consistent")):
+        raise ValueError(f"citation must be given iff fidelity is 'mechanism' or 'consistent' "
+                         f"(got fidelity={mode.fidelity!r}, citation={mode.citation!r})")
     old = REGISTRY.get(mode.name)
     if old is not None and old.provider != mode.provider and (old.injection or old.name in _RUNNERS):
         raise ValueError(f"mode {mode.name!r} is already registered by {old.provider}")
