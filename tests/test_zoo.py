@@ -299,6 +299,9 @@ def test_cli_lists_the_modes(capsys):
     assert cli_main(["--list-modes"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in listed] == list(zoo.mode_names())
+    assert all(m["runnable"] is True and m["fidelity"] in zoo.FIDELITIES for m in listed)
+    assert [m["name"] for m in listed if m["fidelity"] == "mechanism"] \
+        == list(zoo.reported_modes())
 
 
 @pytest.mark.parametrize("mode", BUGS)
