@@ -3,7 +3,10 @@
 Each rank holds complete query/KV head groups: column-parallel Q/K/V (its rows of wq, wk, wv),
 row-parallel output projection (its columns of wo). Two collectives make the sharded block
 equal the dense one — Megatron-LM's *f* and *g* (``tensor_parallel/mappings.py``:
-``copy_to_tensor_model_parallel_region`` and ``reduce_from_tensor_model_parallel_region``)::
+``copy_to_tensor_model_parallel_region`` and ``reduce_from_tensor_model_parallel_region``;
+current Megatron-Core also issues f's backward all-reduce inside the column-parallel layer,
+``LinearWithGradAccumulationAndAsyncCommunication`` in ``tensor_parallel/layers.py``, when
+``allreduce_dgrad`` is set)::
 
           f                                                  g
     n ── copy ──┬─ rank 0: Q/K/V shard ─ attention ─ wo ─┬─ sum ─ (+ x)
@@ -32,7 +35,10 @@ from .params import shard_params
 
 def copy_to_ranks(n: torch.Tensor, world_size: int, reduce_grad: bool = True) -> list[torch.Tensor]:
     """Megatron's **f** — forward: identity, every rank gets ``n``; backward: all-reduce,
-    ``n``'s gradient is the sum of every rank's contribution.
+    ``n``'s gradient is the sum of every rank's contribution. (In Megatron-Core either
+    ``copy_to_tensor_model_parallel_region`` in ``tensor_parallel/mappings.py`` or, with
+    ``allreduce_dgrad``, the backward of ``LinearWithGradAccumulationAndAsyncCommunication``
+    in ``tensor_parallel/layers.py``.)
 
     In one process, handing each rank the same tensor is the whole implementation: autograd
     accumulates the gradients of all its uses into one, which is the sum an all-reduce makes.
