@@ -188,3 +188,18 @@ def test_import_tpattn_does_not_import_spmd_types():
             "print('spmd_types' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_diagnose_says_where_it_used_tier_0_and_changes_nothing_else():
+    from tpattn import diagnose
+    from tpattn.observe import observe
+
+    for mode, seed in ((MISSING_INPUT_GRAD_REDUCE, 3), ("fused_qkv_naive_split", 5)):
+        obs = observe(mode, seed, Config())
+        plain, typed = diagnose(obs), diagnose(obs, tier0=True)
+        assert [{k: v for k, v in c.items() if k != "tier0"} for c in typed] == plain
+        first = typed[0]
+        assert first["cause"] == mode and first["tier0"]["used"]
+        assert first["tier0"]["verdict"] == EXPECTED[mode]
+    good = diagnose(observe(EQUIVALENCE, 3, Config()), tier0=True)
+    assert all("tier0" not in c for c in good)  # "no known cause": no static verdict applies
