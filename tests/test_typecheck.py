@@ -203,3 +203,22 @@ def test_diagnose_says_where_it_used_tier_0_and_changes_nothing_else():
         assert first["tier0"]["verdict"] == EXPECTED[mode]
     good = diagnose(observe(EQUIVALENCE, 3, Config()), tier0=True)
     assert all("tier0" not in c for c in good)  # "no known cause": no static verdict applies
+
+
+def test_following_the_row_bias_hint_type_checks_with_the_bias_still_before_g():
+    """WHY's claim: convert(bias, I->R), the checker's hint, silences it; g then sums W biases."""
+    import torch
+    from spmd_types import I, P, R, V, all_reduce, assert_type, convert
+    from spmd_types.checker import typecheck as spmd_typecheck
+
+    dist.init_process_group(backend="fake", rank=0, world_size=2)
+    try:
+        tp = dist.group.WORLD
+        partial, bias = torch.randn(3, 4), torch.randn(4)
+        with spmd_typecheck():
+            assert_type(partial, {tp: V})
+            assert_type(bias, {tp: I})
+            out = all_reduce(partial + convert(bias, tp, src=I, dst=R), tp, src=P, dst=I)
+            assert_type(out, {tp: I})  # well-typed, and the bias went into the sum on each rank
+    finally:
+        dist.destroy_process_group()
