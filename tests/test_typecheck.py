@@ -222,3 +222,11 @@ def test_following_the_row_bias_hint_type_checks_with_the_bias_still_before_g():
             assert_type(out, {tp: I})  # well-typed, and the bias went into the sum on each rank
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", list(REGISTRY))
+def test_every_modes_bug_free_twin_type_checks(mode):
+    """The correct version of each setup (bias after g, fused QKV cut by heads, clipping, SP,
+    KV replicas) type-checks: a caught verdict is the bug's, not the setup's."""
+    result = typecheck(mode, TABLE_SETUPS.get(mode, Config()), twin=True)
+    assert result["verdict"] == "type-checks", result["message"]

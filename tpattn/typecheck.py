@@ -212,7 +212,7 @@ def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> N
                     else typ for axis in ops.axes})
 
 
-def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives):
+def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
     """The mode's per-rank block on rank 0, its inputs and parameters declared: returns a
     thunk that runs forward, the loss and backward."""
     from spmd_types import I, R, V
@@ -224,6 +224,7 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives):
         from .zoo_real import zoo_rank_forward
 
         inj = check_needs(mode, cfg).injection
+        inj = inj.correct() if twin else inj
         params = {k: t.detach().clone().requires_grad_(True)
                   for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
         x0, target = rank_batches(cfg, seed, inj)[0]
@@ -315,7 +316,8 @@ def _validate(mode, cfg, seed):
                          "per-rank block to check")
 
 
-def typecheck(mode: str, cfg: Config | None = None, seed: int = 11) -> dict:
+def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
+              twin: bool = False) -> dict:
     """Run ``mode``'s per-rank block under ``spmd_types``' type checker on a fake process
     group of ``cfg.world_size`` ranks (``cfg`` defaults to ``Config()``).
 
@@ -325,6 +327,9 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11) -> dict:
     raised (``module.function: code``, naming the tensors; ``None``); ``why`` one line
     (``WHY``). The numbers ``seed`` draws do not matter to types (they only fill shapes).
     Raises ``ValueError`` for a mode ``cfg`` cannot run (the field and the rule).
+    ``twin=True`` checks the bug-free twin of a registry mode's setup instead
+    (``tpattn.zoo.Injection.correct``: its bias after g, its fused checkpoint cut by heads,
+    its clipping), reported under the mode's name with the verdict of ``equivalence``.
     """
     from spmd_types import (SpmdTypeError, register_local_autograd_function, set_current_mesh,
                             traceback_filtering)
@@ -338,7 +343,11 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11) -> dict:
     _validate(mode, cfg, seed)
     message = where = None
     with fake_process_group(cfg) as ops:
-        run = _program(mode, cfg, seed, ops)
+        if twin and mode_route(mode, cfg) != "registry":  # the native modes' twin
+            mode_run = EQUIVALENCE
+        else:
+            mode_run = mode
+        run = _program(mode_run, cfg, seed, ops, twin)
         try:
             with warnings.catch_warnings(), traceback_filtering("off"), \
                     set_current_mesh(ops.mesh), spmd_typecheck():
@@ -351,14 +360,15 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11) -> dict:
             message, where = str(e).strip(), _where(e)
     if message is not None:
         verdict = "caught"
-    elif mode == EQUIVALENCE:
+    elif mode == EQUIVALENCE or twin:
         verdict = "type-checks"
     else:
         verdict = "not a type error" if "not a type error" in WHY.get(mode, {}) else "missed"
     layout = ("replicated KV heads, 2-D mesh (kv, rep)" if kv_grad_bug_applies(cfg)
               else "K/V all-gathered" if has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
               else "whole KV heads per rank")
-    why = WHY.get(mode, {}).get(verdict, "no reason recorded for this verdict")
+    why = WHY[EQUIVALENCE]["type-checks"] if twin and message is None \
+        else WHY.get(mode, {}).get(verdict, "no reason recorded for this verdict")
     return {"mode": mode, "world_size": cfg.world_size,
             "sequence_parallel": cfg.sequence_parallel, "kv_layout": layout,
             "verdict": verdict, "message": message, "where": where, "why": why}
