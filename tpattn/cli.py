@@ -78,6 +78,10 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
         ap.add_argument("--diagnose", action="store_true",
                         help="add to each result a 'diagnosis': candidate causes ranked "
                              "from observables that need no dense model")
+        ap.add_argument("--typecheck", action="store_true",
+                        help="tier 0: type-check --mode's per-rank block with spmd_types on "
+                             "a fake process group (nothing runs); print the verdict and the "
+                             "checker's message as JSON")
     return ap
 
 
@@ -99,6 +103,14 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         return 0
     try:
         cfg = config_from_args(args)
+        if args.typecheck:
+            if args.mode in ("inspect", "matrix") or args.diagnose:
+                raise ValueError("--typecheck checks one --mode (not inspect or matrix) and "
+                                 "cannot be combined with --diagnose")
+            from .typecheck import typecheck
+
+            print(json.dumps(typecheck(args.mode, cfg, args.seed), indent=2))
+            return 0  # a caught bug is a result
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":

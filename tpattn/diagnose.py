@@ -228,14 +228,52 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None) -> list[dict
             for m in matches]
 
 
-def diagnose(observations: dict, cfg=None, signatures: dict | None = None) -> list[dict]:
+def _tier0(candidates: list[dict], cfg) -> list[dict]:
+    """Add to each candidate that is a registry mode its static verdict (``tpattn.typecheck``
+    at ``cfg``): ``"tier0": {"used": True, "verdict", "where", "why"}``; a cause the shape
+    cannot run statically gets ``{"used": False, "why": <the rule>}``."""
+    from .typecheck import typecheck
+    from .zoo import REGISTRY
+
+    for c in candidates:
+        if c["cause"] not in REGISTRY:
+            continue
+        try:
+            t = typecheck(c["cause"], cfg)
+        except ValueError as e:
+            c["tier0"] = {"used": False, "why": str(e)}
+            continue
+        c["tier0"] = {"used": True, "verdict": t["verdict"], "where": t["where"],
+                      "why": t["why"]}
+    return candidates
+
+
+def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
+             tier0: bool = False) -> list[dict]:
     """Candidate causes of what ``observations`` show, best first (see the module docstring).
 
     ``observations``: ``tpattn.observe``'s dict, or a ``tpattn.run`` result (the five
     measures; ``cfg`` is then its shape, default the seed's, and ``signatures`` may give the
     modes' failing-measure tuples to match, else they are measured at seed 11).
     Returns at least one entry; ``[{"cause": "no known cause", ...}]`` when nothing fits.
+    ``tier0=True`` also says, for each candidate of the registry, whether the type checker
+    catches it before anything runs (``tpattn.typecheck`` at ``cfg``, or the observed setup's
+    world size and head counts): an added ``"tier0"`` entry; nothing else changes.
     """
+    found = _diagnose(observations, cfg, signatures)
+    if not tier0:
+        return found
+    if cfg is None:
+        from .config import Config
+
+        setup = observations.get("setup")
+        cfg = Config() if setup is None else Config(
+            world_size=setup["world_size"], query_heads=setup["query_heads"],
+            kv_heads=setup["kv_heads"])
+    return _tier0(found, cfg)
+
+
+def _diagnose(observations: dict, cfg, signatures: dict | None) -> list[dict]:
     if not isinstance(observations, dict):
         raise ValueError(f"observations must be a dict from tpattn.observe or tpattn.run "
                          f"(got {type(observations).__name__})")

@@ -2,8 +2,11 @@
 
 ``tpattn.tp`` simulates the ranks in one process, where autograd does the backward half of each
 collective for free. Here every rank is a process holding only its own shards, and Megatron's
-two operations (``tensor_parallel/mappings.py``) are ``torch.autograd.Function`` subclasses that call
-real collectives::
+two operations are ``torch.autograd.Function`` subclasses that call real collectives (in
+Megatron-LM, ``tensor_parallel/mappings.py``'s ``copy_to_tensor_model_parallel_region`` and
+``reduce_from_tensor_model_parallel_region``; Megatron-Core's ``tensor_parallel/layers.py``
+also does f without ``mappings.py``: ``ColumnParallelLinear`` with ``allreduce_dgrad`` has
+``LinearWithGradAccumulationAndAsyncCommunication``'s backward all-reduce the input gradient)::
 
     f  CopyToRanks            forward:  identity
                               backward: all-reduce (sum of the ranks' dn)
@@ -53,7 +56,8 @@ from .cli import build_parser, config_from_args
 from .config import Config
 from .dense import attend_and_project
 from .kv_heads import (GATHER_ACTIVATIONS, KV_ALL_GATHER, KV_GRAD_ALL_REDUCE, KV_REDUCE_SCATTER,
-                       has_replicas, kv_grad_bug_applies, kv_rank_attend, replica_groups)
+                       AllGatherKV, ReplicaGradReduce, has_replicas, kv_grad_bug_applies,
+                       kv_rank_attend, replica_groups)
 from .launch import (RankFailure, backend_message, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
 from .layers import rms_norm
@@ -201,6 +205,31 @@ class CollectiveLedger:
         self._issue(label, dist.reduce_scatter_single, part, whole)
         return part.movedim(0, -1)
 
+    # The block's collectives: ``tp_rank_forward``, ``kv_rank_attend`` and
+    # ``tpattn.zoo_real.zoo_rank_forward`` call these and nothing else, so the same functions
+    # run with typed collectives (``tpattn.typecheck``) in place of the ledger.
+
+    def rank(self) -> int:
+        """This rank's index in the ledger's group."""
+        return dist.get_rank(self.group)
+
+    def copy_to_ranks(self, n: torch.Tensor) -> torch.Tensor:
+        """f (``CopyToRanks``): ``n`` ``[S, B, hidden]`` unchanged; backward all-reduce."""
+        return CopyToRanks.apply(n, self)
+
+    def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
+        """g (``ReduceOutputPartials``): the sum over ranks of ``partial`` ``[S, B, hidden]``."""
+        return ReduceOutputPartials.apply(partial, self)
+
+    def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
+        """``tpattn.kv_heads.ReplicaGradReduce``: ``(wk, wv)`` unchanged; backward all-reduce
+        of their gradients in the replica group."""
+        return ReplicaGradReduce.apply(wk, wv, self)
+
+    def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
+        """``tpattn.kv_heads.AllGatherKV``: ``[S, B, 2c]`` -> ``[S, B, W*2c]`` (rank order)."""
+        return AllGatherKV.apply(local, self)
+
     def gather_tensors(self, tensors: dict[str, torch.Tensor],
                        label: str = GATHER_RESULTS) -> list[dict[str, torch.Tensor]]:
         """Every rank's ``tensors`` (same names and shapes on every rank), in one all-gather.
@@ -260,6 +289,8 @@ def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
 
     x: ``[S, B, hidden]`` (the same on every rank); ``shard``: this rank's ``norm`` (replicated)
     and its ``wq, wk, wv, wo`` head-group shards. Returns ``[S, B, hidden]``.
+    ``ledger``: the collectives — f is ``ledger.copy_to_ranks``, g ``ledger.reduce_output``
+    (a ``CollectiveLedger`` on real ranks; ``tpattn.typecheck`` passes spmd_types' typed ones).
     ``reduce_output=False`` drops g; ``reduce_input_grad=False`` drops f.
     With fewer KV heads than ranks the attention is ``tpattn.kv_heads.kv_rank_attend`` (the KV
     collectives of ``cfg.kv_strategy``; ``reduce_kv_grad=False`` drops the replica-group
@@ -267,13 +298,13 @@ def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
     """
     n = rms_norm(x, shard["norm"], cfg.eps)
     if reduce_input_grad:
-        n = CopyToRanks.apply(n, ledger)
+        n = ledger.copy_to_ranks(n)
     if has_replicas(cfg):
-        rank = dist.get_rank(ledger.group) if rank is None else rank
+        rank = ledger.rank() if rank is None else rank
         partial = kv_rank_attend(n, shard, cfg, rank, ledger, reduce_kv_grad)
     else:
         partial = attend_and_project(n, shard, cfg)
-    out = ReduceOutputPartials.apply(partial, ledger) if reduce_output else partial
+    out = ledger.reduce_output(partial) if reduce_output else partial
     return x + out
 
 

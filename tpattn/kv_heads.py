@@ -290,11 +290,13 @@ def kv_rank_attend(n: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
                    ledger, reduce_kv_grad: bool = True) -> torch.Tensor:
     """This real rank's partial output when ``kv_heads < world_size`` (``attend_and_project``
     with the KV collectives of ``cfg.kv_strategy``). n: ``[S, B, hidden]``; returns
-    ``[S, B, hidden]``. ``reduce_kv_grad=False`` drops the replica-group reduce."""
+    ``[S, B, hidden]``. ``reduce_kv_grad=False`` drops the replica-group reduce.
+    ``ledger``: the collectives (``ledger.gather_kv`` is ``AllGatherKV``,
+    ``ledger.reduce_replica_grads`` is ``ReplicaGradReduce`` on real ranks)."""
     if cfg.kv_strategy == GATHER_ACTIVATIONS:
-        return attend_gathered(n, shard, AllGatherKV.apply(local_kv(n, shard), ledger), cfg, rank)
+        return attend_gathered(n, shard, ledger.gather_kv(local_kv(n, shard)), cfg, rank)
     if reduce_kv_grad and cfg.kv_replicas > 1:
-        wk, wv = ReplicaGradReduce.apply(shard["wk"], shard["wv"], ledger)
+        wk, wv = ledger.reduce_replica_grads(shard["wk"], shard["wv"])
         shard = {**shard, "wk": wk, "wv": wv}
     return attend_and_project(n, shard, cfg)
 

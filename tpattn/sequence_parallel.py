@@ -379,6 +379,15 @@ class SequenceLedger(CollectiveLedger):
         self._issue(label, dist.reduce_scatter_single, local, full)
         return local
 
+    def gather_sequence(self, n_local: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
+        """``GatherFromSequence``: ``[S/W, B, hidden]`` -> ``[S, B, hidden]`` (``reduce_grad``:
+        reduce-scatter the gradient in backward, else keep this rank's tokens of its own)."""
+        return GatherFromSequence.apply(n_local, self, reduce_grad)
+
+    def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
+        """``ReduceScatterToSequence``: ``[S, B, hidden]`` -> ``[S/W, B, hidden]``."""
+        return ReduceScatterToSequence.apply(partial, self)
+
     def finish_job(self) -> dict:
         """Check the job issued exactly its plan; return its counts,
         ``{"<phase> <kind>": n, ..., "bytes_per_rank": sent}``."""
@@ -434,14 +443,15 @@ def sp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
     x: ``[S/W, B, hidden]``, this rank's tokens; ``shard``: its ``norm`` (replicated) and
     head-group shards. Returns ``[S/W, B, hidden]``. ``reduce_output=False`` drops the
     reduce-scatter (this rank keeps its tokens of its own partial); ``reduce_input_grad=False``
-    drops the all-gather's backward reduce-scatter.
+    drops the all-gather's backward reduce-scatter. ``ledger``: the collectives
+    (``gather_sequence``, ``reduce_scatter_sequence``; ``tpattn.typecheck`` passes typed ones).
     """
     n = rms_norm(x, shard["norm"], cfg.eps)  # this rank's tokens only
-    n_full = GatherFromSequence.apply(n, ledger, reduce_input_grad)  # [S]: RoPE sees 0..S-1
+    n_full = ledger.gather_sequence(n, reduce_input_grad)  # [S]: RoPE sees 0..S-1
     partial = attend_and_project(n_full, shard, cfg)
     if reduce_output:
-        return x + ReduceScatterToSequence.apply(partial, ledger)
-    return x + partial[rank_tokens(cfg, dist.get_rank(ledger.group))]
+        return x + ledger.reduce_scatter_sequence(partial)
+    return x + partial[rank_tokens(cfg, ledger.rank())]
 
 
 def finalize_norm_grad(grad: torch.Tensor, ledger: SequenceLedger, how: str = "sum") -> torch.Tensor:

@@ -62,7 +62,7 @@ from .tp import AllReduce, AllReduceGrads
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
            "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run", "run_matrix", "make_params",
            "shard", "unshard", "sides", "forward_fixture", "forward_ranks", "ledger_recorders",
-           "ranks_train_step", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
+           "ranks_train_step", "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
 #: seed's parameters and their init order never change.
@@ -428,8 +428,9 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 # --- the per-rank block ---------------------------------------------------------------------
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
+class GradScale(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale`` (``apply(t, scale)``:
+    how the ``f="mean"`` injection averages ``dn``)."""
 
     @staticmethod
     def forward(ctx, t, scale):
@@ -483,9 +484,9 @@ def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Con
         if inj.f == "none" and rank > 0:
             n = n.detach()
         elif inj.f == "mean":
-            n = _ScaleGrad.apply(n, 1.0 / w)
+            n = GradScale.apply(n, 1.0 / w)
         elif inj.f == "twice":
-            n = _ScaleGrad.apply(n, float(w))
+            n = GradScale.apply(n, float(w))
         partial = _attend_and_project(n, s, cfg, inj)
         if inj.bias == "every_rank":
             partial = partial + s["bias"]
@@ -536,7 +537,7 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
             ns = list(AllReduceGrads.apply(*ns))
             record_on_backward(ns[0], "all-reduce of dn (again)")
         if inj.f == "mean":
-            ns = [_ScaleGrad.apply(n, 1.0 / w) for n in ns]
+            ns = [GradScale.apply(n, 1.0 / w) for n in ns]
     partials = [_attend_and_project(n, s, cfg, inj) for n, s in zip(ns, shards)]
     if inj.bias == "every_rank":
         partials = [pt + s["bias"] for pt, s in zip(partials, shards)]

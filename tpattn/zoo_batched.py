@@ -27,7 +27,7 @@ import torch
 from .check import LR
 from .config import Config
 from .layers import apply_rope, attention, repeat_kv, rms_norm
-from .zoo import REPLICATED, Injection, _clip_coef, _ScaleGrad, ledger_recorders
+from .zoo import REPLICATED, Injection, _clip_coef, GradScale, ledger_recorders
 
 __all__ = ["stack_ranks", "unstack_ranks", "forward_batched", "batched_losses",
            "batched_train_step"]
@@ -93,7 +93,7 @@ def forward_batched(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, in
             n = _AllReduceGrads.apply(n)
             record_on_backward(n, "all-reduce of dn (again)")
         if inj.f == "mean":
-            n = _ScaleGrad.apply(n, 1.0 / w)
+            n = GradScale.apply(n, 1.0 / w)
     tokens = n.reshape(w, s * b, hidden)
     # every rank's Q, K and V rows in one batched matmul; RoPE once over the Q and K heads
     hq, hkv = cfg.local_query_heads, cfg.local_kv_heads

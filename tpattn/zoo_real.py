@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from .check import LR, check_seed, five_measures, make_inputs, max_abs_diff
 from .config import Config
 from .distributed import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED,
-                          CollectiveLedger, CopyToRanks, ReduceOutputPartials)
+                          CollectiveLedger)
 from .layers import rms_norm
 from .zoo import (REPLICATED as REPLICATED_PARAMS, Injection, _attend_and_project, _clip_coef,
-                  _dense_step, _ScaleGrad, check_needs, get_mode, make_params, rank_batches, shard, unshard)
+                  _dense_step, GradScale, check_needs, get_mode, make_params, rank_batches, shard, unshard)
 
 __all__ = ["planned_collectives", "zoo_rank_forward", "zoo_rank_check", "GRAD_NORM_ALL_REDUCE"]
 
@@ -45,17 +45,18 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
 def zoo_rank_forward(x: torch.Tensor, shard_: dict[str, torch.Tensor], cfg: Config,
                      inj: Injection, ledger: CollectiveLedger) -> torch.Tensor:
     """This rank's output of the block wired as ``inj`` says (``zoo.forward_ranks``, one
-    rank, real collectives). x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
+    rank, real collectives: ``ledger.copy_to_ranks`` for f, ``ledger.reduce_output`` for g).
+    x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
     n = rms_norm(x, shard_["norm"], cfg.eps)
     for _ in range(_f_count(inj)):
-        n = CopyToRanks.apply(n, ledger)
+        n = ledger.copy_to_ranks(n)
     if inj.f == "mean":
-        n = _ScaleGrad.apply(n, 1.0 / cfg.world_size)
+        n = GradScale.apply(n, 1.0 / cfg.world_size)
     out = _attend_and_project(n, shard_, cfg, inj)
     if inj.bias == "every_rank":
         out = out + shard_["bias"]
     for _ in range(inj.g):
-        out = ReduceOutputPartials.apply(out, ledger)
+        out = ledger.reduce_output(out)
     if inj.bias == "after_g":
         out = out + shard_["bias"]
     return x + out
