@@ -176,7 +176,8 @@ class Renders:
 
 
 class StandingFigure:
-    """A figure kept standing per *structure* and updated per *state*, for live explorers.
+    """A figure kept standing per *structure* and updated per *state*, for live explorers:
+    matplotlib's own blitting (``copy_from_bbox``, ``restore_region``, ``draw_artist``).
 
     ``build(structure, state)`` returns a fresh figure of ``tpattn.viz`` (the one its public
     function returns for that structure and state); ``update(fig, state)`` sets on it every
@@ -188,57 +189,30 @@ class StandingFigure:
     building and laying out a figure (~0.3–0.5 s on a small machine). The pixels equal a full
     draw of the public function's figure (``tests/test_widgets.py`` compares them). Keeps the
     last ``size`` structures.
-
-    With ``family(structure)`` and ``reshape(fig, structure)``, one figure stands per family:
-    a new structure of a family that has one is drawn on that figure, made the figure of the
-    new structure by ``reshape`` (which must give the pixels ``build`` gives: the same size,
-    layout and artists) — no new figure, axes or texts; its background is drawn the first
-    time, and kept for when the figure is reshaped back to that structure.
     """
 
     def __init__(self, build: Callable, update: Callable, dynamic: Callable,
-                 size: int = 6, dpi: int = PNG_DPI, family: Callable | None = None,
-                 reshape: Callable | None = None):
-        if (family is None) != (reshape is None):
-            raise ValueError("family and reshape: give both or neither")
+                 size: int = 6, dpi: int = PNG_DPI):
         self._build, self._update, self._dynamic = build, update, dynamic
-        self._family, self._reshape = family, reshape
         self.size, self.dpi = size, dpi
-        self.builds = self.reshapes = 0
+        self.builds = 0
         self._standing: dict = {}  # structure -> (fig, background)
-        self._spare: dict = {}  # structure -> background, while its figure is reshaped away
 
     def figure(self, structure):
         """The standing figure of ``structure`` (``None`` if it is not standing)."""
         entry = self._standing.get(structure)
         return None if entry is None else entry[0]
 
-    def _relative(self, structure):
-        """A standing structure of ``structure``'s family (``None``: none, or no families)."""
-        if self._family is None:
-            return None
-        family = self._family(structure)
-        return next((other for other in self._standing if self._family(other) == family), None)
-
-    def _stand(self, structure, state) -> None:
-        relative = self._relative(structure)
-        if relative is not None:  # the family's figure, reshaped: no new figure
-            fig, self._spare[relative] = self._standing.pop(relative)  # keep its background
-            self._reshape(fig, structure)
-            self.reshapes += 1
-            background = self._spare.pop(structure, None)  # drawn when it stood before
-            while len(self._spare) > self.size:
-                del self._spare[next(iter(self._spare))]
-        else:
-            fig = self._build(structure, state)
-            _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
-            _agg_canvas(fig)
-            fig.set_dpi(self.dpi)
-            self.builds += 1
-            background = None
-        if background is None:
-            background = self._background(fig)
-        self._standing[structure] = (fig, background)
+    def stand(self, structure, state) -> None:
+        """Build the figure of ``structure`` now (in ``state``) unless it stands already."""
+        if structure in self._standing:
+            return
+        fig = self._build(structure, state)
+        _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
+        _agg_canvas(fig)
+        fig.set_dpi(self.dpi)
+        self.builds += 1
+        self._standing[structure] = (fig, self._background(fig))
         while len(self._standing) > self.size:
             del self._standing[next(iter(self._standing))]
 
@@ -263,29 +237,17 @@ class StandingFigure:
             artist.set_visible(was_visible)
         return background
 
-    def stand(self, structure, state) -> None:
-        """Build the figure of ``structure`` now (in ``state``) unless it stands already."""
-        if structure not in self._standing:
-            self._stand(structure, state)
-
     def pixels(self, structure, state) -> np.ndarray:
         """``[H, W, 4]`` uint8 pixels of the figure of ``structure`` in ``state`` (a copy)."""
-        if structure not in self._standing:
-            self._stand(structure, state)
-        else:
-            self._standing[structure] = self._standing.pop(structure)  # most recent last
+        self.stand(structure, state)
+        self._standing[structure] = self._standing.pop(structure)  # most recent last
         fig, background = self._standing[structure]
         self._update(fig, state)
         fig.canvas.restore_region(background)
-        self.draw_dynamic(fig)
-        return np.array(fig.canvas.buffer_rgba())
-
-    def draw_dynamic(self, fig) -> None:
-        """Draw the dynamic artists, in order, over the restored background (a subclass may
-        paste some of them from a cache of their pixels instead)."""
         for artist in self._dynamic(fig):
             if artist.get_visible():
                 fig.draw_artist(artist)
+        return np.array(fig.canvas.buffer_rgba())
 
 
 def png_output(png: bytes, text: str = "<Figure>") -> dict:

@@ -15,14 +15,12 @@ from typing import Mapping
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.text import Text
 
 from ..check import MEASURES, TOLERANCE, run
 from ..config import Config
 from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, measures_table
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
-from ..viz.sharding import _value_label, _zero_floor
-from ..viz.fast_text import draw_texts
+from ..viz.sharding import value_label, zero_floor
 from ..viz.style import FAIL_COLOR, PASS_COLOR
 from .core import encode_png, single_thread
 
@@ -104,8 +102,7 @@ class MeasuresPlot:
     def _dynamic(ax):
         """Artists drawn over the background on every result, in z order: the bars, what lies
         on top of them (threshold line, spines), their value labels (``measures_figure``'s
-        first texts; the threshold's label stays in the background) and the title — the
-        texts last, drawn together by ``viz.fast_text.draw_texts``."""
+        first texts; the threshold's label stays in the background) and the title."""
         return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)],
                 ax.title]
 
@@ -139,7 +136,7 @@ class MeasuresPlot:
             bar.set_width(value or self._floor)
             bar.set_facecolor(PASS_COLOR if value < TOLERANCE else FAIL_COLOR)
             label.set_x((value or self._floor) * 1.4)
-            label.set_text(_value_label(value))
+            label.set_text(value_label(value))
         ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {verdict(result)}")
         ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
 
@@ -147,19 +144,15 @@ class MeasuresPlot:
         """PNG bytes of ``measures_figure(result)``: fast to encode (live updates), or 256-color
         and small with ``palette=True`` (the precomputed panels of a page)."""
         values = [float(result[m]) for m in MEASURES]
-        floor = _zero_floor(values)
+        floor = zero_floor(values)
         if self._fig is None or floor != self._floor:
             self._keep(measures_figure(result), floor)
         else:
             self._update(result, values)
         canvas = self._fig.canvas
         canvas.restore_region(self._background)
-        renderer = canvas.get_renderer()
         for ax in self._fig.axes:
-            dynamic = self._dynamic(ax)
-            first = next(i for i, artist in enumerate(dynamic) if isinstance(artist, Text))
-            for artist in dynamic[:first]:
-                artist.draw(renderer)
-            draw_texts(dynamic[first:], renderer)  # each one's draw, in order, from caches
+            for artist in self._dynamic(ax):
+                self._fig.draw_artist(artist)
         rgba = np.asarray(canvas.buffer_rgba())  # encoded as is: dropping alpha costs a copy
         return encode_png(rgba, palette=palette, compress_level=6 if palette else 1)
