@@ -127,7 +127,8 @@ def _svg_text(x, y, text, size, anchor="middle", **attributes) -> str:
 
 def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
     """``picture`` as an SVG string, ``dpi`` pixels per inch (the size of ``draw_heads``'s
-    PNG); drawn in points (1/72 in), text in the browser's sans-serif font."""
+    PNG); drawn in points (1/72 in), text in the browser's sans-serif font. An ``<svg>``
+    element for inline HTML (no XML namespace declared: a page's parser adds it)."""
     g = picture.geometry
     left, bottom, width, height = (72 * v for v in frame_position(g))
     top = 72 * g.height - bottom - height
@@ -135,7 +136,7 @@ def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
     sx, sy = width / (x1 - x0), height / (y1 - y0)
     px = lambda x: left + (x - x0) * sx  # noqa: E731 — data to points
     py = lambda y: top + (y1 - y) * sy  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="tpx-heads" role="img" '
+    out = [f'<svg class="tpx-heads" role="img" '
            f'width="{g.width * dpi:.0f}" height="{g.height * dpi:.0f}" '
            f'viewBox="0 0 {72 * g.width:.1f} {72 * g.height:.1f}" '
            f'style="max-width:100%;height:auto;font-family:DejaVu Sans,Verdana,sans-serif">',
