@@ -30,7 +30,7 @@ from tpattn.viz import sharding as viz_sharding
 from tpattn.viz.kv import replica_groups_figure
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.core import Renders, fast_png, figure_png
+from tpattn.widgets.core import Renders, figure_png
 from tpattn.widgets.measures import MeasuresPlot, live_run
 
 
@@ -403,21 +403,6 @@ def test_a_layout_shown_again_shows_its_own_outputs():
         assert explorer.output.outputs == shown_first
         assert explorer.shown.cache_info().hits >= 1
         assert tuple(make(**second).output.outputs) == tuple(shown_second)
-
-
-@pytest.mark.parametrize("channels, alpha", [(3, None), (4, 255), (4, 128)])
-def test_fast_png_holds_exactly_the_pixels(channels, alpha):
-    rng = np.random.default_rng(0)
-    array = rng.integers(0, 256, size=(7, 5, channels), dtype=np.uint8)
-    if alpha is not None:
-        array[..., 3] = alpha
-    decoded = np.asarray(Image.open(io.BytesIO(fast_png(array))))
-    if alpha == 255:  # opaque: written as RGB
-        assert decoded.shape == (7, 5, 3) and np.array_equal(decoded, array[..., :3])
-    else:
-        assert np.array_equal(decoded, array)
-    with pytest.raises(ValueError, match="pixels must be a uint8 array"):
-        fast_png(array.astype(np.float32))
 
 
 # --- random sequences: never a traceback ---------------------------------------------------

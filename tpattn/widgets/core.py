@@ -15,9 +15,7 @@ import base64
 import contextlib
 import html
 import io
-import struct
 import sys
-import zlib
 from typing import Callable, Mapping, Sequence
 
 import ipywidgets as widgets
@@ -30,7 +28,7 @@ from ..config import Config
 
 __all__ = [
     "Explorer", "seed_control", "mode_control", "config_controls",
-    "figure_png", "figure_pixels", "encode_png", "fast_png", "Renders", "StandingFigure",
+    "figure_png", "figure_pixels", "encode_png", "Renders", "StandingFigure",
     "png_output", "html_output", "message_output", "message_html", "png_img", "single_thread",
 ]
 
@@ -90,44 +88,16 @@ def config_controls(fields: Sequence[str] = ("query_heads", "kv_heads", "world_s
 # --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
 
 def encode_png(pixels, palette: bool = False, compress_level: int = 6) -> bytes:
-    """PNG bytes of an ``[H, W, 3|4]`` uint8 array (no metadata: same pixels, same bytes).
-
-    ``palette=True`` quantizes to 256 colors (fast octree, deterministic): ~3x smaller, for
-    the many precomputed panels a page embeds. ``compress_level=1`` (the live explorers'):
-    ``fast_png``, ~2x faster than Pillow's and no larger."""
-    if compress_level == 1 and not palette:
-        return fast_png(pixels)
-    image = Image.fromarray(np.asarray(pixels))
+    """PNG bytes (Pillow, no metadata: same pixels, same bytes) of an ``[H, W, 3|4]`` uint8
+    array, as RGB. ``palette=True`` quantizes to 256 colors (fast octree, deterministic):
+    ~3x smaller, for the many precomputed panels a page embeds; ``compress_level=1`` for a
+    live update, where encoding time is latency."""
+    image = Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB")
     if palette:
-        image = image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE)
+        image = image.quantize(256, method=Image.Quantize.FASTOCTREE)
     buf = io.BytesIO()
     image.save(buf, format="png", compress_level=compress_level)
     return buf.getvalue()
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def fast_png(pixels) -> bytes:
-    """PNG bytes of an ``[H, W, 3|4]`` uint8 array: no row filter, zlib level 1 — for a live
-    update, where encoding time is latency. Pillow's adaptive row filters cost ~half the
-    encode time and gain nothing on a figure (flat colors, which deflate finds anyway). An
-    opaque RGBA array (every figure here) is written as RGB: the same pixels, 3/4 the bytes."""
-    array = np.asarray(pixels)
-    if array.ndim != 3 or array.shape[2] not in (3, 4) or array.dtype != np.uint8:
-        raise ValueError(f"pixels must be a uint8 array [H, W, 3|4] (got {array.dtype} "
-                         f"{array.shape})")
-    if array.shape[2] == 4 and array[..., 3].min() == 255:
-        # RGBA -> RGB by Pillow (C, ~4x faster than numpy's copy of the strided [..., :3])
-        array = np.asarray(Image.fromarray(np.ascontiguousarray(array), "RGBA").convert("RGB"))
-    height, width, channels = array.shape
-    rows = np.empty((height, width * channels + 1), dtype=np.uint8)
-    rows[:, 0] = 0  # filter byte 0: none
-    rows[:, 1:] = array.reshape(height, width * channels)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2 if channels == 3 else 6, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
-            + _png_chunk(b"IDAT", zlib.compress(rows, 1)) + _png_chunk(b"IEND", b""))
 
 
 def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:
@@ -217,24 +187,22 @@ class StandingFigure:
             del self._standing[next(iter(self._standing))]
 
     def _background(self, fig):
-        """Lay ``fig`` out once (then freeze its layout) and draw everything but its dynamic
-        artists: the background they are drawn over."""
-        renderer = fig.canvas.get_renderer()
-        for ax in fig.axes:  # what ``Figure.draw`` does before laying out: fixed aspects
-            locator = ax.get_axes_locator()
-            ax.apply_aspect(locator(ax, renderer) if locator else None)
-        engine = fig.get_layout_engine()
-        if engine is not None:
-            engine.execute(fig)  # the constrained layout of a full draw, without rasterizing …
-        fig.set_layout_engine("none")  # … frozen
+        """Lay ``fig`` out once (a draw without rendering: layout engine, aspects, title
+        places; then its layout is frozen) and draw everything but its dynamic artists: the
+        background they are drawn over."""
+        fig.draw_without_rendering()
+        fig.set_layout_engine("none")
+        titles = [(ax.title, ax.title.get_position()) for ax in fig.axes]
         dynamic = self._dynamic(fig)
         visible = [artist.get_visible() for artist in dynamic]
         for artist in dynamic:
             artist.set_visible(False)
-        fig.canvas.draw()  # the one full draw: the background (it also places the titles)
+        fig.canvas.draw()  # the one full draw: the background
         background = fig.canvas.copy_from_bbox(fig.bbox)
         for artist, was_visible in zip(dynamic, visible):
             artist.set_visible(was_visible)
+        for title, place in titles:  # where a draw with everything visible puts them
+            title.set_position(place)
         return background
 
     def pixels(self, structure, state) -> np.ndarray:
