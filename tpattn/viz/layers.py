@@ -118,7 +118,7 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
         circle.plot(cos[:, i], sin[:, i], ls="none", marker=".", ms=3, color=colors[i], alpha=0.35)
         arrows.append(circle.add_patch(FancyArrowPatch(
             (0.0, 0.0), (1.0, 0.0), arrowstyle="-|>", color=colors[i], lw=1.8,
-            mutation_scale=10, zorder=3, connectionstyle=_straight_shrunk)))
+            mutation_scale=10, zorder=3)))
         label = f"pair {i}: {freqs[i].item():.3g} rad/pos"
         angles.plot(range(max_position + 1), wrapped[:, i], marker=".", ms=4, lw=1,
                     color=colors[i], label=label if half <= 8 else None)
@@ -150,25 +150,6 @@ def set_rope_position(fig, position: int) -> None:
                                    parts["sin"][position, i].item()))
     parts["cursor"].set_xdata([position, position])
     fig.axes[0].set_title(f"position m = {position}")
-
-
-def _straight_shrunk(posA, posB, shrinkA=2.0, shrinkB=2.0, patchA=None, patchB=None):
-    """The path of ``ConnectionStyle.Arc3()`` (rad 0: a straight quadratic Bézier from
-    ``posA`` to ``posB``, display pixels) with ``shrinkA``/``shrinkB`` pixels cut off its ends —
-    as a line, exactly, where ``Arc3`` searches each cut by bisection (~1 ms an arrow: the
-    live explorer moves up to 16 on every update). No patches to clip against."""
-    if patchA is not None or patchB is not None:
-        raise ValueError("_straight_shrunk does not clip against patches")
-    (xa, ya), (xb, yb) = posA, posB
-    length = math.hypot(xb - xa, yb - ya)
-    if length <= shrinkA + shrinkB:  # too short to cut: left whole
-        start, end = (xa, ya), (xb, yb)
-    else:
-        ux, uy = (xb - xa) / length, (yb - ya) / length
-        start = (xa + shrinkA * ux, ya + shrinkA * uy)
-        end = (xb - shrinkB * ux, yb - shrinkB * uy)
-    middle = ((start[0] + end[0]) / 2, (start[1] + end[1]) / 2)
-    return Path([start, middle, end], [Path.MOVETO, Path.CURVE3, Path.CURVE3])
 
 
 def rope_dynamic_artists(fig) -> list:
