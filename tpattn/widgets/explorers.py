@@ -229,9 +229,9 @@ def sharding_config(query_heads, kv_heads, world_size) -> Config:
 
 def _sharding_caption(cfg: Config) -> tuple[str, str]:
     if cfg.kv_heads < cfg.world_size:  # replicas: chapter 13's caption
-        from .kv import _caption
+        from .kv import kv_caption
 
-        return _caption(cfg)
+        return kv_caption(cfg)
     q, kv = cfg.local_query_heads, cfg.local_kv_heads
     span = lambda prefix, first, n: (f"{prefix}{first}" if n == 1  # noqa: E731
                                      else f"{prefix}{first}–{prefix}{first + n - 1}")

@@ -14,7 +14,7 @@ from ..viz.kv import replica_groups_layout
 from .core import Explorer, config_controls, html_output, message_html
 from .static import StaticExplorer
 
-__all__ = ["KV_LAYOUTS", "kv_config", "kv_explorer", "static_kv_explorer"]
+__all__ = ["KV_LAYOUTS", "kv_config", "kv_caption", "kv_explorer", "static_kv_explorer"]
 
 #: (query_heads, kv_heads, world_size) precomputed for the book: GQA and MQA with fewer KV
 #: heads than ranks, and one invalid layout (each an SVG of a few kB).
@@ -34,7 +34,9 @@ def kv_config(query_heads, kv_heads, world_size, kv_strategy="replicate_weights"
     return cfg
 
 
-def _caption(cfg: Config) -> tuple[str, str]:
+def kv_caption(cfg: Config) -> tuple[str, str]:
+    """Text and HTML under the kv explorer's picture: the replica groups, and what each
+    ``kv_strategy`` holds and sends per step (``kv_costs``)."""
     q = cfg.local_query_heads
     lines = []
     if has_replicas(cfg):
@@ -72,7 +74,7 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
 
     @functools.lru_cache(maxsize=32)  # a layout shown again: its outputs, as they were
     def shown(cfg: Config) -> tuple[dict, dict]:
-        text, markup = _caption(cfg)
+        text, markup = kv_caption(cfg)
         return (html_output(markup, text),
                 html_output(heads_svg(replica_groups_layout(cfg)),
                             f"<replica groups, {cfg.query_heads}/{cfg.kv_heads}/"
@@ -100,7 +102,7 @@ def static_kv_explorer(layouts=KV_LAYOUTS,
             except ValueError as error:
                 panels[(i, j)] = message_html(str(error))
                 continue
-            panels[(i, j)] = _caption(cfg)[1] + heads_svg(replica_groups_layout(cfg))
+            panels[(i, j)] = kv_caption(cfg)[1] + heads_svg(replica_groups_layout(cfg))
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     layout0, strategy0 = initial
     start = (layouts.index(tuple(layout0)) if tuple(layout0) in layouts else 0,
