@@ -68,9 +68,9 @@ def seed_control(value: int = 11, description: str = "seed") -> widgets.IntText:
                            layout=widgets.Layout(width="11em"))
 
 
-def mode_control(value: str = EQUIVALENCE) -> widgets.ToggleButtons:
-    """The TP variant, one of ``tpattn.MODES``."""
-    return widgets.ToggleButtons(options=list(MODES), value=value, description="mode",
+def mode_control(value: str = EQUIVALENCE, options=MODES) -> widgets.ToggleButtons:
+    """The TP variant, one of ``options`` (default ``tpattn.MODES``)."""
+    return widgets.ToggleButtons(options=list(options), value=value, description="mode",
                                  style={"button_width": "auto"})
 
 

@@ -291,36 +291,41 @@ def static_sharding_explorer(layouts=None, initial=(4, 2, 2)) -> StaticExplorer:
 
 # --- chapters 8–10: seed × mode ------------------------------------------------------------
 
-def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE,
-                       cfg: Config | None = None) -> Explorer:
-    """``run(seed, mode, cfg)``: the five measures, the verdict, the bars against 1e-6."""
-    controls = {"seed": seed_control(seed), "mode": mode_control(mode)}
+def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
+                       simulate: str = "fixture", modes=MODES, name: str = "seed × mode",
+                       kind: str = "seed-mode") -> Explorer:
+    """``run(seed, mode, cfg, simulate=simulate)``: the five measures, the verdict, the bars
+    against 1e-6 (``modes``: the mode buttons; ``name``, ``kind``: the explorer's and its
+    static twin's names)."""
+    controls = {"seed": seed_control(seed), "mode": mode_control(mode, modes)}
     plot = MeasuresPlot()
 
     def draw(seed, mode):
-        result = live_run(seed, mode, cfg)
+        result = live_run(seed, mode, cfg, simulate=simulate)
         return [html_output(measures_html(result), measures_text(result)),
                 png_output(plot.png(result), f"<measures, seed {seed}, mode {mode}>")]
 
-    explorer = Explorer("seed × mode", controls, draw, static=lambda: static_seed_mode_explorer(
-        cfg=cfg, initial=(seed, mode), plot=plot))
+    explorer = Explorer(name, controls, draw, static=lambda: static_seed_mode_explorer(
+        modes=modes, cfg=cfg, initial=(seed, mode), plot=plot, simulate=simulate, kind=kind))
     explorer.plot = plot  # its full_draws count shows how often the figure was rebuilt
     return explorer
 
 
 def static_seed_mode_explorer(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
-                              initial=(11, EQUIVALENCE),
-                              plot: MeasuresPlot | None = None) -> StaticExplorer:
-    """Measures, verdict and bars of ``run(seed, mode, cfg)`` for every ``seeds × modes``."""
+                              initial=(11, EQUIVALENCE), plot: MeasuresPlot | None = None,
+                              simulate: str = "fixture", kind: str = "seed-mode") -> StaticExplorer:
+    """Measures, verdict and bars of ``run(seed, mode, cfg, simulate=simulate)`` for every
+    ``seeds × modes``."""
     plot = MeasuresPlot() if plot is None else plot
+    what = "SP mode" if kind.startswith("sp") else "mode"
     panels = {}
     for i, seed in enumerate(seeds):
         for j, mode in enumerate(modes):
-            result = live_run(seed, mode, cfg)  # remembered: the live explorer's too
+            result = live_run(seed, mode, cfg, simulate=simulate)  # the live explorer's too
             panels[i, j] = measures_html(result) + png_img(
                 plot.png(result, palette=True),
-                f"the five measures of seed {seed}, mode {mode}, against 1e-6")
-    return StaticExplorer("seed-mode", [("seed", [str(s) for s in seeds]), ("mode", list(modes))],
+                f"the five measures of seed {seed}, {what} {mode}, against 1e-6")
+    return StaticExplorer(kind, [("seed", [str(s) for s in seeds]), ("mode", list(modes))],
                           panels, initial=_index_of(initial, (seeds, modes)))
 
 
