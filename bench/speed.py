@@ -3,7 +3,8 @@
 1. cold ``make book`` / bare serial ``jupyter execute`` (bench/book_build.py; target <= 0.7);
 2. ``make test`` with a warm venv (bench/test_time.py; target <= 6 min on 2 cores) —
    ``--ci`` adds ``bash .ci/run`` from a fresh clone (target <= 20 min; about that long);
-3. every live explorer's update p95 (bench/widget_latency.py; target <= 33 ms);
+3. every live explorer's redraw p95 and max (bench/widget_latency.py; targets <= 50 and
+   <= 100 ms, issue 27);
 4. per-notebook start-up and heavy imports a notebook does not use (bench/notebook_imports.py;
    target: none).
 
@@ -38,7 +39,7 @@ def main() -> int:
         book = run("book_build.py", tmp / "book.json")
         tests = run("test_time.py", tmp / "test.json")
         ci = run("test_time.py", tmp / "ci.json", "--ci") if args.ci else None
-        widgets = run("widget_latency.py", tmp / "widgets.json")
+        widgets = run("widget_latency.py", tmp / "widgets.json", "--before", "")
         imports = run("notebook_imports.py", tmp / "imports.json")
     print("\n== issue 15: the four figures")
     print(f"1. cold make book / serial execute: {book['ratio']:.2f} "
@@ -50,10 +51,10 @@ def main() -> int:
         line += f"; .ci/run, fresh clone: {ci['ci_run_s'] / 60:.1f} min (target <= 20)"
     print(line)
     name, worst = max(widgets["explorers"].items(), key=lambda kv: kv[1]["wall_ms"]["p95"])
-    over = [n for n, r in widgets["explorers"].items() if r["wall_ms"]["p95"] > 33]
-    print(f"3. explorer update p95, worst: {worst['wall_ms']['p95']:.0f} ms wall, "
-          f"{worst['cpu_ms']['p95']:.0f} ms CPU ({name}); over 33 ms: {len(over)} of "
-          f"{len(widgets['explorers'])}")
+    over = [n for n, r in widgets["explorers"].items() if r["verdict"] != "PASS"]
+    print(f"3. explorer redraw p95, worst: {worst['wall_ms']['p95']:.0f} ms wall, "
+          f"{worst['cpu_ms']['p95']:.0f} ms CPU ({name}); over p95 50 / max 100 ms (wall): "
+          f"{len(over)} of {len(widgets['explorers'])}")
     unused = {row["notebook"]: [m for m, i in row["heavy"].items() if i["needed"] is None]
               for row in imports}
     unused = {k: v for k, v in unused.items() if v}

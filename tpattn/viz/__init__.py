@@ -2,8 +2,9 @@
 
 One shared style (``style``), then one module of figures per part of the book:
 ``overview`` (landing page, chapter 1), ``layers`` (chapters 2–5), ``sharding`` (chapters 6–10),
-``ranks`` (chapter 11), ``sp`` (chapter 12), ``kv`` (chapter 13); ``frames``, the heads frame
-the sharding and kv figures draw in; and ``tables``, the five measures as text.
+``ranks`` (chapter 11), ``sp`` (chapter 12), ``kv`` (chapter 13); ``frames``, the heads pictures
+(matplotlib figures and SVG) of the sharding and kv figures; and ``tables``, the five
+measures as text.
 
 ``tables`` is loaded with the package; the figure modules (and with them matplotlib) on the
 first use of one of their names (``viz.heads_to_ranks_figure``): a chapter that only prints

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-import matplotlib.patches as mpatches
-
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .frames import (FrameGeometry, clear_layer, head_boxes, head_label, head_lines,
-                          new_heads_frame, pixel_label, rank_legend, set_layer, two_line_title)
+from .frames import FrameGeometry, HeadsPicture, draw_heads, new_heads_frame
 from .sharding import drift_figure
 from .style import FAIL_COLOR, new_figure, rank_color
 
-__all__ = ["replica_groups_figure", "replica_groups_frame", "replica_groups_geometry",
-           "set_replica_groups",
-           "kv_drift_figure", "kv_costs_figure"]
+__all__ = ["replica_groups_figure", "replica_groups_layout", "replica_groups_frame",
+           "replica_groups_geometry", "kv_drift_figure", "kv_costs_figure"]
 
 
 def replica_groups_figure(cfg: Config):
@@ -24,16 +20,13 @@ def replica_groups_figure(cfg: Config):
     the KV head it reads, framed by replica group. ``replicate_weights``: each box is a copy
     of the head's wk/wv rows. ``gather_activations``: each box is the rank's slice of the wk/wv
     rows (less than a head); the all-gather gives every rank the head it reads.
-    Works for ``kv_heads >= world_size`` too (groups of one rank). The frame depends on
-    ``cfg.query_heads`` only (``replica_groups_frame``); ``set_replica_groups`` draws the rest
-    (and redraws it, e.g. in a standing figure)."""
-    fig = replica_groups_frame(cfg.query_heads)
-    set_replica_groups(fig, cfg)
-    return fig
+    Works for ``kv_heads >= world_size`` too (groups of one rank). What is drawn is
+    ``replica_groups_layout(cfg)`` (``tpattn.viz.frames.draw_heads``)."""
+    return draw_heads(replica_groups_layout(cfg))
 
 
 def replica_groups_geometry(query_heads: int) -> FrameGeometry:
-    """The geometry of ``replica_groups_frame(query_heads)`` (6 to 12 inches wide)."""
+    """The frame of ``replica_groups_figure`` for ``query_heads`` (6 to 12 inches wide)."""
     hq = query_heads
     return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
                          ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
@@ -41,29 +34,23 @@ def replica_groups_geometry(query_heads: int) -> FrameGeometry:
 
 
 def replica_groups_frame(query_heads: int):
-    """The empty frame of ``replica_groups_figure`` for ``query_heads``
-    (``replica_groups_geometry``); ``tpattn.viz.frames.reshape_heads_frame`` makes it the
-    frame of another number of heads."""
-    return new_heads_frame(query_heads, "replica_groups", replica_groups_geometry)
+    """The empty matplotlib frame of ``replica_groups_figure`` for ``query_heads``
+    (``replica_groups_geometry``)."""
+    return new_heads_frame(replica_groups_geometry(query_heads))
 
 
-def set_replica_groups(fig, cfg: Config) -> None:
-    """Draw ``cfg``'s replica groups in a ``replica_groups_frame`` of ``cfg.query_heads``,
-    replacing what was drawn there before."""
-    ax = clear_layer(fig, cfg)
-    frame = fig.tpattn_heads
+def replica_groups_layout(cfg: Config) -> HeadsPicture:
+    """What ``replica_groups_figure(cfg)`` draws: boxes, lines, replica groups, legend, title."""
     hq, w, d = cfg.query_heads, cfg.world_size, cfg.head_dim
     per_rank = hq // w
     fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5
     q_y, kv_y, box_h = 1.7, 0.0, 0.5
     rank_x = [r * per_rank + (per_rank - 1) / 2 for r in range(w)]
     gather = has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
-    lines, boxes, layer = [], [], []
-    for h in range(hq):
-        r = h // per_rank
-        lines.append(([h, rank_x[r]], [q_y - box_h / 2, kv_y + box_h / 2], "#888888", "-", 1.0))
-        boxes.append((h, q_y, 0.8, box_h, rank_color(r)))
-        layer.append(head_label(ax, frame, "q", h, h, q_y, f"q{h}", fontsize))
+    lines = [(float(h), q_y - box_h / 2, rank_x[h // per_rank], kv_y + box_h / 2, "#888888",
+              False, 1.0) for h in range(hq)]
+    boxes = [(float(h), q_y, 0.8, box_h, rank_color(h // per_rank), f"q{h}", fontsize)
+             for h in range(hq)]
     box_w = max(0.8, per_rank - 0.2)
     for r in range(w):
         first = kv_head_of_rank(cfg, r)
@@ -74,22 +61,15 @@ def set_replica_groups(fig, cfg: Config) -> None:
             label = f"kv{first}" + (" copy" if has_replicas(cfg) else "")
         else:
             label = f"kv{first}–{first + cfg.local_kv_heads - 1}"
-        boxes.append((rank_x[r], kv_y, box_w, box_h, rank_color(r)))
-        layer.append(head_label(ax, frame, "rank", r, rank_x[r], kv_y, label, fontsize - 1))
-    layer += [head_lines(ax, frame, lines), head_boxes(ax, frame, boxes)]
+        boxes.append((rank_x[r], kv_y, box_w, box_h, rank_color(r), label, fontsize - 1))
+    groups = []
     for g, group in enumerate(replica_groups(cfg)):
         if len(group) < 2:
             continue
         left = rank_x[group[0]] - box_w / 2 - 0.15
         right = rank_x[group[-1]] + box_w / 2 + 0.15
-        layer.append(ax.add_artist(mpatches.Rectangle(
-            (left, kv_y - box_h / 2 - 0.18), right - left, box_h + 0.36, fill=False,
-            edgecolor="#333333", linestyle="--", linewidth=1.1, zorder=1)))
-        label = pixel_label(ax, f"replica group of kv{g}: ranks {group[0]}–{group[-1]}",
-                       ha="center", va="top", fontsize=8)
-        label.set_position(((left + right) / 2, kv_y - box_h / 2 - 0.32))
-        layer.append(label)
-    layer.append(rank_legend(ax, frame, min(w, 8)))
+        groups.append((left, kv_y - box_h / 2 - 0.18, right - left, box_h + 0.36,
+                       f"replica group of kv{g}: ranks {group[0]}–{group[-1]}"))
     if not has_replicas(cfg):
         how = "every rank holds whole KV heads: no replicas"
     elif gather:
@@ -97,10 +77,9 @@ def set_replica_groups(fig, cfg: Config) -> None:
     else:
         how = (f"each KV head copied on {cfg.kv_replicas} ranks: "
                f"wk/wv grads all-reduced within each group")
-    layer.append(two_line_title(ax, frame, f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks "
-                                   f"({d}-dim heads)", how))
-    set_layer(frame, layer)
-
+    return HeadsPicture(replica_groups_geometry(hq),
+                        f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks ({d}-dim heads)",
+                        how, "black", tuple(lines), tuple(boxes), tuple(groups), min(w, 8))
 
 def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):
     """``tpattn.kv_heads.train_steps`` rows of the missing replica-group reduce (``bug``) and of

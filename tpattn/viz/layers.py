@@ -10,8 +10,11 @@ import math
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.collections import PathCollection
 from matplotlib.patches import FancyArrowPatch
 from matplotlib.path import Path
+from matplotlib.textpath import TextPath
+from matplotlib.transforms import Affine2D
 from matplotlib.ticker import MaxNLocator
 
 from ..check import PARAM_SEED_OFFSET, check_seed, make_inputs
@@ -19,7 +22,6 @@ from ..config import Config
 from ..dense import project_qkv
 from ..layers import apply_rope, attention_probs, causal_mask, repeat_kv, rms_norm, rope_angles
 from ..params import PARAM_NAMES, init_params
-from .fast_text import FastDrawn, FastDrawnGroup, warm
 from .style import DENSE_COLOR, new_figure
 
 __all__ = [
@@ -34,7 +36,6 @@ __all__ = [
     "attention_probabilities",
     "set_attention_state",
     "attention_dynamic_artists",
-    "warm_attention_labels",
     "gradient_figure",
 ]
 
@@ -117,7 +118,7 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
         circle.plot(cos[:, i], sin[:, i], ls="none", marker=".", ms=3, color=colors[i], alpha=0.35)
         arrows.append(circle.add_patch(FancyArrowPatch(
             (0.0, 0.0), (1.0, 0.0), arrowstyle="-|>", color=colors[i], lw=1.8,
-            mutation_scale=10, zorder=3, connectionstyle=_straight_shrunk)))
+            mutation_scale=10, zorder=3)))
         label = f"pair {i}: {freqs[i].item():.3g} rad/pos"
         angles.plot(range(max_position + 1), wrapped[:, i], marker=".", ms=4, lw=1,
                     color=colors[i], label=label if half <= 8 else None)
@@ -151,32 +152,12 @@ def set_rope_position(fig, position: int) -> None:
     fig.axes[0].set_title(f"position m = {position}")
 
 
-def _straight_shrunk(posA, posB, shrinkA=2.0, shrinkB=2.0, patchA=None, patchB=None):
-    """The path of ``ConnectionStyle.Arc3()`` (rad 0: a straight quadratic Bézier from
-    ``posA`` to ``posB``, display pixels) with ``shrinkA``/``shrinkB`` pixels cut off its ends —
-    as a line, exactly, where ``Arc3`` searches each cut by bisection (~1 ms an arrow: the
-    live explorer moves up to 16 on every update). No patches to clip against."""
-    if patchA is not None or patchB is not None:
-        raise ValueError("_straight_shrunk does not clip against patches")
-    (xa, ya), (xb, yb) = posA, posB
-    length = math.hypot(xb - xa, yb - ya)
-    if length <= shrinkA + shrinkB:  # too short to cut: left whole
-        start, end = (xa, ya), (xb, yb)
-    else:
-        ux, uy = (xb - xa) / length, (yb - ya) / length
-        start = (xa + shrinkA * ux, ya + shrinkA * uy)
-        end = (xb - shrinkB * ux, yb - shrinkB * uy)
-    middle = ((start[0] + end[0]) / 2, (start[1] + end[1]) / 2)
-    return Path([start, middle, end], [Path.MOVETO, Path.CURVE3, Path.CURVE3])
-
-
 def rope_dynamic_artists(fig) -> list:
-    """The artists ``set_rope_position`` changes, with those drawn over them, in z order
-    (the title as ``FastDrawn``: the same pixels, faster)."""
+    """The artists ``set_rope_position`` changes, with those drawn over them, in z order."""
     circle, angles = fig.axes[:2]
     parts = fig.tpattn_rope
     return [parts["cursor"], *angles.spines.values(), *circle.spines.values(),
-            *parts["arrows"], FastDrawn(circle.title)]
+            *parts["arrows"], circle.title]
 
 
 def rope_relative_position_figure(scores: torch.Tensor):
@@ -230,8 +211,10 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
         im = ax.imshow(torch.zeros(cfg.seq, cfg.seq).numpy(), vmin=0.0, vmax=1.0, cmap=cmap)
         images.append(im)
         if cfg.seq <= 6:
-            values.append([ax.text(t, s, "", ha="center", va="center", fontsize=6.5)
-                           for s in range(cfg.seq) for t in range(s + 1)])
+            values.append(ax.add_collection(PathCollection(  # the cells' values: one artist
+                [], offsets=[(t, s) for s in range(cfg.seq) for t in range(s + 1)],
+                offset_transform=ax.transData, edgecolors="none", zorder=3,
+                transform=Affine2D().scale(1 / 72) + fig.dpi_scale_trans), autolim=False))
         ax.set_title(f"q head {h} → KV head {kv}", fontsize=9, color=kv_head_color(kv))
         for spine in ax.spines.values():
             spine.set_visible(True)
@@ -275,6 +258,15 @@ def _batch_probabilities(cfg: Config, seed: int) -> torch.Tensor:
         return attention_probs(q, repeat_kv(k, cfg.group_size))  # [B, Hq, S, S]
 
 
+@functools.lru_cache(maxsize=256)
+def _value_path(text: str) -> Path:
+    """``text`` as a 6.5-point glyph outline (``TextPath``) centered on the origin, in points:
+    a cell's value, drawn with the others of its panel as one ``PathCollection``."""
+    path = TextPath((0, 0), text, size=6.5)
+    box = path.get_extents()
+    return Path(path.vertices - [(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2], path.codes)
+
+
 def set_attention_state(fig, seed: int, batch_index: int = 0) -> None:
     """Redraw an ``attention_heatmaps`` figure for ``seed`` and ``batch_index`` (same cfg)."""
     cfg = fig.tpattn_attention["cfg"]
@@ -290,33 +282,19 @@ def _show_attention(fig, probs: torch.Tensor, seed: int, batch_index: int) -> No
     cells = [(s, t) for s in range(cfg.seq) for t in range(s + 1)]
     listed = probs.tolist() if parts["values"] else None  # [Hq][S][S] floats, one call
     for h, labels in enumerate(parts["values"]):
-        for label, (s, t) in zip(labels, cells):
-            val = listed[h][s][t]
-            label.set_text(f"{val:.2f}")
-            color = "k" if val > 0.6 else "w"
-            if label.get_color() != color:  # (set_color validates: skipped when unchanged)
-                label.set_color(color)
+        shown = [listed[h][s][t] for s, t in cells]
+        labels.set_paths([_value_path(f"{v:.2f}") for v in shown])
+        labels.set_facecolor(["k" if v > 0.6 else "w" for v in shown])
     parts["state"].set_text(f"seed {seed}, batch {batch_index}")
 
 
 def attention_dynamic_artists(fig) -> list:
-    """The artists ``set_attention_state`` changes, with those drawn over them, in z order
-    (its texts through ``tpattn.viz.fast_text``: the same pixels, a tenth of the time)."""
+    """The artists ``set_attention_state`` changes, with those drawn over them, in z order."""
     parts = fig.tpattn_attention
     artists = []
     for h, im in enumerate(parts["images"]):
-        labels = [FastDrawnGroup(parts["values"][h])] if parts["values"] else []
-        artists += [im, *im.axes.spines.values(), *labels]
-    return artists + [FastDrawn(parts["state"])]
-
-
-def warm_attention_labels(fig) -> None:
-    """Cache the glyphs of every value a cell label of this ``attention_heatmaps`` figure can
-    show ("0.00" … "1.00") at every cell, for its live updates (``viz.fast_text.warm``; the
-    figure on an Agg canvas, as a ``StandingFigure`` keeps it). Changes nothing drawn."""
-    labels = [label for row in fig.tpattn_attention["values"] for label in row]
-    if labels:
-        warm(labels, [f"{v / 100:.2f}" for v in range(101)], fig.canvas.get_renderer())
+        artists += [im, *im.axes.spines.values(), *parts["values"][h:h + 1]]
+    return artists + [parts["state"]]
 
 
 def gradient_figure(grads: dict[str, torch.Tensor]):

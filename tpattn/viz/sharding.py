@@ -12,17 +12,15 @@ import torch
 
 from ..check import MEASURES, MODES, TOLERANCE
 from ..config import Config
-from .frames import (FrameGeometry, clear_layer, head_boxes, head_label, head_lines,
-                          layout_dynamic_artists, new_heads_frame, rank_legend,
-                          reshape_heads_frame, set_layer, two_line_title)
+from .frames import FrameGeometry, HeadsPicture, draw_heads, new_heads_frame
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table
 
 __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
-    "heads_to_ranks_figure", "heads_frame", "heads_geometry", "reshape_heads_frame",
-    "FrameGeometry", "set_heads_layout", "layout_dynamic_artists",
+    "zero_floor", "value_label",
+    "heads_to_ranks_figure", "heads_layout", "heads_frame", "heads_geometry", "FrameGeometry",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -53,28 +51,18 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
     (a split group, which one rank cannot compute) is drawn dashed in the fail color.
     With fewer KV heads than ranks (and the default ``query_ranks``) this is
     ``tpattn.viz.kv.replica_groups_figure``: each rank's copy of its KV head, by replica group.
-    The figure's frame depends on ``cfg.query_heads`` only (``heads_frame``); what is drawn in
-    it, on the whole layout (``set_heads_layout`` redraws it, e.g. in a standing figure).
+    What is drawn is ``heads_layout(cfg, query_ranks)`` (``tpattn.viz.frames.draw_heads``).
     """
     if cfg.kv_heads < cfg.world_size and query_ranks is None:
         from .kv import replica_groups_figure
 
         return replica_groups_figure(cfg)
-    _check_query_ranks(cfg, query_ranks)
-    fig = heads_frame(cfg.query_heads)
-    set_heads_layout(fig, cfg, query_ranks)
-    return fig
-
-
-def _check_query_ranks(cfg: Config, query_ranks) -> None:
-    if query_ranks is not None and (len(query_ranks) != cfg.query_heads or any(
-            not 0 <= int(r) < cfg.world_size for r in query_ranks)):
-        raise ValueError(f"query_ranks must give a rank in [0, {cfg.world_size}) for each of "
-                         f"the {cfg.query_heads} query heads (got {list(query_ranks)!r})")
+    return draw_heads(heads_layout(cfg, query_ranks))
 
 
 def heads_geometry(query_heads: int) -> FrameGeometry:
-    """The geometry of ``heads_frame(query_heads)``: wider with more heads (6 to 12 inches)."""
+    """The frame of ``heads_to_ranks_figure`` for ``query_heads``: wider with more heads
+    (6 to 12 inches)."""
     hq = query_heads
     return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
                          ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
@@ -82,48 +70,41 @@ def heads_geometry(query_heads: int) -> FrameGeometry:
 
 
 def heads_frame(query_heads: int):
-    """The empty frame of ``heads_to_ranks_figure`` for ``query_heads`` (``heads_geometry``:
-    size, limits, row labels); ``set_heads_layout`` draws a layout in it,
-    ``reshape_heads_frame`` makes it the frame of another number of heads."""
-    return new_heads_frame(query_heads, "heads", heads_geometry)
+    """The empty matplotlib frame of ``heads_to_ranks_figure`` for ``query_heads``
+    (``heads_geometry``: size, limits, row labels)."""
+    return new_heads_frame(heads_geometry(query_heads))
 
 
-def set_heads_layout(fig, cfg: Config, query_ranks: Sequence[int] | None = None) -> None:
-    """Draw ``cfg``'s heads → ranks (boxes, lines, legend, title) in a ``heads_frame`` of
-    ``cfg.query_heads``, replacing the layout drawn there before."""
-    _check_query_ranks(cfg, query_ranks)
-    ax = clear_layer(fig, cfg)
-    frame = fig.tpattn_heads
+def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
+    """What ``heads_to_ranks_figure(cfg, query_ranks)`` draws (boxes, lines, legend, title)
+    — without replica groups: ``query_ranks`` is checked, the KV heads are whole per rank."""
+    if query_ranks is not None and (len(query_ranks) != cfg.query_heads or any(
+            not 0 <= int(r) < cfg.world_size for r in query_ranks)):
+        raise ValueError(f"query_ranks must give a rank in [0, {cfg.world_size}) for each of "
+                         f"the {cfg.query_heads} query heads (got {list(query_ranks)!r})")
     hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
     if query_ranks is None:
         query_ranks = [h // cfg.local_query_heads for h in range(hq)]
     kv_ranks = [j // cfg.local_kv_heads for j in range(hkv)]
     fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5
-    box_w, box_h = 0.8, 0.5
-    q_x = [float(h) for h in range(hq)]
+    box_w, box_h, q_y, kv_y = 0.8, 0.5, 1.6, 0.0
     kv_x = [cfg.group_size * j + (cfg.group_size - 1) / 2 for j in range(hkv)]
-    q_y, kv_y = 1.6, 0.0
-
-    lines, boxes, layer = [], [], []
-    split = 0
+    lines, split = [], 0
     for h in range(hq):
         j = h // cfg.group_size
         crosses = int(query_ranks[h]) != kv_ranks[j]
         split += crosses
-        lines.append(([q_x[h], kv_x[j]], [q_y - box_h / 2, kv_y + box_h / 2],
-                      FAIL_COLOR if crosses else "#888888", "--" if crosses else "-",
-                      1.6 if crosses else 1.0))
-    for xs, y, ranks, prefix in ((q_x, q_y, query_ranks, "q"), (kv_x, kv_y, kv_ranks, "kv")):
-        for i, (x, r) in enumerate(zip(xs, ranks)):
-            boxes.append((x, y, box_w, box_h, rank_color(int(r))))
-            layer.append(head_label(ax, frame, prefix, i, x, y, f"{prefix}{i}", fontsize))
-    layer += [head_lines(ax, frame, lines), head_boxes(ax, frame, boxes)]
-    layer.append(rank_legend(ax, frame, world))
+        lines.append((float(h), q_y - box_h / 2, kv_x[j], kv_y + box_h / 2,
+                      FAIL_COLOR if crosses else "#888888", crosses, 1.6 if crosses else 1.0))
+    boxes = [(float(h), q_y, box_w, box_h, rank_color(int(r)), f"q{h}", fontsize)
+             for h, r in enumerate(query_ranks)]
+    boxes += [(x, kv_y, box_w, box_h, rank_color(r), f"kv{j}", fontsize)
+              for j, (x, r) in enumerate(zip(kv_x, kv_ranks))]
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
-    layer.append(two_line_title(ax, frame, f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
-                        FAIL_COLOR if split else "black"))
-    set_layer(frame, layer)
+    return HeadsPicture(heads_geometry(hq), f"{hq} query heads, {hkv} KV heads, {world} ranks",
+                        verdict, FAIL_COLOR if split else "black", tuple(lines), tuple(boxes),
+                        (), world)
 
 
 def weight_shards_figure(cfg: Config):
@@ -167,7 +148,7 @@ def weight_shards_figure(cfg: Config):
 # --- the five measures ---------------------------------------------------------------------
 
 
-def _zero_floor(values: Sequence[float]) -> float:
+def zero_floor(values: Sequence[float]) -> float:
     """Where 0 is drawn: ``ZERO_FLOOR``, or lower when a nonzero value is smaller than it."""
     smallest = min((v for v in values if v > 0), default=1.0)
     floor = ZERO_FLOOR
@@ -176,7 +157,8 @@ def _zero_floor(values: Sequence[float]) -> float:
     return floor
 
 
-def _value_label(v: float) -> str:
+def value_label(v: float) -> str:
+    """A bar's label: "0" for an exact zero, else two significant digits (``1.2e-07``)."""
     return "0" if v == 0 else f"{v:.1e}"
 
 
@@ -202,12 +184,12 @@ def measures_figure(result: Mapping):
     (lower if a nonzero value is smaller, as in float64) and labelled "0"."""
     fig, ax = new_figure(figsize=(7.0, 2.6))
     values = [float(result[m]) for m in MEASURES]
-    floor = _zero_floor(values)
+    floor = zero_floor(values)
     ys = list(range(len(MEASURES)))[::-1]
     colors = [PASS_COLOR if v < TOLERANCE else FAIL_COLOR for v in values]
     ax.barh(ys, [v or floor for v in values], color=colors, height=0.6, left=floor / 3)
     for y, v in zip(ys, values):
-        ax.text((v or floor) * 1.4, y, _value_label(v), va="center", fontsize=8)
+        ax.text((v or floor) * 1.4, y, value_label(v), va="center", fontsize=8)
     ax.set_yticks(ys, [MEASURE_LABELS[m] for m in MEASURES])
     ax.set_ylim(-0.5, len(MEASURES) + 0.1)
     _threshold_line(ax, floor, "x")
@@ -224,7 +206,7 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
     value is smaller), labelled "0"."""
     n = len(results)
     fig, ax = new_figure(figsize=(7.0, 1.2 + 0.25 * len(MEASURES) * n))
-    floor = _zero_floor([float(r[m]) for r in results.values() for m in MEASURES])
+    floor = zero_floor([float(r[m]) for r in results.values() for m in MEASURES])
     height = 0.8 / n
     palette = ["#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"]
     for i, (label, result) in enumerate(results.items()):
@@ -233,7 +215,7 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
         ax.barh(ys, [v or floor for v in values], height=height * 0.9,
                 color=palette[i % len(palette)], left=floor / 3, label=label)
         for y, v in zip(ys, values):
-            ax.text((v or floor) * 1.4, y, _value_label(v), va="center", fontsize=7)
+            ax.text((v or floor) * 1.4, y, value_label(v), va="center", fontsize=7)
     ax.set_yticks(range(len(MEASURES))[::-1], [MEASURE_LABELS[m] for m in MEASURES])
     ax.set_ylim(-0.5, len(MEASURES) + 0.1)
     _threshold_line(ax, floor, "x")

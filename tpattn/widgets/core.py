@@ -15,9 +15,7 @@ import base64
 import contextlib
 import html
 import io
-import struct
 import sys
-import zlib
 from typing import Callable, Mapping, Sequence
 
 import ipywidgets as widgets
@@ -30,7 +28,7 @@ from ..config import Config
 
 __all__ = [
     "Explorer", "seed_control", "mode_control", "config_controls",
-    "figure_png", "figure_pixels", "encode_png", "fast_png", "Renders", "StandingFigure",
+    "figure_png", "figure_pixels", "encode_png", "Renders", "StandingFigure",
     "png_output", "html_output", "message_output", "message_html", "png_img", "single_thread",
 ]
 
@@ -70,9 +68,9 @@ def seed_control(value: int = 11, description: str = "seed") -> widgets.IntText:
                            layout=widgets.Layout(width="11em"))
 
 
-def mode_control(value: str = EQUIVALENCE) -> widgets.ToggleButtons:
-    """The TP variant, one of ``tpattn.MODES``."""
-    return widgets.ToggleButtons(options=list(MODES), value=value, description="mode",
+def mode_control(value: str = EQUIVALENCE, options=MODES) -> widgets.ToggleButtons:
+    """The TP variant, one of ``options`` (default ``tpattn.MODES``)."""
+    return widgets.ToggleButtons(options=list(options), value=value, description="mode",
                                  style={"button_width": "auto"})
 
 
@@ -90,44 +88,16 @@ def config_controls(fields: Sequence[str] = ("query_heads", "kv_heads", "world_s
 # --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
 
 def encode_png(pixels, palette: bool = False, compress_level: int = 6) -> bytes:
-    """PNG bytes of an ``[H, W, 3|4]`` uint8 array (no metadata: same pixels, same bytes).
-
-    ``palette=True`` quantizes to 256 colors (fast octree, deterministic): ~3x smaller, for
-    the many precomputed panels a page embeds. ``compress_level=1`` (the live explorers'):
-    ``fast_png``, ~2x faster than Pillow's and no larger."""
-    if compress_level == 1 and not palette:
-        return fast_png(pixels)
-    image = Image.fromarray(np.asarray(pixels))
+    """PNG bytes (Pillow, no metadata: same pixels, same bytes) of an ``[H, W, 3|4]`` uint8
+    array, as RGB. ``palette=True`` quantizes to 256 colors (fast octree, deterministic):
+    ~3x smaller, for the many precomputed panels a page embeds; ``compress_level=1`` for a
+    live update, where encoding time is latency."""
+    image = Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB")
     if palette:
-        image = image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE)
+        image = image.quantize(256, method=Image.Quantize.FASTOCTREE)
     buf = io.BytesIO()
     image.save(buf, format="png", compress_level=compress_level)
     return buf.getvalue()
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def fast_png(pixels) -> bytes:
-    """PNG bytes of an ``[H, W, 3|4]`` uint8 array: no row filter, zlib level 1 — for a live
-    update, where encoding time is latency. Pillow's adaptive row filters cost ~half the
-    encode time and gain nothing on a figure (flat colors, which deflate finds anyway). An
-    opaque RGBA array (every figure here) is written as RGB: the same pixels, 3/4 the bytes."""
-    array = np.asarray(pixels)
-    if array.ndim != 3 or array.shape[2] not in (3, 4) or array.dtype != np.uint8:
-        raise ValueError(f"pixels must be a uint8 array [H, W, 3|4] (got {array.dtype} "
-                         f"{array.shape})")
-    if array.shape[2] == 4 and array[..., 3].min() == 255:
-        # RGBA -> RGB by Pillow (C, ~4x faster than numpy's copy of the strided [..., :3])
-        array = np.asarray(Image.fromarray(np.ascontiguousarray(array), "RGBA").convert("RGB"))
-    height, width, channels = array.shape
-    rows = np.empty((height, width * channels + 1), dtype=np.uint8)
-    rows[:, 0] = 0  # filter byte 0: none
-    rows[:, 1:] = array.reshape(height, width * channels)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2 if channels == 3 else 6, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header)
-            + _png_chunk(b"IDAT", zlib.compress(rows, 1)) + _png_chunk(b"IEND", b""))
 
 
 def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:
@@ -176,7 +146,8 @@ class Renders:
 
 
 class StandingFigure:
-    """A figure kept standing per *structure* and updated per *state*, for live explorers.
+    """A figure kept standing per *structure* and updated per *state*, for live explorers:
+    matplotlib's own blitting (``copy_from_bbox``, ``restore_region``, ``draw_artist``).
 
     ``build(structure, state)`` returns a fresh figure of ``tpattn.viz`` (the one its public
     function returns for that structure and state); ``update(fig, state)`` sets on it every
@@ -188,104 +159,63 @@ class StandingFigure:
     building and laying out a figure (~0.3–0.5 s on a small machine). The pixels equal a full
     draw of the public function's figure (``tests/test_widgets.py`` compares them). Keeps the
     last ``size`` structures.
-
-    With ``family(structure)`` and ``reshape(fig, structure)``, one figure stands per family:
-    a new structure of a family that has one is drawn on that figure, made the figure of the
-    new structure by ``reshape`` (which must give the pixels ``build`` gives: the same size,
-    layout and artists) — no new figure, axes or texts; its background is drawn the first
-    time, and kept for when the figure is reshaped back to that structure.
     """
 
     def __init__(self, build: Callable, update: Callable, dynamic: Callable,
-                 size: int = 6, dpi: int = PNG_DPI, family: Callable | None = None,
-                 reshape: Callable | None = None):
-        if (family is None) != (reshape is None):
-            raise ValueError("family and reshape: give both or neither")
+                 size: int = 6, dpi: int = PNG_DPI):
         self._build, self._update, self._dynamic = build, update, dynamic
-        self._family, self._reshape = family, reshape
         self.size, self.dpi = size, dpi
-        self.builds = self.reshapes = 0
+        self.builds = 0
         self._standing: dict = {}  # structure -> (fig, background)
-        self._spare: dict = {}  # structure -> background, while its figure is reshaped away
 
     def figure(self, structure):
         """The standing figure of ``structure`` (``None`` if it is not standing)."""
         entry = self._standing.get(structure)
         return None if entry is None else entry[0]
 
-    def _relative(self, structure):
-        """A standing structure of ``structure``'s family (``None``: none, or no families)."""
-        if self._family is None:
-            return None
-        family = self._family(structure)
-        return next((other for other in self._standing if self._family(other) == family), None)
-
-    def _stand(self, structure, state) -> None:
-        relative = self._relative(structure)
-        if relative is not None:  # the family's figure, reshaped: no new figure
-            fig, self._spare[relative] = self._standing.pop(relative)  # keep its background
-            self._reshape(fig, structure)
-            self.reshapes += 1
-            background = self._spare.pop(structure, None)  # drawn when it stood before
-            while len(self._spare) > self.size:
-                del self._spare[next(iter(self._spare))]
-        else:
-            fig = self._build(structure, state)
-            _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
-            _agg_canvas(fig)
-            fig.set_dpi(self.dpi)
-            self.builds += 1
-            background = None
-        if background is None:
-            background = self._background(fig)
-        self._standing[structure] = (fig, background)
+    def stand(self, structure, state) -> None:
+        """Build the figure of ``structure`` now (in ``state``) unless it stands already."""
+        if structure in self._standing:
+            return
+        fig = self._build(structure, state)
+        _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
+        _agg_canvas(fig)
+        fig.set_dpi(self.dpi)
+        self.builds += 1
+        self._standing[structure] = (fig, self._background(fig))
         while len(self._standing) > self.size:
             del self._standing[next(iter(self._standing))]
 
     def _background(self, fig):
-        """Lay ``fig`` out once (then freeze its layout) and draw everything but its dynamic
-        artists: the background they are drawn over."""
-        renderer = fig.canvas.get_renderer()
-        for ax in fig.axes:  # what ``Figure.draw`` does before laying out: fixed aspects
-            locator = ax.get_axes_locator()
-            ax.apply_aspect(locator(ax, renderer) if locator else None)
-        engine = fig.get_layout_engine()
-        if engine is not None:
-            engine.execute(fig)  # the constrained layout of a full draw, without rasterizing …
-        fig.set_layout_engine("none")  # … frozen
+        """Lay ``fig`` out once (a draw without rendering: layout engine, aspects, title
+        places; then its layout is frozen) and draw everything but its dynamic artists: the
+        background they are drawn over."""
+        fig.draw_without_rendering()
+        fig.set_layout_engine("none")
+        titles = [(ax.title, ax.title.get_position()) for ax in fig.axes]
         dynamic = self._dynamic(fig)
         visible = [artist.get_visible() for artist in dynamic]
         for artist in dynamic:
             artist.set_visible(False)
-        fig.canvas.draw()  # the one full draw: the background (it also places the titles)
+        fig.canvas.draw()  # the one full draw: the background
         background = fig.canvas.copy_from_bbox(fig.bbox)
         for artist, was_visible in zip(dynamic, visible):
             artist.set_visible(was_visible)
+        for title, place in titles:  # where a draw with everything visible puts them
+            title.set_position(place)
         return background
-
-    def stand(self, structure, state) -> None:
-        """Build the figure of ``structure`` now (in ``state``) unless it stands already."""
-        if structure not in self._standing:
-            self._stand(structure, state)
 
     def pixels(self, structure, state) -> np.ndarray:
         """``[H, W, 4]`` uint8 pixels of the figure of ``structure`` in ``state`` (a copy)."""
-        if structure not in self._standing:
-            self._stand(structure, state)
-        else:
-            self._standing[structure] = self._standing.pop(structure)  # most recent last
+        self.stand(structure, state)
+        self._standing[structure] = self._standing.pop(structure)  # most recent last
         fig, background = self._standing[structure]
         self._update(fig, state)
         fig.canvas.restore_region(background)
-        self.draw_dynamic(fig)
-        return np.array(fig.canvas.buffer_rgba())
-
-    def draw_dynamic(self, fig) -> None:
-        """Draw the dynamic artists, in order, over the restored background (a subclass may
-        paste some of them from a cache of their pixels instead)."""
         for artist in self._dynamic(fig):
             if artist.get_visible():
                 fig.draw_artist(artist)
+        return np.array(fig.canvas.buffer_rgba())
 
 
 def png_output(png: bytes, text: str = "<Figure>") -> dict:

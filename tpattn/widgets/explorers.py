@@ -26,15 +26,13 @@ from ..check import EQUIVALENCE, MODES, SEEDS
 from ..config import Config
 from ..layers import rope_angles
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
-                          rope_rotation_figure, set_attention_state, set_rope_position,
-                          warm_attention_labels)
-from ..viz.frames import layout_dynamic_artists
-from ..viz.kv import replica_groups_frame, set_replica_groups
-from ..viz.sharding import heads_frame, heads_to_ranks_figure, set_heads_layout
+                          rope_rotation_figure, set_attention_state, set_rope_position)
+from ..viz.frames import HeadsPicture, heads_svg
+from ..viz.kv import replica_groups_layout
+from ..viz.sharding import heads_layout
 from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
                    message_html, mode_control, png_img, png_output, seed_control, single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text
-from .pasting import HEADS_FRAME_FAMILIES, PastingStandingFigure
 from .static import StaticExplorer
 
 __all__ = [
@@ -188,12 +186,8 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
     def static():
-        twin = static_attention_explorer(cfg=cfg, initial=(heads, seed), renders=renders,
+        return static_attention_explorer(cfg=cfg, initial=(heads, seed), renders=renders,
                                          standing=standing)
-        opening = standing.figure(attention_config(*ATTENTION_LAYOUTS[heads], base=cfg))
-        if opening is not None:  # while the cell runs: the glyphs of every cell value
-            warm_attention_labels(opening)
-        return twin
 
     explorer = Explorer("attention", controls, draw, static=static)
     explorer.renders, explorer.standing = renders, standing
@@ -235,9 +229,9 @@ def sharding_config(query_heads, kv_heads, world_size) -> Config:
 
 def _sharding_caption(cfg: Config) -> tuple[str, str]:
     if cfg.kv_heads < cfg.world_size:  # replicas: chapter 13's caption
-        from .kv import _caption
+        from .kv import kv_caption
 
-        return _caption(cfg)
+        return kv_caption(cfg)
     q, kv = cfg.local_query_heads, cfg.local_kv_heads
     span = lambda prefix, first, n: (f"{prefix}{first}" if n == 1  # noqa: E731
                                      else f"{prefix}{first}–{prefix}{first + n - 1}")
@@ -250,71 +244,38 @@ def _sharding_caption(cfg: Config) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _sharding_png(renders: Renders, cfg: Config, palette=False,
-                  standing: StandingFigure | None = None) -> bytes:
-    """The heads→ranks PNG; live (``standing`` given) drawn in a standing frame per number
-    of query heads (and figure kind), whose boxes, lines, legend and title are redrawn."""
-    draw = None if standing is None else (lambda: standing.pixels(layout_structure(cfg), cfg))
-    return renders.png(("sharding", cfg), lambda: heads_to_ranks_figure(cfg), palette, draw)
-
-
-def layout_structure(cfg: Config) -> tuple[str, int]:
-    """What fixes the frame of ``heads_to_ranks_figure(cfg)``: its kind and query heads."""
-    kind = "replica_groups" if cfg.kv_heads < cfg.world_size else "heads"
-    return kind, cfg.query_heads
-
-
-def _set_layout(fig, cfg: Config) -> None:
-    if fig.tpattn_heads["kind"] == "replica_groups":
-        set_replica_groups(fig, cfg)
-    else:
-        set_heads_layout(fig, cfg)
-
-
-def layout_standing_figure() -> StandingFigure:
-    """``heads_to_ranks_figure`` (or the ``replica_groups_figure`` it shows with fewer KV
-    heads than ranks) kept standing per ``layout_structure``: one frame per kind, reshaped
-    for another number of query heads (``reshape_heads_frame``)."""
-    def frame(structure, _cfg):  # the background is the frame: its layer is all dynamic
-        kind, query_heads = structure
-        return (replica_groups_frame if kind == "replica_groups" else heads_frame)(query_heads)
-
-    return PastingStandingFigure(build=frame, update=_set_layout,
-                                 dynamic=layout_dynamic_artists, **HEADS_FRAME_FAMILIES)
-
+def layout_picture(cfg: Config) -> HeadsPicture:
+    """What the heads→ranks figure of ``cfg`` draws: ``heads_layout``, or with fewer KV heads
+    than ranks ``replica_groups_layout`` (as ``heads_to_ranks_figure`` does)."""
+    return replica_groups_layout(cfg) if cfg.kv_heads < cfg.world_size else heads_layout(cfg)
 
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2) -> Explorer:
     """Which rank holds which heads; an invalid layout shows ``Config``'s own message."""
     controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
                                world_size=world_size)
-    renders, standing = Renders(), layout_standing_figure()
 
-    @functools.lru_cache(maxsize=32)  # a layout shown again: its outputs, not a new PNG
+    @functools.lru_cache(maxsize=32)  # a layout shown again: its outputs, as they were
     def shown(cfg: Config) -> tuple[dict, dict]:
-        png = _sharding_png(renders, cfg, standing=standing)
         text, markup = _sharding_caption(cfg)
         return (html_output(markup, text),
-                png_output(png, f"<heads to ranks, {cfg.query_heads}/{cfg.kv_heads}/"
-                                f"{cfg.world_size}>"))
+                html_output(heads_svg(layout_picture(cfg)), f"<heads to ranks, "
+                            f"{cfg.query_heads}/{cfg.kv_heads}/{cfg.world_size}>"))
 
     def draw(query_heads, kv_heads, world_size):
         return list(shown(sharding_config(query_heads, kv_heads, world_size)))
 
     explorer = Explorer("sharding", controls, draw, static=lambda: static_sharding_explorer(
-        initial=(query_heads, kv_heads, world_size), renders=renders, standing=standing))
-    explorer.renders, explorer.standing, explorer.shown = renders, standing, shown
+        initial=(query_heads, kv_heads, world_size)))
+    explorer.shown = shown
     return explorer
 
 
-def static_sharding_explorer(layouts=None, initial=(4, 2, 2), renders: Renders | None = None,
-                             standing: StandingFigure | None = None) -> StaticExplorer:
-    """The heads→ranks figure for each ``(query_heads, kv_heads, world_size)`` in ``layouts``
-    (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s message.
-    ``standing``: draw them in the live explorer's standing frames (the same pixels, one
-    build per frame, which then stand for the live updates)."""
+def static_sharding_explorer(layouts=None, initial=(4, 2, 2)) -> StaticExplorer:
+    """The heads→ranks figure (SVG) for each ``(query_heads, kv_heads, world_size)`` in
+    ``layouts`` (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s
+    message."""
     layouts = [tuple(layout) for layout in (SHARDING_LAYOUTS if layouts is None else layouts)]
-    renders = Renders() if renders is None else renders
     panels = {}
     for i, layout in enumerate(layouts):
         try:
@@ -322,9 +283,7 @@ def static_sharding_explorer(layouts=None, initial=(4, 2, 2), renders: Renders |
         except ValueError as error:
             panels[(i,)] = message_html(str(error))
             continue
-        panels[(i,)] = _sharding_caption(cfg)[1] + png_img(
-            _sharding_png(renders, cfg, palette=True, standing=standing),
-            "query and KV heads colored by rank, {} q / {} kv / {} ranks".format(*layout))
+        panels[(i,)] = _sharding_caption(cfg)[1] + heads_svg(layout_picture(cfg))
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     start = layouts.index(tuple(initial)) if tuple(initial) in layouts else 0
     return StaticExplorer("sharding", [("layout", labels)], panels, initial=(start,))
@@ -332,36 +291,41 @@ def static_sharding_explorer(layouts=None, initial=(4, 2, 2), renders: Renders |
 
 # --- chapters 8–10: seed × mode ------------------------------------------------------------
 
-def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE,
-                       cfg: Config | None = None) -> Explorer:
-    """``run(seed, mode, cfg)``: the five measures, the verdict, the bars against 1e-6."""
-    controls = {"seed": seed_control(seed), "mode": mode_control(mode)}
+def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
+                       simulate: str = "fixture", modes=MODES, name: str = "seed × mode",
+                       kind: str = "seed-mode") -> Explorer:
+    """``run(seed, mode, cfg, simulate=simulate)``: the five measures, the verdict, the bars
+    against 1e-6 (``modes``: the mode buttons; ``name``, ``kind``: the explorer's and its
+    static twin's names)."""
+    controls = {"seed": seed_control(seed), "mode": mode_control(mode, modes)}
     plot = MeasuresPlot()
 
     def draw(seed, mode):
-        result = live_run(seed, mode, cfg)
+        result = live_run(seed, mode, cfg, simulate=simulate)
         return [html_output(measures_html(result), measures_text(result)),
                 png_output(plot.png(result), f"<measures, seed {seed}, mode {mode}>")]
 
-    explorer = Explorer("seed × mode", controls, draw, static=lambda: static_seed_mode_explorer(
-        cfg=cfg, initial=(seed, mode), plot=plot))
+    explorer = Explorer(name, controls, draw, static=lambda: static_seed_mode_explorer(
+        modes=modes, cfg=cfg, initial=(seed, mode), plot=plot, simulate=simulate, kind=kind))
     explorer.plot = plot  # its full_draws count shows how often the figure was rebuilt
     return explorer
 
 
 def static_seed_mode_explorer(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
-                              initial=(11, EQUIVALENCE),
-                              plot: MeasuresPlot | None = None) -> StaticExplorer:
-    """Measures, verdict and bars of ``run(seed, mode, cfg)`` for every ``seeds × modes``."""
+                              initial=(11, EQUIVALENCE), plot: MeasuresPlot | None = None,
+                              simulate: str = "fixture", kind: str = "seed-mode") -> StaticExplorer:
+    """Measures, verdict and bars of ``run(seed, mode, cfg, simulate=simulate)`` for every
+    ``seeds × modes``."""
     plot = MeasuresPlot() if plot is None else plot
+    what = "SP mode" if kind.startswith("sp") else "mode"
     panels = {}
     for i, seed in enumerate(seeds):
         for j, mode in enumerate(modes):
-            result = live_run(seed, mode, cfg)  # remembered: the live explorer's too
+            result = live_run(seed, mode, cfg, simulate=simulate)  # the live explorer's too
             panels[i, j] = measures_html(result) + png_img(
                 plot.png(result, palette=True),
-                f"the five measures of seed {seed}, mode {mode}, against 1e-6")
-    return StaticExplorer("seed-mode", [("seed", [str(s) for s in seeds]), ("mode", list(modes))],
+                f"the five measures of seed {seed}, {what} {mode}, against 1e-6")
+    return StaticExplorer(kind, [("seed", [str(s) for s in seeds]), ("mode", list(modes))],
                           panels, initial=_index_of(initial, (seeds, modes)))
 
 

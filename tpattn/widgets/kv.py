@@ -9,17 +9,15 @@ import ipywidgets as widgets
 
 from ..config import KV_STRATEGIES, Config
 from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
-from ..viz.kv import replica_groups_figure, replica_groups_frame, set_replica_groups
-from ..viz.frames import layout_dynamic_artists
-from .core import (Explorer, Renders, StandingFigure, config_controls, html_output, message_html,
-                   png_img, png_output)
-from .pasting import HEADS_FRAME_FAMILIES, PastingStandingFigure
+from ..viz.frames import heads_svg
+from ..viz.kv import replica_groups_layout
+from .core import Explorer, config_controls, html_output, message_html
 from .static import StaticExplorer
 
-__all__ = ["KV_LAYOUTS", "kv_config", "kv_explorer", "static_kv_explorer"]
+__all__ = ["KV_LAYOUTS", "kv_config", "kv_caption", "kv_explorer", "static_kv_explorer"]
 
 #: (query_heads, kv_heads, world_size) precomputed for the book: GQA and MQA with fewer KV
-#: heads than ranks, and one invalid layout (each figure costs ~0.5 s of build time).
+#: heads than ranks, and one invalid layout (each an SVG of a few kB).
 KV_LAYOUTS = ((8, 2, 4), (8, 1, 4), (4, 1, 2), (16, 2, 8), (8, 2, 3))
 #: The figure stays readable up to this many query heads.
 MAX_KV_DRAWN_HEADS = 32
@@ -36,7 +34,9 @@ def kv_config(query_heads, kv_heads, world_size, kv_strategy="replicate_weights"
     return cfg
 
 
-def _caption(cfg: Config) -> tuple[str, str]:
+def kv_caption(cfg: Config) -> tuple[str, str]:
+    """Text and HTML under the kv explorer's picture: the replica groups, and what each
+    ``kv_strategy`` holds and sends per step (``kv_costs``)."""
     q = cfg.local_query_heads
     lines = []
     if has_replicas(cfg):
@@ -63,23 +63,6 @@ def _caption(cfg: Config) -> tuple[str, str]:
     return text, markup
 
 
-def _png(renders: Renders, cfg: Config, palette=False,
-         standing: StandingFigure | None = None) -> bytes:
-    """The replica-groups PNG; live (``standing`` given) drawn in a standing frame per number
-    of query heads, whose boxes, groups, legend and title are redrawn."""
-    draw = None if standing is None else (
-        lambda: standing.pixels(("replica_groups", cfg.query_heads), cfg))
-    return renders.png(("kv", cfg), lambda: replica_groups_figure(cfg), palette, draw)
-
-
-def replica_groups_standing_figure() -> StandingFigure:
-    """``replica_groups_figure`` kept standing: one frame, reshaped for another number of
-    query heads."""
-    return PastingStandingFigure(  # the background is the frame: its layer is all dynamic
-        build=lambda structure, _cfg: replica_groups_frame(structure[1]),
-        update=set_replica_groups, dynamic=layout_dynamic_artists, **HEADS_FRAME_FAMILIES)
-
-
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
                 kv_strategy: str = "replicate_weights") -> Explorer:
     """Which rank reads which KV head, the replica groups, and what each strategy moves; an
@@ -88,35 +71,29 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
     controls["kv_strategy"] = widgets.ToggleButtons(options=list(KV_STRATEGIES), value=kv_strategy,
                                                     description="strategy",
                                                     style={"button_width": "auto"})
-    renders, standing = Renders(), replica_groups_standing_figure()
 
-    @functools.lru_cache(maxsize=32)  # a layout shown again: its outputs, not a new PNG
+    @functools.lru_cache(maxsize=32)  # a layout shown again: its outputs, as they were
     def shown(cfg: Config) -> tuple[dict, dict]:
-        text, markup = _caption(cfg)
+        text, markup = kv_caption(cfg)
         return (html_output(markup, text),
-                png_output(_png(renders, cfg, standing=standing),
-                           f"<replica groups, {cfg.query_heads}/{cfg.kv_heads}/"
-                           f"{cfg.world_size}, {cfg.kv_strategy}>"))
+                html_output(heads_svg(replica_groups_layout(cfg)),
+                            f"<replica groups, {cfg.query_heads}/{cfg.kv_heads}/"
+                            f"{cfg.world_size}, {cfg.kv_strategy}>"))
 
     def draw(query_heads, kv_heads, world_size, kv_strategy):
         return list(shown(kv_config(query_heads, kv_heads, world_size, kv_strategy)))
 
     explorer = Explorer("kv", controls, draw, static=lambda: static_kv_explorer(
-        initial=((query_heads, kv_heads, world_size), kv_strategy), renders=renders,
-        standing=standing))
-    explorer.renders, explorer.standing, explorer.shown = renders, standing, shown
+        initial=((query_heads, kv_heads, world_size), kv_strategy)))
+    explorer.shown = shown
     return explorer
 
 
-def static_kv_explorer(layouts=KV_LAYOUTS, initial=((8, 2, 4), "replicate_weights"),
-                       renders: Renders | None = None,
-                       standing: StandingFigure | None = None) -> StaticExplorer:
-    """The live explorer's panels for each layout × strategy (an invalid one shows
-    ``Config``'s message). ``standing``: draw them in the live explorer's standing frames
-    (the same pixels, one build per number of query heads, which then stand for the live
-    updates)."""
+def static_kv_explorer(layouts=KV_LAYOUTS,
+                       initial=((8, 2, 4), "replicate_weights")) -> StaticExplorer:
+    """The live explorer's panels (caption, SVG) for each layout × strategy (an invalid one
+    shows ``Config``'s message)."""
     layouts = [tuple(layout) for layout in layouts]
-    renders = Renders() if renders is None else renders
     panels = {}
     for i, layout in enumerate(layouts):
         for j, strategy in enumerate(KV_STRATEGIES):
@@ -125,9 +102,7 @@ def static_kv_explorer(layouts=KV_LAYOUTS, initial=((8, 2, 4), "replicate_weight
             except ValueError as error:
                 panels[(i, j)] = message_html(str(error))
                 continue
-            panels[(i, j)] = _caption(cfg)[1] + png_img(
-                _png(renders, cfg, palette=True, standing=standing),
-                "{} q / {} kv / {} ranks".format(*layout) + f", {strategy}")
+            panels[(i, j)] = kv_caption(cfg)[1] + heads_svg(replica_groups_layout(cfg))
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     layout0, strategy0 = initial
     start = (layouts.index(tuple(layout0)) if tuple(layout0) in layouts else 0,

@@ -12,19 +12,14 @@ import functools
 import html
 from typing import Mapping
 
-import matplotlib.pyplot as plt
-import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.text import Text
 
 from ..check import MEASURES, TOLERANCE, run
 from ..config import Config
 from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, measures_table
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
-from ..viz.sharding import _value_label, _zero_floor
-from ..viz.fast_text import draw_texts
+from ..viz.sharding import value_label, zero_floor
 from ..viz.style import FAIL_COLOR, PASS_COLOR
-from .core import encode_png, single_thread
+from .core import StandingFigure, encode_png, single_thread
 
 __all__ = ["MeasuresPlot", "live_run", "measures_html", "measures_text", "verdict"]
 
@@ -82,84 +77,47 @@ def measures_html(result: Mapping) -> str:
             f"</tr></thead><tbody>{rows}</tbody></table></div>")
 
 
-class MeasuresPlot:
-    """``measures_figure(result)`` as PNG bytes, fast enough for a control being clicked.
+def _set_measures(fig, result: Mapping) -> None:
+    """What ``measures_figure`` varies with the result, set on a figure of its zero floor."""
+    ax = fig.axes[0]
+    values = [float(result[m]) for m in MEASURES]
+    floor = zero_floor(values)
+    for bar, label, value in zip(ax.patches, ax.texts, values):  # MEASURES order
+        bar.set_width(value or floor)
+        bar.set_facecolor(PASS_COLOR if value < TOLERANCE else FAIL_COLOR)
+        label.set_x((value or floor) * 1.4)
+        label.set_text(value_label(value))
+    ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {verdict(result)}")
+    ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
 
-    The first result (and any whose zero floor differs) builds ``measures_figure`` and keeps
-    it, with its background — everything but bars, value labels and title — cached. Later
-    results move the bars, relabel them and retitle, then draw only those over the cached
-    background. The pixels equal a full draw of ``measures_figure(result)``:
-    ``tests/test_widgets.py`` compares them for every seed and mode, so if ``measures_figure``
-    changes its drawing, that test says this mirror must follow.
-    """
+
+def _measures_dynamic(fig) -> list:
+    """Artists drawn over the background on every result, in z order: the bars, what lies on
+    top of them (threshold line, spines), their value labels (``measures_figure``'s first
+    texts; the threshold's label stays in the background) and the title."""
+    ax = fig.axes[0]
+    return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)], ax.title]
+
+
+class MeasuresPlot:
+    """``measures_figure(result)`` as PNG bytes, fast enough for a control being clicked: a
+    ``StandingFigure`` per zero floor, whose bars, value labels and title are redrawn over
+    the cached background. The pixels equal a full draw of ``measures_figure(result)``
+    (``tests/test_widgets.py`` compares them for several seeds, modes and floors)."""
 
     def __init__(self, dpi: int = 100):
-        self.dpi = dpi
-        self.full_draws = 0
-        self._fig = None
-        self._floor = None
-        self._background = None
+        self.standing = StandingFigure(build=lambda _floor, result: measures_figure(result),
+                                       update=_set_measures, dynamic=_measures_dynamic,
+                                       size=2, dpi=dpi)
 
-    @staticmethod
-    def _dynamic(ax):
-        """Artists drawn over the background on every result, in z order: the bars, what lies
-        on top of them (threshold line, spines), their value labels (``measures_figure``'s
-        first texts; the threshold's label stays in the background) and the title — the
-        texts last, drawn together by ``viz.fast_text.draw_texts``."""
-        return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)],
-                ax.title]
-
-    def _keep(self, fig, floor: float) -> None:
-        """Keep ``fig`` (a fresh ``measures_figure``) and cache its background."""
-        if self._fig is not None:
-            plt.close(self._fig)
-        plt.close(fig)  # out of pyplot's registry (nothing to flush into a cell); still drawable
-        FigureCanvasAgg(fig)
-        fig.set_dpi(self.dpi)
-        fig.canvas.draw()  # resolves the constrained layout once …
-        fig.set_layout_engine("none")  # … and freezes it
-        titles = [ax.title.get_position() for ax in fig.axes]  # placed by that draw
-        dynamic = [artist for ax in fig.axes for artist in self._dynamic(ax)]
-        visible = [artist.get_visible() for artist in dynamic]  # (top/right spines: hidden)
-        for artist in dynamic:
-            artist.set_visible(False)
-        fig.canvas.draw()
-        self._background = fig.canvas.copy_from_bbox(fig.bbox)
-        for artist, was_visible in zip(dynamic, visible):
-            artist.set_visible(was_visible)
-        for ax, title in zip(fig.axes, titles):
-            ax.title.set_position(title)  # drawing with it hidden moved it
-        self._fig, self._floor = fig, floor
-        self.full_draws += 1
-
-    def _update(self, result: Mapping, values: list[float]) -> None:
-        """What ``measures_figure`` varies with the result, set on the kept figure."""
-        ax = self._fig.axes[0]
-        for bar, label, value in zip(ax.patches, ax.texts, values):  # MEASURES order
-            bar.set_width(value or self._floor)
-            bar.set_facecolor(PASS_COLOR if value < TOLERANCE else FAIL_COLOR)
-            label.set_x((value or self._floor) * 1.4)
-            label.set_text(_value_label(value))
-        ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {verdict(result)}")
-        ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
+    @property
+    def full_draws(self) -> int:
+        """How many figures were built (one per zero floor seen)."""
+        return self.standing.builds
 
     def png(self, result: Mapping, palette: bool = False) -> bytes:
         """PNG bytes of ``measures_figure(result)``: fast to encode (live updates), or 256-color
         and small with ``palette=True`` (the precomputed panels of a page)."""
-        values = [float(result[m]) for m in MEASURES]
-        floor = _zero_floor(values)
-        if self._fig is None or floor != self._floor:
-            self._keep(measures_figure(result), floor)
-        else:
-            self._update(result, values)
-        canvas = self._fig.canvas
-        canvas.restore_region(self._background)
-        renderer = canvas.get_renderer()
-        for ax in self._fig.axes:
-            dynamic = self._dynamic(ax)
-            first = next(i for i, artist in enumerate(dynamic) if isinstance(artist, Text))
-            for artist in dynamic[:first]:
-                artist.draw(renderer)
-            draw_texts(dynamic[first:], renderer)  # each one's draw, in order, from caches
-        rgba = np.asarray(canvas.buffer_rgba())  # encoded as is: dropping alpha costs a copy
-        return encode_png(rgba, palette=palette, compress_level=6 if palette else 1)
+        floor = zero_floor([float(result[m]) for m in MEASURES])
+        return encode_png(self.standing.pixels(floor, result), palette=palette,
+                          compress_level=6 if palette else 1)
