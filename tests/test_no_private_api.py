@@ -131,9 +131,37 @@ def test_the_check_catches_private_names(code, flagged):
 @pytest.mark.parametrize("code", [
     "import torch\ntorch.__version__",
     "import os\nos._exit(1)",
-    "from .._lazy import lazy_names",
+    "from ..lazy import lazy_names",
     "class A:\n    def f(self):\n        return self._standing",
     "def f(widget):\n    return widget._repr_mimebundle_",
 ])
 def test_the_check_allows_public_and_own_names(code):
     assert private_uses(ast.parse(code), OWN | {"_standing"}) == []
+
+
+def own_private_imports(tree, module_names: set[str]) -> list[str]:
+    """``from .x import _y``, ``from ._x import y`` and ``x._y`` (``x`` a tpattn module): a
+    private name of one tpattn module used in another."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("tpattn")):
+            parts = (node.module or "").split(".")
+            found += [f"module {node.module}" for p in parts if is_private(p)]
+            found += [f"from {node.module} import {a.name}" for a in node.names if is_private(a.name)]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in module_names and is_private(node.attr)):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_tpattn_module_uses_another_modules_private_name():
+    module_names = {p.stem for p in MODULES}
+    uses = [f"{p.relative_to(PACKAGE)}:{what}" for p in MODULES
+            for what in own_private_imports(ast.parse(p.read_text()), module_names)]
+    assert uses == []
+
+
+@pytest.mark.parametrize("code", ["from .zoo import _clip", "from ._lazy import x",
+                                  "from . import zoo\nzoo._dense_step"])
+def test_the_own_check_catches_a_private_import(code):
+    assert own_private_imports(ast.parse(code), {"zoo"}) != []

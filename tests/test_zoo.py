@@ -137,7 +137,7 @@ def _sides(mode, seed=11, cfg=CFG, simulate="ranks"):
     inj = zoo.get_mode(mode).injection
     x0, target = make_inputs(cfg, seed)
     base = zoo.make_params(cfg, seed, inj)
-    return zoo._dense_step(x0, target, base, cfg, inj), zoo.tp_step(seed, cfg, inj, simulate), base
+    return zoo.dense_step(x0, target, base, cfg, inj), zoo.tp_step(seed, cfg, inj, simulate), base
 
 
 def _close(a, b, rel=1e-5):
@@ -221,7 +221,7 @@ def test_tiled_repeat_kv_hides_when_each_rank_holds_one_kv_head():
     x0, target = make_inputs(CFG, 11)
     base = zoo.make_params(CFG, 11, zoo.Injection())
     tp = zoo.tp_step(11, CFG, zoo.Injection(kv="tile"), "ranks")
-    dense = zoo._dense_step(x0, target, base, CFG, zoo.Injection())
+    dense = zoo.dense_step(x0, target, base, CFG, zoo.Injection())
     assert tpattn.check.five_measures(11, "x", dense, tp)["passed"]
 
 

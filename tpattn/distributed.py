@@ -310,7 +310,7 @@ def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
 
 # --- one check on every rank --------------------------------------------------------------
 
-def _assemble(per_rank: list[dict[str, torch.Tensor]], cfg: Config,
+def assemble_shards(per_rank: list[dict[str, torch.Tensor]], cfg: Config,
               prefix: str) -> dict[str, torch.Tensor]:
     """Full-size parameters from every rank's gathered shards (``unshard_params`` of the
     entries named ``prefix + name``)."""
@@ -358,7 +358,7 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     ranks = ledger.gather_tensors(mine)
     if rank != 0:
         return None, None
-    tp = {**step, "grads": _assemble(ranks, cfg, "grad_"), "weights": _assemble(ranks, cfg, "weight_")}
+    tp = {**step, "grads": assemble_shards(ranks, cfg, "grad_"), "weights": assemble_shards(ranks, cfg, "weight_")}
     metrics = five_measures(seed, mode, dense_reference(x0, target, base, cfg), tp)
     disagreement = {"seed": seed, "mode": mode}
     for name, key in REPLICATED.items():

@@ -928,7 +928,7 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
     f and g, gathered to rank 0 and compared with dense there (module level: started by
     ``tpattn.launch.run_on_ranks``)."""
     from .check import one_step
-    from .distributed import CollectiveLedger, _assemble
+    from .distributed import CollectiveLedger, assemble_shards
 
     cfg, seeds, f, g = plan
     ledger = CollectiveLedger()
@@ -945,8 +945,8 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
         ranks = ledger.gather_tensors({**{"grad_" + k: v for k, v in step["grads"].items()},
                                        **{"weight_" + k: v for k, v in step["weights"].items()}})
         if rank == 0:
-            tp = {**step, "grads": _assemble(ranks, cfg, "grad_"),
-                  "weights": _assemble(ranks, cfg, "weight_")}
+            tp = {**step, "grads": assemble_shards(ranks, cfg, "grad_"),
+                  "weights": assemble_shards(ranks, cfg, "weight_")}
             results.append(five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp))
         on_progress(index)
     return results if rank == 0 else None
@@ -1392,7 +1392,7 @@ def check_bias_once(forward) -> str:
         for seed in EXTRA_SEEDS:
             x0, target = make_inputs(cfg, seed)
             base = zoo.make_params(cfg, seed, inj)
-            dense = zoo._dense_step(x0, target, base, cfg, inj)
+            dense = zoo.dense_step(x0, target, base, cfg, inj)
             where = f"for seed {seed}, {_shape(cfg)}"
             b = base["bias"]
             w = cfg.world_size

@@ -455,7 +455,7 @@ class _ScaleForward(torch.autograd.Function):
         return grad, None
 
 
-def _attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
+def rank_attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
                         inj: Injection) -> torch.Tensor:
     """``dense.attend_and_project`` with the injection's ``repeat_kv``: ``"interleave"`` is
     ``layers.repeat_kv``; ``"tile"`` repeats the whole block of local KV heads."""
@@ -487,7 +487,7 @@ def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Con
             n = GradScale.apply(n, 1.0 / w)
         elif inj.f == "twice":
             n = GradScale.apply(n, float(w))
-        partial = _attend_and_project(n, s, cfg, inj)
+        partial = rank_attend_and_project(n, s, cfg, inj)
         if inj.bias == "every_rank":
             partial = partial + s["bias"]
         outs.append(partial)
@@ -538,7 +538,7 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
             record_on_backward(ns[0], "all-reduce of dn (again)")
         if inj.f == "mean":
             ns = [GradScale.apply(n, 1.0 / w) for n in ns]
-    partials = [_attend_and_project(n, s, cfg, inj) for n, s in zip(ns, shards)]
+    partials = [rank_attend_and_project(n, s, cfg, inj) for n, s in zip(ns, shards)]
     if inj.bias == "every_rank":
         partials = [pt + s["bias"] for pt, s in zip(partials, shards)]
     outs = partials
@@ -575,7 +575,7 @@ def _grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Te
     return torch.as_tensor(total).sqrt()
 
 
-def _clip_coef(norm: torch.Tensor, inj: Injection) -> float:
+def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
     return min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
 
 
@@ -599,7 +599,7 @@ def ranks_train_step(shards: list[dict[str, torch.Tensor]], batches, cfg: Config
     norm = _grad_norm(grads, inj)
     ledger.append({"collective": "all_reduce", "phase": "step", "group": "tp",
                    "label": "sum of squared gradient norms"})
-    coef = _clip_coef(norm, inj)
+    coef = clip_coef(norm, inj)
     scales = inj.rank_lr_scale or (1.0,) * cfg.world_size
     with torch.no_grad():
         weights = [{k: p[k] - LR * scales[r] * coef * g[k] for k in p}
@@ -623,14 +623,14 @@ def _fixture_step(x0, target, base, cfg, inj, seed) -> dict:
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
                                           else inj.shard))
-    coef = _clip_coef(_grad_norm(per_rank, inj), inj)
+    coef = clip_coef(_grad_norm(per_rank, inj), inj)
     with torch.no_grad():
         weights = {k: p[k] - LR * coef * grads[k] for k in p}
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": grads, "weights": weights}
 
 
-def _dense_step(x0, target, base, cfg, inj) -> dict:
+def dense_step(x0, target, base, cfg, inj) -> dict:
     """The dense reference of the injection's setup (bias, clipping)."""
     if "bias" not in base and not inj.clip:
         return dense_reference(x0, target, base, cfg)
@@ -640,7 +640,7 @@ def _dense_step(x0, target, base, cfg, inj) -> dict:
     loss = F.mse_loss(y, target)
     loss.backward()
     norm = torch.sqrt(sum(t.grad.double().pow(2).sum() for t in p.values()))
-    coef = _clip_coef(norm, inj)
+    coef = clip_coef(norm, inj)
     with torch.no_grad():
         weights = {k: p[k] - LR * coef * p[k].grad for k in p}
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
@@ -659,7 +659,7 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
                          f"computes it (see {get_mode(mode).provider})")
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
-    return _dense_step(x0, target, base, cfg, inj), tp_step(seed, cfg, inj, simulate), base
+    return dense_step(x0, target, base, cfg, inj), tp_step(seed, cfg, inj, simulate), base
 
 
 def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
@@ -693,7 +693,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     inj = entry.injection
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj)
-    return five_measures(seed, mode, _dense_step(x0, target, base, cfg, inj),
+    return five_measures(seed, mode, dense_step(x0, target, base, cfg, inj),
                          tp_step(seed, cfg, inj, simulate))
 
 

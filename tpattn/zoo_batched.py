@@ -27,7 +27,7 @@ import torch
 from .check import LR
 from .config import Config
 from .layers import apply_rope, attention, repeat_kv, rms_norm
-from .zoo import REPLICATED, Injection, _clip_coef, GradScale, ledger_recorders
+from .zoo import REPLICATED, Injection, clip_coef, GradScale, ledger_recorders
 
 __all__ = ["stack_ranks", "unstack_ranks", "forward_batched", "batched_losses",
            "batched_train_step"]
@@ -154,7 +154,7 @@ def batched_train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torc
     norm = torch.as_tensor(total).sqrt()
     ledger.append({"collective": "all_reduce", "phase": "step", "group": "tp",
                    "label": "sum of squared gradient norms"})
-    coef = _clip_coef(norm, inj)
+    coef = clip_coef(norm, inj)
     scales = inj.rank_lr_scale or (1.0,) * w
     with torch.no_grad():
         weights = {}

@@ -18,8 +18,8 @@ from .config import Config
 from .distributed import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED,
                           CollectiveLedger)
 from .layers import rms_norm
-from .zoo import (REPLICATED as REPLICATED_PARAMS, Injection, _attend_and_project, _clip_coef,
-                  _dense_step, GradScale, check_needs, get_mode, make_params, rank_batches, shard, unshard)
+from .zoo import (REPLICATED as REPLICATED_PARAMS, Injection, rank_attend_and_project, clip_coef,
+                  dense_step, GradScale, check_needs, get_mode, make_params, rank_batches, shard, unshard)
 
 __all__ = ["planned_collectives", "zoo_rank_forward", "zoo_rank_check", "GRAD_NORM_ALL_REDUCE"]
 
@@ -52,7 +52,7 @@ def zoo_rank_forward(x: torch.Tensor, shard_: dict[str, torch.Tensor], cfg: Conf
         n = ledger.copy_to_ranks(n)
     if inj.f == "mean":
         n = GradScale.apply(n, 1.0 / cfg.world_size)
-    out = _attend_and_project(n, shard_, cfg, inj)
+    out = rank_attend_and_project(n, shard_, cfg, inj)
     if inj.bias == "every_rank":
         out = out + shard_["bias"]
     for _ in range(inj.g):
@@ -86,7 +86,7 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
         square = square.reshape(1).clone()
         ledger.counts.setdefault("step", 0)
         ledger.all_reduce(square, "step", GRAD_NORM_ALL_REDUCE)
-        coef = _clip_coef(square.sqrt()[0], inj)
+        coef = clip_coef(square.sqrt()[0], inj)
     with torch.no_grad():
         weights = {k: mine_params[k] - LR * coef * grads[k] for k in mine_params}
     mine = {"output": y.detach(), "input_grad": x.grad,
@@ -100,7 +100,7 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
           "grads": unshard([{k: r["grad_" + k] for k in names} for r in ranks], cfg, inj),
           "weights": unshard([{k: r["weight_" + k] for k in names} for r in ranks], cfg, inj)}
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
-    metrics = five_measures(seed, mode, _dense_step(x0, target, base, cfg, inj), tp)
+    metrics = five_measures(seed, mode, dense_step(x0, target, base, cfg, inj), tp)
     disagreement = {"seed": seed, "mode": mode}
     for name, key in REPLICATED.items():
         disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[key], ranks[0][key]) for r in ranks)

@@ -10,7 +10,7 @@ measures as text.
 first use of one of their names (``viz.heads_to_ranks_figure``): a chapter that only prints
 ``viz.format_measure`` does not pay for matplotlib.
 """
-from .._lazy import lazy_names
+from ..lazy import lazy_names
 from .tables import *  # noqa: F401,F403
 from .tables import __all__ as _tables
 

@@ -22,7 +22,7 @@ the static explorer: a reader never meets a control that does nothing.
 explorer that shows only HTML (``tpattn.widgets.bug_hunt``) does not load matplotlib.
 """
 
-from .._lazy import lazy_names
+from ..lazy import lazy_names
 from .core import Explorer, config_controls, mode_control, seed_control
 from .static import StaticExplorer
 
