@@ -101,7 +101,8 @@ test-browser: book
 	$(PY) -m pytest -q $(XDIST) tests/test_browser.py
 
 lab: setup
-	$(VENV)/bin/jupyter lab book/
+	@echo "JupyterLab: open the http://127.0.0.1:8888/lab?token=... URL it prints below"
+	$(VENV)/bin/jupyter lab book/ $$(if [ "$$(id -u)" = 0 ]; then echo --allow-root; fi)
 
 # Issue 15's four speed figures first (bench/speed.py runs book_build, test_time,
 # widget_latency, notebook_imports and sums them up), then every other benchmark.

@@ -119,3 +119,45 @@ def test_bad_arguments_raise_value_error_naming_the_rule(kwargs, message):
             **kwargs}
     with pytest.raises(ValueError, match=message):
         check_module(args.pop("module"), args.pop("plan"), args.pop("x"), **args)
+
+
+WARNING_SCRIPT = """
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from tests.test_check_module import TwoLayerMLP
+from tpattn.module_check import check_module
+
+
+class WithPositions(TwoLayerMLP):
+    # an embedding of positions: a submodule none of whose inputs needs a gradient
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(3, 8)
+
+    def forward(self, x):
+        return super().forward(x) + self.pos(torch.arange(x.shape[0])).unsqueeze(1)
+
+
+if __name__ == "__main__":
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(1))
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    print("passed" if check_module(WithPositions(), plan, x).passed else "failed")
+"""
+
+
+def test_check_module_lets_no_warning_of_its_own_hooks_reach_the_user(tmp_path):
+    # the ranks are separate processes: read what they write to stderr
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = tmp_path / "check_positions.py"
+    script.write_text(WARNING_SCRIPT)
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "PYTHONWARNINGS": "always"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == "passed", done.stderr
+    assert "Warning" not in done.stderr, done.stderr

@@ -299,3 +299,45 @@ def test_torchrun_matrix_equals_simulated_ranks(kv_heads):
     assert [(r["mode"], r["seed"], r["passed"]) for r in real] == \
         [(s["mode"], s["seed"], s["passed"]) for s in simulated]
     assert all(abs(r[m] - s[m]) <= TOLERANCE for r, s in zip(real, simulated) for m in MEASURES)
+
+
+# --- replicas counted once: gradient norm and checkpoint ------------------------------------
+
+@pytest.mark.parametrize("shape", [dict(world_size=4, kv_heads=2, query_heads=8),
+                                   dict(world_size=2, kv_heads=1, query_heads=4),
+                                   dict(world_size=4, kv_heads=1, query_heads=4)])
+def test_grad_norm_and_checkpoint_count_each_replica_once(shape):
+    from tpattn.check import PARAM_SEED_OFFSET, dense_reference, make_inputs
+    from tpattn.kv_heads import global_grad_norm, unique_parameters
+    from tpattn.params import shard_params
+
+    cfg = Config(**shape)
+    x0, target = make_inputs(cfg, 5)
+    base = tpattn.init_params(cfg, 5 + PARAM_SEED_OFFSET)
+    grads = dense_reference(x0, target, base, cfg)["grads"]
+    dense_norm = float(sum(g.double().square().sum() for g in grads.values()) ** 0.5)
+    # after the replica all-reduce, each copy of a KV head holds the whole head's gradient
+    rank_grads = shard_params(grads, cfg)
+    assert abs(global_grad_norm(cfg, rank_grads) - dense_norm) <= 1e-6 * dense_norm
+    # counting every rank's copies (norm W times, each KV head once per replica) is wrong
+    naive = float(sum(g.double().square().sum() for t in rank_grads for g in t.values()) ** 0.5)
+    assert naive > dense_norm * (1 + 1e-3)
+    # a checkpoint of the unique tensors rebuilds the dense weights exactly, with no copy twice
+    unique = unique_parameters(cfg, shard_params(base, cfg))
+    for name in ("wk", "wv"):
+        kept = [unique[k] for k in unique if k.startswith(name + "@")]
+        assert len(kept) == min(cfg.kv_heads, cfg.world_size)   # one per KV head
+        assert torch.equal(torch.cat(kept), base[name])
+    assert torch.equal(torch.cat([unique[f"wq@{r}"] for r in range(cfg.world_size)]), base["wq"])
+    with pytest.raises(ValueError, match="rank_tensors"):
+        unique_parameters(cfg, rank_grads[:1])
+
+
+def test_fused_qkv_gather_moves_five_times_the_kv_gather_at_llama_70b_tp16():
+    from tpattn.kv_heads import fused_qkv_gather_bytes, kv_costs
+
+    big = Config(seq=4096, batch=1, hidden=8192, query_heads=64, kv_heads=8, head_dim=128,
+                 world_size=16)
+    mib = 2 ** 20
+    assert fused_qkv_gather_bytes(big) == 300 * mib       # 2 x 15/16 x 4096 x 80 x 128 x 4 B
+    assert kv_costs(big)["gather_activations"]["kv_bytes_moved"] == 60 * mib

@@ -91,3 +91,22 @@ def test_ranks_and_fixture_agree_where_rank_0_sees_everything():
                for k in PARAM_NAMES)
     assert any(abs(fixture["grad_diffs"][0][k] - ranks["grad_diffs"][0][k]) > 1e-4
                for k in SHARDED)
+
+
+def test_train_stack_depth_turns_a_quiet_loss_curve_into_a_visible_gap():
+    from tpattn.stack import train_stack
+
+    def gap(layers, simulate, steps=20):
+        bug = train_stack(11, "missing_input_grad_reduce", layers=layers, steps=steps,
+                          simulate=simulate)
+        good = train_stack(11, "equivalence", layers=layers, steps=steps, simulate=simulate)
+        assert bug["losses"][0] == good["losses"][0]          # the forward is untouched
+        return abs(bug["losses"][-1] - good["losses"][-1]) / good["losses"][-1], bug, good
+
+    one, bug, good = gap(1, "fixture")
+    assert one < 1e-2 and max(bug["norm_spread"]) == 0       # one copy of norm
+    four, _, _ = gap(4, "fixture")
+    assert four > 5 * one                                     # depth makes it visible
+    ranks, bug, good = gap(1, "ranks")
+    assert ranks < 1e-2
+    assert bug["norm_spread"][-1] > 1e-2 and max(good["norm_spread"]) == 0

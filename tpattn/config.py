@@ -170,9 +170,13 @@ def _kv_layout_problems(cfg: Config) -> list[str]:
             f"kv_heads must be a multiple of world_size when kv_heads >= world_size, so each "
             f"rank holds complete query/KV groups (got kv_heads={kv}, world_size={w})")
     if kv < w and w % kv:
+        shared = ("its K/V activations gathered to them"
+                  if cfg.kv_strategy == "gather_activations"
+                  else "its K/V weights replicated on them")
         problems.append(
             f"world_size must be a multiple of kv_heads when kv_heads < world_size, so each KV "
-            f"head is replicated on world_size/kv_heads ranks (got kv_heads={kv}, world_size={w})")
+            f"head serves world_size/kv_heads whole ranks ({shared}) "
+            f"(got kv_heads={kv}, world_size={w})")
     if kv < w and q % w:
         problems.append(
             f"query_heads must be a multiple of world_size when kv_heads < world_size "

@@ -199,8 +199,11 @@ _FIVE = ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff",
          "parameter_grad_max_abs_diff", "post_step_weight_max_abs_diff")
 
 
-def _from_five_measures(result: dict, cfg, signatures: dict | None) -> list[dict]:
+def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
     from .check import TOLERANCE
+    from .config import Config
+
+    cfg = cfg or Config()
     from .zoo import REGISTRY, runnable_modes
     from .zoo import run as zoo_run
 
@@ -217,15 +220,32 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None) -> list[dict
                 continue
             signatures[mode] = tuple(m for m in _FIVE if r[m] >= TOLERANCE)
     matches = [m for m, sig in signatures.items() if sig == failing and sig]
+    printed = {}  # cause -> does the run's error equal that cause's exact error?
+    if forward is not None:
+        from .fingerprints import FINGERPRINTS as EXACT
+        printed = {m: EXACT[m](forward, result["seed"], cfg) for m in matches if m in EXACT}
+        ruled_out = [m for m, ok in printed.items() if not ok]
+        matches = [m for m in matches if m not in ruled_out]
+        if not matches:
+            return [{"cause": NO_KNOWN_CAUSE, "score": 0,
+                     "evidence": ["failing measures: " + ", ".join(failing)]
+                     + [f"the signature of {m}, not its numerical fingerprint" for m in ruled_out],
+                     "confirm": "-", "citation": None, "tied_with": []}]
     if not matches:
         return [{"cause": NO_KNOWN_CAUSE, "score": 0,
                  "evidence": ["failing measures: " + ", ".join(failing)],
                  "confirm": "-", "citation": None, "tied_with": []}]
-    return [{"cause": m, "score": len(failing),
-             "evidence": ["failing measures match its signature: " + ", ".join(failing)],
-             "confirm": "collect the observables (tpattn.observe) to tell the tied causes apart",
-             "citation": REGISTRY[m].citation, "tied_with": [o for o in matches if o != m]}
-            for m in matches]
+    found = [{"cause": m, "score": len(failing) + printed.get(m, False),
+              "evidence": ["failing measures match its signature: " + ", ".join(failing)]
+              + (["its numerical fingerprint matches: the error is exactly what it leaves"]
+                 if printed.get(m) else []),
+              "confirm": "collect the observables (tpattn.observe) to tell the tied causes apart",
+              "citation": REGISTRY[m].citation}
+             for m in matches]
+    found.sort(key=lambda c: -c["score"])
+    for c in found:
+        c["tied_with"] = [o["cause"] for o in found if o is not c and o["score"] == c["score"]]
+    return found
 
 
 def _tier0(candidates: list[dict], cfg) -> list[dict]:
@@ -249,18 +269,22 @@ def _tier0(candidates: list[dict], cfg) -> list[dict]:
 
 
 def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
-             tier0: bool = False) -> list[dict]:
+             forward=None, tier0: bool = False) -> list[dict]:
     """Candidate causes of what ``observations`` show, best first (see the module docstring).
 
     ``observations``: ``tpattn.observe``'s dict, or a ``tpattn.run`` result (the five
     measures; ``cfg`` is then its shape, default the seed's, and ``signatures`` may give the
-    modes' failing-measure tuples to match, else they are measured at seed 11).
+    modes' failing-measure tuples to match, else they are measured at seed 11). With
+    ``forward`` (the run's TP ``forward(x, params, cfg)``, fixture view), a missing reduction
+    whose signature matches is also tested by its numerical fingerprint
+    (``tpattn.fingerprints``): kept, one point higher, when the error is exactly what it
+    leaves, ruled out when not.
     Returns at least one entry; ``[{"cause": "no known cause", ...}]`` when nothing fits.
     ``tier0=True`` also says, for each candidate of the registry, whether the type checker
     catches it before anything runs (``tpattn.typecheck`` at ``cfg``, or the observed setup's
     world size and head counts): an added ``"tier0"`` entry; nothing else changes.
     """
-    found = _diagnose(observations, cfg, signatures)
+    found = _diagnose(observations, cfg, signatures, forward)
     if not tier0:
         return found
     if cfg is None:
@@ -273,12 +297,12 @@ def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
     return _tier0(found, cfg)
 
 
-def _diagnose(observations: dict, cfg, signatures: dict | None) -> list[dict]:
+def _diagnose(observations: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
     if not isinstance(observations, dict):
         raise ValueError(f"observations must be a dict from tpattn.observe or tpattn.run "
                          f"(got {type(observations).__name__})")
     if all(m in observations for m in _FIVE) and "setup" not in observations:
-        return _from_five_measures(observations, cfg, signatures)
+        return _from_five_measures(observations, cfg, signatures, forward)
     missing = [k for k in ("setup", "rank_losses", "batch_checksums", "shard_checksums",
                            "replica_checksums", "ledger", "planned_ledger") if k not in observations]
     if missing:

@@ -48,6 +48,7 @@ __all__ = [
     "kv_grad_bug_applies", "local_kv", "attend_gathered", "AllGatherRanks",
     "tp_forward_kv", "tp_forward_kv_ranks", "ReplicaGradReduce", "AllGatherKV",
     "kv_rank_attend", "kv_collectives", "kv_costs", "ring_bytes", "train_steps",
+    "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes",
 ]
 
 
@@ -371,6 +372,49 @@ def kv_costs(cfg: Config) -> dict:
                          "kv_activation_elements": activations,
                          "kv_bytes_moved": moved, "fg_bytes_moved": fg}
     return out
+
+
+def fused_qkv_gather_bytes(cfg: Config) -> int:
+    """Bytes one rank sends per step when the whole fused Q/K/V activation (``mixed_qkv``,
+    ``tokens x (Hq + 2 Hkv) x D`` values) is all-gathered in the forward and reduce-scattered in
+    the backward over the ``world_size`` ranks, and each rank then slices its heads out — what
+    Megatron-Core does when ``num_query_groups < tensor_model_parallel_size``
+    (NVIDIA/Megatron-LM#2565). Ring counts (``ring_bytes``), element size from ``cfg.dtype``."""
+    size = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    elements = cfg.seq * cfg.batch * (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    w = cfg.world_size
+    return ring_bytes("all_gather", elements, w, size) + ring_bytes("reduce_scatter", elements, w, size)
+
+
+# --- replicas counted once: gradient norm, clipping, checkpoints ------------------------------
+
+def unique_parameters(cfg: Config, rank_tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every distinct parameter tensor of a TP block once, from each rank's ``norm``, ``wq``,
+    ``wk``, ``wv``, ``wo`` (weights or their gradients; one dict per rank).
+
+    ``norm`` is replicated on every rank: rank 0's is kept. ``wq``/``wo`` shards are disjoint:
+    all kept (``"wq@r"``, ``"wo@r"``). ``wk``/``wv`` are kept only from a rank that holds the
+    first copy of its rows (``is_first_kv_copy``): under ``replicate_weights`` the other ranks of
+    a replica group hold the same head again. This is what a gradient norm (for clipping) must
+    sum over and what a checkpoint must store once.
+    """
+    if len(rank_tensors) != cfg.world_size:
+        raise ValueError(f"rank_tensors must hold one dict per rank, world_size={cfg.world_size} "
+                         f"(got {len(rank_tensors)})")
+    out = {"norm": rank_tensors[0]["norm"]}
+    for rank, t in enumerate(rank_tensors):
+        out[f"wq@{rank}"], out[f"wo@{rank}"] = t["wq"], t["wo"]
+        if is_first_kv_copy(cfg, rank):
+            out[f"wk@{rank}"], out[f"wv@{rank}"] = t["wk"], t["wv"]
+    return out
+
+
+def global_grad_norm(cfg: Config, rank_grads: list[dict[str, torch.Tensor]]) -> float:
+    """The L2 norm of the whole block's gradient from every rank's gradients, each replicated
+    tensor counted once (``unique_parameters``), accumulated in float64 — equal to the dense
+    block's gradient norm when the replicas' gradients have been all-reduced."""
+    unique = unique_parameters(cfg, rank_grads)
+    return float(sum(g.double().square().sum() for g in unique.values()) ** 0.5)
 
 
 # --- several steps: how the missing reduce drifts -------------------------------------------

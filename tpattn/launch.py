@@ -224,6 +224,9 @@ def _supervise(procs, messages, timeout: float):
                                              for e in errors.values())
             grace = FAILURE_GRACE_S if cause_known else max(FAILURE_GRACE_S, min(timeout, 5.0))
             if settled or now - failed_at > grace:
+                for rank, p in enumerate(procs):  # one that died since the scan above
+                    if p.exitcode is not None and rank not in done and rank not in errors:
+                        silent_exit.setdefault(rank, p.exitcode)
                 raise _diagnose(errors, silent_exit, stalled)
     return done, ready
 
@@ -231,18 +234,23 @@ def _supervise(procs, messages, timeout: float):
 def _diagnose(errors, silent_exit, stalled) -> RankFailure:
     """One line: the rank that caused the failure, then what the others saw.
 
-    Blame, in order: a rank that raised on its own; a rank that exited without reporting; a
-    rank whose collectives had strayed from the plan (it skipped one); a rank that stopped
-    reporting; else the first rank whose collective failed.
+    Blame, in order: the first rank seen to exit without reporting (a dead process breaks its
+    peers' connections, so their errors — "Connection reset by peer" — are consequences); a
+    rank that raised on its own; a rank whose collectives had strayed from the plan (it
+    skipped one); a rank that stopped reporting; else the first rank whose collective failed.
     """
     own = {r: e["message"] for r, e in errors.items() if not e["in_collective"]}
     strayed = {r: e["deviation"] for r, e in errors.items() if e["deviation"]}
-    if own:
+    if silent_exit:
+        rank = next(iter(silent_exit))  # dicts keep insertion order: the first one noticed
+        cause = f"rank {rank} exited (exit code {silent_exit[rank]}) before finishing its work"
+        others = [r for r in silent_exit if r != rank]
+        if others:
+            cause += " — " + "; ".join(f"rank {r} exited (exit code {silent_exit[r]})"
+                                       for r in others)
+    elif own:
         rank = min(own)
         cause = f"rank {rank} raised {own[rank]}"
-    elif silent_exit:
-        rank = min(silent_exit)
-        cause = f"rank {rank} exited (exit code {silent_exit[rank]}) before finishing its work"
     elif strayed:
         rank = min(strayed)
         cause = f"rank {rank} skipped a collective: {strayed[rank]}"

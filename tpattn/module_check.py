@@ -20,6 +20,7 @@ whether the sharded module computes what the whole one does.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+#: The start of torch's warning that ``_rank_step`` silences (a regex for ``filterwarnings``).
+COMM_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect "
+                     r"to module outputs since no inputs require gradients")
+
+
 def _is_replicated(t: torch.Tensor) -> bool:
     placements = getattr(t, "placements", None)
     return placements is None or all(p.is_replicate() for p in placements)
@@ -151,7 +157,11 @@ def _rank_step(rank: int, job: _Job, label: str, plan: dict, mesh, device: torch
         forward_comms.append(comms)
         return _local(y) if _is_replicated(y) else _full(y)
 
-    with CommDebugMode() as step_comms:
+    # CommDebugMode counts per module with a global full backward pre-hook; torch warns when
+    # it fires on a submodule none of whose inputs needs a gradient (an embedding of
+    # positions, say). That warning is about this check's hook, not the user's module.
+    with CommDebugMode() as step_comms, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=COMM_HOOK_WARNING, category=UserWarning)
         tp = one_step(sharded_forward, x0, target,
                       {k: sharded_params[k].detach() for k in used})
     fwd = _counts(forward_comms[0])

@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import torch
 
-from .check import (MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET,
+import torch.nn.functional as F
+
+from .check import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET,
                     check_mode, check_seed, check_simulate, make_inputs, max_abs_diff,
                     one_step, ranks_step)
 from .config import Config
 from .dense import dense_forward
-from .params import PARAM_NAMES, init_params, shard_params, unshard_params
+from .params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
 from .tp import tp_forward, tp_forward_ranks
 
 __all__ = ["init_stack", "blocks_of", "dense_stack_forward", "tp_stack_forward",
-           "tp_stack_forward_ranks", "run_stack", "BLOCK_SEED_STRIDE"]
+           "tp_stack_forward_ranks", "run_stack", "train_stack", "BLOCK_SEED_STRIDE"]
 
 #: Block ``l``'s parameters are ``init_params(cfg, seed + PARAM_SEED_OFFSET + l * BLOCK_SEED_STRIDE)``:
 #: block 0 is the fixture's block, the others have their own weights.
@@ -166,3 +168,47 @@ def run_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config
         "grad_diffs": per_block("grads"),
         "weight_diffs": per_block("weights"),
     }
+
+
+def train_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config | None = None,
+                layers: int = 1, steps: int = 20, simulate: str = "fixture") -> dict:
+    """``steps`` SGD steps (learning rate ``LR``) of the TP stack with ``mode``'s reduce flags
+    in every block, on the fixture's batch, from ``run_stack``'s start.
+
+    ``simulate="fixture"``: rank 0's view (``tp_stack_forward``); ``"ranks"``: every rank its
+    own shards and ``norm`` copies, loss and update (``tp_stack_forward_ranks``). Returns
+    ``losses`` (rank 0's loss before each step, ``steps`` floats) and ``norm_spread``: after
+    each step, the largest ``|norm on rank r − norm on rank 0|`` over every block and rank
+    (always 0 in the fixture's view, which holds one copy).
+    """
+    check_mode(mode)
+    check_seed(seed)
+    check_layers(layers)
+    check_simulate(simulate)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+    cfg = Config() if cfg is None else cfg
+    x0, target = make_inputs(cfg, seed)
+    base = init_stack(cfg, layers, seed + PARAM_SEED_OFFSET)
+    flags = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
+                 reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    ranks = simulate == "ranks"
+    per_rank = [clone_trainable(flat) for flat in _shard_stack(base, cfg)] if ranks \
+        else [clone_trainable(base)]
+    losses, spread = [], []
+    for _ in range(steps):
+        if ranks:
+            ys = tp_stack_forward_ranks([x0.clone() for _ in per_rank], per_rank, cfg, **flags)
+        else:
+            ys = [tp_stack_forward(x0, per_rank[0], cfg, **flags)]
+        rank_losses = [F.mse_loss(y, target) for y in ys]
+        leaves = [t for flat in per_rank for t in flat.values()]
+        grads = torch.autograd.grad(sum(rank_losses), leaves)
+        with torch.no_grad():
+            for t, g in zip(leaves, grads):
+                t -= LR * g
+        losses.append(rank_losses[0].item())
+        spread.append(max((flat[f"{layer}.norm"] - per_rank[0][f"{layer}.norm"]).abs().max().item()
+                          for flat in per_rank for layer in range(layers)))
+    return {"seed": seed, "mode": mode, "layers": layers, "steps": steps, "simulate": simulate,
+            "losses": losses, "norm_spread": spread}
