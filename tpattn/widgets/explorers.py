@@ -30,8 +30,9 @@ from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dy
 from ..viz.frames import HeadsPicture, heads_svg
 from ..viz.kv import replica_groups_layout
 from ..viz.sharding import heads_layout
-from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
-                   message_html, mode_control, png_img, png_output, seed_control, single_thread)
+from .core import (Explorer, Renders, StandingFigure, config_controls, config_panel,
+                   drawn_config, html_output, mode_control, png_img, png_output, seed_control,
+                   single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text
 from .static import StaticExplorer
 
@@ -78,13 +79,6 @@ def _rope_png(renders: Renders, position, head_dim, max_position, palette=False,
                                                     max_position=max_position), palette, draw)
 
 
-def rope_standing_figure() -> StandingFigure:
-    """``rope_rotation_figure`` kept standing per ``(head_dim, max_position)``."""
-    return StandingFigure(
-        build=lambda shape, position: rope_rotation_figure(position, *shape),
-        update=set_rope_position, dynamic=rope_dynamic_artists)
-
-
 def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
     """RoPE's rotations at one position: every channel pair turns at its own frequency."""
     controls = {
@@ -93,7 +87,9 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
         "head_dim": widgets.Dropdown(options=[2, 4, 8, 16, 32], value=head_dim,
                                      description="head_dim", layout=widgets.Layout(width="11em")),
     }
-    renders, standing = Renders(), rope_standing_figure()
+    renders = Renders()
+    standing = StandingFigure(build=lambda shape, position: rope_rotation_figure(position, *shape),
+                              update=set_rope_position, dynamic=rope_dynamic_artists)
 
     def draw(position, head_dim):
         png = _rope_png(renders, position, head_dim, max_position,  # may raise: before text
@@ -158,14 +154,6 @@ def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=Fal
                        draw)
 
 
-def attention_standing_figure() -> StandingFigure:
-    """``attention_heatmaps`` kept standing per ``Config``."""
-    return StandingFigure(
-        build=lambda cfg, state: attention_heatmaps(cfg, *state),
-        update=lambda fig, state: set_attention_state(fig, *state),
-        dynamic=attention_dynamic_artists)
-
-
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
                        cfg: Config | None = None) -> Explorer:
     """Attention probabilities of every query head; frames colored by the KV head they share."""
@@ -176,7 +164,10 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         "batch_index": widgets.IntText(value=batch_index, description="batch",
                                        layout=widgets.Layout(width="9em")),
     }
-    renders, standing = Renders(), attention_standing_figure()
+    renders = Renders()
+    standing = StandingFigure(build=lambda cfg, state: attention_heatmaps(cfg, *state),
+                              update=lambda fig, state: set_attention_state(fig, *state),
+                              dynamic=attention_dynamic_artists)
 
     def draw(heads, seed, batch_index):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
@@ -218,13 +209,9 @@ def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_
 # --- chapter 6: heads to ranks -------------------------------------------------------------
 
 def sharding_config(query_heads, kv_heads, world_size) -> Config:
-    """The fixture's ``Config`` with these head counts and ranks (``Config``'s own
-    ``ValueError`` if invalid; ``ValueError`` too above ``MAX_DRAWN_HEADS`` query heads)."""
-    cfg = Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
-    if cfg.query_heads > MAX_DRAWN_HEADS:
-        raise ValueError(f"query_heads: the figure draws at most {MAX_DRAWN_HEADS} query heads "
-                         f"(got {cfg.query_heads})")
-    return cfg
+    """The fixture's ``Config`` with these heads and ranks (``drawn_config``)."""
+    return drawn_config(MAX_DRAWN_HEADS, query_heads=query_heads, kv_heads=kv_heads,
+                        world_size=world_size)
 
 
 def _sharding_caption(cfg: Config) -> tuple[str, str]:
@@ -276,14 +263,9 @@ def static_sharding_explorer(layouts=None, initial=(4, 2, 2)) -> StaticExplorer:
     ``layouts`` (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s
     message."""
     layouts = [tuple(layout) for layout in (SHARDING_LAYOUTS if layouts is None else layouts)]
-    panels = {}
-    for i, layout in enumerate(layouts):
-        try:
-            cfg = sharding_config(*layout)
-        except ValueError as error:
-            panels[(i,)] = message_html(str(error))
-            continue
-        panels[(i,)] = _sharding_caption(cfg)[1] + heads_svg(layout_picture(cfg))
+    panels = {(i,): config_panel(lambda: sharding_config(*layout), lambda cfg: (
+        _sharding_caption(cfg)[1] + heads_svg(layout_picture(cfg))))
+        for i, layout in enumerate(layouts)}
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     start = layouts.index(tuple(initial)) if tuple(initial) in layouts else 0
     return StaticExplorer("sharding", [("layout", labels)], panels, initial=(start,))
