@@ -23,7 +23,7 @@ from ..config import Config
 
 __all__ = [
     "Explorer", "seed_control", "mode_control", "config_controls", "drawn_config", "config_panel",
-    "figure_png", "figure_pixels", "encode_png", "Renders", "StandingFigure",
+    "figure_png", "figure_pixels", "encode_png", "StandingFigure",
     "png_output", "html_output", "message_output", "message_html", "png_img", "single_thread",
 ]
 
@@ -100,14 +100,15 @@ def config_panel(make_config: Callable[[], Config], render: Callable[[Config], s
 
 # --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
 
-def encode_png(pixels, palette: bool = False, compress_level: int = 6) -> bytes:
+def encode_png(pixels, palette: bool = False) -> bytes:
     """PNG bytes (no metadata) of an ``[H, W, 3|4]`` uint8 array, as RGB; ``palette=True``:
-    256 colors (deterministic octree), ~3x smaller, for the precomputed panels."""
+    256 colors (deterministic octree), ~3x smaller, for the precomputed panels; else fast
+    to encode (a live update)."""
     image = Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB")
     if palette:
         image = image.quantize(256, method=Image.Quantize.FASTOCTREE)
     buf = io.BytesIO()
-    image.save(buf, format="png", compress_level=compress_level)
+    image.save(buf, format="png", compress_level=6 if palette else 1)
     return buf.getvalue()
 
 
@@ -125,32 +126,6 @@ def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:
 def figure_png(fig, dpi: int = PNG_DPI, palette: bool = False) -> bytes:
     """The figure as PNG bytes (see ``figure_pixels``, ``encode_png``); closes it."""
     return encode_png(figure_pixels(fig, dpi), palette=palette)
-
-
-class Renders:
-    """Drawn pixels by key, shared by a live explorer and its static twin (a state is drawn
-    once); keeps the last ``size``."""
-
-    def __init__(self, size: int = 16):
-        self.size = size
-        self.draws = 0
-        self._pixels: dict = {}
-
-    def pixels(self, key, make_figure: Callable[[], object],
-               draw: Callable[[], np.ndarray] | None = None) -> np.ndarray:
-        """``draw()`` if given, else ``figure_pixels(make_figure())``, unless ``key`` is kept."""
-        if key not in self._pixels:
-            self._pixels[key] = draw() if draw is not None else figure_pixels(make_figure())
-            self.draws += 1
-            while len(self._pixels) > self.size:
-                del self._pixels[next(iter(self._pixels))]
-        return self._pixels[key]
-
-    def png(self, key, make_figure: Callable[[], object], palette: bool = False,
-            draw: Callable[[], np.ndarray] | None = None) -> bytes:
-        """PNG of ``pixels(key, make_figure, draw)`` (``palette``: small, else fast to encode)."""
-        return encode_png(self.pixels(key, make_figure, draw), palette=palette,
-                          compress_level=6 if palette else 1)
 
 
 class StandingFigure:
@@ -218,6 +193,10 @@ class StandingFigure:
             if artist.get_visible():
                 fig.draw_artist(artist)
         return np.array(fig.canvas.buffer_rgba())
+
+    def png(self, structure, state, palette: bool = False) -> bytes:
+        """``encode_png(pixels(structure, state), palette)``."""
+        return encode_png(self.pixels(structure, state), palette=palette)
 
 
 def png_output(png: bytes, text: str = "<Figure>") -> dict:

@@ -30,7 +30,7 @@ from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dy
 from ..viz.frames import HeadsPicture, heads_svg
 from ..viz.kv import replica_groups_layout
 from ..viz.sharding import heads_layout
-from .core import (Explorer, Renders, StandingFigure, config_controls, config_panel,
+from .core import (Explorer, StandingFigure, config_controls, config_panel,
                    drawn_config, html_output, mode_control, png_img, png_output, seed_control,
                    single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text
@@ -68,15 +68,10 @@ def _rope_caption(position: int, head_dim: int) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _rope_png(renders: Renders, position, head_dim, max_position, palette=False,
-              standing: StandingFigure | None = None) -> bytes:
-    """The RoPE figure's PNG; live (``standing`` given) drawn on a standing figure per
-    ``head_dim``, whose arrows move with the position."""
-    draw = None if standing is None else (
-        lambda: standing.pixels((head_dim, max_position), position))
-    return renders.png(("rope", position, head_dim, max_position),
-                       lambda: rope_rotation_figure(position, head_dim=head_dim,
-                                                    max_position=max_position), palette, draw)
+def _rope_standing() -> StandingFigure:
+    """``rope_rotation_figure`` standing per ``(head_dim, max_position)``, moved per position."""
+    return StandingFigure(build=lambda shape, position: rope_rotation_figure(position, *shape),
+                          update=set_rope_position, dynamic=rope_dynamic_artists)
 
 
 def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
@@ -87,42 +82,36 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
         "head_dim": widgets.Dropdown(options=[2, 4, 8, 16, 32], value=head_dim,
                                      description="head_dim", layout=widgets.Layout(width="11em")),
     }
-    renders = Renders()
-    standing = StandingFigure(build=lambda shape, position: rope_rotation_figure(position, *shape),
-                              update=set_rope_position, dynamic=rope_dynamic_artists)
+    standing = _rope_standing()
 
     def draw(position, head_dim):
-        png = _rope_png(renders, position, head_dim, max_position,  # may raise: before text
-                        standing=standing)
+        png = standing.png((head_dim, max_position), position)  # may raise: before the text
         text, markup = _rope_caption(position, head_dim)
         return [html_output(markup, text), png_output(png, f"<RoPE at position {position}>")]
 
     def static():
         twin = static_rope_explorer(head_dim=head_dim, max_position=max_position,
-                                    initial=position, renders=renders, standing=standing)
+                                    initial=position, standing=standing)
         for other in controls["head_dim"].options:  # while the cell runs: every head_dim's
             standing.stand((other, max_position), position)  # figure, for fast updates later
         return twin
 
     explorer = Explorer("RoPE", controls, draw, static=static)
-    explorer.renders, explorer.standing = renders, standing
+    explorer.standing = standing
     return explorer
 
 
 def static_rope_explorer(positions=None, head_dim: int = 8, max_position: int = 16,
-                         initial: int = 3, renders: Renders | None = None,
-                         standing: StandingFigure | None = None) -> StaticExplorer:
-    """The RoPE figure at each of ``positions`` (default ``ROPE_POSITIONS``), one ``head_dim``
-    (its pairs are the frequencies; the live explorer changes it too). ``standing``: draw
-    them on the live explorer's standing figure (the same pixels, one build)."""
+                         initial: int = 3, standing: StandingFigure | None = None
+                         ) -> StaticExplorer:
+    """The RoPE figure at each of ``positions`` (default ``ROPE_POSITIONS``) for one
+    ``head_dim``, drawn on ``standing`` (the live explorer's: one build)."""
     positions = ROPE_POSITIONS if positions is None else positions
-    renders = Renders() if renders is None else renders
-    panels = {}
-    for i, position in enumerate(positions):
-        png = _rope_png(renders, position, head_dim, max_position, palette=True,
-                        standing=standing)
-        panels[(i,)] = _rope_caption(position, head_dim)[1] + png_img(
-            png, f"RoPE rotations at position {position}, head_dim {head_dim}")
+    standing = _rope_standing() if standing is None else standing
+    panels = {(i,): _rope_caption(position, head_dim)[1] + png_img(
+        standing.png((head_dim, max_position), position, palette=True),
+        f"RoPE rotations at position {position}, head_dim {head_dim}")
+        for i, position in enumerate(positions)}
     return StaticExplorer("rope", [("position", [str(p) for p in positions])], panels,
                           initial=_index_of((initial,), (positions,)))
 
@@ -144,14 +133,11 @@ def _attention_caption(cfg: Config) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=False,
-                   standing: StandingFigure | None = None) -> bytes:
-    """The heat maps' PNG; live (``standing`` given) drawn on a standing figure per layout,
-    whose images and labels change with the seed and batch element."""
-    draw = None if standing is None else (lambda: standing.pixels(cfg, (seed, batch_index)))
-    return renders.png(("attention", cfg, seed, batch_index),
-                       lambda: attention_heatmaps(cfg, seed, batch_index=batch_index), palette,
-                       draw)
+def _attention_standing() -> StandingFigure:
+    """``attention_heatmaps`` standing per ``Config``, redrawn per ``(seed, batch_index)``."""
+    return StandingFigure(build=lambda cfg, state: attention_heatmaps(cfg, *state),
+                          update=lambda fig, state: set_attention_state(fig, *state),
+                          dynamic=attention_dynamic_artists)
 
 
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
@@ -164,44 +150,35 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         "batch_index": widgets.IntText(value=batch_index, description="batch",
                                        layout=widgets.Layout(width="9em")),
     }
-    renders = Renders()
-    standing = StandingFigure(build=lambda cfg, state: attention_heatmaps(cfg, *state),
-                              update=lambda fig, state: set_attention_state(fig, *state),
-                              dynamic=attention_dynamic_artists)
+    standing = _attention_standing()
 
     def draw(heads, seed, batch_index):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
         with single_thread():
-            png = _attention_png(renders, layout_cfg, seed, batch_index, standing=standing)
+            png = standing.png(layout_cfg, (seed, batch_index))
         text, markup = _attention_caption(layout_cfg)
         return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
-    def static():
-        return static_attention_explorer(cfg=cfg, initial=(heads, seed), renders=renders,
-                                         standing=standing)
-
-    explorer = Explorer("attention", controls, draw, static=static)
-    explorer.renders, explorer.standing = renders, standing
+    explorer = Explorer("attention", controls, draw, static=lambda: static_attention_explorer(
+        cfg=cfg, initial=(heads, seed), standing=standing))
+    explorer.standing = standing
     return explorer
 
 
 def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_SEEDS,
                               cfg: Config | None = None, initial=("GQA 4q/2kv", 11),
-                              renders: Renders | None = None,
                               standing: StandingFigure | None = None) -> StaticExplorer:
-    """The heat maps for every ``layouts × seeds`` (layout names from ``ATTENTION_LAYOUTS``).
-    ``standing``: draw them on the live explorer's standing figures (the same pixels, one
-    build per layout, which then stand for the live updates)."""
-    renders = Renders() if renders is None else renders
+    """The heat maps for every ``layouts × seeds`` (names from ``ATTENTION_LAYOUTS``), drawn
+    on ``standing`` (the live explorer's: one build per layout)."""
+    standing = _attention_standing() if standing is None else standing
     panels = {}
     for i, name in enumerate(layouts):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[name], base=cfg)
-        markup = _attention_caption(layout_cfg)[1]
         for j, seed in enumerate(seeds):
             with single_thread():
-                png = _attention_png(renders, layout_cfg, seed, 0, palette=True,
-                                     standing=standing)
-            panels[i, j] = markup + png_img(png, f"attention probabilities, {name}, seed {seed}")
+                png = standing.png(layout_cfg, (seed, 0), palette=True)
+            panels[i, j] = _attention_caption(layout_cfg)[1] + png_img(
+                png, f"attention probabilities, {name}, seed {seed}")
     return StaticExplorer("attention", [("heads", list(layouts)), ("seed", [str(s) for s in seeds])],
                           panels, initial=_index_of(initial, (layouts, seeds)))
 

@@ -19,7 +19,7 @@ from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, meas
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
 from ..viz.sharding import value_label, zero_floor
 from ..viz.style import FAIL_COLOR, PASS_COLOR
-from .core import StandingFigure, encode_png, single_thread
+from .core import StandingFigure, single_thread
 
 __all__ = ["MeasuresPlot", "live_run", "measures_html", "measures_text", "verdict"]
 
@@ -119,5 +119,4 @@ class MeasuresPlot:
         """PNG bytes of ``measures_figure(result)``: fast to encode (live updates), or 256-color
         and small with ``palette=True`` (the precomputed panels of a page)."""
         floor = zero_floor([float(result[m]) for m in MEASURES])
-        return encode_png(self.standing.pixels(floor, result), palette=palette,
-                          compress_level=6 if palette else 1)
+        return self.standing.png(floor, result, palette=palette)
