@@ -1,11 +1,5 @@
-"""The bug-hunt explorer (chapter 17): a hidden bug, its observables, the reader's guess.
-
-Live: ``bug_hunt_explorer()`` — pick a hunt number and a cause; the panel shows what the run
-shows (``tpattn.bug_hunt.describe``) and whether the guess is right and why
-(``tpattn.bug_hunt.judge``), observed with the ranks as a batch dimension
-(``observe(..., batched=True)``, ``tpattn.zoo_batched``). Static:
-``static_bug_hunt_explorer(hunts)`` precomputes every hunt x answer for the HTML book.
-"""
+"""The bug-hunt explorer (chapter 17): pick a hunt and a cause; the panel shows what the run
+shows (``bug_hunt.describe``) and whether the guess is right (``bug_hunt.judge``)."""
 from __future__ import annotations
 
 import html

@@ -209,8 +209,7 @@ def _sharding_caption(cfg: Config) -> tuple[str, str]:
 
 
 def layout_picture(cfg: Config) -> HeadsPicture:
-    """What the heads→ranks figure of ``cfg`` draws: ``heads_layout``, or with fewer KV heads
-    than ranks ``replica_groups_layout`` (as ``heads_to_ranks_figure`` does)."""
+    """The heads→ranks picture of ``cfg``, as ``heads_to_ranks_figure`` chooses it."""
     return replica_groups_layout(cfg) if cfg.kv_heads < cfg.world_size else heads_layout(cfg)
 
 
@@ -236,9 +235,8 @@ def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int =
 
 
 def static_sharding_explorer(layouts=None, initial=(4, 2, 2)) -> StaticExplorer:
-    """The heads→ranks figure (SVG) for each ``(query_heads, kv_heads, world_size)`` in
-    ``layouts`` (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s
-    message."""
+    """The heads→ranks SVG for each ``(query_heads, kv_heads, world_size)`` of ``layouts``
+    (default ``SHARDING_LAYOUTS``); an invalid one's panel shows the message."""
     layouts = [tuple(layout) for layout in (SHARDING_LAYOUTS if layouts is None else layouts)]
     panels = {(i,): config_panel(lambda: sharding_config(*layout), lambda cfg: (
         _sharding_caption(cfg)[1] + heads_svg(layout_picture(cfg))))
@@ -254,8 +252,7 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | No
                        simulate: str = "fixture", modes=MODES, name: str = "seed × mode",
                        kind: str = "seed-mode") -> Explorer:
     """``run(seed, mode, cfg, simulate=simulate)``: the five measures, the verdict, the bars
-    against 1e-6 (``modes``: the mode buttons; ``name``, ``kind``: the explorer's and its
-    static twin's names)."""
+    (``modes``: the buttons; ``name``, ``kind``: the explorer's and static twin's names)."""
     controls = {"seed": seed_control(seed), "mode": mode_control(mode, modes)}
     plot = MeasuresPlot()
 

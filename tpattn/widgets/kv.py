@@ -30,8 +30,8 @@ def kv_config(query_heads, kv_heads, world_size, kv_strategy="replicate_weights"
 
 
 def kv_caption(cfg: Config) -> tuple[str, str]:
-    """Text and HTML under the kv explorer's picture: the replica groups, and what each
-    ``kv_strategy`` holds and sends per step (``kv_costs``)."""
+    """Text and HTML under the kv picture: the replica groups, and what each ``kv_strategy``
+    holds and sends per step (``kv_costs``)."""
     q = cfg.local_query_heads
     lines = []
     if has_replicas(cfg):
@@ -86,8 +86,7 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
 
 def static_kv_explorer(layouts=KV_LAYOUTS,
                        initial=((8, 2, 4), "replicate_weights")) -> StaticExplorer:
-    """The live explorer's panels (caption, SVG) for each layout × strategy (an invalid one
-    shows ``Config``'s message)."""
+    """The live panels (caption, SVG) for each layout × strategy; an invalid one: the message."""
     layouts = [tuple(layout) for layout in layouts]
     panels = {(i, j): config_panel(lambda: kv_config(*layout, strategy), lambda cfg: (
         kv_caption(cfg)[1] + heads_svg(replica_groups_layout(cfg))))
