@@ -46,17 +46,14 @@ def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, s
     return markup, "\n".join(text)
 
 
-def _answer_control(value: str = UNANSWERED) -> widgets.Dropdown:
-    return widgets.Dropdown(options=[UNANSWERED] + choices(), value=value,
-                            description="cause", layout=widgets.Layout(width="24em"))
-
-
 def bug_hunt_explorer(hunt: int = 1) -> Explorer:
     """Live bug hunt: ``hunt`` (any integer >= 0) and the reader's answer."""
     cache: dict = {}
     controls = {"hunt": widgets.IntText(value=hunt, description="hunt",
                                         layout=widgets.Layout(width="11em")),
-                "guess": _answer_control()}
+                "guess": widgets.Dropdown(options=[UNANSWERED] + choices(), value=UNANSWERED,
+                                          description="cause",
+                                          layout=widgets.Layout(width="24em"))}
 
     def draw(hunt, guess):
         markup, text = hunt_panel(hunt, guess, cache)

@@ -1,20 +1,7 @@
-"""The book's explorers: each a live ``Explorer`` and its precomputed ``StaticExplorer`` twin.
-
-============================  ==========================================  =====================
-explorer (chapter)            controls → what redraws                     static states
-============================  ==========================================  =====================
-``rope_explorer`` (3)         position, head_dim → rotation figure        5 positions
-``attention_explorer`` (4)    heads (MHA/GQA/MQA), seed, batch →          3 layouts × 2 seeds
-                              attention heat maps, KV sharing
-``sharding_explorer`` (6)     query_heads, kv_heads, world_size →         6 layouts, 2 invalid
-                              heads→ranks figure, or Config's error
-``seed_mode_explorer`` (8–10) seed, mode → five measures, verdict,        5 seeds × 3 modes
-                              log bars against 1e-6
-============================  ==========================================  =====================
-
-Every number comes from the package (``run``, ``Config``, ``rope_angles``) and every figure
-from ``tpattn.viz``; nothing here re-implements the block.
-"""
+"""The book's explorers, each a live ``Explorer`` and its ``StaticExplorer`` twin:
+``rope_explorer`` (chapter 3), ``attention_explorer`` (4), ``sharding_explorer`` (6) and
+``seed_mode_explorer`` (8–10); the static states are the constants below. Every number
+comes from the package and every figure from ``tpattn.viz``."""
 from __future__ import annotations
 
 import functools
