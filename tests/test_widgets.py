@@ -319,7 +319,7 @@ PICTURE_LAYOUTS = [(4, 2, 2, None), (8, 8, 4, None), (32, 8, 4, None), (8, 2, 4,
 @pytest.mark.parametrize("query_heads, kv_heads, world_size, strategy", PICTURE_LAYOUTS)
 def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
         query_heads, kv_heads, world_size, strategy):
-    """The explorers' SVG and the chapters' figure (the same SVG) draw one description
+    """The explorers' SVG and the chapters' matplotlib figure draw one description
     (``HeadsPicture``): every head's box in its rank's color and its label, one line per query
     head (dashed where it crosses ranks), the replica groups, the legend and the title."""
     from tpattn.viz import frames
@@ -341,7 +341,15 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
     owner = [h // cfg.local_query_heads for h in range(query_heads)]
     assert [box[4] for box in picture.boxes[:query_heads]] == [
         viz_sharding.rank_color(r) for r in owner]  # query head h on its rank's color
-    assert viz_sharding.heads_to_ranks_figure(cfg)._repr_html_() == frames.heads_svg(picture)
+    fig = viz_sharding.heads_to_ranks_figure(cfg)
+    ax = fig.axes[0]
+    shown = [t.get_text().replace("\n", " ") for t in ax.texts]
+    assert shown[:2] == [" ".join(label.split()) for label in picture.geometry.labels]
+    assert sorted(shown[2:]) == sorted(labels + [g[4] for g in picture.groups])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ranks
+    assert ax.get_title() == f"{picture.title}\n{picture.subtitle}"
+    assert len(ax.patches) == len(picture.boxes) + len(picture.groups)
+    plt.close(fig)
 
 
 def test_a_split_group_is_dashed_in_the_fail_color():

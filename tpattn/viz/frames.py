@@ -1,16 +1,19 @@
 """Heads pictures (chapters 6 and 13): heads as labelled boxes, lines between them, dashed
 replica groups, a rank legend and a two-line title. A ``HeadsPicture`` describes one in its
-frame's data coordinates; ``heads_svg`` draws it as an SVG string, shown by the chapters
-(``HeadsFigure``) and the explorers, live and static."""
+frame's data coordinates; ``draw_heads`` draws it with matplotlib (the chapters),
+``heads_svg`` as an SVG string (the explorers, live and static)."""
 from __future__ import annotations
 
 import html
 from typing import NamedTuple
 
-from .style import rank_color
+import matplotlib.patches as mpatches
+from matplotlib.collections import LineCollection
 
-__all__ = ["HEADS_MARGINS", "FrameGeometry", "HeadsPicture", "HeadsFigure", "frame_position",
-           "heads_svg"]
+from .style import new_figure, rank_color
+
+__all__ = ["HEADS_MARGINS", "FrameGeometry", "HeadsPicture", "new_heads_frame",
+           "frame_position", "draw_heads", "heads_svg"]
 
 #: Margins of a heads frame, in inches (left, bottom, right, top): the two-line title above
 #: the axes, the rank legend to their right. The left one widens for long row labels.
@@ -62,6 +65,49 @@ def frame_position(geometry: FrameGeometry) -> tuple[float, float, float, float]
     return left, bottom, geometry.width - left - right, geometry.height - bottom - top
 
 
+def new_heads_frame(geometry: FrameGeometry):
+    """An empty matplotlib frame of ``geometry``: row labels, limits, axes position, no axis."""
+    fig, ax = new_figure(figsize=(geometry.width, geometry.height), layout=None)
+    left, bottom, width, height = frame_position(geometry)
+    ax.set_position([left / geometry.width, bottom / geometry.height,
+                     width / geometry.width, height / geometry.height])
+    for label, y in zip(geometry.labels, geometry.label_ys):
+        ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+    ax.set_xlim(*geometry.xlim)
+    ax.set_ylim(*geometry.ylim)
+    ax.set_aspect("auto")
+    ax.axis("off")
+    return fig
+
+
+def draw_heads(picture: HeadsPicture):
+    """``picture`` as a new matplotlib figure (one ``Axes``)."""
+    fig = new_heads_frame(picture.geometry)
+    ax = fig.axes[0]
+    ax.add_collection(LineCollection(
+        [[(x0, y0), (x1, y1)] for x0, y0, x1, y1, *_ in picture.lines],
+        colors=[line[4] for line in picture.lines], zorder=1,
+        linestyles=["--" if line[5] else "-" for line in picture.lines],
+        linewidths=[line[6] for line in picture.lines]), autolim=False)
+    for x, y, width, height, color, label, fontsize in picture.boxes:
+        ax.add_patch(mpatches.FancyBboxPatch(
+            (x - width / 2, y - height / 2), width, height, boxstyle="round,pad=0.02",
+            facecolor=color, edgecolor="white", zorder=2))
+        ax.text(x, y, label, ha="center", va="center", color="white", fontweight="bold",
+                fontsize=fontsize, zorder=3)
+    for left, bottom, width, height, label in picture.groups:
+        ax.add_patch(mpatches.Rectangle((left, bottom), width, height, fill=False,
+                                        edgecolor="#333333", linestyle="--", linewidth=1.1,
+                                        zorder=1))
+        ax.text(left + width / 2, bottom - 0.14, label, ha="center", va="top", fontsize=8)
+    handles = [mpatches.Patch(color=rank_color(r), label=f"rank {r}")
+               for r in range(picture.ranks)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
+              fontsize=8)
+    ax.set_title(f"{picture.title}\n{picture.subtitle}", color=picture.title_color)
+    return fig
+
+
 def _svg_text(x, y, text, size, anchor="middle", **attributes) -> str:
     """One ``<text>`` (a multi-line ``text``: one ``<tspan>`` per line, centered on ``y``)."""
     lines = text.split("\n")
@@ -73,8 +119,8 @@ def _svg_text(x, y, text, size, anchor="middle", **attributes) -> str:
 
 
 def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
-    """``picture`` as an inline ``<svg>`` string, ``dpi`` pixels per inch, drawn in points,
-    text in the browser's sans-serif font."""
+    """``picture`` as an inline ``<svg>`` string, ``dpi`` pixels per inch (the size of
+    ``draw_heads``'s PNG), drawn in points, text in the browser's sans-serif font."""
     g = picture.geometry
     left, bottom, width, height = (72 * v for v in frame_position(g))
     top = 72 * g.height - bottom - height
@@ -115,17 +161,3 @@ def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
                          fill=picture.title_color))
     out.append("</svg>")
     return "".join(out)
-
-
-class HeadsFigure:
-    """A heads picture for a notebook: shown as its SVG (``heads_svg``), inline HTML."""
-
-    def __init__(self, picture: HeadsPicture):
-        self.picture = picture
-        self.svg = heads_svg(picture)
-
-    def _repr_html_(self) -> str:
-        return self.svg
-
-    def __repr__(self) -> str:
-        return f"<heads picture: {self.picture.title}>"
