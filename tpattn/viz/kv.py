@@ -7,12 +7,12 @@ from typing import Mapping, Sequence
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .frames import FrameGeometry, HeadsPicture, draw_heads, new_heads_frame
+from .frames import FrameGeometry, HeadsPicture, draw_heads
 from .sharding import drift_figure
 from .style import FAIL_COLOR, new_figure, rank_color
 
-__all__ = ["replica_groups_figure", "replica_groups_layout", "replica_groups_frame",
-           "replica_groups_geometry", "kv_drift_figure", "kv_costs_figure"]
+__all__ = ["replica_groups_figure", "replica_groups_layout", "replica_groups_geometry",
+           "kv_drift_figure", "kv_costs_figure"]
 
 
 def replica_groups_figure(cfg: Config):
@@ -28,11 +28,6 @@ def replica_groups_geometry(query_heads: int) -> FrameGeometry:
     return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
                          ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
                          (-0.95, 2.2))
-
-
-def replica_groups_frame(query_heads: int):
-    """The empty matplotlib frame of ``replica_groups_figure`` for ``query_heads``."""
-    return new_heads_frame(replica_groups_geometry(query_heads))
 
 
 def replica_groups_layout(cfg: Config) -> HeadsPicture:

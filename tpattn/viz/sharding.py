@@ -9,7 +9,7 @@ import torch
 
 from ..check import MEASURES, MODES, TOLERANCE
 from ..config import Config
-from .frames import FrameGeometry, HeadsPicture, draw_heads, new_heads_frame
+from .frames import FrameGeometry, HeadsPicture, draw_heads
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table
 
@@ -17,7 +17,7 @@ __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
     "zero_floor", "value_label",
-    "heads_to_ranks_figure", "heads_layout", "heads_frame", "heads_geometry", "FrameGeometry",
+    "heads_to_ranks_figure", "heads_layout", "heads_geometry", "FrameGeometry",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -57,11 +57,6 @@ def heads_geometry(query_heads: int) -> FrameGeometry:
     return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
                          ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
                          (-0.55, 2.1))
-
-
-def heads_frame(query_heads: int):
-    """The empty matplotlib frame of ``heads_to_ranks_figure`` for ``query_heads``."""
-    return new_heads_frame(heads_geometry(query_heads))
 
 
 def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
