@@ -87,7 +87,7 @@ def test_printing_measures_and_the_html_bug_hunt_do_not_load_matplotlib():
             "assert explorer.redraws == 2 and explorer.output.outputs")
     assert loaded_after(code, ("matplotlib",)) == []
     # the probe sees matplotlib as soon as a figure's name is used
-    assert loaded_after("from tpattn import viz; viz.heads_frame", ("matplotlib",)) == ["matplotlib"]
+    assert loaded_after("from tpattn import viz; viz.heads_layout", ("matplotlib",)) == ["matplotlib"]
 
 
 def test_the_lazy_packages_give_the_modules_own_objects():
@@ -95,11 +95,11 @@ def test_the_lazy_packages_give_the_modules_own_objects():
     from tpattn.viz import kv, layers, sharding, style, tables
     from tpattn.widgets import explorers
 
-    assert viz.heads_frame is sharding.heads_frame and viz.rope_rotation_figure is layers.rope_rotation_figure
-    assert viz.use_book_style is style.use_book_style and viz.replica_groups_frame is kv.replica_groups_frame
+    assert viz.heads_layout is sharding.heads_layout and viz.rope_rotation_figure is layers.rope_rotation_figure
+    assert viz.use_book_style is style.use_book_style and viz.replica_groups_layout is kv.replica_groups_layout
     assert viz.format_measure is tables.format_measure is sharding.format_measure
     assert widgets.rope_explorer is explorers.rope_explorer and viz.sharding is sharding
-    assert {"format_measure", "heads_frame", "replica_groups_figure"} <= set(viz.__all__)
+    assert {"format_measure", "heads_layout", "replica_groups_figure"} <= set(viz.__all__)
     assert {"Explorer", "kv_explorer", "sp_explorer", "rope_explorer"} <= set(widgets.__all__)
     with pytest.raises(AttributeError, match="no attribute 'no_such_figure'"):
         viz.no_such_figure

@@ -30,7 +30,7 @@ from tpattn.viz import sharding as viz_sharding
 from tpattn.viz.kv import replica_groups_figure
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.core import Renders, figure_png
+from tpattn.widgets.core import figure_png
 from tpattn.widgets.measures import MeasuresPlot, live_run
 
 
@@ -525,10 +525,11 @@ def test_import_tpattn_does_not_load_widgets():
     assert out.stdout.strip() == "[]"
 
 
-def test_live_and_static_share_the_state_they_open_on():
+def test_live_and_static_share_the_standing_figure_they_open_on():
     rope = widgets.rope_explorer(position=3)
-    cache = rope.renders
-    assert isinstance(cache, Renders) and cache.draws == 1
+    fig = rope.standing.figure((8, 16))
+    assert fig is not None and rope.standing.builds == 1
     html = rope.static_html()
-    assert cache.draws == len(explorers.ROPE_POSITIONS)  # position 3 was not drawn again
+    assert rope.standing.figure((8, 16)) is fig  # the static panels were drawn on it
+    assert rope.standing.builds == len(rope.controls["head_dim"].options)  # one per head_dim
     assert html.count("data:image/png;base64,") == len(explorers.ROPE_POSITIONS)

@@ -39,11 +39,9 @@ def _frame(ax, width, height):
 
 
 def gradient_paths_figure():
-    """The dense block's two gradient paths (chapter 5): forward ``x → RMSNorm → n → branch →
-    + → y`` in grey; backward in purple — ``dy`` reaches ``x`` directly through the residual,
-    and through the branch as ``dn = ∂L/∂n``, then RMSNorm's backward; ``dX`` is their sum.
-    A red note marks ``dn`` at ``n``: the sum tensor parallelism adds (Megatron's f).
-    Returns the figure."""
+    """The dense block's two gradient paths (chapter 5): forward in grey, backward in purple —
+    ``dy`` reaches ``x`` through the residual and through the branch as ``dn`` (where TP's f
+    sums, noted in red); ``dX`` is their sum."""
     fig, ax = new_figure(figsize=(9.0, 3.6))
     _frame(ax, 10.0, 4.0)
     yf, yb = 2.7, 1.3                      # forward row, backward row
@@ -82,11 +80,9 @@ def gradient_paths_figure():
 
 
 def backward_flow_figure(cfg: Config | None = None):
-    """The sharded block's backward pass (chapter 7), one lane per rank of ``cfg``: ``dy``
-    goes to every rank unchanged (g's backward), rank ``r`` computes its ``dn_r``, **f** sums
-    them into ``dn`` (the all-reduce), RMSNorm's backward takes ``dn`` to ``x`` and adds the
-    residual's ``dy``: ``dX``, computed on every rank, never all-reduced. Default ``cfg``: the
-    seed's ``Config()``. Returns the figure."""
+    """The sharded block's backward (chapter 7), one lane per rank of ``cfg`` (default
+    ``Config()``): ``dy`` to every rank, **f** sums the ranks' ``dn_r``, RMSNorm's backward
+    and the residual give ``dX`` on every rank, never all-reduced."""
     cfg = cfg or Config()
     world = cfg.world_size
     lane = 0.9

@@ -1,12 +1,7 @@
-"""Heads pictures: query heads and KV heads as labelled boxes, lines between them, dashed
-replica groups, a rank legend and a two-line title — the figures of chapters 6
-(``tpattn.viz.sharding.heads_layout``) and 13 (``tpattn.viz.kv.replica_groups_layout``).
-
-A picture is a ``HeadsPicture``: what to draw, in the data coordinates of its frame. It is
-drawn two ways from the same description: ``draw_heads`` makes a matplotlib figure (the
-chapters' figures), ``heads_svg`` an SVG string (the explorers: the browser draws it, in the
-live output area and in the book's static twin alike).
-"""
+"""Heads pictures (chapters 6 and 13): heads as labelled boxes, lines between them, dashed
+replica groups, a rank legend and a two-line title. A ``HeadsPicture`` describes one in its
+frame's data coordinates; ``draw_heads`` draws it with matplotlib (the chapters),
+``heads_svg`` as an SVG string (the explorers, live and static)."""
 from __future__ import annotations
 
 import html
@@ -28,8 +23,8 @@ _LABEL_CHAR_PT = 5.4
 
 
 class FrameGeometry(NamedTuple):
-    """A heads frame: its size in inches, its two row labels (right-aligned at x = -0.9, at
-    ``label_ys``) and its data limits."""
+    """A heads frame: size in inches, two row labels (right-aligned at x = -0.9, at
+    ``label_ys``), data limits."""
 
     width: float
     height: float
@@ -40,12 +35,11 @@ class FrameGeometry(NamedTuple):
 
 
 class HeadsPicture(NamedTuple):
-    """What a heads figure draws, in data coordinates of its ``geometry``.
+    """What a heads figure draws, in data coordinates of ``geometry``.
 
     lines: ``(x0, y0, x1, y1, color, dashed, width)``; boxes: ``(x, y, width, height, color,
-    label, fontsize)`` centered at ``(x, y)``, white bold labels; groups: dashed frames
-    ``(left, bottom, width, height, label)``, the label under the frame; a legend of the
-    colors of ranks ``0 … ranks - 1``; ``title`` over ``subtitle``, in ``title_color``."""
+    label, fontsize)`` centered at ``(x, y)``; groups: dashed frames ``(left, bottom, width,
+    height, label)``; a legend of ranks ``0 … ranks - 1``; ``title`` over ``subtitle``."""
 
     geometry: FrameGeometry
     title: str
@@ -58,8 +52,8 @@ class HeadsPicture(NamedTuple):
 
 
 def frame_position(geometry: FrameGeometry) -> tuple[float, float, float, float]:
-    """The axes' ``(left, bottom, width, height)`` in inches: ``HEADS_MARGINS``, the left
-    margin widened where a row label (estimated width) would reach past the figure's edge."""
+    """The axes' ``(left, bottom, width, height)`` in inches: ``HEADS_MARGINS``, the left one
+    widened until the (estimated) row labels fit."""
     left, bottom, right, top = HEADS_MARGINS
     xlim = geometry.xlim
     span, room = xlim[1] - xlim[0], -0.9 - xlim[0]  # data units: all, left of the labels
@@ -72,8 +66,7 @@ def frame_position(geometry: FrameGeometry) -> tuple[float, float, float, float]
 
 
 def new_heads_frame(geometry: FrameGeometry):
-    """An empty matplotlib frame of ``geometry``: its two row labels, fixed limits and axes
-    position (``frame_position``), no axis."""
+    """An empty matplotlib frame of ``geometry``: row labels, limits, axes position, no axis."""
     fig, ax = new_figure(figsize=(geometry.width, geometry.height), layout=None)
     left, bottom, width, height = frame_position(geometry)
     ax.set_position([left / geometry.width, bottom / geometry.height,
@@ -126,9 +119,8 @@ def _svg_text(x, y, text, size, anchor="middle", **attributes) -> str:
 
 
 def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
-    """``picture`` as an SVG string, ``dpi`` pixels per inch (the size of ``draw_heads``'s
-    PNG); drawn in points (1/72 in), text in the browser's sans-serif font. An ``<svg>``
-    element for inline HTML (no XML namespace declared: a page's parser adds it)."""
+    """``picture`` as an inline ``<svg>`` string, ``dpi`` pixels per inch (the size of
+    ``draw_heads``'s PNG), drawn in points, text in the browser's sans-serif font."""
     g = picture.geometry
     left, bottom, width, height = (72 * v for v in frame_position(g))
     top = 72 * g.height - bottom - height

@@ -7,21 +7,18 @@ from typing import Mapping, Sequence
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .frames import FrameGeometry, HeadsPicture, draw_heads, new_heads_frame
+from .frames import FrameGeometry, HeadsPicture, draw_heads
 from .sharding import drift_figure
 from .style import FAIL_COLOR, new_figure, rank_color
 
-__all__ = ["replica_groups_figure", "replica_groups_layout", "replica_groups_frame",
-           "replica_groups_geometry", "kv_drift_figure", "kv_costs_figure"]
+__all__ = ["replica_groups_figure", "replica_groups_layout", "replica_groups_geometry",
+           "kv_drift_figure", "kv_costs_figure"]
 
 
 def replica_groups_figure(cfg: Config):
-    """Query heads (top) colored by the rank that holds them; one box per rank (bottom) for
-    the KV head it reads, framed by replica group. ``replicate_weights``: each box is a copy
-    of the head's wk/wv rows. ``gather_activations``: each box is the rank's slice of the wk/wv
-    rows (less than a head); the all-gather gives every rank the head it reads.
-    Works for ``kv_heads >= world_size`` too (groups of one rank). What is drawn is
-    ``replica_groups_layout(cfg)`` (``tpattn.viz.frames.draw_heads``)."""
+    """Query heads (top) in their rank's color; one box per rank (bottom) for the KV head it
+    reads (``replicate_weights``: a copy of its wk/wv rows; ``gather_activations``: the rank's
+    slice of them), framed by replica group. Draws ``replica_groups_layout(cfg)``."""
     return draw_heads(replica_groups_layout(cfg))
 
 
@@ -31,12 +28,6 @@ def replica_groups_geometry(query_heads: int) -> FrameGeometry:
     return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
                          ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
                          (-0.95, 2.2))
-
-
-def replica_groups_frame(query_heads: int):
-    """The empty matplotlib frame of ``replica_groups_figure`` for ``query_heads``
-    (``replica_groups_geometry``)."""
-    return new_heads_frame(replica_groups_geometry(query_heads))
 
 
 def replica_groups_layout(cfg: Config) -> HeadsPicture:
@@ -82,9 +73,8 @@ def replica_groups_layout(cfg: Config) -> HeadsPicture:
                         how, "black", tuple(lines), tuple(boxes), tuple(groups), min(w, 8))
 
 def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):
-    """``tpattn.kv_heads.train_steps`` rows of the missing replica-group reduce (``bug``) and of
-    the correct run (``ok``): left, per step, the bug's forward/loss/dX/parameter-grad
-    differences from dense and how far the KV copies are apart; right, the losses."""
+    """``train_steps`` rows of the missing replica-group reduce (``bug``) and the correct run
+    (``ok``): left, per step, the bug's differences from dense; right, the losses."""
     labels = {"forward_max_abs_diff": "forward", "loss_abs_diff": "loss",
               "input_grad_max_abs_diff": "dX", "parameter_grad_max_abs_diff": "param grads",
               "kv_replica_max_diff": "KV copies apart"}
@@ -95,9 +85,8 @@ def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):
 
 
 def kv_costs_figure(cfg: Config):
-    """Both strategies side by side for ``cfg``'s shape (``kv_costs``): left, KV bytes one rank
-    holds (wk/wv weights, K/V activations); right, bytes one rank sends per step (KV
-    collectives, and f/g, which both strategies share)."""
+    """Both strategies for ``cfg`` (``kv_costs``): KV bytes one rank holds (left) and sends per
+    step (right, with f/g)."""
     costs = kv_costs(cfg)
     size = costs[next(iter(costs))]["weight_bytes"] // costs[next(iter(costs))]["weight_elements"]
     names = [s for s in KV_STRATEGIES if s in costs]

@@ -1,8 +1,5 @@
 """Figures for Part I, the dense block (chapters 2–5): RMSNorm, RoPE, attention, the step.
-
-Every function builds its figure with ``tpattn.viz.style.new_figure``, returns the ``Figure``
-and never calls ``show``. Data come from the package's own functions, never re-implemented.
-"""
+Each returns a new figure (``new_figure``); data come from the package's own functions."""
 from __future__ import annotations
 
 import functools
@@ -59,11 +56,8 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> int:
 
 
 def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
-    """Per-token root mean square before and after RMSNorm.
-
-    x, normalized: ``[S, B, hidden]`` (the same shape). One bar pair per token (``s, b``),
-    a dashed line at 1 — where RMSNorm with unit weight puts every token.
-    """
+    """Per-token RMS before and after RMSNorm (``x``, ``normalized``: ``[S, B, hidden]``), one
+    bar pair per token, a dashed line at 1."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"x must be a tensor [S, B, hidden] (got shape {getattr(x, 'shape', None)})")
     if not isinstance(normalized, torch.Tensor) or normalized.shape != x.shape:
@@ -87,15 +81,9 @@ def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
 
 
 def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 16):
-    """RoPE as rotations: each channel pair of a unit vector, rotated to ``position``.
-
-    The input has every pair ``(x_i, x_{i+D/2}) = (1, 0)``; ``apply_rope`` (the package's)
-    turns pair ``i`` at position ``m`` by the angle ``m · 10000^(-i/(D/2))``. Left: the pairs as
-    arrows on the unit circle at ``position``, their paths over ``0..max_position`` dotted.
-    Right: each pair's angle (wrapped to ``(-π, π]``) against position. One color per pair
-    (frequency); the fastest pair is 0. (A live explorer keeps this figure standing per
-    ``head_dim, max_position`` and moves it with ``set_rope_position``.)
-    """
+    """RoPE as rotations: every channel pair of a unit vector turned by ``apply_rope`` to
+    ``position``. Left: the pairs as arrows on the unit circle, their paths over
+    ``0..max_position`` dotted; right: each pair's wrapped angle against position."""
     _check_int("max_position", max_position, 1)
     _check_int("position", position, 0, max_position)
     _check_int("head_dim", head_dim, 2)
@@ -161,11 +149,8 @@ def rope_dynamic_artists(fig) -> list:
 
 
 def rope_relative_position_figure(scores: torch.Tensor):
-    """Heat map of ``scores[m, n] = RoPE(q)_m · RoPE(k)_n`` for one fixed ``q`` and ``k``.
-
-    scores: ``[M, N]``. Constant along every diagonal ``m - n = const`` when the score depends
-    only on the offset — RoPE's relative-position property.
-    """
+    """Heat map of ``scores[m, n]`` ``[M, N]`` (``RoPE(q)_m · RoPE(k)_n``): constant along the
+    diagonals when the score depends only on the offset."""
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores must be a tensor [M, N] (got shape {getattr(scores, 'shape', None)})")
     fig, ax = new_figure(figsize=(4.6, 3.8))
@@ -181,16 +166,9 @@ def rope_relative_position_figure(scores: torch.Tensor):
 
 
 def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
-    """Causal attention probabilities of every query head of the dense block, seed's inputs.
-
-    Inputs from ``tpattn.check.make_inputs(cfg, seed)``, weights from
-    ``init_params(cfg, seed + 100)``; probabilities from the package's ``rms_norm``,
-    ``project_qkv``, ``repeat_kv`` and ``attention_probs`` for batch element ``batch_index``.
-    One panel per query head (rows: query position, columns: key position), titled with the
-    KV head it reads; panels sharing a KV head have the same frame color. The seed and batch
-    element are written at the top left, beside the title. (A live explorer
-    keeps this figure standing per ``cfg`` and redraws it with ``set_attention_state``.)
-    """
+    """Causal attention probabilities (``attention_probabilities``) of every query head, batch
+    element ``batch_index``: one panel per head, its frame colored by the KV head it reads;
+    the seed and batch element at the top left."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a tpattn.Config (got {type(cfg).__name__})")
     probs = attention_probabilities(cfg, seed, batch_index)
@@ -238,9 +216,8 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
 
 
 def attention_probabilities(cfg: Config, seed: int, batch_index: int = 0) -> torch.Tensor:
-    """``[Hq, S, S]`` causal attention probabilities of ``attention_heatmaps`` (a new tensor;
-    every batch element of ``(cfg, seed)`` is computed at once and remembered, so the live
-    explorer's other batch element costs nothing)."""
+    """``[Hq, S, S]`` probabilities of ``attention_heatmaps`` (a new tensor; every batch element
+    of ``(cfg, seed)`` is computed at once and cached)."""
     check_seed(seed)
     _check_int("batch_index", batch_index, 0, cfg.batch - 1)
     return _batch_probabilities(cfg, seed)[batch_index].clone()
@@ -248,8 +225,8 @@ def attention_probabilities(cfg: Config, seed: int, batch_index: int = 0) -> tor
 
 @functools.lru_cache(maxsize=64)
 def _batch_probabilities(cfg: Config, seed: int) -> torch.Tensor:
-    """``[B, Hq, S, S]`` probabilities of ``(cfg, seed)`` — cached: never modify it (a valid
-    seed is a plain ``int``: ``check_seed`` rejects ``bool``)."""
+    """``[B, Hq, S, S]`` probabilities of ``(cfg, seed)`` from the package's layers; cached:
+    never modify it."""
     x, _ = make_inputs(cfg, seed)
     p = init_params(cfg, seed + PARAM_SEED_OFFSET)
     with torch.no_grad():
@@ -260,8 +237,7 @@ def _batch_probabilities(cfg: Config, seed: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=256)
 def _value_path(text: str) -> Path:
-    """``text`` as a 6.5-point glyph outline (``TextPath``) centered on the origin, in points:
-    a cell's value, drawn with the others of its panel as one ``PathCollection``."""
+    """``text`` as a 6.5-point glyph outline centered on the origin (a cell's value)."""
     path = TextPath((0, 0), text, size=6.5)
     box = path.get_extents()
     return Path(path.vertices - [(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2], path.codes)
@@ -298,12 +274,8 @@ def attention_dynamic_artists(fig) -> list:
 
 
 def gradient_figure(grads: dict[str, torch.Tensor]):
-    """One panel per parameter: its gradient (signed, shared symmetric color scale per panel).
-
-    grads: ``{name: tensor}`` with the keys of ``init_params`` (``norm [hidden]``, weights
-    ``[out, in]``). ``norm`` is drawn as bars, the weight matrices as heat maps, each titled
-    with the gradient's Frobenius norm.
-    """
+    """One panel per parameter (``grads``: ``init_params``'s keys): ``norm`` as bars, the weight
+    matrices as symmetric heat maps, each titled with its gradient's norm."""
     if not isinstance(grads, dict) or set(grads) != set(PARAM_NAMES):
         raise ValueError(f"grads must be a dict with keys {list(PARAM_NAMES)} "
                          f"(got {sorted(grads) if isinstance(grads, dict) else type(grads).__name__})")

@@ -1,9 +1,5 @@
 """Figures for the landing page and chapter 1: the map of the block, and the scale of 1e-6.
-
-Every function builds a new figure in the book style and returns it (never shows it). The map's
-labels come from the package itself (function names, ``rank_head_slices``, ``Config``), so the
-picture cannot drift from the code.
-"""
+The map's labels come from the package (function names, ``rank_head_slices``, ``Config``)."""
 from __future__ import annotations
 
 import math
@@ -49,15 +45,10 @@ def _arrow(ax, x0, y0, x1, y1, color=DENSE_COLOR, style="-|>", lw=1.1, ls="-"):
 
 
 def block_map_figure(cfg: Config | None = None):
-    """The whole book on one page: the attention block split across ``cfg.world_size`` TP ranks.
-
-    Left to right: ``x [S, B, hidden]`` → RMSNorm (replicated) → **f** (``copy_to_ranks``) →
-    one lane per rank (its rows of wq/wk/wv, i.e. its complete query/KV head groups; RoPE;
-    causal GQA attention; its columns of wo → a partial ``[S, B, hidden]``) → **g**
-    (``reduce_output_partials``) → residual ``+ x``. f's backward all-reduces ``dn``, the
-    gradient of RMSNorm's output ``n``; the input gradient dX is never all-reduced. Red notes
-    say what each missing collective breaks. Default ``cfg``: the seed's ``Config()``.
-    """
+    """The attention block split across ``cfg.world_size`` TP ranks (default ``Config()``):
+    ``x`` → RMSNorm → **f** (``copy_to_ranks``) → one lane per rank (its wq/wk/wv rows and
+    heads, RoPE, attention, its wo columns → a partial) → **g** (``reduce_output_partials``)
+    → ``+ x``; red notes say what each missing collective breaks."""
     cfg = Config() if cfg is None else cfg
     world = cfg.world_size
     lane_gap = 13.0
@@ -122,12 +113,8 @@ def block_map_figure(cfg: Config | None = None):
 
 
 def float32_rounding_errors(seed: int = 11, cfg: Config | None = None) -> torch.Tensor:
-    """``|y_float32 − y_float64|`` for every element of the dense block's output ``[S, B, hidden]``.
-
-    Both runs start from the same numbers (``make_inputs`` and ``init_params`` draw in float32
-    and then cast), so the difference is float32 rounding and nothing else. ``cfg`` must be a
-    float32 Config (default: the seed's).
-    """
+    """``|y_float32 − y_float64|`` ``[S, B, hidden]`` of the dense block's output, both from the
+    same float32-drawn inputs and weights: float32 rounding alone. ``cfg``: float32."""
     cfg = Config() if cfg is None else cfg
     if cfg.dtype != "float32":
         raise ValueError(f"cfg.dtype must be 'float32' to measure its rounding (got {cfg.dtype!r})")
@@ -140,12 +127,8 @@ def float32_rounding_errors(seed: int = 11, cfg: Config | None = None) -> torch.
 
 
 def float32_rounding_figure(seed: int = 11, cfg: Config | None = None):
-    """Where 1e-6 sits: float32 rounding of the dense output vs the largest measure of each mode.
-
-    A histogram (log x) of ``float32_rounding_errors`` — exact zeros drawn at 1e-12 and labelled
-    "0" — the dashed ``TOLERANCE`` line, and one vertical line per TP mode at the largest of its
-    five measures for ``seed`` (green: passes, red: fails).
-    """
+    """A histogram (log x, zeros at 1e-12 labelled "0") of ``float32_rounding_errors``, the
+    dashed ``TOLERANCE`` line, and per TP mode a line at its largest measure for ``seed``."""
     errors = float32_rounding_errors(seed, cfg).flatten()
     floor, top = 1e-12, 10.0
     fig, ax = new_figure(figsize=(7.5, 3.3))

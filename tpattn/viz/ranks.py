@@ -1,8 +1,5 @@
-"""Figures for Part III — the check on real torch.distributed ranks (chapter 11).
-
-They draw what ``tpattn.distributed.run_distributed`` reports (``RealRankReport``'s lists of
-plain dicts), so they need no process group. Every function returns a new ``Figure``.
-"""
+"""Figures for chapter 11, the check on real torch.distributed ranks: they draw what
+``run_distributed`` reports (plain dicts), so they need no process group."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -21,12 +18,8 @@ def _floor(value: float) -> float:
 
 
 def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mapping]):
-    """Every measure of every run: simulated ranks (x) against real ranks (y), log-log.
-
-    ``real`` and ``simulated`` are ``run()`` dicts in the same order (``run_matrix``'s).
-    A point on the diagonal means both kinds of rank measured the same value; color = mode,
-    marker = measure; dashed lines mark the 1e-6 threshold; exact zeros sit at the floor.
-    """
+    """Every measure of every run (``run()`` dicts, same order): simulated ranks (x) against
+    real ranks (y), log-log; color = mode, marker = measure, 1e-6 dashed, zeros at the floor."""
     if len(real) != len(simulated) or not real:
         raise ValueError(f"real and simulated must list the same runs (got {len(real)} and "
                          f"{len(simulated)} results)")
@@ -62,11 +55,8 @@ def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mappin
 
 
 def ledger_figure(ledger: Sequence[Mapping]):
-    """The collective ledger: expected (outline) and actual (filled) all-reduces per block,
-    forward and backward, one group per row of ``RealRankReport.ledger``.
-
-    An actual bar is green where it matches the expectation, red where a collective is missing.
-    """
+    """Expected (outline) and actual (filled) all-reduces per block, forward and backward, one
+    group per ``RealRankReport.ledger`` row; an actual bar is red where one is missing."""
     if not ledger:
         raise ValueError("ledger must have at least one row (RealRankReport.ledger)")
     fig, axes = new_figure(ncols=2, figsize=(7.5, 3.2), sharey=True)
@@ -100,11 +90,9 @@ _QUANTITIES = {
 
 
 def rank_disagreement_figure(rows: Sequence[Mapping]):
-    """How far the ranks' own copies of the output, of dX, of the ``norm`` gradient and of the
-    ``norm`` weight after the step are from rank 0's, per mode (largest over the seeds), log
-    scale; exact zeros drawn at the floor and labelled "0".
-    ``rows``: ``RealRankReport.rank_disagreement``.
-    """
+    """Per mode (largest over the seeds, log scale, zeros at the floor): how far the ranks'
+    copies of the output, dX, the ``norm`` gradient and weight are from rank 0's
+    (``RealRankReport.rank_disagreement`` rows)."""
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
     if not modes:
         raise ValueError("rows must hold at least one run (RealRankReport.rank_disagreement)")

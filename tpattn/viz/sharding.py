@@ -1,8 +1,5 @@
 """Figures for Part II — sharding the block across TP ranks and breaking it (chapters 6–10).
-
-Every function builds a new figure in the book style and returns it (never shows it).
-Tensors are read, never modified; they may require grad.
-"""
+Each function returns a new figure in the book style; tensors are read, never modified."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -12,7 +9,7 @@ import torch
 
 from ..check import MEASURES, MODES, TOLERANCE
 from ..config import Config
-from .frames import FrameGeometry, HeadsPicture, draw_heads, new_heads_frame
+from .frames import FrameGeometry, HeadsPicture, draw_heads
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table
 
@@ -20,7 +17,7 @@ __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
     "zero_floor", "value_label",
-    "heads_to_ranks_figure", "heads_layout", "heads_frame", "heads_geometry", "FrameGeometry",
+    "heads_to_ranks_figure", "heads_layout", "heads_geometry", "FrameGeometry",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -42,17 +39,11 @@ MODE_COLORS = {
 
 
 def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None):
-    """Query heads (top row) and KV heads (bottom row) as boxes colored by the TP rank that owns
-    them, with a line from each query head to the KV head it reads (``h // group_size``).
-
-    ``query_ranks[h]`` is the rank that holds query head ``h``; by default the package's
-    sharding (contiguous blocks of ``cfg.local_query_heads``). KV head ``j`` is always held by
-    rank ``j // cfg.local_kv_heads``. A line whose query head and KV head sit on different ranks
-    (a split group, which one rank cannot compute) is drawn dashed in the fail color.
-    With fewer KV heads than ranks (and the default ``query_ranks``) this is
-    ``tpattn.viz.kv.replica_groups_figure``: each rank's copy of its KV head, by replica group.
-    What is drawn is ``heads_layout(cfg, query_ranks)`` (``tpattn.viz.frames.draw_heads``).
-    """
+    """Query heads (top) and KV heads (bottom) as boxes colored by their TP rank, a line from
+    each query head to the KV head it reads, dashed in the fail color where the two sit on
+    different ranks. ``query_ranks[h]``: the rank of query head ``h`` (default: the package's
+    contiguous blocks). Fewer KV heads than ranks (default ``query_ranks``): the
+    ``replica_groups_figure``. Draws ``heads_layout(cfg, query_ranks)``."""
     if cfg.kv_heads < cfg.world_size and query_ranks is None:
         from .kv import replica_groups_figure
 
@@ -61,23 +52,16 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
 
 
 def heads_geometry(query_heads: int) -> FrameGeometry:
-    """The frame of ``heads_to_ranks_figure`` for ``query_heads``: wider with more heads
-    (6 to 12 inches)."""
+    """The frame of ``heads_to_ranks_figure`` for ``query_heads`` (6 to 12 inches wide)."""
     hq = query_heads
     return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
                          ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
                          (-0.55, 2.1))
 
 
-def heads_frame(query_heads: int):
-    """The empty matplotlib frame of ``heads_to_ranks_figure`` for ``query_heads``
-    (``heads_geometry``: size, limits, row labels)."""
-    return new_heads_frame(heads_geometry(query_heads))
-
-
 def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
-    """What ``heads_to_ranks_figure(cfg, query_ranks)`` draws (boxes, lines, legend, title)
-    — without replica groups: ``query_ranks`` is checked, the KV heads are whole per rank."""
+    """What ``heads_to_ranks_figure(cfg, query_ranks)`` draws, without replica groups
+    (``ValueError`` for a ``query_ranks`` that is not a rank per query head)."""
     if query_ranks is not None and (len(query_ranks) != cfg.query_heads or any(
             not 0 <= int(r) < cfg.world_size for r in query_ranks)):
         raise ValueError(f"query_ranks must give a rank in [0, {cfg.world_size}) for each of "
@@ -108,9 +92,8 @@ def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> Heads
 
 
 def weight_shards_figure(cfg: Config):
-    """The four weight matrices drawn to scale, each part colored by the rank that owns it:
-    ``wq``/``wk``/``wv`` split by *rows* (column-parallel), ``wo`` split by *columns*
-    (row-parallel). ``norm`` is replicated and not drawn."""
+    """The four weight matrices to scale, each part in its rank's color: ``wq``/``wk``/``wv``
+    split by rows (column-parallel), ``wo`` by columns (row-parallel)."""
     d = cfg.head_dim
     shapes = {
         "wq": (cfg.query_heads * d, cfg.hidden),
@@ -179,9 +162,8 @@ def _threshold_line(ax, floor: float, axis: str = "x") -> None:
 
 
 def measures_figure(result: Mapping):
-    """One ``run()`` result: the five measures as log-scale horizontal bars against the dashed
-    1e-6 threshold, each bar colored pass/fail; a value of exactly 0 is drawn at ``ZERO_FLOOR``
-    (lower if a nonzero value is smaller, as in float64) and labelled "0"."""
+    """One ``run()`` result: the five measures as log-scale bars, pass/fail colored, against the
+    dashed 1e-6 line; an exact 0 is drawn at ``zero_floor`` and labelled "0"."""
     fig, ax = new_figure(figsize=(7.0, 2.6))
     values = [float(result[m]) for m in MEASURES]
     floor = zero_floor(values)
@@ -201,9 +183,7 @@ def measures_figure(result: Mapping):
 
 
 def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
-    """Several ``run()``-like results side by side: for each measure one bar per result
-    (label → result), log scale, 1e-6 line; exact zeros at ``ZERO_FLOOR`` (lower if a nonzero
-    value is smaller), labelled "0"."""
+    """Several results (label → result) as grouped bars per measure, as ``measures_figure``."""
     n = len(results)
     fig, ax = new_figure(figsize=(7.0, 1.2 + 0.25 * len(MEASURES) * n))
     floor = zero_floor([float(r[m]) for r in results.values() for m in MEASURES])
@@ -237,9 +217,8 @@ def _as_image(t: torch.Tensor) -> torch.Tensor:
 
 def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = True,
                     cmap: str = "RdBu_r", value_label: str = ""):
-    """One heat map per ``[S, B, hidden]`` tensor (title → tensor), drawn as ``[S, B·hidden]``
-    with a white line between batch elements; a symmetric color scale around 0, shared by all
-    panels unless ``shared_scale=False``."""
+    """One heat map per ``[S, B, hidden]`` tensor (title → tensor) as ``[S, B·hidden]``, white
+    lines between batch elements; symmetric color scale, shared unless ``shared_scale=False``."""
     images = {name: _as_image(t) for name, t in panels.items()}
     n = len(images)
     fig, axes = new_figure(nrows=n, figsize=(7.0, 1.15 * n + 0.5), squeeze=False)
@@ -266,12 +245,8 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
 
 
 def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor]):
-    """Every element of the full attention output (x-axis) against what each rank's partial
-    holds, and against the sum of the partials (y-axis). The sum lies on the diagonal; rank 0's
-    partial alone does not.
-
-    full: ``[S, B, hidden]``; partials: ``world_size`` tensors ``[S, B, hidden]``.
-    """
+    """Each element of ``full`` ``[S, B, hidden]`` (x) against each rank's partial (same shape)
+    and against their sum (y): the sum lies on the diagonal."""
     fig, ax = new_figure(figsize=(4.6, 4.0))
     xs = full.detach().flatten().to(torch.float64).numpy()
     for r, p in enumerate(partials):
@@ -293,8 +268,7 @@ def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor])
 
 
 def channel_bars_figure(series: Mapping[str, torch.Tensor], title: str = "", ylabel: str = ""):
-    """Vectors of the same length (label → ``[C]`` tensor, e.g. a ``norm`` gradient ``[hidden]``)
-    as grouped bars, one group per channel."""
+    """Vectors of one length (label → ``[C]`` tensor) as grouped bars, one group per channel."""
     fig, ax = new_figure(figsize=(7.0, 2.8))
     n = len(series)
     width = 0.8 / n
@@ -315,9 +289,8 @@ def channel_bars_figure(series: Mapping[str, torch.Tensor], title: str = "", yla
 
 def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequence[float]],
                  title: str = "max |W_bug − W_ref| after each step"):
-    """Training drift. Left: per parameter (name → one value per step), the max difference
-    between the weights of two runs after each SGD step (log scale, exact 0 at ``ZERO_FLOOR``,
-    1e-6 line). Right: the loss of each run (label → one value per step) at each step."""
+    """Left: per parameter (name → value per step) the max weight difference of two runs after
+    each SGD step (log, 0 at ``ZERO_FLOOR``, 1e-6 line). Right: each run's loss per step."""
     fig, (left, right) = new_figure(ncols=2, figsize=(7.5, 3.0))
     markers = ["o", "s", "^", "v", "D"]
     for i, (name, values) in enumerate(diffs.items()):
@@ -345,8 +318,8 @@ def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequ
 
 
 def matrix_figure(results: Sequence[Mapping]):
-    """Every ``run_matrix()`` result: for each measure, one point per seed, grouped and colored
-    by mode, on a log scale against the 1e-6 line (exact zeros at ``ZERO_FLOOR``, "0")."""
+    """Every ``run_matrix()`` result: per measure one point per seed, grouped and colored by
+    mode, log scale, 1e-6 line (exact zeros at ``ZERO_FLOOR``)."""
     fig, ax = new_figure(figsize=(7.5, 3.4))
     modes = [m for m in MODES if any(r["mode"] == m for r in results)]
     offsets = {m: (i - (len(modes) - 1) / 2) * 0.25 for i, m in enumerate(modes)}

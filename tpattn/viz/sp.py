@@ -1,8 +1,5 @@
-"""Figures for chapter 12 — sequence parallelism. Every function returns a new ``Figure``.
-
-They draw plain numbers (lists, ``communication_ledger``'s rows), so they need no process
-group: the same figure serves simulated and real ranks.
-"""
+"""Figures for chapter 12, sequence parallelism: plain numbers in (lists, ledger rows), so
+one figure serves simulated and real ranks."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -16,12 +13,8 @@ _COLLECTIVE_COLORS = {"all_reduce": "#7f7f7f", "all_gather": "#1f77b4", "reduce_
 
 def norm_grad_by_rank_figure(by_rank: Sequence[Sequence[float]], truth: Sequence[float],
                              title: str = "norm gradient without its all-reduce"):
-    """Each rank's own ``norm`` gradient (one line per rank) against the dense gradient (thick
-    grey), per hidden channel, with the sum over the ranks (crosses), which lies on the truth.
-
-    by_rank: ``W`` lists of ``hidden`` values (e.g. ``rank_disagreement``'s
-    ``norm_grad_by_rank``); truth: ``hidden`` values.
-    """
+    """Each rank's own ``norm`` gradient (``W`` lists of ``hidden`` values, one line each)
+    against the dense ``truth`` (thick grey) per channel, and their sum (crosses), on the truth."""
     if not by_rank or any(len(g) != len(truth) for g in by_rank):
         raise ValueError(f"by_rank must hold one gradient of length {len(truth)} per rank "
                          f"(got {[len(g) for g in by_rank]})")

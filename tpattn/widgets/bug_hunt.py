@@ -1,11 +1,5 @@
-"""The bug-hunt explorer (chapter 17): a hidden bug, its observables, the reader's guess.
-
-Live: ``bug_hunt_explorer()`` — pick a hunt number and a cause; the panel shows what the run
-shows (``tpattn.bug_hunt.describe``) and whether the guess is right and why
-(``tpattn.bug_hunt.judge``), observed with the ranks as a batch dimension
-(``observe(..., batched=True)``, ``tpattn.zoo_batched``). Static:
-``static_bug_hunt_explorer(hunts)`` precomputes every hunt x answer for the HTML book.
-"""
+"""The bug-hunt explorer (chapter 17): pick a hunt and a cause; the panel shows what the run
+shows (``bug_hunt.describe``) and whether the guess is right (``bug_hunt.judge``)."""
 from __future__ import annotations
 
 import html
@@ -52,17 +46,14 @@ def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, s
     return markup, "\n".join(text)
 
 
-def _answer_control(value: str = UNANSWERED) -> widgets.Dropdown:
-    return widgets.Dropdown(options=[UNANSWERED] + choices(), value=value,
-                            description="cause", layout=widgets.Layout(width="24em"))
-
-
 def bug_hunt_explorer(hunt: int = 1) -> Explorer:
     """Live bug hunt: ``hunt`` (any integer >= 0) and the reader's answer."""
     cache: dict = {}
     controls = {"hunt": widgets.IntText(value=hunt, description="hunt",
                                         layout=widgets.Layout(width="11em")),
-                "guess": _answer_control()}
+                "guess": widgets.Dropdown(options=[UNANSWERED] + choices(), value=UNANSWERED,
+                                          description="cause",
+                                          layout=widgets.Layout(width="24em"))}
 
     def draw(hunt, guess):
         markup, text = hunt_panel(hunt, guess, cache)

@@ -1,13 +1,8 @@
-"""Explorer machinery: reusable controls, an output area that never shows a traceback, PNGs.
+"""Explorer machinery: controls, an output area that never shows a traceback, PNGs.
 
-An :class:`Explorer` is a row of controls and an ``ipywidgets.Output`` area. Whenever a
-control changes, ``draw(**values)`` recomputes through the package and returns the outputs to
-show; a ``ValueError`` (the package's own message naming the field and the rule) or any other
-failure becomes a one-line message in the output area instead of a traceback.
-
-Outputs are written by assigning ``Output.outputs`` directly — never ``with output:`` — so
-drawing emits no iopub messages: nothing leaks into the notebook cell (which nbval would see)
-and a callback's output cannot land in another cell.
+An :class:`Explorer` is a row of controls and an ``ipywidgets.Output`` area, refilled by
+``draw(**values)`` whenever a control changes (a failure becomes a one-line message). Outputs
+are assigned to ``Output.outputs``, never written ``with output:``: nothing leaks into a cell.
 """
 from __future__ import annotations
 
@@ -27,13 +22,12 @@ from ..check import EQUIVALENCE, MODES
 from ..config import Config
 
 __all__ = [
-    "Explorer", "seed_control", "mode_control", "config_controls",
-    "figure_png", "figure_pixels", "encode_png", "Renders", "StandingFigure",
+    "Explorer", "seed_control", "mode_control", "config_controls", "drawn_config", "config_panel",
+    "figure_png", "figure_pixels", "encode_png", "StandingFigure",
     "png_output", "html_output", "message_output", "message_html", "png_img", "single_thread",
 ]
 
-# matplotlib is imported where a figure is drawn, not here: an explorer that shows only HTML
-# (the bug hunt, chapter 17) does not load it.
+# matplotlib is imported where a figure is drawn: an HTML-only explorer does not load it.
 
 
 def _agg_canvas(fig):
@@ -85,24 +79,41 @@ def config_controls(fields: Sequence[str] = ("query_heads", "kv_heads", "world_s
             for name in fields}
 
 
+def drawn_config(max_query_heads: int, **fields) -> Config:
+    """``Config(**fields)`` (its own ``ValueError`` if invalid), or ``ValueError`` above
+    ``max_query_heads`` query heads (where a heads picture stops being readable)."""
+    cfg = Config(**fields)
+    if cfg.query_heads > max_query_heads:
+        raise ValueError(f"query_heads: the figure draws at most {max_query_heads} query heads "
+                         f"(got {cfg.query_heads})")
+    return cfg
+
+
+def config_panel(make_config: Callable[[], Config], render: Callable[[Config], str]) -> str:
+    """``render(make_config())``, or the ``ValueError``'s message as HTML: a static panel."""
+    try:
+        cfg = make_config()
+    except ValueError as error:
+        return message_html(str(error))
+    return render(cfg)
+
+
 # --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
 
-def encode_png(pixels, palette: bool = False, compress_level: int = 6) -> bytes:
-    """PNG bytes (Pillow, no metadata: same pixels, same bytes) of an ``[H, W, 3|4]`` uint8
-    array, as RGB. ``palette=True`` quantizes to 256 colors (fast octree, deterministic):
-    ~3x smaller, for the many precomputed panels a page embeds; ``compress_level=1`` for a
-    live update, where encoding time is latency."""
+def encode_png(pixels, palette: bool = False) -> bytes:
+    """PNG bytes (no metadata) of an ``[H, W, 3|4]`` uint8 array, as RGB; ``palette=True``:
+    256 colors (deterministic octree), ~3x smaller, for the precomputed panels; else fast
+    to encode (a live update)."""
     image = Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB")
     if palette:
         image = image.quantize(256, method=Image.Quantize.FASTOCTREE)
     buf = io.BytesIO()
-    image.save(buf, format="png", compress_level=compress_level)
+    image.save(buf, format="png", compress_level=6 if palette else 1)
     return buf.getvalue()
 
 
 def figure_pixels(fig, dpi: int = PNG_DPI) -> np.ndarray:
-    """The figure drawn once on an Agg canvas (``savefig`` would draw twice under constrained
-    layout), as an ``[H, W, 4]`` uint8 array; closes the figure."""
+    """The figure drawn once on an Agg canvas, as an ``[H, W, 4]`` uint8 array; closes it."""
     try:
         _agg_canvas(fig)
         fig.set_dpi(dpi)
@@ -117,48 +128,15 @@ def figure_png(fig, dpi: int = PNG_DPI, palette: bool = False) -> bytes:
     return encode_png(figure_pixels(fig, dpi), palette=palette)
 
 
-class Renders:
-    """Drawn figures by key, shared by a live explorer and its static twin: the state the
-    explorer opens on is drawn once, not twice (a draw costs ~0.5 s on a small machine).
-    Keeps the last ``size`` figures."""
-
-    def __init__(self, size: int = 16):
-        self.size = size
-        self.draws = 0
-        self._pixels: dict = {}
-
-    def pixels(self, key, make_figure: Callable[[], object],
-               draw: Callable[[], np.ndarray] | None = None) -> np.ndarray:
-        """``figure_pixels(make_figure())`` — or ``draw()``, the same pixels from a
-        ``StandingFigure`` — drawn only if ``key`` was not drawn recently."""
-        if key not in self._pixels:
-            self._pixels[key] = draw() if draw is not None else figure_pixels(make_figure())
-            self.draws += 1
-            while len(self._pixels) > self.size:
-                del self._pixels[next(iter(self._pixels))]
-        return self._pixels[key]
-
-    def png(self, key, make_figure: Callable[[], object], palette: bool = False,
-            draw: Callable[[], np.ndarray] | None = None) -> bytes:
-        """PNG of ``pixels(key, make_figure, draw)`` (live: fast to encode; ``palette``: small)."""
-        return encode_png(self.pixels(key, make_figure, draw), palette=palette,
-                          compress_level=6 if palette else 1)
-
-
 class StandingFigure:
-    """A figure kept standing per *structure* and updated per *state*, for live explorers:
-    matplotlib's own blitting (``copy_from_bbox``, ``restore_region``, ``draw_artist``).
+    """A figure kept standing per *structure*, updated per *state* by matplotlib's blitting
+    (``copy_from_bbox``, ``restore_region``, ``draw_artist``); keeps the last ``size``.
 
-    ``build(structure, state)`` returns a fresh figure of ``tpattn.viz`` (the one its public
-    function returns for that structure and state); ``update(fig, state)`` sets on it every
-    artist that depends on the state (the same setter the public function uses, so the two
-    cannot drift apart); ``dynamic(fig)`` lists those artists in drawing order. The first
-    state of a structure builds the figure, resolves its constrained layout once and freezes
-    it, and caches the background (everything but the dynamic artists); every later state
-    updates the artists and draws only them over that background — a few ms instead of
-    building and laying out a figure (~0.3–0.5 s on a small machine). The pixels equal a full
-    draw of the public function's figure (``tests/test_widgets.py`` compares them). Keeps the
-    last ``size`` structures.
+    ``build(structure, state)`` returns the ``tpattn.viz`` figure; ``update(fig, state)`` sets
+    the artists that depend on the state (the setter that figure uses itself); ``dynamic(fig)``
+    lists them in drawing order. The first state lays the figure out once, freezes the layout
+    and caches the background without them; later states draw only them over it. The pixels
+    equal a full draw (``tests/test_widgets.py`` compares them).
     """
 
     def __init__(self, build: Callable, update: Callable, dynamic: Callable,
@@ -187,9 +165,8 @@ class StandingFigure:
             del self._standing[next(iter(self._standing))]
 
     def _background(self, fig):
-        """Lay ``fig`` out once (a draw without rendering: layout engine, aspects, title
-        places; then its layout is frozen) and draw everything but its dynamic artists: the
-        background they are drawn over."""
+        """Lay ``fig`` out once, freeze the layout, draw all but the dynamic artists: the
+        background."""
         fig.draw_without_rendering()
         fig.set_layout_engine("none")
         titles = [(ax.title, ax.title.get_position()) for ax in fig.axes]
@@ -216,6 +193,10 @@ class StandingFigure:
             if artist.get_visible():
                 fig.draw_artist(artist)
         return np.array(fig.canvas.buffer_rgba())
+
+    def png(self, structure, state, palette: bool = False) -> bytes:
+        """``encode_png(pixels(structure, state), palette)``."""
+        return encode_png(self.pixels(structure, state), palette=palette)
 
 
 def png_output(png: bytes, text: str = "<Figure>") -> dict:
@@ -254,8 +235,8 @@ def png_img(png: bytes, alt: str) -> str:
 
 @contextlib.contextmanager
 def single_thread():
-    """Run torch on one thread inside the block. The explorers' tensors are tiny: on a busy
-    machine torch's thread pool makes a ~5 ms ``run`` take 100+ ms, one thread does not."""
+    """Run torch on one thread inside the block (tiny tensors: a busy thread pool only adds
+    latency)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -267,13 +248,8 @@ def single_thread():
 # --- the explorer --------------------------------------------------------------------------
 
 class Explorer:
-    """Controls + an output area, redrawn by ``draw(**values)`` whenever a control changes.
-
-    ``draw`` returns a list of outputs (``png_output`` / ``html_output`` / ``message_output``).
-    Displayed in a notebook, an explorer carries both the live widget (shown by JupyterLab,
-    VS Code, Colab) and the precomputed HTML that ``static()`` builds (shown by the book,
-    whose myst-nb config gives the widget view no priority) — see ``tpattn.widgets``.
-    """
+    """Controls + an output area, redrawn by ``draw(**values)`` (a list of ``*_output``
+    dicts) whenever a control changes; displayed, the live widget and ``static()``'s HTML."""
 
     def __init__(self, name: str, controls: Mapping[str, widgets.ValueWidget],
                  draw: Callable[..., list[dict]], static: Callable[[], object] | None = None):
@@ -298,8 +274,7 @@ class Explorer:
         return {name: control.value for name, control in self.controls.items()}
 
     def set(self, **values) -> None:
-        """Set several controls, then redraw once (as a reader would, one value at a time,
-        but without drawing the intermediate states)."""
+        """Set several controls, then redraw once."""
         unknown = set(values) - set(self.controls)
         if unknown:
             raise ValueError(f"unknown control(s) {sorted(unknown)}; "
@@ -330,8 +305,6 @@ class Explorer:
                 _close(number)  # a failed draw must not leave a figure for the next cell
         self.output.outputs = tuple(outputs)
         self.redraws += 1
-
-    # --- display ---------------------------------------------------------------------------
 
     def static_html(self) -> str:
         """The static twin (precomputed states, CSS-only selector), computed once."""

@@ -1,20 +1,7 @@
-"""The book's explorers: each a live ``Explorer`` and its precomputed ``StaticExplorer`` twin.
-
-============================  ==========================================  =====================
-explorer (chapter)            controls → what redraws                     static states
-============================  ==========================================  =====================
-``rope_explorer`` (3)         position, head_dim → rotation figure        5 positions
-``attention_explorer`` (4)    heads (MHA/GQA/MQA), seed, batch →          3 layouts × 2 seeds
-                              attention heat maps, KV sharing
-``sharding_explorer`` (6)     query_heads, kv_heads, world_size →         6 layouts, 2 invalid
-                              heads→ranks figure, or Config's error
-``seed_mode_explorer`` (8–10) seed, mode → five measures, verdict,        5 seeds × 3 modes
-                              log bars against 1e-6
-============================  ==========================================  =====================
-
-Every number comes from the package (``run``, ``Config``, ``rope_angles``) and every figure
-from ``tpattn.viz``; nothing here re-implements the block.
-"""
+"""The book's explorers, each a live ``Explorer`` and its ``StaticExplorer`` twin:
+``rope_explorer`` (chapter 3), ``attention_explorer`` (4), ``sharding_explorer`` (6) and
+``seed_mode_explorer`` (8–10); the static states are the constants below. Every number
+comes from the package and every figure from ``tpattn.viz``."""
 from __future__ import annotations
 
 import functools
@@ -30,8 +17,9 @@ from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dy
 from ..viz.frames import HeadsPicture, heads_svg
 from ..viz.kv import replica_groups_layout
 from ..viz.sharding import heads_layout
-from .core import (Explorer, Renders, StandingFigure, config_controls, html_output,
-                   message_html, mode_control, png_img, png_output, seed_control, single_thread)
+from .core import (Explorer, StandingFigure, config_controls, config_panel,
+                   drawn_config, html_output, mode_control, png_img, png_output, seed_control,
+                   single_thread)
 from .measures import MeasuresPlot, live_run, measures_html, measures_text
 from .static import StaticExplorer
 
@@ -67,22 +55,10 @@ def _rope_caption(position: int, head_dim: int) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _rope_png(renders: Renders, position, head_dim, max_position, palette=False,
-              standing: StandingFigure | None = None) -> bytes:
-    """The RoPE figure's PNG; live (``standing`` given) drawn on a standing figure per
-    ``head_dim``, whose arrows move with the position."""
-    draw = None if standing is None else (
-        lambda: standing.pixels((head_dim, max_position), position))
-    return renders.png(("rope", position, head_dim, max_position),
-                       lambda: rope_rotation_figure(position, head_dim=head_dim,
-                                                    max_position=max_position), palette, draw)
-
-
-def rope_standing_figure() -> StandingFigure:
-    """``rope_rotation_figure`` kept standing per ``(head_dim, max_position)``."""
-    return StandingFigure(
-        build=lambda shape, position: rope_rotation_figure(position, *shape),
-        update=set_rope_position, dynamic=rope_dynamic_artists)
+def _rope_standing() -> StandingFigure:
+    """``rope_rotation_figure`` standing per ``(head_dim, max_position)``, moved per position."""
+    return StandingFigure(build=lambda shape, position: rope_rotation_figure(position, *shape),
+                          update=set_rope_position, dynamic=rope_dynamic_artists)
 
 
 def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
@@ -93,40 +69,36 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
         "head_dim": widgets.Dropdown(options=[2, 4, 8, 16, 32], value=head_dim,
                                      description="head_dim", layout=widgets.Layout(width="11em")),
     }
-    renders, standing = Renders(), rope_standing_figure()
+    standing = _rope_standing()
 
     def draw(position, head_dim):
-        png = _rope_png(renders, position, head_dim, max_position,  # may raise: before text
-                        standing=standing)
+        png = standing.png((head_dim, max_position), position)  # may raise: before the text
         text, markup = _rope_caption(position, head_dim)
         return [html_output(markup, text), png_output(png, f"<RoPE at position {position}>")]
 
     def static():
         twin = static_rope_explorer(head_dim=head_dim, max_position=max_position,
-                                    initial=position, renders=renders, standing=standing)
+                                    initial=position, standing=standing)
         for other in controls["head_dim"].options:  # while the cell runs: every head_dim's
             standing.stand((other, max_position), position)  # figure, for fast updates later
         return twin
 
     explorer = Explorer("RoPE", controls, draw, static=static)
-    explorer.renders, explorer.standing = renders, standing
+    explorer.standing = standing
     return explorer
 
 
 def static_rope_explorer(positions=None, head_dim: int = 8, max_position: int = 16,
-                         initial: int = 3, renders: Renders | None = None,
-                         standing: StandingFigure | None = None) -> StaticExplorer:
-    """The RoPE figure at each of ``positions`` (default ``ROPE_POSITIONS``), one ``head_dim``
-    (its pairs are the frequencies; the live explorer changes it too). ``standing``: draw
-    them on the live explorer's standing figure (the same pixels, one build)."""
+                         initial: int = 3, standing: StandingFigure | None = None
+                         ) -> StaticExplorer:
+    """The RoPE figure at each of ``positions`` (default ``ROPE_POSITIONS``) for one
+    ``head_dim``, drawn on ``standing`` (the live explorer's: one build)."""
     positions = ROPE_POSITIONS if positions is None else positions
-    renders = Renders() if renders is None else renders
-    panels = {}
-    for i, position in enumerate(positions):
-        png = _rope_png(renders, position, head_dim, max_position, palette=True,
-                        standing=standing)
-        panels[(i,)] = _rope_caption(position, head_dim)[1] + png_img(
-            png, f"RoPE rotations at position {position}, head_dim {head_dim}")
+    standing = _rope_standing() if standing is None else standing
+    panels = {(i,): _rope_caption(position, head_dim)[1] + png_img(
+        standing.png((head_dim, max_position), position, palette=True),
+        f"RoPE rotations at position {position}, head_dim {head_dim}")
+        for i, position in enumerate(positions)}
     return StaticExplorer("rope", [("position", [str(p) for p in positions])], panels,
                           initial=_index_of((initial,), (positions,)))
 
@@ -148,22 +120,11 @@ def _attention_caption(cfg: Config) -> tuple[str, str]:
     return text, f'<p style="margin:0.2em 0">{html.escape(text)}</p>'
 
 
-def _attention_png(renders: Renders, cfg: Config, seed, batch_index, palette=False,
-                   standing: StandingFigure | None = None) -> bytes:
-    """The heat maps' PNG; live (``standing`` given) drawn on a standing figure per layout,
-    whose images and labels change with the seed and batch element."""
-    draw = None if standing is None else (lambda: standing.pixels(cfg, (seed, batch_index)))
-    return renders.png(("attention", cfg, seed, batch_index),
-                       lambda: attention_heatmaps(cfg, seed, batch_index=batch_index), palette,
-                       draw)
-
-
-def attention_standing_figure() -> StandingFigure:
-    """``attention_heatmaps`` kept standing per ``Config``."""
-    return StandingFigure(
-        build=lambda cfg, state: attention_heatmaps(cfg, *state),
-        update=lambda fig, state: set_attention_state(fig, *state),
-        dynamic=attention_dynamic_artists)
+def _attention_standing() -> StandingFigure:
+    """``attention_heatmaps`` standing per ``Config``, redrawn per ``(seed, batch_index)``."""
+    return StandingFigure(build=lambda cfg, state: attention_heatmaps(cfg, *state),
+                          update=lambda fig, state: set_attention_state(fig, *state),
+                          dynamic=attention_dynamic_artists)
 
 
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
@@ -176,41 +137,35 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
         "batch_index": widgets.IntText(value=batch_index, description="batch",
                                        layout=widgets.Layout(width="9em")),
     }
-    renders, standing = Renders(), attention_standing_figure()
+    standing = _attention_standing()
 
     def draw(heads, seed, batch_index):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
         with single_thread():
-            png = _attention_png(renders, layout_cfg, seed, batch_index, standing=standing)
+            png = standing.png(layout_cfg, (seed, batch_index))
         text, markup = _attention_caption(layout_cfg)
         return [html_output(markup, text), png_output(png, f"<attention, {heads}, seed {seed}>")]
 
-    def static():
-        return static_attention_explorer(cfg=cfg, initial=(heads, seed), renders=renders,
-                                         standing=standing)
-
-    explorer = Explorer("attention", controls, draw, static=static)
-    explorer.renders, explorer.standing = renders, standing
+    explorer = Explorer("attention", controls, draw, static=lambda: static_attention_explorer(
+        cfg=cfg, initial=(heads, seed), standing=standing))
+    explorer.standing = standing
     return explorer
 
 
 def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_SEEDS,
                               cfg: Config | None = None, initial=("GQA 4q/2kv", 11),
-                              renders: Renders | None = None,
                               standing: StandingFigure | None = None) -> StaticExplorer:
-    """The heat maps for every ``layouts × seeds`` (layout names from ``ATTENTION_LAYOUTS``).
-    ``standing``: draw them on the live explorer's standing figures (the same pixels, one
-    build per layout, which then stand for the live updates)."""
-    renders = Renders() if renders is None else renders
+    """The heat maps for every ``layouts × seeds`` (names from ``ATTENTION_LAYOUTS``), drawn
+    on ``standing`` (the live explorer's: one build per layout)."""
+    standing = _attention_standing() if standing is None else standing
     panels = {}
     for i, name in enumerate(layouts):
         layout_cfg = attention_config(*ATTENTION_LAYOUTS[name], base=cfg)
-        markup = _attention_caption(layout_cfg)[1]
         for j, seed in enumerate(seeds):
             with single_thread():
-                png = _attention_png(renders, layout_cfg, seed, 0, palette=True,
-                                     standing=standing)
-            panels[i, j] = markup + png_img(png, f"attention probabilities, {name}, seed {seed}")
+                png = standing.png(layout_cfg, (seed, 0), palette=True)
+            panels[i, j] = _attention_caption(layout_cfg)[1] + png_img(
+                png, f"attention probabilities, {name}, seed {seed}")
     return StaticExplorer("attention", [("heads", list(layouts)), ("seed", [str(s) for s in seeds])],
                           panels, initial=_index_of(initial, (layouts, seeds)))
 
@@ -218,13 +173,9 @@ def static_attention_explorer(layouts=tuple(ATTENTION_LAYOUTS), seeds=ATTENTION_
 # --- chapter 6: heads to ranks -------------------------------------------------------------
 
 def sharding_config(query_heads, kv_heads, world_size) -> Config:
-    """The fixture's ``Config`` with these head counts and ranks (``Config``'s own
-    ``ValueError`` if invalid; ``ValueError`` too above ``MAX_DRAWN_HEADS`` query heads)."""
-    cfg = Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
-    if cfg.query_heads > MAX_DRAWN_HEADS:
-        raise ValueError(f"query_heads: the figure draws at most {MAX_DRAWN_HEADS} query heads "
-                         f"(got {cfg.query_heads})")
-    return cfg
+    """The fixture's ``Config`` with these heads and ranks (``drawn_config``)."""
+    return drawn_config(MAX_DRAWN_HEADS, query_heads=query_heads, kv_heads=kv_heads,
+                        world_size=world_size)
 
 
 def _sharding_caption(cfg: Config) -> tuple[str, str]:
@@ -245,8 +196,7 @@ def _sharding_caption(cfg: Config) -> tuple[str, str]:
 
 
 def layout_picture(cfg: Config) -> HeadsPicture:
-    """What the heads→ranks figure of ``cfg`` draws: ``heads_layout``, or with fewer KV heads
-    than ranks ``replica_groups_layout`` (as ``heads_to_ranks_figure`` does)."""
+    """The heads→ranks picture of ``cfg``, as ``heads_to_ranks_figure`` chooses it."""
     return replica_groups_layout(cfg) if cfg.kv_heads < cfg.world_size else heads_layout(cfg)
 
 
@@ -272,18 +222,12 @@ def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int =
 
 
 def static_sharding_explorer(layouts=None, initial=(4, 2, 2)) -> StaticExplorer:
-    """The heads→ranks figure (SVG) for each ``(query_heads, kv_heads, world_size)`` in
-    ``layouts`` (default ``SHARDING_LAYOUTS``); an invalid layout's panel shows ``Config``'s
-    message."""
+    """The heads→ranks SVG for each ``(query_heads, kv_heads, world_size)`` of ``layouts``
+    (default ``SHARDING_LAYOUTS``); an invalid one's panel shows the message."""
     layouts = [tuple(layout) for layout in (SHARDING_LAYOUTS if layouts is None else layouts)]
-    panels = {}
-    for i, layout in enumerate(layouts):
-        try:
-            cfg = sharding_config(*layout)
-        except ValueError as error:
-            panels[(i,)] = message_html(str(error))
-            continue
-        panels[(i,)] = _sharding_caption(cfg)[1] + heads_svg(layout_picture(cfg))
+    panels = {(i,): config_panel(lambda: sharding_config(*layout), lambda cfg: (
+        _sharding_caption(cfg)[1] + heads_svg(layout_picture(cfg))))
+        for i, layout in enumerate(layouts)}
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     start = layouts.index(tuple(initial)) if tuple(initial) in layouts else 0
     return StaticExplorer("sharding", [("layout", labels)], panels, initial=(start,))
@@ -295,8 +239,7 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | No
                        simulate: str = "fixture", modes=MODES, name: str = "seed × mode",
                        kind: str = "seed-mode") -> Explorer:
     """``run(seed, mode, cfg, simulate=simulate)``: the five measures, the verdict, the bars
-    against 1e-6 (``modes``: the mode buttons; ``name``, ``kind``: the explorer's and its
-    static twin's names)."""
+    (``modes``: the buttons; ``name``, ``kind``: the explorer's and static twin's names)."""
     controls = {"seed": seed_control(seed), "mode": mode_control(mode, modes)}
     plot = MeasuresPlot()
 

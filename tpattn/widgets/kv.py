@@ -11,7 +11,7 @@ from ..config import KV_STRATEGIES, Config
 from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
 from ..viz.frames import heads_svg
 from ..viz.kv import replica_groups_layout
-from .core import Explorer, config_controls, html_output, message_html
+from .core import Explorer, config_controls, config_panel, drawn_config, html_output
 from .static import StaticExplorer
 
 __all__ = ["KV_LAYOUTS", "kv_config", "kv_caption", "kv_explorer", "static_kv_explorer"]
@@ -24,19 +24,14 @@ MAX_KV_DRAWN_HEADS = 32
 
 
 def kv_config(query_heads, kv_heads, world_size, kv_strategy="replicate_weights") -> Config:
-    """The fixture's ``Config`` with these heads, ranks and strategy (``Config``'s own
-    ``ValueError`` if invalid; ``ValueError`` too above ``MAX_KV_DRAWN_HEADS`` query heads)."""
-    cfg = Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size,
-                 kv_strategy=kv_strategy)
-    if cfg.query_heads > MAX_KV_DRAWN_HEADS:
-        raise ValueError(f"query_heads: the figure draws at most {MAX_KV_DRAWN_HEADS} query "
-                         f"heads (got {cfg.query_heads})")
-    return cfg
+    """The fixture's ``Config`` with these heads, ranks and strategy (``drawn_config``)."""
+    return drawn_config(MAX_KV_DRAWN_HEADS, query_heads=query_heads, kv_heads=kv_heads,
+                        world_size=world_size, kv_strategy=kv_strategy)
 
 
 def kv_caption(cfg: Config) -> tuple[str, str]:
-    """Text and HTML under the kv explorer's picture: the replica groups, and what each
-    ``kv_strategy`` holds and sends per step (``kv_costs``)."""
+    """Text and HTML under the kv picture: the replica groups, and what each ``kv_strategy``
+    holds and sends per step (``kv_costs``)."""
     q = cfg.local_query_heads
     lines = []
     if has_replicas(cfg):
@@ -91,18 +86,11 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
 
 def static_kv_explorer(layouts=KV_LAYOUTS,
                        initial=((8, 2, 4), "replicate_weights")) -> StaticExplorer:
-    """The live explorer's panels (caption, SVG) for each layout × strategy (an invalid one
-    shows ``Config``'s message)."""
+    """The live panels (caption, SVG) for each layout × strategy; an invalid one: the message."""
     layouts = [tuple(layout) for layout in layouts]
-    panels = {}
-    for i, layout in enumerate(layouts):
-        for j, strategy in enumerate(KV_STRATEGIES):
-            try:
-                cfg = kv_config(*layout, strategy)
-            except ValueError as error:
-                panels[(i, j)] = message_html(str(error))
-                continue
-            panels[(i, j)] = kv_caption(cfg)[1] + heads_svg(replica_groups_layout(cfg))
+    panels = {(i, j): config_panel(lambda: kv_config(*layout, strategy), lambda cfg: (
+        kv_caption(cfg)[1] + heads_svg(replica_groups_layout(cfg))))
+        for i, layout in enumerate(layouts) for j, strategy in enumerate(KV_STRATEGIES)}
     labels = ["{} q · {} kv · {} ranks".format(*layout) for layout in layouts]
     layout0, strategy0 = initial
     start = (layouts.index(tuple(layout0)) if tuple(layout0) in layouts else 0,

@@ -1,10 +1,5 @@
-"""The five measures in an output area: an HTML table, the verdict, and a fast bar chart.
-
-``MeasuresPlot`` draws exactly ``tpattn.viz.sharding.measures_figure`` but builds it only once:
-later results move the bars and relabel them, and only those are drawn again over a cached
-background. Building and drawing that figure costs ~100+ ms on a small machine; the update
-costs a fraction, which keeps the seed × mode explorer interactive.
-"""
+"""The five measures in an output area: an HTML table, the verdict, and a fast bar chart
+(``MeasuresPlot``: ``measures_figure`` built once, its bars moved per result)."""
 from __future__ import annotations
 
 import copy
@@ -19,16 +14,14 @@ from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, meas
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
 from ..viz.sharding import value_label, zero_floor
 from ..viz.style import FAIL_COLOR, PASS_COLOR
-from .core import StandingFigure, encode_png, single_thread
+from .core import StandingFigure, single_thread
 
 __all__ = ["MeasuresPlot", "live_run", "measures_html", "measures_text", "verdict"]
 
 
 def live_run(seed, mode, cfg: Config | None = None, simulate: str = "fixture") -> dict:
-    """``run(seed, mode, cfg, simulate=simulate)`` on one thread (see ``single_thread``),
-    remembered for the last 256 states: a reader clicking back to a seed or mode sees its
-    result again without the ~5 ms run. Returns a new dict each call (the remembered one is
-    never handed out); ``run``'s ``ValueError`` for a bad value is raised, not remembered."""
+    """``run(seed, mode, cfg, simulate=simulate)`` on one thread, remembered for 256 states; a
+    new dict each call; ``run``'s ``ValueError`` is raised, not remembered."""
     key = (type(seed), seed, type(mode), mode, cfg, simulate)
     try:
         hash(key)
@@ -55,9 +48,8 @@ def measures_text(result: Mapping) -> str:
 
 
 def measures_html(result: Mapping) -> str:
-    """Verdict line and a table: each measure, its value (``format_measure``: values below
-    1e-6 print as ``< 1e-06``, so the text does not depend on the CPU's last bits) and
-    whether it is below the tolerance."""
+    """Verdict line and a table: each measure, its value (``format_measure``) and whether it is
+    below the tolerance."""
     color = PASS_COLOR if result["passed"] else FAIL_COLOR
     cell = "padding:0.05em 1.2em 0.05em 0"
     rows = "".join(
@@ -92,18 +84,14 @@ def _set_measures(fig, result: Mapping) -> None:
 
 
 def _measures_dynamic(fig) -> list:
-    """Artists drawn over the background on every result, in z order: the bars, what lies on
-    top of them (threshold line, spines), their value labels (``measures_figure``'s first
-    texts; the threshold's label stays in the background) and the title."""
+    """The bars, what lies over them (threshold line, spines), their value labels and the title."""
     ax = fig.axes[0]
     return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)], ax.title]
 
 
 class MeasuresPlot:
-    """``measures_figure(result)`` as PNG bytes, fast enough for a control being clicked: a
-    ``StandingFigure`` per zero floor, whose bars, value labels and title are redrawn over
-    the cached background. The pixels equal a full draw of ``measures_figure(result)``
-    (``tests/test_widgets.py`` compares them for several seeds, modes and floors)."""
+    """``measures_figure(result)`` as PNG bytes, on a ``StandingFigure`` per zero floor (the
+    pixels equal a full draw: ``tests/test_widgets.py``)."""
 
     def __init__(self, dpi: int = 100):
         self.standing = StandingFigure(build=lambda _floor, result: measures_figure(result),
@@ -116,8 +104,6 @@ class MeasuresPlot:
         return self.standing.builds
 
     def png(self, result: Mapping, palette: bool = False) -> bytes:
-        """PNG bytes of ``measures_figure(result)``: fast to encode (live updates), or 256-color
-        and small with ``palette=True`` (the precomputed panels of a page)."""
+        """PNG bytes of ``measures_figure(result)`` (``palette``: 256 colors, small)."""
         floor = zero_floor([float(result[m]) for m in MEASURES])
-        return encode_png(self.standing.pixels(floor, result), palette=palette,
-                          compress_level=6 if palette else 1)
+        return self.standing.png(floor, result, palette=palette)

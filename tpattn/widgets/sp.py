@@ -1,9 +1,5 @@
-"""Chapter 12's explorer: seed × sequence-parallel mode, live and static (see ``tpattn.widgets``).
-
-``sp_explorer()`` runs ``run(seed, mode, cfg, simulate="ranks")`` with ``cfg.sequence_parallel``
-and shows the five measures, the verdict and the bars against 1e-6; ``static_sp_explorer()``
-precomputes every ``seeds × SP_MODES`` state for the HTML book.
-"""
+"""Chapter 12's explorer: ``seed_mode_explorer`` on simulated ranks with ``SP_MODES`` and a
+``sequence_parallel`` config, live and static."""
 from __future__ import annotations
 
 from ..check import EQUIVALENCE, SEEDS, SP_MODES

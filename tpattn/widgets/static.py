@@ -1,21 +1,9 @@
 """Static explorers: every state that matters, precomputed, switchable in plain HTML.
 
-A rendered book page cannot run Python, so a live control there would do nothing. A static
-explorer is one self-contained ``text/html`` block: the precomputed panels (figures as base64
-PNG, tables, messages) plus radio buttons whose labels select a panel — **CSS only**, no
-JavaScript, no external resource, so it works offline and in any HTML page::
-
-    <div class="tpx" id="P">
-      <style> … one rule per state: #P-g0-1:checked ~ #P-g1-2:checked ~ .tpx-panels > #P-p1-2 … </style>
-      <input type="radio" id="P-g0-0" checked> …          one radio per option, all siblings
-      <div class="tpx-controls" style="display:none"> <label for="P-g0-0">11</label> … </div>
-      <div class="tpx-panels"> <div class="tpx-panel" id="P-p0-0"> … </div> … </div>
-    </div>
-
-Where a sanitizer strips ``<style>`` (an untrusted notebook in JupyterLab), the inline
-``display:none`` keeps the labels hidden and every panel shows, captioned, one under the
-other: nothing on the page pretends to be a control that does nothing.
-"""
+One self-contained ``text/html`` block: the panels (base64 PNGs, SVG, tables) and radio
+buttons whose labels select one through CSS alone (``#P-g0-1:checked ~ … > #P-p1-2``): no
+JavaScript, no network. Where a sanitizer strips ``<style>``, the inline ``display:none``
+hides the labels and every panel shows, captioned: nothing pretends to be a control."""
 from __future__ import annotations
 
 import hashlib
@@ -52,14 +40,12 @@ _DATA_URI = re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]+")
 
 
 class StaticExplorer:
-    """Precomputed panels of an explorer behind a CSS-only selector (see the module docstring).
+    """Precomputed panels of an explorer behind a CSS-only selector.
 
-    groups: ``[(name, [option label, …]), …]`` — one radio group per control;
-    panels: ``{(i0, i1, …): html}`` — the panel shown when option ``i_k`` of group ``k`` is
-    selected; every combination must be present. ``initial`` is the selected combination.
-    ``kind`` names the explorer (``data-tpx-kind``); element ids derive from a hash of its
-    text (not of the PNGs), so the same explorer renders the same markup on every machine.
-    """
+    groups: ``[(name, [option label, …]), …]``, one radio group per control; panels:
+    ``{(i0, i1, …): html}`` for every combination of option indices; ``initial``: the one
+    selected. Element ids hash ``kind`` and the panels' text (not PNGs): the same markup on
+    every machine."""
 
     def __init__(self, kind: str, groups: Sequence[tuple[str, Sequence[str]]],
                  panels: Mapping[tuple[int, ...], str], initial: tuple[int, ...] | None = None,
