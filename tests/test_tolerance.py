@@ -142,9 +142,10 @@ def test_default_tolerance_is_the_seed_bit_for_bit():
 
 def test_auto_adds_bounds_and_the_verdict_follows_them():
     r = tpattn.run(11, EQUIVALENCE, tolerance="auto")
-    assert list(r)[-3:] == ["tolerance", "bounds", "passed"]
+    assert list(r)[-4:] == ["tolerance", "bounds", "verdict", "passed"]
     assert set(r["bounds"]) == set(tpattn.MEASURES)
     assert r["passed"] == all(r[m] <= r["bounds"][m] for m in tpattn.MEASURES)
+    assert r["verdict"] == ("pass" if r["passed"] else "fail")
 
 
 def test_the_bound_grows_with_the_sums_and_the_dtype():
