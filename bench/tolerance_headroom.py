@@ -122,8 +122,9 @@ def report(rows: list[dict]) -> dict:
     print(f"correct TP over its bound: {over} of {n_ok}; false fails: {len(false_fail)}; "
           f"bugs passing: {len(false_pass)}")
     # 0 of n over the bound: P(over) < 3/n at 95% confidence (the rule of three).
-    print(f"P(correct TP over the C=1 bound) <= {max(over, 3) / max(n_ok, 1):.3g} "
-          f"(95%: rule of three when none are over) on these cases and kernels")
+    print(f"correct TP over the C=1 bound: {over}/{n_ok} = {over / max(n_ok, 1):.3g}"
+          + (f" (95% upper bound {3 / n_ok:.3g}, rule of three)" if not over else "")
+          + " on these cases and kernels")
     for r in false_fail + false_pass:
         print("  !", r["shape"], r["dtype"], r["init"], r["world_size"], r["mode"],
               r["seed"], r["verdict"])
