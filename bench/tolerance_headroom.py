@@ -21,14 +21,21 @@ Run it once per kernel setting, e.g.::
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/tolerance_headroom.py
     OMP_NUM_THREADS=1 python bench/tolerance_headroom.py
 
+and join the runs' JSON into the chapter's compact table (book/data/tolerance_headroom.json,
+committed; chapter 14 reads it)::
+
+    python bench/tolerance_headroom.py --merge s1.json s2.json ... --out PATH
+
 Usage: python bench/tolerance_headroom.py [--block llama|shapes|both] [--seeds 1 2 3 4 5]
                                           [--shapes N] [--json PATH]
+       python bench/tolerance_headroom.py --merge A.json ... [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pathlib
 import random
 import statistics
 import time
@@ -131,13 +138,50 @@ def report(rows: list[dict]) -> dict:
     return summary
 
 
+OUT = pathlib.Path(__file__).resolve().parent.parent / "book" / "data" / "tolerance_headroom.json"
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def merge(paths, out) -> None:
+    """One compact table from several runs' ``--json``: per kernel setting and group
+    (block, design/held-out, dtype, init), the count of correct-TP runs, their largest
+    measure/bound and measure/floor, the largest amplification and the verdict counts."""
+    table = []
+    for p in paths:
+        d = json.loads(pathlib.Path(p).read_text())
+        setting = " ".join(f"{k}={v}" for k, v in d["settings"].items()) or "default"
+        for name, g in d["summary"].items():
+            block, held, dtype, init = name.split()
+            table.append({"setting": setting, "kernels": d["kernels"], "block": block,
+                          "held_out": held == "held-out", "dtype": dtype,
+                          "init": init.split("=")[1], "n_correct": len(g["headroom"]),
+                          "max_over_bound": max(g["headroom"]),
+                          "max_over_floor": max(g["floor_ratio"]),
+                          "max_amplification": max(g["amplification"]),
+                          "correct": g["correct_verdicts"], "bugs": g["bug_verdicts"]})
+    pathlib.Path(out).write_text(json.dumps(
+        {"cpu": cpu_model(), "torch": torch.__version__, "table": table}, indent=1) + "\n")
+    print(f"wrote {out}: {len(table)} rows")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--block", choices=("llama", "shapes", "both"), default="both")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--shapes", type=int, default=12)
     ap.add_argument("--json")
+    ap.add_argument("--merge", nargs="+", metavar="JSON")
+    ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     setting = {k: os.environ[k] for k in SETTINGS if k in os.environ}
     print(f"kernels: {torch.backends.cpu.get_cpu_capability()} threads "
           f"{torch.get_num_threads()} settings {setting}", flush=True)
