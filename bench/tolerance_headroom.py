@@ -156,6 +156,8 @@ def merge(paths, out) -> None:
     table = []
     for p in paths:
         d = json.loads(pathlib.Path(p).read_text())
+        if not d["summary"]:  # interrupted: summarise the rows it saved
+            d["summary"] = report(d["rows"])
         setting = " ".join(f"{k}={v}" for k, v in d["settings"].items()) or "default"
         for name, g in d["summary"].items():
             block, held, dtype, init = name.split()
@@ -187,17 +189,25 @@ def main() -> None:
           f"{torch.get_num_threads()} settings {setting}", flush=True)
     t0 = time.perf_counter()
     rows = []
+
+    def save(final: bool) -> None:  # after every seed: an interrupted run keeps its rows
+        summary = report(rows) if final else {}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"settings": setting,
+                           "kernels": torch.backends.cpu.get_cpu_capability(),
+                           "torch": torch.__version__, "summary": summary,
+                           "rows": rows}, f, indent=1)
+
     if args.block in ("shapes", "both"):
         rows += shape_rows(args.shapes)
     if args.block in ("llama", "both"):
-        rows += llama_rows(args.seeds)
-    summary = report(rows)
+        for seed in args.seeds:
+            rows += llama_rows([seed])
+            print(f"seed {seed} done at {time.perf_counter() - t0:.0f} s", flush=True)
+            save(False)
+    save(True)
     print(f"{time.perf_counter() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": setting, "kernels": torch.backends.cpu.get_cpu_capability(),
-                       "torch": torch.__version__, "summary": summary,
-                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
