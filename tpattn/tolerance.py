@@ -38,7 +38,7 @@ by ~3e-2: a fixed threshold is either too tight (fails correct TP) or blind (pas
   shapes, world sizes 1-8, both inits and all three dtypes (``tests/test_tolerance.py``),
   and ``bench/tolerance_headroom.py``'s distribution at the Llama shape (seeds 1-5, TP 2/4/8)
   under several kernel settings of one AMD CPU: measure / bound <= ~0.5 at the Llama shape,
-  one small float64 case of 132 at 1.14 (NOTES.md). It is a bound *for a well-conditioned
+  one small float64 case of 132 at 1.14. It is a bound *for a well-conditioned
   step*; the next paragraph is what happens otherwise.
 
 Conditioning. The bound's model is "a relative rho in, a relative rho out". A step can
