@@ -89,13 +89,21 @@ test-lab: setup
 # pass: ~90 s of CPU here). Does not rebuild the book.
 PORTABLE_SETTINGS := "ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2" \
                      "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1"
-NUMERIC_TESTS := tests/test_golden.py tests/test_rederive.py tests/test_properties.py tests/test_cli.py
+NUMERIC_TESTS := tests/test_golden.py tests/test_rederive.py tests/test_properties.py tests/test_cli.py \
+                 tests/test_tolerance_llama.py
+# The Llama-shape tolerance test (~10 s) also under the settings the loop above leaves out,
+# so that every kernel setting runs it with and without OMP_NUM_THREADS=1.
+LLAMA_SETTINGS := "" "OMP_NUM_THREADS=1" \
+                  "ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1" \
+                  "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2"
 KERNELS := import torch; print("kernels:", torch.backends.cpu.get_cpu_capability(), "threads:", torch.get_num_threads())
 test-portable: setup
 	@set -e; for s in $(PORTABLE_SETTINGS); do echo "== $$s"; env $$s $(PY) -c '$(KERNELS)'; \
 	  env $$s $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) $(NUMERIC_TESTS) book; done
 	@echo "== MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) $(NUMERIC_TESTS) book
+	@set -e; for s in $(LLAMA_SETTINGS); do echo "== $$s (Llama-shape tolerance)"; \
+	  env $$s $(PY) -m pytest -q -p no:cacheprovider tests/test_tolerance_llama.py; done
 
 test-browser: book
 	$(PY) -m pytest -q $(XDIST) tests/test_browser.py

@@ -142,9 +142,10 @@ def test_default_tolerance_is_the_seed_bit_for_bit():
 
 def test_auto_adds_bounds_and_the_verdict_follows_them():
     r = tpattn.run(11, EQUIVALENCE, tolerance="auto")
-    assert list(r)[-3:] == ["tolerance", "bounds", "passed"]
+    assert list(r)[-4:] == ["tolerance", "bounds", "verdict", "passed"]
     assert set(r["bounds"]) == set(tpattn.MEASURES)
     assert r["passed"] == all(r[m] <= r["bounds"][m] for m in tpattn.MEASURES)
+    assert r["verdict"] == ("pass" if r["passed"] else "fail")
 
 
 def test_the_bound_grows_with_the_sums_and_the_dtype():
@@ -211,3 +212,49 @@ def test_the_committed_llama_shape_sweep_separates_rounding_from_bugs():
         else:
             assert not r["passed"]
             assert worst >= (BF16_MARGIN if r["dtype"] == "bfloat16" else MARGIN), r
+
+
+def test_verdicts_pass_inconclusive_fail_and_the_probe_runs_only_when_needed():
+    from tpattn.tolerance import apply_auto
+    bounds = {m: 1.0 for m in tpattn.MEASURES}
+    amp = {m: 50.0 for m in tpattn.MEASURES[:4]}
+    floors = {m: 50.0 for m in tpattn.MEASURES}
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return floors, amp
+
+    within = dict({m: 0.5 for m in tpattn.MEASURES}, seed=1, mode=EQUIVALENCE)
+    assert apply_auto(within, bounds, probe)["verdict"] == "pass" and not calls
+    amplified = dict(within, input_grad_max_abs_diff=20.0)
+    r = apply_auto(amplified, bounds, probe)
+    assert calls and r["verdict"] == "inconclusive" and not r["passed"]
+    assert r["reason"].startswith("rounding is amplified ~50x") and r["amplification"] == 50
+    assert apply_auto(dict(within, forward_max_abs_diff=60.0), bounds, probe)["verdict"] == "fail"
+    assert apply_auto(amplified, bounds)["verdict"] == "fail"  # no probe: the bound alone
+
+
+def test_reduced_precision_float32_matmuls_are_refused():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        with pytest.raises(ValueError, match="get_float32_matmul_precision"):
+            tpattn.run(11, EQUIVALENCE, tolerance="auto")
+        assert tpattn.run(11, EQUIVALENCE)["passed"]  # the seed's check does not model kernels
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_cli_init_flag(capsys):
+    assert main(["--tolerance", "auto", "--init", "fan_in"]) == 0
+    fan = json.loads(capsys.readouterr().out)
+    assert main(["--tolerance", "auto"]) == 0
+    seed = json.loads(capsys.readouterr().out)
+    assert fan["verdict"] == seed["verdict"] == "pass"
+    assert fan["forward_max_abs_diff"] != seed["forward_max_abs_diff"] or \
+        fan["bounds"] != seed["bounds"]
+    with pytest.raises(SystemExit) as e:
+        main(["--init", "xavier"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -14,24 +14,49 @@ from .check import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
 from .config import Config
 from .params import init_params
 from .rank_batched import rank_batched_tp_forward
-from .tolerance import apply_auto, auto_bounds, ratios
+from .tolerance import (amplification, apply_auto, auto_bounds, perturbed_start, ratios,
+                        rounding_floors)
 from .tp import tp_forward
 
 #: TP implementations by name: the seed's per-rank loop, or ranks as a batch dimension.
 TP_PATHS = {"loop": tp_forward, "batched": rank_batched_tp_forward}
 
 
+def probe_amplification(cfg: Config, x0, target, base: dict, dense: dict) -> dict:
+    """``tolerance.amplification`` of ``cfg``'s step: the dense step again from
+    ``perturbed_start`` (inputs ``[S, B, hidden]`` and parameters moved by a relative
+    ``relative_bound(cfg)``), compared with ``dense``; ``A_m`` by measure."""
+    px, pbase = perturbed_start(cfg, x0, base)
+    return amplification(cfg, dense, dense_reference(px, target, pbase, cfg))
+
+
 def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=MODES,
-                        init: str = "fan_in", path: str = "batched") -> list[dict]:
+                        init: str = "fan_in", path: str = "batched",
+                        probe: bool = False) -> list[dict]:
     """One dense step of ``cfg``'s block, then a TP step for every world size x mode.
 
     Bug modes are skipped at world size 1 (with one rank there is nothing to reduce).
+    The conditioning probe (``probe_amplification``, one more dense step) runs once, when a
+    row first needs it, or always with ``probe=True``; every world size's floors scale its
+    own bounds by the same amplification.
     Returns one dict per TP step: ``run(tolerance="auto")``'s keys plus ``world_size``,
-    ``dtype``, ``init`` and ``ratios`` (measure / bound).
+    ``dtype``, ``init``, ``ratios`` (measure / bound) and, once probed, ``amplification_by``
+    (``A_m`` by measure) and ``floor_ratios`` (measure / floor).
     """
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)
+    amp = {}
+    if probe:
+        amp.update(probe_amplification(cfg, x0, target, base, dense))
+
+    def floors_of(cfg_w):
+        def floors():
+            if not amp:
+                amp.update(probe_amplification(cfg, x0, target, base, dense))
+            return rounding_floors(cfg_w, dense, amp, LR), amp
+        return floors
+
     rows = []
     for w in world_sizes:
         cfg_w = replace(cfg, world_size=w)
@@ -46,9 +71,12 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
                                       reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
 
             row = apply_auto(five_measures(seed, mode, dense, one_step(tp, x0, target, base)),
-                             bounds)
+                             bounds, floors_of(cfg_w))
             row.update(world_size=w, dtype=cfg.dtype, init=init,
                        ratios=ratios(row, bounds))
+            if amp:
+                row.update(amplification_by=dict(amp), floor_ratios=ratios(
+                    row, rounding_floors(cfg_w, dense, amp, LR)))
             rows.append(row)
     return rows
 

@@ -20,7 +20,8 @@ from .kv_heads import (has_replicas, kv_grad_bug_applies, replica_groups, tp_for
                        tp_forward_kv_ranks)
 from .params import clone_trainable, init_params, shard_params, unshard_params
 from .rank_batched import rank_batched_tp_forward
-from .tolerance import apply_auto, auto_bounds, check_tolerance
+from .tolerance import (apply_auto, auto_bounds, check_kernel_precision, check_tolerance,
+                        conditioning, perturbed_start)
 from .tp import tp_forward, tp_forward_ranks
 
 EQUIVALENCE = "equivalence"
@@ -301,7 +302,8 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
 
 
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
-        simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed") -> dict:
+        simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed",
+        init: str = "seed") -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
     ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
@@ -318,7 +320,11 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
     (``tp.tp_forward``). ``tolerance="auto"``: a rounding bound per measure
     (``tolerance.auto_bounds``, added as ``bounds``) and, for plain TP, the rank-batched path
-    (``rank_batched.rank_batched_tp_forward``: same math, faster, no bit parity promised).
+    (``rank_batched.rank_batched_tp_forward``: same math, faster, no bit parity promised)
+    and a ``verdict``: ``pass``, ``fail``, or ``inconclusive`` where the step amplifies
+    rounding as much as the difference (measured by one more dense step from a perturbed
+    start, run only when a measure exceeds its bound: ``tolerance.apply_auto``).
+    ``init``: ``init_params``'s ``"seed"`` (0.15) or ``"fan_in"`` (``1/sqrt(fan_in)``).
     """
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
@@ -328,28 +334,39 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
                              f"(the auto bound covers {', '.join(NATIVE_MODES)})")
         from .zoo import run as run_registry_mode
 
+        if init != "seed":
+            raise ValueError(f"init must be 'seed' for a bug-registry mode such as {mode} "
+                             f"(got {init!r})")
         return run_registry_mode(seed, mode, cfg, simulate)
     check_seed(seed)
     check_simulate(simulate)
+    if tolerance == "auto":
+        check_kernel_precision(cfg)
     x0, target = make_inputs(cfg, seed)
-    base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)
     metrics = five_measures(seed, mode, dense, tp_step(x0, target, base, cfg, mode, simulate,
                                                        shard_fn, batched=tolerance == "auto"))
     if tolerance == "auto":
-        metrics = apply_auto(metrics, auto_bounds(cfg, dense, LR))
+        def probe():  # the conditioning probe: the dense step from a perturbed start
+            px, pbase = perturbed_start(cfg, x0, base)
+            return conditioning(cfg, dense, dense_reference(px, target, pbase, cfg), LR)
+
+        metrics = apply_auto(metrics, auto_bounds(cfg, dense, LR), probe)
     return metrics
 
 
+
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
-               simulate: str = "fixture", tolerance: str = "seed") -> list[dict]:
+               simulate: str = "fixture", tolerance: str = "seed",
+               init: str = "seed") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
     cfg = Config() if cfg is None else cfg
     modes = [check_any_mode(m, cfg) for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
     check_tolerance(tolerance)
-    return [run(s, m, cfg, simulate, tolerance=tolerance) for m in modes for s in seeds]
+    return [run(s, m, cfg, simulate, tolerance=tolerance, init=init) for m in modes for s in seeds]
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:

@@ -13,6 +13,7 @@ import sys
 from .check import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture,
                     modes_for, run, run_matrix)
 from .config import DTYPES, KV_STRATEGIES, Config
+from .params import INITS
 from .tolerance import TOLERANCES
 
 CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
@@ -70,7 +71,11 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     if simulated:  # the real-rank CLI compares with the seed's 1e-6
         ap.add_argument("--tolerance", choices=TOLERANCES, default="seed",
                         help="seed: absolute 1e-6; auto: a rounding bound per measure from the "
-                             "dtype and the sizes of the sums (default: %(default)s)")
+                             "dtype and the sizes of the sums, and a verdict pass / fail / "
+                             "inconclusive (default: %(default)s)")
+        ap.add_argument("--init", choices=INITS, default="seed",
+                        help="weight init: seed (N(0,1) * 0.15) or fan_in (N(0,1) / "
+                             "sqrt(fan_in)) (default: %(default)s)")
     ap.add_argument("--list-modes", action="store_true",
                     help="print the bug registry (name, description, citation, needs) as "
                          "JSON and exit")
@@ -114,9 +119,11 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         elif args.mode == "matrix":
-            out = run_matrix(args.seeds, modes_for(cfg), cfg, args.simulate, tolerance=args.tolerance)
+            out = run_matrix(args.seeds, modes_for(cfg), cfg, args.simulate,
+                             tolerance=args.tolerance, init=args.init)
         else:
-            out = run(args.seed, args.mode, cfg, args.simulate, tolerance=args.tolerance)
+            out = run(args.seed, args.mode, cfg, args.simulate, tolerance=args.tolerance,
+                      init=args.init)
         if args.diagnose and isinstance(out, (list, dict)) and out is not None:
             from .diagnose import diagnose
             from .observe import observe
