@@ -157,8 +157,8 @@ def test_the_fake_group_is_torn_down_and_a_real_one_is_left_alone(tmp_path):
     (MISSING_KV_GRAD_REDUCE, Config(), "kv_heads < world_size"),
     ("missing_norm_grad_reduce", Config(), "sequence_parallel"),
     ("row_bias_on_every_rank", Config(query_heads=8, kv_heads=2, world_size=4),
-     "kv_heads >= world_size"),
-    ("output_reduced_twice", Config(seq=8, sequence_parallel=True), "no sequence_parallel"),
+     "kv_heads must be >= world_size"),
+    ("output_reduced_twice", Config(seq=8, sequence_parallel=True), "sequence_parallel must be False"),
 ])
 def test_a_mode_the_setup_cannot_run_is_a_value_error(mode, cfg, message):
     with pytest.raises(ValueError, match=message):

@@ -308,12 +308,7 @@ def _validate(mode, cfg, seed):
     if mode_route(mode, cfg) == "registry":
         from .zoo import check_needs
 
-        check_needs(mode, cfg)  # ValueError naming the mode and what it needs
-        if has_replicas(cfg) or cfg.sequence_parallel:
-            raise ValueError(f"typecheck: mode {mode!r} is the registry's block "
-                             f"(tpattn.zoo), which needs kv_heads >= world_size and no "
-                             f"sequence_parallel (got kv_heads={cfg.kv_heads}, world_size="
-                             f"{cfg.world_size}, sequence_parallel={cfg.sequence_parallel})")
+        check_needs(mode, cfg)  # ValueError naming the mode and what it needs (plain TP)
     else:
         check_mode(mode, cfg)
     if cfg.sequence_parallel and has_replicas(cfg):
