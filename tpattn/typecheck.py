@@ -13,12 +13,12 @@ place of the ledger, on a fake process group of ``cfg.world_size`` ranks (backen
 ``"fake"``: no rank runs, no collective moves data; this process plays rank 0). The inputs and
 parameters are declared with the types correct TP gives them::
 
-    x, target        I             (SP: x and target V, each rank its own tokens)
-    norm (, bias)    I             (SP: R, its gradient summed after backward;
-                                    without that sum, I)
-    wq, wk, wv, wo   V             (replicated KV heads: a 2-D mesh ("kv", "rep"),
-                                    wk/wv V on "kv" and I on "rep"; the replica
-                                    reduce converts them to R, its gradient summed)
+    x, target        I   (SP: x and target V, each rank its own tokens)
+    norm (, bias)    I   (SP: R, its gradient summed after backward;
+                          without that sum, I)
+    wq, wk, wv, wo   V   (replicated KV heads: a 2-D mesh ("kv", "rep"),
+                          wk/wv V on "kv" and I on "rep"; the replica
+                          reduce converts them to R, its gradient summed)
 
 Verdicts (``VERDICTS``): ``"type-checks"`` (correct TP), ``"caught"`` (a bug mode that raises
 ``SpmdTypeError``; ``message`` is the checker's own text, ``where`` the line of the block
