@@ -119,6 +119,22 @@ def _unshard_stack(rank_flats: list[dict[str, torch.Tensor]], cfg: Config) -> di
     return flat
 
 
+def _stack_start(seed: int, mode: str, cfg: Config | None, layers: int, simulate: str):
+    """The validated start both ``run_stack`` and ``train_stack`` take: ``(cfg, x0, target,
+    base, flags)`` — the fixture's batch ``[S, B, hidden]``, the stack's parameters and
+    ``mode``'s two reduce flags for every block."""
+    check_mode(mode)
+    check_seed(seed)
+    check_layers(layers)
+    check_simulate(simulate)
+    cfg = Config() if cfg is None else cfg
+    x0, target = make_inputs(cfg, seed)
+    base = init_stack(cfg, layers, seed + PARAM_SEED_OFFSET)
+    flags = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
+                 reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    return cfg, x0, target, base, flags
+
+
 def run_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config | None = None,
               layers: int = 3, simulate: str = "fixture") -> dict:
     """One step of a dense stack and of a TP stack (``mode``'s reduce flags in every block)
@@ -134,15 +150,7 @@ def run_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config
     the bottom, nearest ``x``), parameter name → ``max |dense − TP|`` of its gradient / of its
     value after the SGD step.
     """
-    check_mode(mode)
-    check_seed(seed)
-    check_layers(layers)
-    check_simulate(simulate)
-    cfg = Config() if cfg is None else cfg
-    x0, target = make_inputs(cfg, seed)
-    base = init_stack(cfg, layers, seed + PARAM_SEED_OFFSET)
-    flags = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                 reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    cfg, x0, target, base, flags = _stack_start(seed, mode, cfg, layers, simulate)
 
     dense = one_step(lambda x, p: dense_stack_forward(x, p, cfg), x0, target, base)
     if simulate == "ranks":
@@ -181,17 +189,9 @@ def train_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Conf
     each step, the largest ``|norm on rank r − norm on rank 0|`` over every block and rank
     (always 0 in the fixture's view, which holds one copy).
     """
-    check_mode(mode)
-    check_seed(seed)
-    check_layers(layers)
-    check_simulate(simulate)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
-    cfg = Config() if cfg is None else cfg
-    x0, target = make_inputs(cfg, seed)
-    base = init_stack(cfg, layers, seed + PARAM_SEED_OFFSET)
-    flags = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                 reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    cfg, x0, target, base, flags = _stack_start(seed, mode, cfg, layers, simulate)
     ranks = simulate == "ranks"
     per_rank = [clone_trainable(flat) for flat in _shard_stack(base, cfg)] if ranks \
         else [clone_trainable(base)]
