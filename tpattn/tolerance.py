@@ -45,7 +45,7 @@ Conditioning. The bound's model is "a relative rho in, a relative rho out". A st
 amplify: the seed's 0.15 init at hidden 4096 gives attention scores of several hundred, a
 nearly one-hot softmax, and a step that turns a relative ``rho`` perturbation of its start
 into ~300 ``rho`` of its gradients. Then how much rounding the CPU's kernels do decides the
-verdict: on an AVX-512 Xeon such a correct TP step measured 2-19x the bound (issue 22), here
+verdict: on an AVX-512 Xeon such a correct TP step measured 2-19x the bound, on an AMD EPYC
 0.13x. ``amplification`` measures it on the machine and kernels that run the check: one more
 dense step from a start moved by a relative ``rho`` (``perturbed_start``); ``A_m`` = its
 difference over ``bound_m``. A measure above its bound but within ``max(1, A_m) bound_m``
