@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -156,6 +157,27 @@ def compare(before: dict, after: dict) -> dict:
             "differences": differences}
 
 
+def categories(differences: list) -> dict[str, int]:
+    """How many difference lines of each sort: an entry missing or new, a float out of its
+    bound or not bit-identical, an error that appeared or went away, other values."""
+    counts: dict[str, int] = {}
+    for _, line in differences:
+        if line in ("missing in AFTER", "new in AFTER"):
+            name = line
+        elif ".error:" in line or "keys [" in line and "'error'" in line:
+            name = "error appeared/went/changed type"
+        elif ".message:" in line:
+            name = "message"
+        elif "(|diff|" in line:
+            name = "float beyond the bound"
+        elif re.search(r": -?[0-9.e+-]+ != -?[0-9.e+-]+$", line):
+            name = "float not bit-identical"
+        else:
+            name = "other value"
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("before")
@@ -176,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['bounded_not_bits']}")
     diffs = result["differences"]
     entries = len({k for k, _ in diffs})
+    if diffs:
+        print("differences by what changed: " + ", ".join(
+            f"{name} {n}" for name, n in sorted(categories(diffs).items())))
     print(f"differences: {len(diffs)} in {entries} entries" + (":" if diffs else ""))
     for key, line in diffs[:args.show]:
         print(f"  {key}: {line}")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import io
 import json
@@ -546,8 +547,15 @@ class Dumper:
                                     text=True).stdout.strip()
         except OSError:
             commit = None
+        import tpattn
+
+        digest = hashlib.sha256()
+        for path in sorted(Path(tpattn.__file__).parent.rglob("*.py")):
+            digest.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
         header = {
             "commit": commit,
+            "tpattn_dir": str(Path(tpattn.__file__).parent),
+            "tpattn_sha256": digest.hexdigest(),
             "python": sys.version.split()[0],
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
