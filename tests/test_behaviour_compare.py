@@ -166,3 +166,14 @@ def test_the_command_exits_0_when_same_1_when_changed_2_on_bad_input(tmp_path, c
     assert tool.main([str(before), str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("behaviour_compare: error: after must be a dump") and err.count("\n") == 1
+
+
+def test_dumps_made_under_other_cpu_kernels_are_flagged(tmp_path, capsys):
+    before, after = dump(), dump()
+    before["header"]["env"] = {"ATEN_CPU_CAPABILITY": None}
+    after["header"]["env"] = {"ATEN_CPU_CAPABILITY": "default"}
+    paths = [tmp_path / "b.json", tmp_path / "a.json"]
+    for path, d in zip(paths, (before, after)):
+        path.write_text(json.dumps(d))
+    assert tool.main([str(p) for p in paths]) == 0  # the entries agree; the warning stays
+    assert "WARNING: the dumps were made under other CPU kernels" in capsys.readouterr().out

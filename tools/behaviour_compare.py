@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hb, ha = before.get("header", {}), after.get("header", {})
     print(f"before: commit {hb.get('commit')}, after: commit {ha.get('commit')}")
+    if hb.get("env") != ha.get("env"):
+        print(f"WARNING: the dumps were made under other CPU kernels ({hb.get('env')} vs "
+              f"{ha.get('env')}): torch.randn draws other inputs there, so floats differ "
+              f"beyond rounding; dump both on one machine with one setting")
     print(f"compared {result['compared']} entries: " + ", ".join(
         f"{k} {n} ({d} differ)" for k, (n, d) in sorted(result["by_kind"].items())))
     print(f"bounded entries within the bound but not bit-identical: "

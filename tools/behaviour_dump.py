@@ -241,6 +241,28 @@ def jsonable(value):
     return repr(value)
 
 
+#: Environment variables that pick CPU kernels: torch.randn's vectorized path draws other
+#: float32 inputs under ATEN_CPU_CAPABILITY=default, so dumps compare only under one setting.
+KERNEL_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "OMP_NUM_THREADS")
+
+
+def kernel_env() -> dict:
+    """The CPU, torch's kernel capability and ``KERNEL_VARS``: what must match between two
+    dumps for their floats to be comparable (``behaviour_compare`` warns otherwise)."""
+    import torch
+
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **{name: os.environ.get(name) for name in KERNEL_VARS}}
+
+
 class Dumper:
     def __init__(self, quick: bool = False):
         import tpattn
@@ -559,6 +581,7 @@ class Dumper:
             "python": sys.version.split()[0],
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
+            "env": kernel_env(),
             "quick": self.quick,
             "modes": modes,
             "seeds": list(SEEDS), "large_shape_seeds": list(LARGE_SEEDS),
