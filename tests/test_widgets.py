@@ -340,7 +340,7 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
     parts = _svg_parts(frames.heads_svg(picture))
     labels = [box[5].replace("\n", " ") for box in picture.boxes]
     ranks = [f"rank {r}" for r in range(picture.ranks)]
-    assert parts["texts"][:2] == [" ".join(label.split()) for label in picture.geometry.labels]
+    assert parts["texts"][:2] == [" ".join(label.split()) for label, _ in picture.rows]
     assert parts["texts"][2:] == ([g[4] for g in picture.groups] + labels + ranks
                                   + [f"{picture.title} {picture.subtitle}"])
     assert f"{query_heads} query heads, {kv_heads} KV heads, {world_size} ranks" in picture.title
@@ -354,7 +354,7 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
     fig = viz_sharding.heads_to_ranks_figure(cfg)
     ax = fig.axes[0]
     shown = [t.get_text().replace("\n", " ") for t in ax.texts]
-    assert shown[:2] == [" ".join(label.split()) for label in picture.geometry.labels]
+    assert shown[:2] == [" ".join(label.split()) for label, _ in picture.rows]
     assert sorted(shown[2:]) == sorted(labels + [g[4] for g in picture.groups])
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ranks
     assert ax.get_title() == f"{picture.title}\n{picture.subtitle}"

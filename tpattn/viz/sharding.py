@@ -9,7 +9,7 @@ import torch
 
 from ..check import MEASURES, MODES, TOLERANCE
 from ..config import Config
-from .frames import FrameGeometry, HeadsPicture, draw_heads
+from .frames import HeadsPicture, draw_heads
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table
 
@@ -17,7 +17,7 @@ __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
     "zero_floor", "value_label",
-    "heads_to_ranks_figure", "heads_layout", "heads_geometry", "FrameGeometry",
+    "heads_to_ranks_figure", "heads_layout",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -51,14 +51,6 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
     return draw_heads(heads_layout(cfg, query_ranks))
 
 
-def heads_geometry(query_heads: int) -> FrameGeometry:
-    """The frame of ``heads_to_ranks_figure`` for ``query_heads`` (6 to 12 inches wide)."""
-    hq = query_heads
-    return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
-                         ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
-                         (-0.55, 2.1))
-
-
 def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
     """What ``heads_to_ranks_figure(cfg, query_ranks)`` draws, without replica groups
     (``ValueError`` for a ``query_ranks`` that is not a rank per query head)."""
@@ -86,9 +78,10 @@ def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> Heads
               for j, (x, r) in enumerate(zip(kv_x, kv_ranks))]
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
-    return HeadsPicture(heads_geometry(hq), f"{hq} query heads, {hkv} KV heads, {world} ranks",
-                        verdict, FAIL_COLOR if split else "black", tuple(lines), tuple(boxes),
-                        (), world)
+    return HeadsPicture((min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9), (-2.2, hq - 0.3),
+                        (-0.55, 2.1), (("query\nheads", q_y), ("KV\nheads", kv_y)),
+                        f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
+                        FAIL_COLOR if split else "black", tuple(lines), tuple(boxes), (), world)
 
 
 def weight_shards_figure(cfg: Config):
