@@ -336,7 +336,7 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
 
     cfg = tpattn.Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size,
                         **({"kv_strategy": strategy} if strategy else {}))
-    picture = explorers.layout_picture(cfg)
+    picture = viz_sharding.heads_picture(cfg)
     parts = _svg_parts(frames.heads_svg(picture))
     labels = [box[5].replace("\n", " ") for box in picture.boxes]
     ranks = [f"rank {r}" for r in range(picture.ranks)]
@@ -380,14 +380,14 @@ def test_a_split_group_is_dashed_in_the_fail_color():
 
 def test_the_explorers_show_the_svg_of_the_layout_live_and_static():
     """The live output area and the static twin's panel hold the same SVG, that of
-    ``heads_svg(layout_picture(cfg))``, for a layout of each kind."""
+    ``heads_svg(heads_picture(cfg))``, for a layout of each kind."""
     from tpattn.viz.frames import heads_svg
 
     for layout in ((4, 2, 2), (8, 2, 4)):
         cfg = tpattn.Config(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
         sharding = widgets.sharding_explorer(*layout, layouts=[layout])
         (svg,) = svgs(sharding)
-        assert svg == heads_svg(explorers.layout_picture(cfg))
+        assert svg == heads_svg(viz_sharding.heads_picture(cfg))
         assert svg in sharding.static_html()
     kv = widgets.kv_explorer(8, 2, 4, "gather_activations", layouts=[(8, 2, 4)])
     static = kv.static()

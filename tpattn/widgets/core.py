@@ -27,7 +27,7 @@ from .static import StaticExplorer
 __all__ = [
     "Explorer", "seed_control", "mode_control", "config_controls", "drawn_config",
     "encode_png", "StandingFigure", "png_output", "html_output", "text_output",
-    "message_output", "message_html", "png_img", "outputs_html", "single_thread",
+    "message_output", "png_img", "outputs_html", "single_thread",
 ]
 
 # matplotlib is imported where a figure is drawn: an HTML-only explorer does not load it.
@@ -65,15 +65,11 @@ def mode_control(value: str = EQUIVALENCE, options=MODES) -> widgets.ToggleButto
                                  style={"button_width": "auto"})
 
 
-def config_controls(fields: Sequence[str] = ("query_heads", "kv_heads", "world_size"),
-                    cfg: Config | None = None, **values: int) -> dict[str, widgets.IntText]:
-    """One integer box per ``Config`` field, starting at ``values`` or else ``cfg``'s. Unbounded
-    on purpose: an invalid value reaches ``Config``, whose own message explains the rule."""
-    cfg = Config() if cfg is None else cfg
-    return {name: widgets.IntText(value=values.get(name, getattr(cfg, name)), description=name,
-                                  style={"description_width": "initial"},
-                                  layout=widgets.Layout(width="10.5em"))
-            for name in fields}
+def config_controls(**values: int) -> dict[str, widgets.IntText]:
+    """One integer box per ``Config`` field named in ``values``, starting at its value.
+    Unbounded on purpose: an invalid value reaches ``Config``, whose message explains the rule."""
+    return {name: widgets.IntText(value=value, description=name, layout=widgets.Layout(
+        width="10.5em"), style={"description_width": "initial"}) for name, value in values.items()}
 
 
 def drawn_config(max_query_heads: int, **fields) -> Config:
@@ -191,18 +187,14 @@ def text_output(text: str) -> dict:
                                for line in text.split("\n")), text)
 
 
-def message_html(message: str) -> str:
-    """A short notice (invalid value, nothing to draw) as HTML."""
-    return (f'<div class="tpx-message" style="border-left: 4px solid #d62728; '
-            f'padding: 0.3em 0.7em; margin: 0.3em 0;">{html.escape(message)}</div>')
-
-
 def message_output(message: str) -> dict:
-    """A short notice in the output area; never a traceback."""
+    """A short notice (invalid value, nothing to draw) in the output area; never a traceback."""
     message = " ".join(str(message).split())
     if len(message) > MAX_MESSAGE:
         message = message[: MAX_MESSAGE - 1] + "…"
-    return html_output(message_html(message), message)
+    return html_output(f'<div class="tpx-message" style="border-left: 4px solid #d62728; '
+                       f'padding: 0.3em 0.7em; margin: 0.3em 0;">{html.escape(message)}</div>',
+                       message)
 
 
 def png_img(png: bytes, alt: str) -> str:

@@ -14,10 +14,9 @@ from ..check import EQUIVALENCE, MODES, SEEDS
 from ..config import Config
 from ..layers import rope_angles
 from ..viz.frames import HeadsPicture, heads_svg
-from ..viz.kv import replica_groups_layout
 from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
                           rope_rotation_figure, set_attention_state, set_rope_position)
-from ..viz.sharding import heads_layout, measures_table
+from ..viz.sharding import heads_picture, measures_table
 from .core import (Explorer, StandingFigure, config_controls, drawn_config, html_output,
                    mode_control, png_output, seed_control, single_thread, text_output)
 from .measures import MeasuresPlot, live_run, measures_html
@@ -150,11 +149,6 @@ def heads_explorer(name: str, controls: dict, make_config: Callable[..., Config]
     return explorer
 
 
-def layout_picture(cfg: Config) -> HeadsPicture:
-    """The heads→ranks picture of ``cfg``, as ``heads_to_ranks_figure`` chooses it."""
-    return replica_groups_layout(cfg) if cfg.kv_heads < cfg.world_size else heads_layout(cfg)
-
-
 def sharding_caption(cfg: Config) -> str:
     """Which heads each rank holds (with replicas: ``kv_caption``)."""
     if cfg.kv_heads < cfg.world_size:  # replicas: chapter 13's caption
@@ -180,7 +174,7 @@ def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int =
                                world_size=world_size)
     layouts = SHARDING_LAYOUTS if layouts is None else layouts
     return heads_explorer("sharding", controls, functools.partial(drawn_config, MAX_DRAWN_HEADS),
-                          sharding_caption, layout_picture, [layout_states(layouts)], "sharding")
+                          sharding_caption, heads_picture, [layout_states(layouts)], "sharding")
 
 
 # --- chapters 8–10: seed × mode ------------------------------------------------------------
