@@ -212,17 +212,12 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
 # --- tensors as pictures (chapters 8 and 9) -------------------------------------------------
 
 
-def _as_image(t: torch.Tensor) -> torch.Tensor:
-    """``[S, B, hidden]`` → ``[S, B·hidden]`` (batch-major columns), detached float64."""
-    t = t.detach().to(torch.float64)
-    return t.reshape(t.shape[0], -1) if t.dim() == 3 else t
-
-
 def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = True,
                     cmap: str = "RdBu_r", value_label: str = ""):
     """One heat map per ``[S, B, hidden]`` tensor (title → tensor) as ``[S, B·hidden]``, white
     lines between batch elements; symmetric color scale, shared unless ``shared_scale=False``."""
-    images = {name: _as_image(t) for name, t in panels.items()}
+    images = {name: t.detach().double().reshape(t.shape[0], -1)  # batch-major columns
+              for name, t in panels.items()}
     n = len(images)
     fig, axes = new_figure(nrows=n, figsize=(7.0, 1.15 * n + 0.5), squeeze=False)
     axes = axes[:, 0]

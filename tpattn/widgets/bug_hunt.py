@@ -2,6 +2,7 @@
 shows (``bug_hunt.describe``) and whether the guess is right (``bug_hunt.judge``)."""
 from __future__ import annotations
 
+import functools
 import html
 
 import ipywidgets as widgets
@@ -18,21 +19,18 @@ HUNTS = (1, 2, 3, 4, 6, 9, 10, 25)
 UNANSWERED = "(choose a cause)"
 
 
+@functools.lru_cache(maxsize=64)
 def _observe(hunt: int) -> tuple[str, dict]:
     # batched ranks: 2-3x faster than the rank loop, the same describe/judge text
-    # (tests/test_zoo_batched.py)
+    # (tests/test_zoo_batched.py); remembered: never modify it
     mode, seed, cfg = hunt_case(hunt)
     with single_thread():
         return mode, observe(mode, seed, cfg, batched=True)
 
 
-def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, str]:
-    """``(html, text)`` of hunt ``hunt`` with answer ``guess`` (or ``UNANSWERED``); ``cache``
-    keeps each hunt's observation."""
-    cache = {} if cache is None else cache
-    if hunt not in cache:
-        cache[hunt] = _observe(hunt)
-    mode, obs = cache[hunt]
+def hunt_panel(hunt: int, guess: str) -> tuple[str, str]:
+    """``(html, text)`` of hunt ``hunt`` with answer ``guess`` (or ``UNANSWERED``)."""
+    mode, obs = _observe(hunt)
     lines = describe(obs)
     text = [f"hunt {hunt}: what the run shows"] + ["  " + line for line in lines]
     items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
@@ -49,7 +47,6 @@ def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, s
 def bug_hunt_explorer(hunt: int = 1, hunts=HUNTS) -> Explorer:
     """Live bug hunt: ``hunt`` (any integer >= 0) and the reader's answer; the static twin,
     every ``hunts`` × answer (text only: no figures)."""
-    cache: dict = {}
     answers = [UNANSWERED] + choices()
     controls = {"hunt": widgets.IntText(value=hunt, description="hunt",
                                         layout=widgets.Layout(width="11em")),
@@ -57,7 +54,7 @@ def bug_hunt_explorer(hunt: int = 1, hunts=HUNTS) -> Explorer:
                                           layout=widgets.Layout(width="24em"))}
 
     def draw(hunt, guess):
-        return [html_output(*hunt_panel(hunt, guess, cache))]
+        return [html_output(*hunt_panel(hunt, guess))]
 
     states = [("hunt", [(str(h), {"hunt": h}) for h in hunts]),
               ("cause", [(a, {"guess": a}) for a in answers])]
