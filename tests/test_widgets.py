@@ -184,7 +184,7 @@ def test_measures_plot_draws_exactly_measures_figure():
         result = tpattn.run(seed, mode, cfg)
         fast, full = plot.png(result), figure_png(measures_figure(result))
         assert np.array_equal(pixels(fast), pixels(full)), (seed, mode, cfg)
-    assert plot.full_draws < len(cases)  # the fast path was taken
+    assert plot.builds < len(cases)  # the fast path was taken
 
 
 # --- sharding ------------------------------------------------------------------------------

@@ -117,8 +117,9 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
                             f"KV cache are {share} of multi-head attention's"),
                 png_output(png, f"attention probabilities, {heads}, seed {seed}")]
 
-    explorer = Explorer("attention", controls, draw, [
-        control_states("heads", ATTENTION_LAYOUTS), control_states("seed", ATTENTION_SEEDS)], kind="attention")
+    explorer = Explorer("attention", controls, draw, [control_states("heads", ATTENTION_LAYOUTS),
+                                                      control_states("seed", ATTENTION_SEEDS)],
+                        kind="attention")
     explorer.standing = standing
     return explorer
 
@@ -132,19 +133,18 @@ def layout_states(layouts) -> tuple[str, list]:
                       for layout in layouts]
 
 
-def heads_explorer(name: str, controls: dict, make_config: Callable[..., Config],
-                   caption: Callable[[Config], str], picture: Callable[[Config], HeadsPicture],
-                   states, kind: str) -> Explorer:
-    """Controls → ``make_config(**values)`` → its caption and the SVG of ``picture(cfg)``; an
-    invalid layout shows the ``ValueError``'s message. A layout shown again reuses its outputs
-    (``explorer.shown``, an ``lru_cache``)."""
+def heads_explorer(kind: str, controls: dict, max_heads: int, caption: Callable[[Config], str],
+                   picture: Callable[[Config], HeadsPicture], states) -> Explorer:
+    """Controls → ``drawn_config(max_heads, **values)`` → its caption and the SVG of
+    ``picture(cfg)``; an invalid layout shows the ``ValueError``'s message. A layout shown
+    again reuses its outputs (``explorer.shown``, an ``lru_cache``)."""
     @functools.lru_cache(maxsize=32)
     def shown(cfg: Config) -> tuple[dict, dict]:
         what = f"{cfg.query_heads} q, {cfg.kv_heads} kv, {cfg.world_size} ranks"
         return text_output(caption(cfg)), html_output(heads_svg(picture(cfg)), f"<{what}>")
 
-    explorer = Explorer(name, controls, lambda **values: list(shown(make_config(**values))),
-                        states, kind=kind)
+    explorer = Explorer(kind, controls, lambda **values: list(shown(drawn_config(
+        max_heads, **values))), states, kind=kind)
     explorer.shown = shown
     return explorer
 
@@ -173,8 +173,8 @@ def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int =
     controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
                                world_size=world_size)
     layouts = SHARDING_LAYOUTS if layouts is None else layouts
-    return heads_explorer("sharding", controls, functools.partial(drawn_config, MAX_DRAWN_HEADS),
-                          sharding_caption, heads_picture, [layout_states(layouts)], "sharding")
+    return heads_explorer("sharding", controls, MAX_DRAWN_HEADS, sharding_caption,
+                          heads_picture, [layout_states(layouts)])
 
 
 # --- chapters 8–10: seed × mode ------------------------------------------------------------
@@ -194,7 +194,7 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | No
         return [html_output(measures_html(result), measures_table([result])), png_output(
             plot.png(result), f"the five measures of seed {seed}, {what} {mode}, against 1e-6")]
 
-    explorer = Explorer(name, controls, draw, [control_states("seed", seeds), control_states("mode", modes)],
-                        kind=kind)
-    explorer.plot = plot  # its full_draws count shows how often the figure was rebuilt
+    explorer = Explorer(name, controls, draw, [control_states("seed", seeds),
+                                               control_states("mode", modes)], kind=kind)
+    explorer.plot = plot  # its builds count shows how often the figure was rebuilt
     return explorer

@@ -2,14 +2,12 @@
 replica groups, and what each ``kv_strategy`` holds and moves (live and static twins)."""
 from __future__ import annotations
 
-import functools
-
 import ipywidgets as widgets
 
 from ..config import KV_STRATEGIES, Config
 from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
 from ..viz.kv import replica_groups_layout
-from .core import Explorer, config_controls, drawn_config
+from .core import Explorer, config_controls
 from .explorers import control_states, heads_explorer, layout_states
 
 __all__ = ["KV_LAYOUTS", "kv_caption", "kv_explorer"]
@@ -54,5 +52,5 @@ def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
                                                     description="strategy",
                                                     style={"button_width": "auto"})
     states = [layout_states(layouts), control_states("kv_strategy", KV_STRATEGIES, "strategy")]
-    return heads_explorer("kv", controls, functools.partial(drawn_config, MAX_KV_DRAWN_HEADS),
-                          kv_caption, replica_groups_layout, states, "kv")
+    return heads_explorer("kv", controls, MAX_KV_DRAWN_HEADS, kv_caption, replica_groups_layout,
+                          states)

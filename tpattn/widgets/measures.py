@@ -82,20 +82,14 @@ def _measures_dynamic(fig) -> list:
     return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)], ax.title]
 
 
-class MeasuresPlot:
-    """``measures_figure(result)`` as PNG bytes, on a ``StandingFigure`` per zero floor (the
-    pixels equal a full draw: ``tests/test_widgets.py``)."""
+class MeasuresPlot(StandingFigure):
+    """``measures_figure(result)`` as PNG bytes, standing per zero floor (``builds``: one per
+    floor seen); the pixels equal a full draw (``tests/test_widgets.py``)."""
 
-    def __init__(self, dpi: int = 100):
-        self.standing = StandingFigure(build=lambda _floor, result: measures_figure(result),
-                                       update=_set_measures, dynamic=_measures_dynamic,
-                                       size=2, dpi=dpi)
-
-    @property
-    def full_draws(self) -> int:
-        """How many figures were built (one per zero floor seen)."""
-        return self.standing.builds
+    def __init__(self):
+        super().__init__(lambda _floor, result: measures_figure(result), _set_measures,
+                         _measures_dynamic, size=2)
 
     def png(self, result: Mapping) -> bytes:
         """PNG bytes of ``measures_figure(result)``."""
-        return self.standing.png(zero_floor([float(result[m]) for m in MEASURES]), result)
+        return super().png(zero_floor([float(result[m]) for m in MEASURES]), result)
