@@ -1,6 +1,7 @@
 """The book's explorers, each a live ``Explorer`` with its static twin (the same ``draw`` at
 the states below): ``rope_explorer`` (chapter 3), ``attention_explorer`` (4),
-``sharding_explorer`` (6) and ``seed_mode_explorer`` (8–10); ``heads_explorer`` is the
+``sharding_explorer`` (6), ``seed_mode_explorer`` (8–10) and ``sp_explorer`` (12, on
+simulated ranks with ``SP_MODES``); ``heads_explorer`` is the
 sharding and kv explorers' common part. Every number comes from the package and every
 figure from ``tpattn.viz``."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Callable
 
 import ipywidgets as widgets
 
-from ..check import EQUIVALENCE, MODES, SEEDS
+from ..check import EQUIVALENCE, MODES, SEEDS, SP_MODES
 from ..config import Config
 from ..layers import rope_angles
 from ..viz.frames import HeadsPicture, heads_svg
@@ -23,6 +24,7 @@ from .measures import MeasuresPlot, live_run, measures_html
 
 __all__ = [
     "rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
+    "sp_explorer", "SP_EXPLORER_CONFIG",
     "heads_explorer", "control_states", "layout_states", "ROPE_POSITIONS", "ATTENTION_LAYOUTS",
     "ATTENTION_SEEDS", "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS",
 ]
@@ -37,6 +39,8 @@ ATTENTION_SEEDS = (11, 17)
 SHARDING_LAYOUTS = ((4, 2, 2), (4, 2, 1), (8, 4, 2), (8, 8, 4), (8, 2, 4), (6, 4, 2))
 #: The heads→ranks figure stays readable up to this many query heads.
 MAX_DRAWN_HEADS = 64
+#: Chapter 12's block: the seed's shapes with 8 tokens, so that 2 ranks hold 4 each.
+SP_EXPLORER_CONFIG = Config(seq=8, sequence_parallel=True)
 
 
 def control_states(name: str, values, group: str | None = None) -> tuple[str, list]:
@@ -177,7 +181,7 @@ def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int =
                           heads_picture, [layout_states(layouts)])
 
 
-# --- chapters 8–10: seed × mode ------------------------------------------------------------
+# --- chapters 8–10 and 12: seed × mode ----------------------------------------------------
 
 def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
                        simulate: str = "fixture", modes=MODES, name: str = "seed × mode",
@@ -198,3 +202,13 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | No
                                                control_states("mode", modes)], kind=kind)
     explorer.plot = plot  # its builds count shows how often the figure was rebuilt
     return explorer
+
+
+def sp_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> Explorer:
+    """Seed × SP mode on simulated ranks: the five measures, the verdict, the bars
+    (``seed_mode_explorer`` with ``simulate="ranks"`` and ``SP_MODES``)."""
+    cfg = SP_EXPLORER_CONFIG if cfg is None else cfg
+    if not cfg.sequence_parallel:
+        raise ValueError("cfg must have sequence_parallel=True (the explorer runs the SP block)")
+    return seed_mode_explorer(seed, mode, cfg, simulate="ranks", modes=SP_MODES,
+                              name="seed × SP mode", kind="sp-seed-mode")
