@@ -545,3 +545,17 @@ def test_live_and_static_share_the_standing_figure_they_open_on():
     assert rope.standing.figure((8, 16)) is fig  # the static panels were drawn on it
     assert rope.standing.builds == len(rope.controls["head_dim"].options)  # one per head_dim
     assert html.count("data:image/png;base64,") == len(explorers.ROPE_POSITIONS)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 4), (7, 5, 3), (260, 880, 4)])
+def test_encode_png_holds_exactly_the_pixels(shape):
+    """The live PNG (hand-made chunks) decodes, with PIL, to exactly the pixels given (RGB);
+    the palette PNG of a figure's few colors to each within 2 levels (the octree keeps a
+    mean per color: 255 comes back as 254)."""
+    rng = np.random.default_rng(sum(shape))
+    array = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    assert np.array_equal(pixels(widgets.core.encode_png(array)), array[..., :3])
+    few = np.array([[0, 0, 0], [255, 255, 255], [31, 119, 180]], np.uint8)[
+        rng.integers(0, 3, size=shape[:2])]
+    back = pixels(widgets.core.encode_png(few, palette=True)).astype(int)
+    assert np.abs(back - few).max() <= 2

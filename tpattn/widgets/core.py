@@ -12,7 +12,9 @@ import contextlib
 import html
 import io
 import itertools
+import struct
 import sys
+import zlib
 from typing import Callable, Mapping, Sequence
 
 import ipywidgets as widgets
@@ -85,15 +87,26 @@ def drawn_config(max_query_heads: int, **fields) -> Config:
 # --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
 
 def encode_png(pixels, palette: bool = False) -> bytes:
-    """PNG bytes (no metadata) of an ``[H, W, 3|4]`` uint8 array, as RGB; ``palette=True``:
-    256 colors (deterministic octree), ~3x smaller, for the precomputed panels; else fast
-    to encode (a live update)."""
-    image = Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB")
+    """PNG bytes (no metadata) of an ``[H, W, 3|4]`` uint8 array, as RGB. Live updates: rows
+    unfiltered, zlib level 1 (PNG spec, section 4: ~3x faster than PIL's adaptive filters,
+    no larger for these flat figures); ``palette=True``: 256 colors (PIL's deterministic
+    octree), ~3x smaller, for the precomputed panels."""
+    rgb = np.ascontiguousarray(np.asarray(pixels)[..., :3])
     if palette:
-        image = image.quantize(256, method=Image.Quantize.FASTOCTREE)
-    buf = io.BytesIO()
-    image.save(buf, format="png", compress_level=6 if palette else 1)
-    return buf.getvalue()
+        buf = io.BytesIO()
+        Image.fromarray(rgb).quantize(256, method=Image.Quantize.FASTOCTREE).save(
+            buf, format="png", compress_level=6)
+        return buf.getvalue()
+    height, width = rgb.shape[:2]
+    rows = np.zeros((height, 1 + 3 * width), np.uint8)  # each row: filter type 0, then RGB
+    rows[:, 1:] = rgb.reshape(height, -1)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(rows.tobytes(), 1)) + chunk(b"IEND", b""))
 
 
 class StandingFigure:
