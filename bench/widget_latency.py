@@ -17,9 +17,11 @@ response under ~100 ms feels instant). Prints per explorer p50/p95/max of the wa
 latency and of the process's CPU time per redraw (on a machine busy with other work the two
 differ; CPU time is the less load-sensitive), the messages' worst, the CPU time of the cell
 that builds and displays the explorer (its first draw and static twin), PASS/OVER, and the
-load average. ``--before REV`` (default ``dbfbace``, the tree before issue 27) first times
-the package of git revision REV (extracted to a temporary directory, run in a subprocess),
-then the working tree's; ``--before ''`` times the working tree only. ``--json PATH``
+load average (1 minute) when the row ended, with ``uptime`` before and after. ``--before
+REV`` (default ``b42a997``, main before the explorers' static twins became their live draw;
+``dbfbace`` is the tree before issue 27) first times the package of git revision REV
+(extracted to a temporary directory, run in a subprocess), then the working tree's;
+``--before ''`` times the working tree only. ``--json PATH``
 writes the working tree's figures. Exit status 0 either way (a timing, not a test).
 
     .venv/bin/python bench/widget_latency.py [--updates 60] [--only rope,kv] [--json out.json]
@@ -51,6 +53,11 @@ def percentile(values, q):
     """The ``q``-th percentile (nearest rank) of ``values``."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def uptime() -> str:
+    """The ``uptime`` line (the load averages over 1, 5 and 15 minutes)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def _other(rng: random.Random, options, current):
@@ -174,17 +181,17 @@ def time_tree(args) -> dict:
     chosen = {name: spec for name, spec in explorers(rng).items()
               if not args.only or any(name.startswith(p) for p in args.only.split(","))}
     print(f"{'explorer':24} {'wall p50':>8} {'p95':>6} {'max':>6}   "
-          f"{'CPU p50':>7} {'p95':>6} {'max':>6}  {'cell CPU':>8}  verdict (wall, CPU)")
+          f"{'CPU p50':>7} {'p95':>6} {'max':>6}  {'cell CPU':>8}  load  verdict (wall, CPU)")
     results = {}
     for name, (build, change) in chosen.items():
         r = results[name] = time_explorer(build, change, args.updates, random.Random(name))
         w, c = r["wall_ms"], r["cpu_ms"]
         note = (f"  + {r['messages']} messages, worst {r['message_wall_max_ms']:.1f} ms"
                 if r["messages"] else "")
-        r["verdict"], r["cpu_verdict"] = verdict(w), verdict(c)
+        r["verdict"], r["cpu_verdict"], r["load"] = verdict(w), verdict(c), os.getloadavg()[0]
         print(f"{name:24} {w['p50']:8.1f} {w['p95']:6.1f} {w['max']:6.1f}   "
               f"{c['p50']:7.1f} {c['p95']:6.1f} {c['max']:6.1f}  {r['cell_cpu_s']:7.2f}s  "
-              f"{r['verdict']}, {r['cpu_verdict']}{note}", flush=True)
+              f"{r['load']:4.1f}  {r['verdict']}, {r['cpu_verdict']}{note}", flush=True)
     return results
 
 
@@ -205,7 +212,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=60, help="updates per explorer (>= 50)")
     parser.add_argument("--only", default="", help="comma-separated name prefixes to time")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--before", default="dbfbace", metavar="REV",
+    parser.add_argument("--before", default="b42a997", metavar="REV",
                         help="git revision to time first ('' for none)")
     args = parser.parse_args()
     if args.updates < 50:
@@ -213,12 +220,13 @@ def main() -> None:
     print(f"redraw latency per live explorer, {args.updates} one-control updates each, target "
           f"p95 <= {TARGET_P95_MS:.0f} ms and max <= {TARGET_MAX_MS:.0f} ms; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    print("uptime:", uptime(), flush=True)
     if args.before:
         print(f"before: tpattn of {args.before}", flush=True)
         time_revision(args.before, args)
         print("after: tpattn of", pathlib.Path(tpattn.__file__).parent, flush=True)
     results = time_tree(args)
-    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}; uptime: {uptime()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target_p95_ms": TARGET_P95_MS, "target_max_ms": TARGET_MAX_MS,

@@ -15,6 +15,7 @@ import sys
 from xml.etree import ElementTree
 
 import matplotlib.pyplot as plt
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,7 +31,6 @@ from tpattn.viz import sharding as viz_sharding
 from tpattn.viz.kv import replica_groups_figure
 from tpattn.viz.sharding import format_measure, measures_figure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.core import figure_png
 from tpattn.widgets.measures import MeasuresPlot, live_run
 
 
@@ -78,6 +78,16 @@ def message(explorer) -> str:
 
 def pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def figure_png(fig) -> bytes:
+    """A full draw of ``fig`` at the explorers' dpi as PNG bytes (what a blit must equal)."""
+    FigureCanvasAgg(fig)
+    fig.set_dpi(widgets.core.PNG_DPI)
+    fig.canvas.draw()
+    png = widgets.core.encode_png(np.array(fig.canvas.buffer_rgba()))
+    plt.close(fig)
+    return png
 
 
 # --- seed × mode ---------------------------------------------------------------------------
@@ -174,7 +184,7 @@ def test_measures_plot_draws_exactly_measures_figure():
         result = tpattn.run(seed, mode, cfg)
         fast, full = plot.png(result), figure_png(measures_figure(result))
         assert np.array_equal(pixels(fast), pixels(full)), (seed, mode, cfg)
-    assert plot.full_draws < len(cases)  # the fast path was taken
+    assert plot.builds < len(cases)  # the fast path was taken
 
 
 # --- sharding ------------------------------------------------------------------------------
@@ -205,7 +215,7 @@ def test_kv_explorer_shows_replica_groups_costs_and_configs_messages():
     with pytest.raises(ValueError) as raised:
         tpattn.Config(query_heads=8, kv_heads=1, world_size=3)
     assert message(kv) == str(raised.value)
-    static = widgets.static_kv_explorer(layouts=[(8, 2, 4), (8, 2, 3)])
+    static = widgets.kv_explorer(layouts=[(8, 2, 4), (8, 2, 3)]).static()
     assert len(static) == 4 and "invalid Config: " in static.html
 
 
@@ -326,11 +336,11 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
 
     cfg = tpattn.Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size,
                         **({"kv_strategy": strategy} if strategy else {}))
-    picture = explorers.layout_picture(cfg)
+    picture = viz_sharding.heads_picture(cfg)
     parts = _svg_parts(frames.heads_svg(picture))
     labels = [box[5].replace("\n", " ") for box in picture.boxes]
     ranks = [f"rank {r}" for r in range(picture.ranks)]
-    assert parts["texts"][:2] == [" ".join(label.split()) for label in picture.geometry.labels]
+    assert parts["texts"][:2] == [" ".join(label.split()) for label, _ in picture.rows]
     assert parts["texts"][2:] == ([g[4] for g in picture.groups] + labels + ranks
                                   + [f"{picture.title} {picture.subtitle}"])
     assert f"{query_heads} query heads, {kv_heads} KV heads, {world_size} ranks" in picture.title
@@ -344,7 +354,7 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
     fig = viz_sharding.heads_to_ranks_figure(cfg)
     ax = fig.axes[0]
     shown = [t.get_text().replace("\n", " ") for t in ax.texts]
-    assert shown[:2] == [" ".join(label.split()) for label in picture.geometry.labels]
+    assert shown[:2] == [" ".join(label.split()) for label, _ in picture.rows]
     assert sorted(shown[2:]) == sorted(labels + [g[4] for g in picture.groups])
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ranks
     assert ax.get_title() == f"{picture.title}\n{picture.subtitle}"
@@ -370,19 +380,19 @@ def test_a_split_group_is_dashed_in_the_fail_color():
 
 def test_the_explorers_show_the_svg_of_the_layout_live_and_static():
     """The live output area and the static twin's panel hold the same SVG, that of
-    ``heads_svg(layout_picture(cfg))``, for a layout of each kind."""
+    ``heads_svg(heads_picture(cfg))``, for a layout of each kind."""
     from tpattn.viz.frames import heads_svg
 
     for layout in ((4, 2, 2), (8, 2, 4)):
         cfg = tpattn.Config(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
-        sharding = widgets.sharding_explorer(*layout)
+        sharding = widgets.sharding_explorer(*layout, layouts=[layout])
         (svg,) = svgs(sharding)
-        assert svg == heads_svg(explorers.layout_picture(cfg))
-        static = widgets.static_sharding_explorer(layouts=[layout], initial=layout)
-        assert svg in static.html
-    kv = widgets.kv_explorer(8, 2, 4, "gather_activations")
-    assert "rows 0–1" in svgs(kv)[0] and svgs(kv)[0] in widgets.static_kv_explorer(
-        layouts=[(8, 2, 4)], initial=((8, 2, 4), "gather_activations")).html
+        assert svg == heads_svg(viz_sharding.heads_picture(cfg))
+        assert svg in sharding.static_html()
+    kv = widgets.kv_explorer(8, 2, 4, "gather_activations", layouts=[(8, 2, 4)])
+    static = kv.static()
+    assert "rows 0–1" in svgs(kv)[0] and svgs(kv)[0] in static.panels[0, 1]
+    assert static.initial == (0, 1)  # it opens on the live explorer's state
 
 
 def test_a_layout_shown_again_shows_its_own_outputs():
@@ -414,15 +424,11 @@ INTS = st.one_of(st.integers(-3, 12), st.integers(-(2**70), 2**70))
 def cheap_figures(monkeypatch):
     """Hypothesis needs many draws: build each figure (where bad shapes would raise), skip
     rasterizing it (~0.3 s here, and not where a traceback would come from)."""
-    def build_only(fig, dpi=None):
-        plt.close(fig)
+    def build_only(standing, structure, state):
+        plt.close(standing.build(structure, state))
         return np.zeros((2, 2, 4), dtype=np.uint8)
 
-    def build_standing_only(standing, structure, state):
-        return build_only(standing._build(structure, state))
-
-    monkeypatch.setattr(widgets.core, "figure_pixels", build_only)
-    monkeypatch.setattr(widgets.core.StandingFigure, "pixels", build_standing_only)
+    monkeypatch.setattr(widgets.core.StandingFigure, "pixels", build_only)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -469,7 +475,7 @@ def panels(static) -> dict[str, str]:
 
 def test_static_seed_mode_has_one_panel_per_state_showing_it():
     seeds = (11, 29)  # the book's default is all five: 15 panels, the same code
-    static = widgets.static_seed_mode_explorer(seeds=seeds)
+    static = widgets.seed_mode_explorer(seeds=seeds).static()
     shown = panels(static)
     assert len(static) == len(shown) == len(seeds) * len(tpattn.MODES)
     for i, seed in enumerate(seeds):
@@ -491,8 +497,8 @@ def test_static_seed_mode_has_one_panel_per_state_showing_it():
 
 def test_static_sharding_shows_the_invalid_layouts_message_and_is_deterministic():
     layouts = ((4, 2, 2), (8, 2, 3))
-    static = widgets.static_sharding_explorer(layouts=layouts)
-    again = widgets.static_sharding_explorer(layouts=layouts)
+    static = widgets.sharding_explorer(layouts=layouts).static()
+    again = widgets.sharding_explorer(layouts=layouts).static()
     assert static.html == again.html  # the same bytes every build (nbval compares them)
     shown = panels(static)
     assert "rank 1: q2–q3 + kv1" in shown[f"{static.prefix}-p0"]
@@ -500,12 +506,18 @@ def test_static_sharding_shows_the_invalid_layouts_message_and_is_deterministic(
     assert "<script" not in static.html and "http" not in static.html  # self-contained
 
 
-def test_static_rope_and_attention_hold_their_states(cheap_figures):
-    rope = widgets.static_rope_explorer(positions=(0, 5))
+def test_static_rope_and_attention_hold_their_states(monkeypatch, cheap_figures):
+    monkeypatch.setattr(explorers, "ROPE_POSITIONS", (0, 5))
+    rope = widgets.rope_explorer(position=5).static()
     assert len(rope) == 2 and "at m=5" in panels(rope)[f"{rope.prefix}-p1"]
-    attention = widgets.static_attention_explorer(layouts=("MQA 4q/1kv",), seeds=(11, 17))
-    assert len(attention) == 2
-    assert all("read 1 KV head(s)" in body for body in panels(attention).values())
+    assert rope.initial == (1,) and "at m=0" in panels(rope)[f"{rope.prefix}-p0"]
+    attention = widgets.attention_explorer(seed=17, heads="MQA 4q/1kv").static()
+    assert len(attention) == len(explorers.ATTENTION_LAYOUTS) * len(explorers.ATTENTION_SEEDS)
+    assert attention.initial == (2, 1)
+    for i, (q, kv) in enumerate(explorers.ATTENTION_LAYOUTS.values()):
+        for j, seed in enumerate(explorers.ATTENTION_SEEDS):
+            body = panels(attention)[f"{attention.prefix}-p{i}-{j}"]
+            assert f"{q} query heads read {kv} KV head(s)" in body and f"seed {seed}" in body
 
 
 def test_displayed_explorer_carries_live_widget_and_static_twin(monkeypatch, cheap_figures):
@@ -533,3 +545,17 @@ def test_live_and_static_share_the_standing_figure_they_open_on():
     assert rope.standing.figure((8, 16)) is fig  # the static panels were drawn on it
     assert rope.standing.builds == len(rope.controls["head_dim"].options)  # one per head_dim
     assert html.count("data:image/png;base64,") == len(explorers.ROPE_POSITIONS)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 4), (7, 5, 3), (260, 880, 4)])
+def test_encode_png_holds_exactly_the_pixels(shape):
+    """The live PNG (hand-made chunks) decodes, with PIL, to exactly the pixels given (RGB);
+    the palette PNG of a figure's few colors to each within 2 levels (the octree keeps a
+    mean per color: 255 comes back as 254)."""
+    rng = np.random.default_rng(sum(shape))
+    array = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    assert np.array_equal(pixels(widgets.core.encode_png(array)), array[..., :3])
+    few = np.array([[0, 0, 0], [255, 255, 255], [31, 119, 180]], np.uint8)[
+        rng.integers(0, 3, size=shape[:2])]
+    back = pixels(widgets.core.encode_png(few, palette=True)).astype(int)
+    assert np.abs(back - few).max() <= 2

@@ -2,10 +2,8 @@
 backward pass with f's sum (chapter 7). Drawn from a ``Config`` (one lane per rank); no data."""
 from __future__ import annotations
 
-import matplotlib.patches as mpatches
-
 from ..config import Config
-from .style import DENSE_COLOR, FAIL_COLOR, new_figure, rank_color
+from .style import DENSE_COLOR, FAIL_COLOR, arrow, box, new_figure, rank_color
 
 __all__ = ["gradient_paths_figure", "backward_flow_figure"]
 
@@ -13,18 +11,9 @@ __all__ = ["gradient_paths_figure", "backward_flow_figure"]
 GRAD_COLOR = "#7b3294"
 
 
-def _box(ax, x, y, w, h, text, edge=DENSE_COLOR, face="white", size=9, weight="normal"):
-    ax.add_patch(mpatches.FancyBboxPatch((x - w / 2, y - h / 2), w, h,
-                                         boxstyle="round,pad=0.02,rounding_size=0.08",
-                                         facecolor=face, edgecolor=edge, linewidth=1.4))
-    ax.text(x, y, text, ha="center", va="center", fontsize=size, weight=weight)
-
-
 def _arrow(ax, start, end, color=GRAD_COLOR, lw=1.5, ls="-", text=None, at=0.5, dy=0.12,
            size=8.5, rad=0.0):
-    ax.annotate("", xy=end, xytext=start,
-                arrowprops=dict(arrowstyle="-|>", color=color, lw=lw, linestyle=ls,
-                                shrinkA=2, shrinkB=2, connectionstyle=f"arc3,rad={rad}"))
+    arrow(ax, start, end, color, lw, ls, rad, shrink=2)
     if text:
         x = start[0] + at * (end[0] - start[0])
         y = start[1] + at * (end[1] - start[1]) + dy
@@ -46,11 +35,11 @@ def gradient_paths_figure():
     _frame(ax, 10.0, 4.0)
     yf, yb = 2.7, 1.3                      # forward row, backward row
     boxes = {"x": 0.7, "norm": 2.5, "branch": 5.3, "plus": 7.7, "y": 9.3}
-    _box(ax, boxes["x"], yf, 0.9, 0.6, "x")
-    _box(ax, boxes["norm"], yf, 1.4, 0.6, "RMSNorm")
-    _box(ax, boxes["branch"], yf, 2.4, 0.6, "branch: Q/K/V, RoPE,\nattention, wo", size=8.5)
-    _box(ax, boxes["plus"], yf, 0.6, 0.6, "+", size=12)
-    _box(ax, boxes["y"], yf, 0.9, 0.6, "y")
+    box(ax, boxes["x"], yf, 0.9, 0.6, "x")
+    box(ax, boxes["norm"], yf, 1.4, 0.6, "RMSNorm")
+    box(ax, boxes["branch"], yf, 2.4, 0.6, "branch: Q/K/V, RoPE,\nattention, wo", size=8.5)
+    box(ax, boxes["plus"], yf, 0.6, 0.6, "+", size=12)
+    box(ax, boxes["y"], yf, 0.9, 0.6, "y")
     for a, b, w in (("x", "norm", (0.45, 0.7)), ("norm", "branch", (0.7, 1.2)),
                     ("branch", "plus", (1.2, 0.3)), ("plus", "y", (0.3, 0.45))):
         _arrow(ax, (boxes[a] + w[0], yf), (boxes[b] - w[1], yf), color=DENSE_COLOR, lw=1.2)
@@ -59,14 +48,14 @@ def gradient_paths_figure():
     _arrow(ax, (boxes["x"], yf + 0.3), (boxes["plus"], yf + 0.3), color=DENSE_COLOR, lw=1.0,
            ls="--", rad=-0.25, text="residual", at=0.5, dy=0.55)
     # backward row
-    _box(ax, boxes["x"], yb, 0.9, 0.6, "dX", edge=GRAD_COLOR)
-    _box(ax, boxes["y"], yb, 0.9, 0.6, "dy", edge=GRAD_COLOR)
+    box(ax, boxes["x"], yb, 0.9, 0.6, "dX", edge=GRAD_COLOR)
+    box(ax, boxes["y"], yb, 0.9, 0.6, "dy", edge=GRAD_COLOR)
     _arrow(ax, (boxes["y"] - 0.45, yb + 0.1), (boxes["branch"] + 1.2, yb + 0.1),
            text="through the branch", dy=0.08)
-    _box(ax, boxes["branch"], yb, 2.4, 0.6, "branch backward", edge=GRAD_COLOR, size=8.5)
+    box(ax, boxes["branch"], yb, 2.4, 0.6, "branch backward", edge=GRAD_COLOR, size=8.5)
     _arrow(ax, (boxes["branch"] - 1.2, yb + 0.1), (boxes["norm"] + 0.7, yb + 0.1),
            text="dn", dy=0.08, size=10)
-    _box(ax, boxes["norm"], yb, 1.4, 0.6, "RMSNorm′ᵀ", edge=GRAD_COLOR)
+    box(ax, boxes["norm"], yb, 1.4, 0.6, "RMSNorm′ᵀ", edge=GRAD_COLOR)
     _arrow(ax, (boxes["norm"] - 0.7, yb + 0.1), (boxes["x"] + 0.45, yb + 0.1))
     _arrow(ax, (boxes["y"], yb - 0.3), (boxes["x"], yb - 0.3), ls="--", rad=-0.12)
     ax.text(5.3, yb - 0.6, "dy, through the residual", ha="center", va="top", fontsize=8.5,
@@ -92,25 +81,25 @@ def backward_flow_figure(cfg: Config | None = None):
     mid = height / 2 + 0.35
     lanes = [mid + lane * ((world - 1) / 2 - r) for r in range(world)]
     x_dy, x_rank, x_sum, x_norm, x_plus, x_dx = 10.2, 7.4, 4.7, 2.6, 1.4, 0.45
-    _box(ax, x_dy, mid, 1.0, 0.6, "dy", edge=GRAD_COLOR)
+    box(ax, x_dy, mid, 1.0, 0.6, "dy", edge=GRAD_COLOR)
     ax.text(x_dy + 0.1, mid + 0.45, "∂L/∂y", ha="left", va="bottom", fontsize=8,
             color=GRAD_COLOR)
-    _box(ax, x_sum, mid, 1.2, 0.7, "f: Σ\nall-reduce", edge=FAIL_COLOR, size=8.5,
+    box(ax, x_sum, mid, 1.2, 0.7, "f: Σ\nall-reduce", edge=FAIL_COLOR, size=8.5,
          weight="bold")
     for rank, y in enumerate(lanes):
         color = rank_color(rank)
         _arrow(ax, (x_dy - 0.5, mid), (x_rank + 1.1, y), color=color, lw=1.2)
-        _box(ax, x_rank, y, 2.2, 0.55, f"rank {rank}: backward of\nits heads (Q/K/V, wo)",
+        box(ax, x_rank, y, 2.2, 0.55, f"rank {rank}: backward of\nits heads (Q/K/V, wo)",
              edge=color, size=7.5)
         _arrow(ax, (x_rank - 1.1, y), (x_sum + 0.6, mid), color=color, lw=1.2,
                text=f"dn_{rank}", at=0.45, dy=0.08 if y >= mid else -0.38)
     ax.text((x_dy + x_rank) / 2 + 0.25, max(lanes) + 0.35, "g's backward: dy to every rank",
             ha="center", va="bottom", fontsize=8, color=GRAD_COLOR)
     _arrow(ax, (x_sum - 0.6, mid), (x_norm + 0.65, mid), text="dn = Σ dn_r", dy=0.06)
-    _box(ax, x_norm, mid, 1.3, 0.6, "RMSNorm′ᵀ", edge=GRAD_COLOR)
-    _box(ax, x_plus, mid, 0.55, 0.55, "+", edge=GRAD_COLOR, size=12)
+    box(ax, x_norm, mid, 1.3, 0.6, "RMSNorm′ᵀ", edge=GRAD_COLOR)
+    box(ax, x_plus, mid, 0.55, 0.55, "+", edge=GRAD_COLOR, size=12)
     _arrow(ax, (x_norm - 0.65, mid), (x_plus + 0.28, mid))
-    _box(ax, x_dx, mid, 0.8, 0.6, "dX", edge=GRAD_COLOR, weight="bold")
+    box(ax, x_dx, mid, 0.8, 0.6, "dX", edge=GRAD_COLOR, weight="bold")
     _arrow(ax, (x_plus - 0.28, mid), (x_dx + 0.4, mid))
     bottom = min(lanes) - 0.55                # the residual runs below every lane
     ax.plot([x_dy, x_dy, x_plus], [mid - 0.3, bottom, bottom], color=GRAD_COLOR, lw=1.2,

@@ -12,8 +12,7 @@ from matplotlib.collections import LineCollection
 
 from .style import new_figure, rank_color
 
-__all__ = ["HEADS_MARGINS", "FrameGeometry", "HeadsPicture", "new_heads_frame",
-           "frame_position", "draw_heads", "heads_svg"]
+__all__ = ["HEADS_MARGINS", "HeadsPicture", "frame_position", "draw_heads", "heads_svg"]
 
 #: Margins of a heads frame, in inches (left, bottom, right, top): the two-line title above
 #: the axes, the rank legend to their right. The left one widens for long row labels.
@@ -22,26 +21,18 @@ HEADS_MARGINS = (3 / 72, 3 / 72, 0.92, 0.44)
 _LABEL_CHAR_PT = 5.4
 
 
-class FrameGeometry(NamedTuple):
-    """A heads frame: size in inches, two row labels (right-aligned at x = -0.9, at
-    ``label_ys``), data limits."""
-
-    width: float
-    height: float
-    labels: tuple[str, str]
-    label_ys: tuple[float, float]
-    xlim: tuple[float, float]
-    ylim: tuple[float, float]
-
-
 class HeadsPicture(NamedTuple):
-    """What a heads figure draws, in data coordinates of ``geometry``.
+    """What a heads figure draws: a frame of ``size`` (inches) with data limits ``xlim``,
+    ``ylim`` and two row labels ``rows`` (``(label, y)``, right-aligned at x = -0.9).
 
     lines: ``(x0, y0, x1, y1, color, dashed, width)``; boxes: ``(x, y, width, height, color,
     label, fontsize)`` centered at ``(x, y)``; groups: dashed frames ``(left, bottom, width,
     height, label)``; a legend of ranks ``0 … ranks - 1``; ``title`` over ``subtitle``."""
 
-    geometry: FrameGeometry
+    size: tuple[float, float]
+    xlim: tuple[float, float]
+    ylim: tuple[float, float]
+    rows: tuple
     title: str
     subtitle: str
     title_color: str
@@ -51,39 +42,29 @@ class HeadsPicture(NamedTuple):
     ranks: int
 
 
-def frame_position(geometry: FrameGeometry) -> tuple[float, float, float, float]:
+def frame_position(picture: HeadsPicture) -> tuple[float, float, float, float]:
     """The axes' ``(left, bottom, width, height)`` in inches: ``HEADS_MARGINS``, the left one
     widened until the (estimated) row labels fit."""
-    left, bottom, right, top = HEADS_MARGINS
-    xlim = geometry.xlim
+    (left, bottom, right, top), (fig_w, fig_h), xlim = HEADS_MARGINS, picture.size, picture.xlim
     span, room = xlim[1] - xlim[0], -0.9 - xlim[0]  # data units: all, left of the labels
-    widest = max(len(line) for label in geometry.labels for line in label.split("\n"))
+    widest = max(len(line) for label, _ in picture.rows for line in label.split("\n"))
     widest = widest * _LABEL_CHAR_PT / 72
-    inches = geometry.width - left - right
+    inches = fig_w - left - right
     if widest > room * inches / span:  # move the axes right until the labels fit
         left += (widest * span - room * inches) / (span - room)
-    return left, bottom, geometry.width - left - right, geometry.height - bottom - top
-
-
-def new_heads_frame(geometry: FrameGeometry):
-    """An empty matplotlib frame of ``geometry``: row labels, limits, axes position, no axis."""
-    fig, ax = new_figure(figsize=(geometry.width, geometry.height), layout=None)
-    left, bottom, width, height = frame_position(geometry)
-    ax.set_position([left / geometry.width, bottom / geometry.height,
-                     width / geometry.width, height / geometry.height])
-    for label, y in zip(geometry.labels, geometry.label_ys):
-        ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
-    ax.set_xlim(*geometry.xlim)
-    ax.set_ylim(*geometry.ylim)
-    ax.set_aspect("auto")
-    ax.axis("off")
-    return fig
+    return left, bottom, fig_w - left - right, fig_h - bottom - top
 
 
 def draw_heads(picture: HeadsPicture):
-    """``picture`` as a new matplotlib figure (one ``Axes``)."""
-    fig = new_heads_frame(picture.geometry)
-    ax = fig.axes[0]
+    """``picture`` as a new matplotlib figure (one ``Axes``, no axis)."""
+    (fig_w, fig_h), (left, bottom, width, height) = picture.size, frame_position(picture)
+    fig, ax = new_figure(figsize=picture.size, layout=None)
+    ax.set_position([left / fig_w, bottom / fig_h, width / fig_w, height / fig_h])
+    for label, y in picture.rows:
+        ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+    ax.set_xlim(*picture.xlim)
+    ax.set_ylim(*picture.ylim)
+    ax.axis("off")
     ax.add_collection(LineCollection(
         [[(x0, y0), (x1, y1)] for x0, y0, x1, y1, *_ in picture.lines],
         colors=[line[4] for line in picture.lines], zorder=1,
@@ -121,20 +102,19 @@ def _svg_text(x, y, text, size, anchor="middle", **attributes) -> str:
 def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
     """``picture`` as an inline ``<svg>`` string, ``dpi`` pixels per inch (the size of
     ``draw_heads``'s PNG), drawn in points, text in the browser's sans-serif font."""
-    g = picture.geometry
-    left, bottom, width, height = (72 * v for v in frame_position(g))
-    top = 72 * g.height - bottom - height
-    (x0, x1), (y0, y1) = g.xlim, g.ylim
+    (fig_w, fig_h), (x0, x1), (y0, y1) = picture.size, picture.xlim, picture.ylim
+    left, bottom, width, height = (72 * v for v in frame_position(picture))
+    top = 72 * fig_h - bottom - height
     sx, sy = width / (x1 - x0), height / (y1 - y0)
     px = lambda x: left + (x - x0) * sx  # noqa: E731 — data to points
     py = lambda y: top + (y1 - y) * sy  # noqa: E731
     out = [f'<svg class="tpx-heads" role="img" '
-           f'width="{g.width * dpi:.0f}" height="{g.height * dpi:.0f}" '
-           f'viewBox="0 0 {72 * g.width:.1f} {72 * g.height:.1f}" '
+           f'width="{fig_w * dpi:.0f}" height="{fig_h * dpi:.0f}" '
+           f'viewBox="0 0 {72 * fig_w:.1f} {72 * fig_h:.1f}" '
            f'style="max-width:100%;height:auto;font-family:DejaVu Sans,Verdana,sans-serif">',
            f"<title>{html.escape(picture.title)}: {html.escape(picture.subtitle)}</title>",
            f'<rect width="100%" height="100%" fill="white"/>']
-    for label, y in zip(g.labels, g.label_ys):
+    for label, y in picture.rows:
         out.append(_svg_text(px(-0.9), py(y), label, 9, "end"))
     for lx0, ly0, lx1, ly1, color, dashed, lw in picture.lines:
         dash = ' stroke-dasharray="5.9,2.6"' if dashed else ""

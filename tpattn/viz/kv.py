@@ -7,12 +7,12 @@ from typing import Mapping, Sequence
 from ..config import Config
 from ..kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, has_replicas, kv_costs,
                         kv_head_of_rank, kv_weight_rows, replica_groups)
-from .frames import FrameGeometry, HeadsPicture, draw_heads
+from .frames import HeadsPicture, draw_heads
 from .sharding import drift_figure
 from .style import FAIL_COLOR, new_figure, rank_color
 
-__all__ = ["replica_groups_figure", "replica_groups_layout", "replica_groups_geometry",
-           "kv_drift_figure", "kv_costs_figure"]
+__all__ = ["replica_groups_figure", "replica_groups_layout", "kv_drift_figure",
+           "kv_costs_figure"]
 
 
 def replica_groups_figure(cfg: Config):
@@ -20,14 +20,6 @@ def replica_groups_figure(cfg: Config):
     reads (``replicate_weights``: a copy of its wk/wv rows; ``gather_activations``: the rank's
     slice of them), framed by replica group. Draws ``replica_groups_layout(cfg)``."""
     return draw_heads(replica_groups_layout(cfg))
-
-
-def replica_groups_geometry(query_heads: int) -> FrameGeometry:
-    """The frame of ``replica_groups_figure`` for ``query_heads`` (6 to 12 inches wide)."""
-    hq = query_heads
-    return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2,
-                         ("query\nheads", "K/V\nper rank"), (1.7, 0.0), (-2.4, hq - 0.3),
-                         (-0.95, 2.2))
 
 
 def replica_groups_layout(cfg: Config) -> HeadsPicture:
@@ -68,7 +60,8 @@ def replica_groups_layout(cfg: Config) -> HeadsPicture:
     else:
         how = (f"each KV head copied on {cfg.kv_replicas} ranks: "
                f"wk/wv grads all-reduced within each group")
-    return HeadsPicture(replica_groups_geometry(hq),
+    return HeadsPicture((min(12.0, max(6.0, 0.55 * hq + 3.0)), 3.2), (-2.4, hq - 0.3),
+                        (-0.95, 2.2), (("query\nheads", q_y), ("K/V\nper rank", kv_y)),
                         f"{hq} query heads, {cfg.kv_heads} KV heads, {w} ranks ({d}-dim heads)",
                         how, "black", tuple(lines), tuple(boxes), tuple(groups), min(w, 8))
 

@@ -207,11 +207,11 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
     fig.colorbar(im, ax=axes, shrink=0.8, label="probability")
     fig.suptitle(f"Causal attention: {cfg.query_heads} query heads share {cfg.kv_heads} KV "
                  f"heads", fontsize=10)
-    # the state, in the suptitle's row: a short text of its own (set by _show_attention), so
+    # the state, in the suptitle's row: a short text of its own (set_attention_state's), so
     # that a live update lays out a few characters, not the whole title (~1 ms against ~8)
     state = fig.text(0.01, 0.98, " ", ha="left", va="top", fontsize=10)
     fig.tpattn_attention = {"cfg": cfg, "images": images, "values": values, "state": state}
-    _show_attention(fig, probs, seed, batch_index)
+    set_attention_state(fig, seed, batch_index, probs)
     return fig
 
 
@@ -243,15 +243,14 @@ def _value_path(text: str) -> Path:
     return Path(path.vertices - [(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2], path.codes)
 
 
-def set_attention_state(fig, seed: int, batch_index: int = 0) -> None:
-    """Redraw an ``attention_heatmaps`` figure for ``seed`` and ``batch_index`` (same cfg)."""
-    cfg = fig.tpattn_attention["cfg"]
-    _show_attention(fig, attention_probabilities(cfg, seed, batch_index), seed, batch_index)
-
-
-def _show_attention(fig, probs: torch.Tensor, seed: int, batch_index: int) -> None:
+def set_attention_state(fig, seed: int, batch_index: int = 0,
+                        probs: torch.Tensor | None = None) -> None:
+    """Redraw an ``attention_heatmaps`` figure for ``seed`` and ``batch_index`` (same cfg),
+    from ``probs`` ``[Hq, S, S]`` if given, else ``attention_probabilities``."""
     parts = fig.tpattn_attention
     cfg = parts["cfg"]
+    if probs is None:
+        probs = attention_probabilities(cfg, seed, batch_index)
     future = causal_mask(cfg.seq)
     for h, im in enumerate(parts["images"]):
         im.set_data(probs[h].double().masked_fill(future, float("nan")).numpy())  # masked: grey

@@ -2,9 +2,9 @@
 The map's labels come from the package (function names, ``rank_head_slices``, ``Config``)."""
 from __future__ import annotations
 
+import functools
 import math
 
-import matplotlib.patches as mpatches
 import torch
 
 from ..check import MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES, PARAM_SEED_OFFSET, \
@@ -14,7 +14,7 @@ from ..dense import dense_forward
 from ..layers import attention, repeat_kv, rms_norm
 from ..params import init_params, rank_head_slices
 from ..tp import copy_to_ranks, reduce_output_partials
-from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure, rank_color
+from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, arrow, box, new_figure, rank_color
 
 __all__ = ["rank_heads", "block_map_figure", "float32_rounding_errors", "float32_rounding_figure"]
 
@@ -32,24 +32,13 @@ def _heads_text(heads: range) -> str:
     return str(heads.start) if len(heads) == 1 else f"{heads.start}–{heads.stop - 1}"
 
 
-def _box(ax, x, y, w, h, text, edge, face="white", size=8.5, weight="normal", lw=1.4):
-    ax.add_patch(mpatches.FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.3",
-                                         facecolor=face, edgecolor=edge, linewidth=lw))
-    ax.text(x, y, text, ha="center", va="center", fontsize=size, weight=weight)
-
-
-def _arrow(ax, x0, y0, x1, y1, color=DENSE_COLOR, style="-|>", lw=1.1, ls="-"):
-    ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
-                arrowprops=dict(arrowstyle=style, color=color, lw=lw, linestyle=ls,
-                                shrinkA=0, shrinkB=0))
-
-
 def block_map_figure(cfg: Config | None = None):
     """The attention block split across ``cfg.world_size`` TP ranks (default ``Config()``):
     ``x`` → RMSNorm → **f** (``copy_to_ranks``) → one lane per rank (its wq/wk/wv rows and
     heads, RoPE, attention, its wo columns → a partial) → **g** (``reduce_output_partials``)
     → ``+ x``; red notes say what each missing collective breaks."""
     cfg = Config() if cfg is None else cfg
+    boxed = functools.partial(box, pad=0.3)
     world = cfg.world_size
     lane_gap = 13.0
     lane_y = [-lane_gap * r for r in range(world)]
@@ -63,42 +52,42 @@ def block_map_figure(cfg: Config | None = None):
     ax.set_axis_off()
 
     s, b, hidden = cfg.seq, cfg.batch, cfg.hidden
-    _box(ax, 4, mid, 6.5, 6, f"x\n[{s}, {b}, {hidden}]", DENSE_COLOR, size=8.5)
-    _box(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR, size=8)
-    _arrow(ax, 7.8, mid, 11.2, mid)
+    boxed(ax, 4, mid, 6.5, 6, f"x\n[{s}, {b}, {hidden}]", DENSE_COLOR, size=8.5)
+    boxed(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR, size=8)
+    arrow(ax, (7.8, mid), (11.2, mid))
 
     # f: one tensor in, one copy per rank out
-    _box(ax, 29, mid, 10.5, 9, f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn",
+    boxed(ax, 29, mid, 10.5, 9, f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn",
          _F_G_COLOR, face="#f3eef8", size=8)
-    _arrow(ax, 20.8, mid, 23.5, mid)
+    arrow(ax, (20.8, mid), (23.5, mid))
     ax.text(22.15, mid + 0.8, "n", ha="center", va="bottom", fontsize=8.5, style="italic")
 
     for rank, y in enumerate(lane_y):
         color = rank_color(rank)
         q_heads, kv_heads = rank_heads(cfg, rank)
-        _arrow(ax, 34.5, mid, 38.7, y, color=color)
+        arrow(ax, (34.5, mid), (38.7, y), color=color)
         ax.text(38.7, y + 4.3, f"rank {rank}", color=color, fontsize=8.5, weight="bold",
                 ha="left", va="bottom")
-        _box(ax, 44, y, 10, 7, f"wq, wk, wv rows\nq heads {_heads_text(q_heads)}\n"
+        boxed(ax, 44, y, 10, 7, f"wq, wk, wv rows\nq heads {_heads_text(q_heads)}\n"
              f"kv head{'s' if len(kv_heads) > 1 else ''} {_heads_text(kv_heads)}", color, size=8)
-        _arrow(ax, 49.4, y, 52.3, y, color=color)
-        _box(ax, 58.5, y, 10.5, 7, f"RoPE, {repeat_kv.__name__},\ncausal {attention.__name__}",
+        arrow(ax, (49.4, y), (52.3, y), color=color)
+        boxed(ax, 58.5, y, 10.5, 7, f"RoPE, {repeat_kv.__name__},\ncausal {attention.__name__}",
              color, size=8)
-        _arrow(ax, 64.1, y, 67.0, y, color=color)
-        _box(ax, 72.0, y, 9.0, 7, f"wo columns\n→ partial {rank}\n[{s}, {b}, {hidden}]", color, size=8)
-        _arrow(ax, 76.9, y, 80.0, mid, color=color)
+        arrow(ax, (64.1, y), (67.0, y), color=color)
+        boxed(ax, 72.0, y, 9.0, 7, f"wo columns\n→ partial {rank}\n[{s}, {b}, {hidden}]", color, size=8)
+        arrow(ax, (76.9, y), (80.0, mid), color=color)
 
     # g: the partials summed
     g_name = reduce_output_partials.__name__.replace("output_", "output_\n")
-    _box(ax, 85.5, mid, 10.5, 11, f"g\n{g_name}\nfwd: all-reduce (Σ)\nbwd: identity",
+    boxed(ax, 85.5, mid, 10.5, 11, f"g\n{g_name}\nfwd: all-reduce (Σ)\nbwd: identity",
          _F_G_COLOR, face="#f3eef8", size=8)
-    _box(ax, 94.6, mid, 2.4, 3, "+", DENSE_COLOR, size=11, weight="bold")
-    _arrow(ax, 91.1, mid, 93.2, mid)
+    boxed(ax, 94.6, mid, 2.4, 3, "+", DENSE_COLOR, size=11, weight="bold")
+    arrow(ax, (91.1, mid), (93.2, mid))
     ax.text(99.6, mid, "y", ha="center", va="center", fontsize=11, weight="bold")
-    _arrow(ax, 96.1, mid, 98.6, mid)
+    arrow(ax, (96.1, mid), (98.6, mid))
     # residual: x around everything
     ax.plot([4, 4, 94.6], [mid + 3.4, top, top], color=DENSE_COLOR, lw=1.1)
-    _arrow(ax, 94.6, top, 94.6, mid + 1.9)
+    arrow(ax, (94.6, top), (94.6, mid + 1.9))
     ax.text(50, top + 0.8, "residual: + x  (backward: dy reaches dX directly; dX itself is never all-reduced)",
             ha="center", va="bottom", fontsize=8, color=DENSE_COLOR)
 

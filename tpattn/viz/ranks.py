@@ -13,10 +13,6 @@ __all__ = ["real_vs_simulated_figure", "ledger_figure", "rank_disagreement_figur
 _MEASURE_MARKERS = dict(zip(MEASURES, ["o", "s", "^", "D", "v"]))
 
 
-def _floor(value: float) -> float:
-    return max(value, ZERO_FLOOR)
-
-
 def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mapping]):
     """Every measure of every run (``run()`` dicts, same order): simulated ranks (x) against
     real ranks (y), log-log; color = mode, marker = measure, 1e-6 dashed, zeros at the floor."""
@@ -29,7 +25,8 @@ def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mappin
             raise ValueError("real and simulated must list the same runs in the same order "
                              f"(got seed {r['seed']} {r['mode']} vs seed {s['seed']} {s['mode']})")
         for m in MEASURES:
-            points.setdefault((r["mode"], m), []).append((_floor(s[m]), _floor(r[m])))
+            points.setdefault((r["mode"], m), []).append((max(s[m], ZERO_FLOOR),
+                                                         max(r[m], ZERO_FLOOR)))
     fig, ax = new_figure(figsize=(7.0, 4.6))
     for (mode, m), xy in points.items():
         ax.scatter(*zip(*xy), color=MODE_COLORS[mode], marker=_MEASURE_MARKERS[m], s=28,
@@ -102,9 +99,9 @@ def rank_disagreement_figure(rows: Sequence[Mapping]):
         for i, mode in enumerate(modes):
             value = max(r[key] for r in rows if r["mode"] == mode)
             x = i + (q - (len(_QUANTITIES) - 1) / 2) * width
-            ax.bar(x, _floor(value) - ZERO_FLOOR, bottom=ZERO_FLOOR, width=width * 0.9,
+            ax.bar(x, max(value - ZERO_FLOOR, 0), bottom=ZERO_FLOOR, width=width * 0.9,
                    color=color, label=label if i == 0 else None)
-            ax.text(x, _floor(value) * 1.6, "0" if value == 0 else f"{value:.0e}",
+            ax.text(x, max(value, ZERO_FLOOR) * 1.6, "0" if value == 0 else f"{value:.0e}",
                     ha="center", fontsize=7)
     ax.set_yscale("log")
     ax.axhline(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8)

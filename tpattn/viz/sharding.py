@@ -9,7 +9,7 @@ import torch
 
 from ..check import MEASURES, MODES, TOLERANCE
 from ..config import Config
-from .frames import FrameGeometry, HeadsPicture, draw_heads
+from .frames import HeadsPicture, draw_heads
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table
 
@@ -17,7 +17,7 @@ __all__ = [
     "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
     "format_measure", "measures_table",
     "zero_floor", "value_label",
-    "heads_to_ranks_figure", "heads_layout", "heads_geometry", "FrameGeometry",
+    "heads_to_ranks_figure", "heads_picture", "heads_layout",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -43,20 +43,18 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
     each query head to the KV head it reads, dashed in the fail color where the two sit on
     different ranks. ``query_ranks[h]``: the rank of query head ``h`` (default: the package's
     contiguous blocks). Fewer KV heads than ranks (default ``query_ranks``): the
-    ``replica_groups_figure``. Draws ``heads_layout(cfg, query_ranks)``."""
+    ``replica_groups_figure``. Draws ``heads_picture(cfg, query_ranks)``."""
+    return draw_heads(heads_picture(cfg, query_ranks))
+
+
+def heads_picture(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
+    """What ``heads_to_ranks_figure`` draws: ``heads_layout``, or ``replica_groups_layout``
+    for fewer KV heads than ranks (default ``query_ranks``)."""
     if cfg.kv_heads < cfg.world_size and query_ranks is None:
-        from .kv import replica_groups_figure
+        from .kv import replica_groups_layout
 
-        return replica_groups_figure(cfg)
-    return draw_heads(heads_layout(cfg, query_ranks))
-
-
-def heads_geometry(query_heads: int) -> FrameGeometry:
-    """The frame of ``heads_to_ranks_figure`` for ``query_heads`` (6 to 12 inches wide)."""
-    hq = query_heads
-    return FrameGeometry(min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9,
-                         ("query\nheads", "KV\nheads"), (1.6, 0.0), (-2.2, hq - 0.3),
-                         (-0.55, 2.1))
+        return replica_groups_layout(cfg)
+    return heads_layout(cfg, query_ranks)
 
 
 def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
@@ -86,9 +84,10 @@ def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> Heads
               for j, (x, r) in enumerate(zip(kv_x, kv_ranks))]
     verdict = (f"{split} query head(s) on another rank than their KV head" if split
                else "every rank holds complete query/KV groups")
-    return HeadsPicture(heads_geometry(hq), f"{hq} query heads, {hkv} KV heads, {world} ranks",
-                        verdict, FAIL_COLOR if split else "black", tuple(lines), tuple(boxes),
-                        (), world)
+    return HeadsPicture((min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9), (-2.2, hq - 0.3),
+                        (-0.55, 2.1), (("query\nheads", q_y), ("KV\nheads", kv_y)),
+                        f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
+                        FAIL_COLOR if split else "black", tuple(lines), tuple(boxes), (), world)
 
 
 def weight_shards_figure(cfg: Config):
@@ -161,21 +160,30 @@ def _threshold_line(ax, floor: float, axis: str = "x") -> None:
                 ha="left", fontsize=8)
 
 
+def _measure_bars(ax, ys, values, floor: float, fontsize: float, **style) -> None:
+    """One bar per value at ``ys`` from ``floor / 3`` (0 at ``floor``), each labelled."""
+    ax.barh(ys, [v or floor for v in values], left=floor / 3, **style)
+    for y, v in zip(ys, values):
+        ax.text((v or floor) * 1.4, y, value_label(v), va="center", fontsize=fontsize)
+
+
+def _measures_axis(ax, floor: float) -> None:
+    """The five measures' names (top first), the log axis from ``floor`` and the 1e-6 line."""
+    ax.set_yticks(range(len(MEASURES))[::-1], [MEASURE_LABELS[m] for m in MEASURES])
+    ax.set_ylim(-0.5, len(MEASURES) + 0.1)
+    _threshold_line(ax, floor, "x")
+    ax.set_xlabel("max |dense − TP|")
+
+
 def measures_figure(result: Mapping):
     """One ``run()`` result: the five measures as log-scale bars, pass/fail colored, against the
     dashed 1e-6 line; an exact 0 is drawn at ``zero_floor`` and labelled "0"."""
     fig, ax = new_figure(figsize=(7.0, 2.6))
     values = [float(result[m]) for m in MEASURES]
     floor = zero_floor(values)
-    ys = list(range(len(MEASURES)))[::-1]
-    colors = [PASS_COLOR if v < TOLERANCE else FAIL_COLOR for v in values]
-    ax.barh(ys, [v or floor for v in values], color=colors, height=0.6, left=floor / 3)
-    for y, v in zip(ys, values):
-        ax.text((v or floor) * 1.4, y, value_label(v), va="center", fontsize=8)
-    ax.set_yticks(ys, [MEASURE_LABELS[m] for m in MEASURES])
-    ax.set_ylim(-0.5, len(MEASURES) + 0.1)
-    _threshold_line(ax, floor, "x")
-    ax.set_xlabel("max |dense − TP|")
+    _measure_bars(ax, list(range(len(MEASURES)))[::-1], values, floor, 8, height=0.6,
+                  color=[PASS_COLOR if v < TOLERANCE else FAIL_COLOR for v in values])
+    _measures_axis(ax, floor)
     verdict = "PASSED" if result["passed"] else "FAILED"
     ax.set_title(f"seed {result['seed']}, mode {result['mode']}: {verdict}",
                  color=PASS_COLOR if result["passed"] else FAIL_COLOR)
@@ -192,14 +200,9 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
     for i, (label, result) in enumerate(results.items()):
         values = [float(result[m]) for m in MEASURES]
         ys = [len(MEASURES) - 1 - k + 0.4 - height * (i + 0.5) for k in range(len(MEASURES))]
-        ax.barh(ys, [v or floor for v in values], height=height * 0.9,
-                color=palette[i % len(palette)], left=floor / 3, label=label)
-        for y, v in zip(ys, values):
-            ax.text((v or floor) * 1.4, y, value_label(v), va="center", fontsize=7)
-    ax.set_yticks(range(len(MEASURES))[::-1], [MEASURE_LABELS[m] for m in MEASURES])
-    ax.set_ylim(-0.5, len(MEASURES) + 0.1)
-    _threshold_line(ax, floor, "x")
-    ax.set_xlabel("max |dense − TP|")
+        _measure_bars(ax, ys, values, floor, 7, height=height * 0.9,
+                      color=palette[i % len(palette)], label=label)
+    _measures_axis(ax, floor)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
     if title:
         ax.set_title(title)
@@ -209,17 +212,12 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
 # --- tensors as pictures (chapters 8 and 9) -------------------------------------------------
 
 
-def _as_image(t: torch.Tensor) -> torch.Tensor:
-    """``[S, B, hidden]`` → ``[S, B·hidden]`` (batch-major columns), detached float64."""
-    t = t.detach().to(torch.float64)
-    return t.reshape(t.shape[0], -1) if t.dim() == 3 else t
-
-
 def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = True,
                     cmap: str = "RdBu_r", value_label: str = ""):
     """One heat map per ``[S, B, hidden]`` tensor (title → tensor) as ``[S, B·hidden]``, white
     lines between batch elements; symmetric color scale, shared unless ``shared_scale=False``."""
-    images = {name: _as_image(t) for name, t in panels.items()}
+    images = {name: t.detach().double().reshape(t.shape[0], -1)  # batch-major columns
+              for name, t in panels.items()}
     n = len(images)
     fig, axes = new_figure(nrows=n, figsize=(7.0, 1.15 * n + 0.5), squeeze=False)
     axes = axes[:, 0]

@@ -1,6 +1,7 @@
 """The book's figure style: one look for every chapter."""
 from __future__ import annotations
 
+import matplotlib.patches as mpatches
 import matplotlib.pyplot as plt
 
 __all__ = ["RANK_COLORS", "PASS_COLOR", "FAIL_COLOR", "DENSE_COLOR", "use_book_style",
@@ -44,6 +45,23 @@ def new_figure(ncols: int = 1, nrows: int = 1, **kwargs):
     use_book_style()
     kwargs.setdefault("layout", "constrained")
     return plt.subplots(nrows, ncols, **kwargs)
+
+
+def box(ax, x, y, w, h, text, edge=DENSE_COLOR, face="white", size=9, weight="normal",
+        pad="0.02,rounding_size=0.08") -> None:
+    """A rounded box ``w`` x ``h`` centered at ``(x, y)`` (data units), ``text`` inside;
+    ``pad``: its ``round`` box style's (the diagrams of chapters 1, 5 and 7)."""
+    ax.add_patch(mpatches.FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle=f"round,pad={pad}",
+                                         facecolor=face, edgecolor=edge, linewidth=1.4))
+    ax.text(x, y, text, ha="center", va="center", fontsize=size, weight=weight)
+
+
+def arrow(ax, start, end, color=DENSE_COLOR, lw=1.1, ls="-", rad=0.0, shrink=0.0) -> None:
+    """An arrow from ``start`` to ``end`` (data points), bent by ``rad``, ``shrink`` points
+    short of both."""
+    ax.annotate("", xy=end, xytext=start, arrowprops=dict(
+        arrowstyle="-|>", color=color, lw=lw, linestyle=ls, shrinkA=shrink, shrinkB=shrink,
+        connectionstyle=f"arc3,rad={rad}"))
 
 
 use_book_style()

@@ -5,6 +5,7 @@ A chapter that prints measures but draws nothing (e.g. chapter 15) imports only 
 """
 from __future__ import annotations
 
+import itertools
 from typing import Mapping, Sequence
 
 from ..check import MEASURES, TOLERANCE
@@ -53,28 +54,17 @@ def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURE
     modes (or labels), headed by it."""
     second = "mode" if labels is None else "variant"
     labels = [r["mode"] for r in results] if labels is None else list(labels)
-    if compact:
-        sections, start = [], 0
-        for i in range(1, len(results) + 1):
-            if i == len(results) or labels[i] != labels[start]:
-                sections.append((labels[start], results[start:i]))
-                start = i
-        headers = ["seed"] + [SHORT_MEASURE_LABELS.get(m, m) for m in measures] + ["verdict"]
-        grouped = [(label, [[str(r["seed"])] + [format_measure(r[m]) for m in measures]
-                            + ["PASSED" if r["passed"] else "FAILED"] for r in group])
-                   for label, group in sections]
-        every_row = [row for _, rows in grouped for row in rows]
-        widths = [max(len(h), *(len(row[i]) for row in every_row)) for i, h in enumerate(headers)]
-        blocks = []
-        for label, rows in grouped:
-            lines = [headers, ["-" * w for w in widths]] + rows
-            blocks.append(f"{label}\n" + "\n".join(
-                "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines))
-        return "\n\n".join(blocks)
-    headers = ["seed", second] + [MEASURE_LABELS.get(m, m) for m in measures] + ["verdict"]
-    rows = [[str(r["seed"]), label] + [format_measure(r[m]) for m in measures]
+    names, extra = (SHORT_MEASURE_LABELS, []) if compact else (MEASURE_LABELS, [second])
+    headers = ["seed", *extra] + [names.get(m, m) for m in measures] + ["verdict"]
+    rows = [[str(r["seed"])] + ([] if compact else [label]) + [format_measure(r[m]) for m in measures]
             + ["PASSED" if r["passed"] else "FAILED"] for r, label in zip(results, labels)]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    lines = [headers, ["-" * w for w in widths]] + rows
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
-                     for line in lines)
+
+    def table(body) -> str:
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+                         for line in [headers, ["-" * w for w in widths], *body])
+
+    if not compact:
+        return table(rows)
+    return "\n\n".join(f"{label}\n" + table(row for row, _ in section)
+                       for label, section in itertools.groupby(zip(rows, labels), lambda p: p[1]))

@@ -3,9 +3,10 @@
 Imported only by notebooks (``from tpattn import widgets``), never by ``import tpattn``. Each
 explorer (``rope_explorer()``, ``sharding_explorer()``, …) returns an :class:`Explorer`:
 ipywidgets controls and an output area recomputed through the package. Displayed, it carries
-the live widget and, as ``text/html``, its static twin (``static_*_explorer()``, a
-:class:`StaticExplorer`: precomputed states behind CSS-only radio buttons), which the book's
-myst-nb config shows instead of the widget view (``nb_mime_priority_overrides``).
+the live widget and, as ``text/html``, its static twin (``Explorer.static()``, a
+:class:`StaticExplorer`: the same drawing at precomputed states, behind CSS-only radio
+buttons), which the book's myst-nb config shows instead of the widget view
+(``nb_mime_priority_overrides``).
 
 ``core`` and ``static`` load with the package; the modules that draw figures (matplotlib)
 on the first use of one of their names.
@@ -17,6 +18,6 @@ from .static import StaticExplorer
 
 _EAGER = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_controls"]
 #: The modules of explorers that draw figures, in the order their names are looked up.
-FIGURE_MODULES = ("explorers", "sp", "kv")
+FIGURE_MODULES = ("explorers", "kv")
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _EAGER, FIGURE_MODULES)

@@ -2,6 +2,7 @@
 shows (``bug_hunt.describe``) and whether the guess is right (``bug_hunt.judge``)."""
 from __future__ import annotations
 
+import functools
 import html
 
 import ipywidgets as widgets
@@ -9,9 +10,8 @@ import ipywidgets as widgets
 from ..bug_hunt import choices, describe, hunt_case, judge
 from ..observe import observe
 from .core import Explorer, html_output, single_thread
-from .static import StaticExplorer
 
-__all__ = ["bug_hunt_explorer", "static_bug_hunt_explorer", "HUNTS", "hunt_panel"]
+__all__ = ["bug_hunt_explorer", "HUNTS", "hunt_panel"]
 
 #: The hunts the HTML book precomputes.
 HUNTS = (1, 2, 3, 4, 6, 9, 10, 25)
@@ -19,20 +19,18 @@ HUNTS = (1, 2, 3, 4, 6, 9, 10, 25)
 UNANSWERED = "(choose a cause)"
 
 
+@functools.lru_cache(maxsize=64)
 def _observe(hunt: int) -> tuple[str, dict]:
     # batched ranks: 2-3x faster than the rank loop, the same describe/judge text
-    # (tests/test_zoo_batched.py)
+    # (tests/test_zoo_batched.py); remembered: never modify it
     mode, seed, cfg = hunt_case(hunt)
     with single_thread():
         return mode, observe(mode, seed, cfg, batched=True)
 
 
-def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, str]:
+def hunt_panel(hunt: int, guess: str) -> tuple[str, str]:
     """``(html, text)`` of hunt ``hunt`` with answer ``guess`` (or ``UNANSWERED``)."""
-    cache = {} if cache is None else cache
-    if hunt not in cache:
-        cache[hunt] = _observe(hunt)
-    mode, obs = cache[hunt]
+    mode, obs = _observe(hunt)
     lines = describe(obs)
     text = [f"hunt {hunt}: what the run shows"] + ["  " + line for line in lines]
     items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
@@ -46,28 +44,19 @@ def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, s
     return markup, "\n".join(text)
 
 
-def bug_hunt_explorer(hunt: int = 1) -> Explorer:
-    """Live bug hunt: ``hunt`` (any integer >= 0) and the reader's answer."""
-    cache: dict = {}
+def bug_hunt_explorer(hunt: int = 1, hunts=HUNTS) -> Explorer:
+    """Live bug hunt: ``hunt`` (any integer >= 0) and the reader's answer; the static twin,
+    every ``hunts`` × answer (text only: no figures)."""
+    answers = [UNANSWERED] + choices()
     controls = {"hunt": widgets.IntText(value=hunt, description="hunt",
                                         layout=widgets.Layout(width="11em")),
-                "guess": widgets.Dropdown(options=[UNANSWERED] + choices(), value=UNANSWERED,
-                                          description="cause",
+                "guess": widgets.Dropdown(options=answers, value=UNANSWERED, description="cause",
                                           layout=widgets.Layout(width="24em"))}
 
     def draw(hunt, guess):
-        markup, text = hunt_panel(hunt, guess, cache)
-        return [html_output(markup, text)]
+        return [html_output(*hunt_panel(hunt, guess))]
 
-    return Explorer("bug hunt", controls, draw, static=lambda: static_bug_hunt_explorer())
-
-
-def static_bug_hunt_explorer(hunts=HUNTS) -> StaticExplorer:
-    """Every ``hunts`` x answer, precomputed (text only: no figures)."""
-    answers = [UNANSWERED] + choices()
-    cache: dict = {}
-    panels = {(i, j): hunt_panel(h, a, cache)[0]
-              for i, h in enumerate(hunts) for j, a in enumerate(answers)}
-    return StaticExplorer("bug-hunt", [("hunt", [str(h) for h in hunts]), ("cause", answers)],
-                          panels, initial=(0, 0),
-                          note="Precomputed hunts. Run the notebook for any hunt number.")
+    states = [("hunt", [(str(h), {"hunt": h}) for h in hunts]),
+              ("cause", [(a, {"guess": a}) for a in answers])]
+    return Explorer("bug hunt", controls, draw, states, kind="bug-hunt",
+                    note="Precomputed hunts. Run the notebook for any hunt number.")

@@ -10,41 +10,34 @@ from typing import Mapping
 
 from ..check import MEASURES, TOLERANCE, run
 from ..config import Config
-from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure, measures_table
+from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
 from ..viz.sharding import value_label, zero_floor
 from ..viz.style import FAIL_COLOR, PASS_COLOR
 from .core import StandingFigure, single_thread
 
-__all__ = ["MeasuresPlot", "live_run", "measures_html", "measures_text", "verdict"]
+__all__ = ["MeasuresPlot", "live_run", "measures_html"]
 
 
 def live_run(seed, mode, cfg: Config | None = None, simulate: str = "fixture") -> dict:
-    """``run(seed, mode, cfg, simulate=simulate)`` on one thread, remembered for 256 states; a
-    new dict each call; ``run``'s ``ValueError`` is raised, not remembered."""
-    key = (type(seed), seed, type(mode), mode, cfg, simulate)
+    """``run(seed, mode, cfg, simulate=simulate)`` on one thread, remembered for 256 states
+    (argument types apart: ``True`` is not ``1``); a new dict each call; ``run``'s
+    ``ValueError`` is raised, not remembered."""
     try:
-        hash(key)
-    except TypeError:  # not a value run accepts; let run say why
+        return copy.deepcopy(_remembered_run(seed, mode, cfg, simulate))
+    except TypeError:  # not hashable, so not a value run accepts; let run say why
         with single_thread():
             return run(seed, mode, cfg, simulate=simulate)
-    return copy.deepcopy(_remembered_run(*key))
 
 
-@functools.lru_cache(maxsize=256)
-def _remembered_run(_seed_type, seed, _mode_type, mode, cfg, simulate) -> dict:
+@functools.lru_cache(maxsize=256, typed=True)
+def _remembered_run(seed, mode, cfg, simulate) -> dict:
     with single_thread():
         return run(seed, mode, cfg, simulate=simulate)
 
 
-def verdict(result: Mapping) -> str:
-    """``"PASSED"`` or ``"FAILED"``."""
+def _verdict(result: Mapping) -> str:
     return "PASSED" if result["passed"] else "FAILED"
-
-
-def measures_text(result: Mapping) -> str:
-    """The plain-text twin of ``measures_html``: ``viz.sharding.measures_table`` of one result."""
-    return measures_table([result])
 
 
 def measures_html(result: Mapping) -> str:
@@ -62,7 +55,7 @@ def measures_html(result: Mapping) -> str:
     return (f'<div class="tpx-measures">'
             f'<p style="margin:0.2em 0"><strong>seed {result["seed"]}, mode '
             f'<code>{html.escape(result["mode"])}</code>: '
-            f'<span class="tpx-verdict" style="color:{color}">{verdict(result)}</span></strong></p>'
+            f'<span class="tpx-verdict" style="color:{color}">{_verdict(result)}</span></strong></p>'
             f'<table class="tpx-table" style="border-collapse:collapse; margin:0.2em 0">'
             f'<thead><tr><th style="{cell}">measure (max |dense − TP|)</th>'
             f'<th style="{cell}; text-align:right">value</th><th style="{cell}">vs tolerance</th>'
@@ -79,7 +72,7 @@ def _set_measures(fig, result: Mapping) -> None:
         bar.set_facecolor(PASS_COLOR if value < TOLERANCE else FAIL_COLOR)
         label.set_x((value or floor) * 1.4)
         label.set_text(value_label(value))
-    ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {verdict(result)}")
+    ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {_verdict(result)}")
     ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
 
 
@@ -89,21 +82,14 @@ def _measures_dynamic(fig) -> list:
     return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)], ax.title]
 
 
-class MeasuresPlot:
-    """``measures_figure(result)`` as PNG bytes, on a ``StandingFigure`` per zero floor (the
-    pixels equal a full draw: ``tests/test_widgets.py``)."""
+class MeasuresPlot(StandingFigure):
+    """``measures_figure(result)`` as PNG bytes, standing per zero floor (``builds``: one per
+    floor seen); the pixels equal a full draw (``tests/test_widgets.py``)."""
 
-    def __init__(self, dpi: int = 100):
-        self.standing = StandingFigure(build=lambda _floor, result: measures_figure(result),
-                                       update=_set_measures, dynamic=_measures_dynamic,
-                                       size=2, dpi=dpi)
+    def __init__(self):
+        super().__init__(lambda _floor, result: measures_figure(result), _set_measures,
+                         _measures_dynamic, size=2)
 
-    @property
-    def full_draws(self) -> int:
-        """How many figures were built (one per zero floor seen)."""
-        return self.standing.builds
-
-    def png(self, result: Mapping, palette: bool = False) -> bytes:
-        """PNG bytes of ``measures_figure(result)`` (``palette``: 256 colors, small)."""
-        floor = zero_floor([float(result[m]) for m in MEASURES])
-        return self.standing.png(floor, result, palette=palette)
+    def png(self, result: Mapping) -> bytes:
+        """PNG bytes of ``measures_figure(result)``."""
+        return super().png(zero_floor([float(result[m]) for m in MEASURES]), result)

@@ -44,13 +44,13 @@ class StaticExplorer:
 
     groups: ``[(name, [option label, …]), …]``, one radio group per control; panels:
     ``{(i0, i1, …): html}`` for every combination of option indices; ``initial``: the one
-    selected. Element ids hash ``kind`` and the panels' text (not PNGs): the same markup on
+    selected (default the first); ``note`` under them (default: they were precomputed).
+    Element ids hash ``kind`` and the panels' text (not PNGs): the same markup on
     every machine."""
 
     def __init__(self, kind: str, groups: Sequence[tuple[str, Sequence[str]]],
                  panels: Mapping[tuple[int, ...], str], initial: tuple[int, ...] | None = None,
-                 note: str = "Precomputed when the book was built. "
-                             "Run the notebook to explore any value."):
+                 note: str | None = None):
         self.kind = kind
         self.groups = [(name, list(options)) for name, options in groups]
         combos = list(itertools.product(*(range(len(o)) for _, o in self.groups)))
@@ -61,7 +61,8 @@ class StaticExplorer:
         self.initial = tuple(initial) if initial is not None else combos[0]
         if self.initial not in self.panels:
             raise ValueError(f"initial must be a combination of option indices (got {initial!r})")
-        self.note = note
+        self.note = ("Precomputed when the book was built. Run the notebook to explore any "
+                     "value.") if note is None else note
         # ids from the text only: PNG bytes may differ in a pixel between machines, the ids
         # (and so the markup nbval compares, once its sanitize rule masks the base64) do not
         text = [_DATA_URI.sub("", body) for body in self.panels.values()]
