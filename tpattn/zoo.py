@@ -57,6 +57,7 @@ from .dense import dense_forward, project_qkv
 from .layers import attention, repeat_kv, rms_norm
 from .params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
     shard_params, unshard_params
+from .parallel.injection import Injection
 from .tp import AllReduce, AllReduceGrads
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
@@ -80,37 +81,6 @@ REPLICATED = ("norm", "bias")
 #: bug); ``"correct"``: not a bug (``equivalence``). An entry has a citation iff its fidelity is
 #: ``"mechanism"`` or ``"consistent"``.
 FIDELITIES = ("mechanism", "consistent", "no report", "correct")
-
-
-@dataclass(frozen=True)
-class Injection:
-    """How the sharded block is built and trained; the defaults are correct TP.
-
-    See the module docstring for each knob. ``rank_lr_scale`` (one factor per rank, empty:
-    all 1) is not a registry bug: it lets a test make up a bug outside the registry.
-    """
-
-    f: str = "sum"
-    g: int = 1
-    bias: str | None = None
-    shard: str = "heads"
-    kv: str = "interleave"
-    inputs: str = "replicated"
-    norm: str = "once"
-    clip: bool = False
-    rank_lr_scale: tuple = ()
-
-    def correct(self) -> "Injection":
-        """The bug-free twin: the same setup (bias present, clipping, fused checkpoint), every
-        collective and layout right."""
-        return Injection(bias="after_g" if self.bias else None, clip=self.clip,
-                         shard="fused" if self.shard == "fused_naive" else "heads")
-
-    @property
-    def setup(self) -> dict:
-        """What the engineer knows about the model and the training setup (not the bug)."""
-        return {"bias": self.bias is not None, "grad_clip": self.clip,
-                "fused_qkv": self.shard in ("fused", "fused_naive")}
 
 
 @dataclass(frozen=True)
