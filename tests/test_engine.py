@@ -3,7 +3,8 @@ in) against the package's other implementations of the same ranks, on every mode
 
 The engine's batched kernels block their sums differently from a loop over ranks, so the
 contract is the rounding bound of ``tests/rounding.py`` (``2 * n * eps * scale``, ``scale``
-the largest value compared, at least 1), on every rank's output, loss, input gradient,
+the largest value compared, at least 1), against the loop over a list of ranks the package
+ran before (``tests/reference_ranks.py``), on every rank's output, loss, input gradient,
 parameter gradients and weights after the step; and exact equality of the ledger.
 Cases: seeds 11 and 23 (shapes of the tests below), held-out seed 5 at another shape.
 """
@@ -16,6 +17,7 @@ from tpattn.parallel.engine import rank_block, stack_ranks, train_step
 from tpattn.parallel.injection import Injection
 from tpattn.check import LR, make_inputs, PARAM_SEED_OFFSET
 from tpattn.params import init_params, shard_params
+from tests import reference_ranks as ref
 from tests.rounding import longest_sum
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -48,7 +50,7 @@ def test_engine_equals_the_zoo_rank_loop(mode, seed):
     base = zoo.make_params(cfg, seed, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, cfg, inj)]
     batches = zoo.rank_batches(cfg, seed, inj)
-    loop = zoo.ranks_train_step(shards, batches, cfg, inj)
+    loop = ref.ranks_train_step(shards, batches, cfg, inj)
     eng = _engine(shards, batches, cfg, inj)
     assert eng["ledger"] == loop["ledger"]
     for r in range(cfg.world_size):
@@ -97,8 +99,7 @@ def _compare_steps(eng, steps, cfg, names):
                                   "missing_input_grad_reduce", "missing_kv_grad_reduce"])
 @pytest.mark.parametrize("seed", [11, 5])
 def test_engine_equals_the_kv_replica_ranks(mode, strategy, seed):
-    from tpattn.check import modes_for, ranks_step
-    from tpattn.kv_heads import tp_forward_kv_ranks
+    from tpattn.check import modes_for
 
     cfg = Config(query_heads=8, kv_heads=2, world_size=4, kv_strategy=strategy)
     if mode not in modes_for(cfg):
@@ -107,7 +108,7 @@ def test_engine_equals_the_kv_replica_ranks(mode, strategy, seed):
              mode != "missing_kv_grad_reduce")
     x0, target = make_inputs(cfg, seed)
     shards = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)
-    steps = ranks_step(lambda xs, ps: tp_forward_kv_ranks(xs, ps, cfg, *flags), x0, target,
+    steps = ref.ranks_step(lambda xs, ps: ref.tp_forward_kv_ranks(xs, ps, cfg, *flags), x0, target,
                        shards)
     eng = _engine(shards, [(x0, target)] * cfg.world_size, cfg, NATIVE[mode])
     _compare_steps(eng, steps, cfg, shards[0])
@@ -118,13 +119,13 @@ def test_engine_equals_the_kv_replica_ranks(mode, strategy, seed):
                                   "norm_grad_averaged"])
 @pytest.mark.parametrize("seed", [11, 5])
 def test_engine_equals_the_sequence_parallel_ranks(mode, seed):
-    from tpattn.sequence_parallel import sp_flags, sp_ranks_step
+    from tpattn.sequence_parallel import sp_flags
 
     cfg = Config(seq=8, sequence_parallel=True)
     w = cfg.world_size
     x0, target = make_inputs(cfg, seed)
     shards = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)
-    steps = sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)), shards, cfg,
+    steps = ref.sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)), shards, cfg,
                           *sp_flags(mode))
     eng = _engine(shards, list(zip(x0.chunk(w), target.chunk(w))), cfg, NATIVE[mode])
     _compare_steps(eng, steps, cfg, shards[0])
@@ -134,14 +135,12 @@ def test_engine_equals_the_sequence_parallel_ranks(mode, seed):
                                   "missing_input_grad_reduce"])
 def test_engine_equals_plain_ranks_held_out_shape(mode):
     """Held out: seed 3, 4 ranks, 8/4 heads, float64 (the bound scales with eps)."""
-    from tpattn.check import ranks_step
-    from tpattn.tp import tp_forward_ranks
 
     cfg = Config(query_heads=8, kv_heads=4, world_size=4, dtype="float64")
     inj = NATIVE[mode]
     x0, target = make_inputs(cfg, 3)
     shards = shard_params(init_params(cfg, 3 + PARAM_SEED_OFFSET), cfg)
-    steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, inj.g == 1,
+    steps = ref.ranks_step(lambda xs, ps: ref.tp_forward_ranks(xs, ps, cfg, inj.g == 1,
                                                        inj.f == "sum"), x0, target, shards)
     eng = _engine(shards, [(x0, target)] * cfg.world_size, cfg, inj)
     _compare_steps(eng, steps, cfg, shards[0])

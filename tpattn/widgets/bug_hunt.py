@@ -20,11 +20,10 @@ UNANSWERED = "(choose a cause)"
 
 
 def _observe(hunt: int) -> tuple[str, dict]:
-    # batched ranks: 2-3x faster than the rank loop, the same describe/judge text
-    # (tests/test_zoo_batched.py)
+    # the engine's simulated ranks (tpattn.parallel.simulated)
     mode, seed, cfg = hunt_case(hunt)
     with single_thread():
-        return mode, observe(mode, seed, cfg, batched=True)
+        return mode, observe(mode, seed, cfg)
 
 
 def hunt_panel(hunt: int, guess: str, cache: dict | None = None) -> tuple[str, str]:
