@@ -45,7 +45,6 @@ from .params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_he
 from .parallel.engine import MAX_GRAD_NORM, REPLICATED
 from .parallel.injection import Injection
 from .parallel.simulated import rank0_view, simulated_step
-from .tp import AllReduce, AllReduceGrads
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
            "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run", "run_matrix", "make_params",

@@ -11,9 +11,10 @@ import torch
 from ..config import Config
 from ..params import unshard_params
 from .collectives import SimulatedRanks
-from .engine import rank_block, stack_ranks, train_step, unstack_ranks
+from .engine import rank_block, stack_ranks, train_step
 
-__all__ = ["simulated_step", "simulated_forward", "rank0_view"]
+__all__ = ["simulated_step", "simulated_forward", "forward_rank_list", "rank_steps",
+           "gather_steps", "rank0_view"]
 
 
 def _stacked(per_rank):
@@ -38,17 +39,41 @@ def simulated_forward(shards, xs, cfg: Config, inj) -> torch.Tensor:
     return rank_block(torch.stack(list(xs)), _stacked(shards), cfg, inj, SimulatedRanks(cfg))
 
 
-def rank0_view(step: dict, cfg: Config, unshard=None) -> dict:
-    """What rank 0 reports of a ``simulated_step``, in ``check.one_step``'s dict: its own
-    output, loss and dX (under sequence parallelism every rank's tokens put together, the
-    loss the global MSE), and the full-size gradients and weights from every rank's own
-    (``unshard(per_rank_dicts)``, default ``params.unshard_params``)."""
+def rank_steps(step: dict) -> list[dict]:
+    """A ``simulated_step`` as one ``check.one_step``-style dict per rank: ``output``,
+    ``loss``, ``input_grad``, ``grads`` and ``weights`` (that rank's own tensors)."""
+    return [{"output": step["outputs"][r], "loss": step["losses"][r],
+             "input_grad": step["input_grads"][r],
+             "grads": {k: t[r] for k, t in step["grads"].items()},
+             "weights": {k: t[r] for k, t in step["weights"].items()}}
+            for r in range(step["outputs"].shape[0])]
+
+
+def gather_steps(steps: list[dict], cfg: Config, unshard=None) -> dict:
+    """What rank 0 reports of every rank's step (``rank_steps``), in ``check.one_step``'s
+    dict: its own output, loss and dX (under sequence parallelism every rank's tokens put
+    together, the loss the global MSE), and the full-size gradients and weights from every
+    rank's own (``unshard(per_rank_dicts)``, default ``params.unshard_params``)."""
     unshard = unshard or (lambda per_rank: unshard_params(per_rank, cfg))
+    output, input_grad = steps[0]["output"], steps[0]["input_grad"]
     if cfg.sequence_parallel:
-        output = torch.cat(step["outputs"].unbind(0))
-        input_grad = torch.cat(step["input_grads"].unbind(0))
-    else:
-        output, input_grad = step["outputs"][0], step["input_grads"][0]
-    return {"output": output, "loss": step["losses"][0], "input_grad": input_grad,
-            "grads": unshard(unstack_ranks(step["grads"])),
-            "weights": unshard(unstack_ranks(step["weights"]))}
+        output = torch.cat([s["output"] for s in steps])
+        input_grad = torch.cat([s["input_grad"] for s in steps])
+    return {"output": output, "loss": steps[0]["loss"], "input_grad": input_grad,
+            "grads": unshard([s["grads"] for s in steps]),
+            "weights": unshard([s["weights"] for s in steps])}
+
+
+def rank0_view(step: dict, cfg: Config, unshard=None) -> dict:
+    """``gather_steps`` of a ``simulated_step``: what rank 0 reports."""
+    return gather_steps(rank_steps(step), cfg, unshard)
+
+
+def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
+                      cfg: Config, inj, f=None, g=None) -> list[torch.Tensor]:
+    """``engine.rank_block`` with one tensor per rank in and out (differentiable: gradients
+    reach each rank's own ``xs`` and ``shards`` leaves). xs: one ``[S_r, B, hidden]`` per
+    rank; returns one per rank. ``f``, ``g``: as in ``collectives.SimulatedRanks``."""
+    p = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
+    y = rank_block(torch.stack(list(xs)), p, cfg, inj, SimulatedRanks(cfg, f=f, g=g))
+    return list(y.unbind(0))
