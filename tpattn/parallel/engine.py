@@ -170,10 +170,9 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
     norm = comm.reduce_scalar(torch.as_tensor(squares), GRAD_NORM_LABEL).sqrt()
     coef = min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
     scales = inj.rank_lr_scale or (1.0,) * cfg.world_size
-    weights = {}
-    for k, t in ps.items():
-        step = torch.tensor([scales[rank] * coef for rank in comm.ranks], dtype=t.dtype)
-        weights.update(sgd_step({k: t}, {k: grads[k]}, lr, step.view(r, *(1,) * (t.dim() - 1))))
+    per_rank = [sgd_step({k: t[i] for k, t in ps.items()}, {k: g[i] for k, g in grads.items()},
+                         lr, scales[rank] * coef) for i, rank in enumerate(comm.ranks)]
+    weights = {k: torch.stack([w[k] for w in per_rank]) for k in ps}
     return {"outputs": y.detach(), "losses": losses.detach(), "input_grads": xs.grad,
             "grads": grads, "weights": weights, "grad_norm": float(norm),
             "ledger": comm.ledger}
