@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .config import Config
 from .dense import dense_forward
 from .kv_heads import has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv
-from .params import clone_trainable, init_params, shard_params, unshard_params
+from .params import clone_trainable, init_params, shard_params
 from .rank_batched import rank_batched_tp_forward
 from .tolerance import (apply_auto, auto_bounds, check_kernel_precision, check_tolerance,
                         conditioning, perturbed_start)
@@ -281,14 +281,14 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
             else [(x0, target)] * w
         step = simulated_step(shard_fn(base, cfg), batches, cfg, NATIVE_INJECTIONS[mode], LR)
         return rank0_view(step, cfg)
-    reduce_output = mode != MISSING_OUTPUT_REDUCE
-    reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
+    inj = NATIVE_INJECTIONS[mode]
+    reduce_output, reduce_input_grad = inj.g == 1, inj.f == "sum"
     if cfg.sequence_parallel:
         from .sequence_parallel import sp_step  # the sequence-parallel block, rank 0's view
 
         return sp_step(x0, target, base, cfg, mode)
     if has_replicas(cfg):  # fewer KV heads than ranks: tpattn.kv_heads
-        flags = (reduce_output, reduce_input_grad, mode != MISSING_KV_GRAD_REDUCE)
+        flags = (reduce_output, reduce_input_grad, inj.kv_grad == "sum")
         return one_step(lambda x, p: tp_forward_kv(x, p, cfg, *flags), x0, target, base)
     if batched and shard_fn is shard_params:
         return one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg, reduce_output=reduce_output,

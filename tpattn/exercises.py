@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .check import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    MODES, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
+                    MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
                     five_measures, make_inputs, max_abs_diff, run, tp_step)
 from .config import Config
 from .dense import attend_and_project, dense_forward
@@ -853,8 +853,8 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
     one_step(lambda x, shard: tp_rank_forward(
-        x, shard, cfg, ledger, reduce_output=mode != MISSING_OUTPUT_REDUCE,
-        reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE),
+        x, shard, cfg, ledger, reduce_output=NATIVE_INJECTIONS[mode].g == 1,
+        reduce_input_grad=NATIVE_INJECTIONS[mode].f == "sum"),
         x0, target, shard_params(base, cfg)[0])
     return dict(ledger.counts), ledger.carried
 

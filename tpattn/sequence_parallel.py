@@ -58,8 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
-                    MISSING_OUTPUT_REDUCE, NORM_GRAD_AVERAGED, PARAM_SEED_OFFSET, SP_MODES,
+from .check import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SP_MODES,
                     check_mode, dense_reference, five_measures, make_inputs, max_abs_diff,
                     one_step)
 from .config import Config
@@ -86,8 +85,8 @@ def sp_flags(mode: str) -> tuple[bool, bool, str]:
     """``(reduce_output, reduce_input_grad, norm_grad)`` of an SP ``mode`` (one of ``SP_MODES``)."""
     if mode not in SP_MODES:
         raise ValueError(f"mode must be one of {', '.join(SP_MODES)} (got {mode!r})")
-    norm_grad = {MISSING_NORM_GRAD_REDUCE: "none", NORM_GRAD_AVERAGED: "mean"}.get(mode, "sum")
-    return mode != MISSING_OUTPUT_REDUCE, mode != MISSING_INPUT_GRAD_REDUCE, norm_grad
+    inj = NATIVE_INJECTIONS[mode]  # the mode's program, looked up once
+    return inj.g == 1, inj.f == "sum", inj.norm_grad
 
 
 def rank_tokens(cfg: Config, rank: int) -> slice:

@@ -24,7 +24,7 @@ import torch
 
 import torch.nn.functional as F
 
-from .check import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET,
+from .check import (LR, MISSING_INPUT_GRAD_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
                     check_mode, check_seed, check_simulate, make_inputs, max_abs_diff,
                     one_step, ranks_step)
 from .config import Config
@@ -132,8 +132,8 @@ def _stack_start(seed: int, mode: str, cfg: Config | None, layers: int, simulate
     cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_stack(cfg, layers, seed + PARAM_SEED_OFFSET)
-    flags = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                 reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    inj = NATIVE_INJECTIONS[mode]
+    flags = dict(reduce_output=inj.g == 1, reduce_input_grad=inj.f == "sum")
     return cfg, x0, target, base, flags
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import KV_STRATEGIES, Config
 from ..layers import apply_rope, attention, repeat_kv, rms_norm
 from ..sgd import sgd_step
-from .collectives import F_LABEL, G_LABEL
+from .collectives import G_LABEL
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
            "GRAD_NORM_LABEL", "MAX_GRAD_NORM"]
