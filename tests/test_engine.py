@@ -144,3 +144,35 @@ def test_engine_equals_plain_ranks_held_out_shape(mode):
                                                        inj.f == "sum"), x0, target, shards)
     eng = _engine(shards, [(x0, target)] * cfg.world_size, cfg, inj)
     _compare_steps(eng, steps, cfg, shards[0])
+
+
+@pytest.mark.parametrize("seed", [11, 29])
+def test_the_seed_one_graph_block_is_the_engine_under_correct_tp(seed):
+    """``tp.tp_forward`` (the seed's rank-0 view, chapters 6-9) is the engine's result where
+    the two semantics coincide: correct TP, the seed's Config (seed 29 held out)."""
+    from tpattn.check import dense_reference, five_measures, tp_step
+    from tpattn.parallel.simulated import rank0_view, simulated_step
+
+    cfg = Config()
+    x0, target = make_inputs(cfg, seed)
+    base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    seed_view = tp_step(x0, target, base, cfg, "equivalence")
+    engine = rank0_view(simulated_step(shard_params(base, cfg), [(x0, target)] * 2, cfg,
+                                       Injection(), LR), cfg)
+    for key in ("output", "loss", "input_grad"):
+        _close(engine[key], seed_view[key], cfg, key)
+    for k in base:
+        _close(engine["grads"][k], seed_view["grads"][k], cfg, f"grad {k}")
+        _close(engine["weights"][k], seed_view["weights"][k], cfg, f"weight {k}")
+    # and both are the correct block: every measure against dense passes
+    dense = dense_reference(x0, target, base, cfg)
+    assert five_measures(seed, "equivalence", dense, engine)["passed"]
+
+
+def test_the_registry_and_run_share_one_injection_per_seed_mode():
+    """One vocabulary: the registry's entries of the seed's three modes are the very
+    injections ``run`` simulates them with."""
+    from tpattn.check import MODES, NATIVE_INJECTIONS
+
+    for mode in MODES:
+        assert zoo.get_mode(mode).injection is NATIVE_INJECTIONS[mode]

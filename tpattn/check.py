@@ -223,9 +223,9 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
     """``one_step`` on every simulated rank at once, each rank with its own leaf tensors.
 
     ``forward_ranks(xs, ps) -> ys`` maps every rank's input copy and parameters to every rank's
-    output (e.g. ``tpattn.parallel.simulated.forward_rank_list``). Each rank's MSE loss is its own; one backward of
-    their sum gives each rank the gradient of its own loss (the ranks' graphs meet only in the
-    collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
+    output (e.g. ``tpattn.parallel.simulated.forward_rank_list``). Each rank's MSE loss is its
+    own; one backward of their sum gives each rank the gradient of its own loss (the ranks'
+    graphs meet only in the collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
     (``grads``/``weights`` hold that rank's shards).
     """
     ps = [clone_trainable(shard) for shard in shards]

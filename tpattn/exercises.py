@@ -32,7 +32,8 @@ from .dense import attend_and_project, dense_forward
 from .layers import rms_norm
 from .params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
 from .parallel.injection import Injection
-from .parallel.simulated import gather_steps, rank0_view, rank_steps, simulated_step
+from .parallel.simulated import (gather_steps, rank0_view, rank_steps,
+                                 simulated_step)
 from .tp import tp_forward
 
 __all__ = [

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    NATIVE_MODES, PARAM_SEED_OFFSET, check_mode, check_seed, check_simulate,
-                    dense_reference, five_measures, make_inputs)
+                    NATIVE_INJECTIONS, NATIVE_MODES, PARAM_SEED_OFFSET, check_mode, check_seed,
+                    check_simulate, dense_reference, five_measures, make_inputs)
 from .config import Config
 from .dense import dense_forward, project_qkv
 from .layers import attention, repeat_kv, rms_norm
@@ -47,8 +47,9 @@ from .parallel.injection import Injection
 from .parallel.simulated import rank0_view, simulated_step
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
-           "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run", "run_matrix", "make_params",
-           "shard", "unshard", "sides", "forward_fixture", "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
+           "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run",
+           "run_matrix", "make_params", "shard", "unshard", "sides", "forward_fixture",
+           "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
 #: seed's parameters and their init order never change.
@@ -102,14 +103,17 @@ class BugMode:
 def _entries() -> list[BugMode]:
     return [
         BugMode(EQUIVALENCE, "correct TP: g sums the output partials, f sums dn", None,
-                injection=Injection(), how="both reductions", fix="-", fidelity="correct",
+                injection=NATIVE_INJECTIONS[EQUIVALENCE], how="both reductions", fix="-",
+                fidelity="correct",
                 fidelity_note="not a bug: the correct program every other mode is compared with"),
         BugMode(MISSING_OUTPUT_REDUCE, "g dropped: each rank's output is its own partial", None,
-                ("world_size >= 2",), Injection(g=0), how="no forward all-reduce of partials",
+                ("world_size >= 2",), NATIVE_INJECTIONS[MISSING_OUTPUT_REDUCE],
+                how="no forward all-reduce of partials",
                 fix="all-reduce the row-parallel output (g) before the residual",
                 fidelity_note="the book's own bug (chapter 8); no public report is cited"),
         BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution", None,
-                ("world_size >= 2",), Injection(f="none"), how="no backward all-reduce of dn",
+                ("world_size >= 2",), NATIVE_INJECTIONS[MISSING_INPUT_GRAD_REDUCE],
+                how="no backward all-reduce of dn",
                 fix="all-reduce dn in backward (f, copy_to_tensor_model_parallel_region)",
                 fidelity_note="the book's own bug (chapter 9); no public report is cited"),
         BugMode("input_grad_reduce_averaged",
