@@ -65,6 +65,7 @@ from .config import Config
 from .dense import attend_and_project
 from .distributed import GATHER_RESULTS, CollectiveLedger
 from .layers import rms_norm
+from .parallel.engine import ScaleGrad
 from .params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
 from .tp import copy_to_ranks, reduce_output_partials
 
@@ -96,20 +97,6 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
 
 
 # --- the fixture's one-graph model ------------------------------------------------------
-
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``.
-    ``apply(t, scale)``. Models a gradient that is averaged where it should be summed."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
 
 def sp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
                reduce_output: bool = True, reduce_input_grad: bool = True,

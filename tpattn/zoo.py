@@ -43,6 +43,7 @@ from .layers import attention, repeat_kv, rms_norm
 from .params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
     shard_params, unshard_params
 from .parallel.engine import MAX_GRAD_NORM, REPLICATED
+from .parallel.engine import ScaleGrad as GradScale
 from .parallel.injection import Injection
 from .parallel.simulated import rank0_view, simulated_step
 
@@ -381,20 +382,6 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 
 # --- the per-rank block ---------------------------------------------------------------------
-
-class GradScale(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale`` (``apply(t, scale)``:
-    how the ``f="mean"`` injection averages ``dn``)."""
-
-    @staticmethod
-    def forward(ctx, t, scale):
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
 
 class _ScaleForward(torch.autograd.Function):
     """Forward multiplies by ``scale``; backward is the identity (an all-reduce of W equal

@@ -31,7 +31,7 @@ from ..sgd import sgd_step
 from .collectives import G_LABEL
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
-           "GRAD_NORM_LABEL", "MAX_GRAD_NORM"]
+           "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad"]
 
 #: Parameters every rank holds whole (counted once in the gradient norm).
 REPLICATED = ("norm", "bias")
@@ -52,8 +52,9 @@ def unstack_ranks(stacked: dict[str, torch.Tensor]) -> list[dict[str, torch.Tens
     return [{k: t[i] for k, t in stacked.items()} for i in range(r)]
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale`` (``apply(t, scale)``:
+    a gradient averaged, or multiplied, where it should be summed once)."""
 
     @staticmethod
     def forward(ctx, t, scale):
@@ -121,7 +122,7 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
         if inj.f == "twice":
             n = comm.copy_to_ranks(n, "all-reduce of dn (again)")
     if inj.f == "mean":
-        n = _ScaleGrad.apply(n, 1.0 / cfg.world_size)
+        n = ScaleGrad.apply(n, 1.0 / cfg.world_size)
     out = _attend(n, p, cfg, inj, comm)
     if inj.bias == "every_rank":
         out = out + p["bias"].unsqueeze(1).unsqueeze(1)
