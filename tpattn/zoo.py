@@ -49,7 +49,7 @@ from .parallel.simulated import rank0_view, simulated_step
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
            "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run",
-           "run_matrix", "make_params", "shard", "unshard", "sides", "forward_fixture",
+           "make_params", "shard", "unshard", "sides", "forward_fixture",
            "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
@@ -552,10 +552,3 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     base = make_params(cfg, seed, inj)
     return five_measures(seed, mode, dense_step(x0, target, base, cfg, inj),
                          tp_step(seed, cfg, inj, simulate))
-
-
-def run_matrix(seeds, modes, cfg: Config | None = None, simulate: str = "fixture") -> list[dict]:
-    """``run`` for every mode x seed, mode-major."""
-    modes = [get_mode(m).name for m in modes]
-    seeds = [check_seed(s) for s in seeds]
-    return [run(s, m, cfg, simulate) for m in modes for s in seeds]
