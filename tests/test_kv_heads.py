@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 import tpattn
 from tpattn import EQUIVALENCE, MEASURES, TOLERANCE, Config
-from tpattn.check import (MISSING_KV_GRAD_REDUCE, PARAM_SEED_OFFSET, check_mode, dense_reference,
-                          make_inputs, modes_for, ranks_step, tp_step)
+from tpattn.check import (LR, MISSING_KV_GRAD_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
+                          check_mode, dense_reference, make_inputs, modes_for, tp_step)
 from tpattn.kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, REPLICATE_WEIGHTS, kv_collectives,
-                             kv_costs, kv_head_of_rank, replica_groups, ring_bytes, train_steps,
-                             tp_forward_kv_ranks)
+                             kv_costs, kv_head_of_rank, replica_groups, ring_bytes, train_steps)
+from tpattn.parallel.simulated import rank_steps, simulated_step
 from tpattn.params import init_params, rank_head_slices, shard_params
 
 CFG = Config(query_heads=8, kv_heads=2, world_size=4)
@@ -138,9 +138,8 @@ def test_both_semantics_report_the_same_bug():  # fixture = view of each group's
 def _replicas(mode: str, cfg: Config = CFG, seed: int = 11):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    flags = (True, True, mode != MISSING_KV_GRAD_REDUCE)
-    return ranks_step(lambda xs, ps: tp_forward_kv_ranks(xs, ps, cfg, *flags),
-                      x0, target, shard_params(base, cfg))
+    return rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size,
+                                     cfg, NATIVE_INJECTIONS[mode], LR))
 
 
 def test_replicas_stay_bit_identical_with_the_reduce_and_split_without():

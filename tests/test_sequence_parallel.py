@@ -20,15 +20,16 @@ from hypothesis import strategies as st
 
 import tpattn
 from tpattn import MEASURES, TOLERANCE, Config
-from tpattn.check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
+from tpattn.check import (LR, NATIVE_INJECTIONS, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                           MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED, PARAM_SEED_OFFSET,
                           SP_MODES, SP_ONLY_MODES, dense_reference, make_inputs)
 from tpattn.cli import main as cli_main
 from tpattn.layers import apply_rope
 from tpattn.params import init_params, shard_params, unshard_params
-from tpattn.sequence_parallel import (AllGatherSeq, ReduceScatterSeq, communication_ledger,
-                                      norm_activation_bytes, rank_tokens, ring_bytes, sp_flags,
-                                      sp_ranks_step)
+from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel.simulated import rank_steps, simulated_step
+from tpattn.sequence_parallel import (communication_ledger, norm_activation_bytes, rank_tokens,
+                                      ring_bytes)
 
 SP2 = Config(seq=8, sequence_parallel=True)
 SP4 = Config(seq=8, query_heads=8, kv_heads=4, world_size=4, sequence_parallel=True)
@@ -122,10 +123,12 @@ def test_fixture_view_of_sp_is_the_tp_fixture(mode):
 
 
 def test_collectives_have_the_right_backward():
-    chunks = [torch.randn(2, 3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    assert torch.autograd.gradcheck(lambda *c: AllGatherSeq.apply(True, *c), chunks)
-    partials = [torch.randn(6, 3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    assert torch.autograd.gradcheck(lambda *p: ReduceScatterSeq.apply(*p), partials)
+    comm = SimulatedRanks(Config(seq=6, query_heads=6, kv_heads=3, world_size=3,
+                                 sequence_parallel=True))
+    chunks = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)  # [R, S/W, ...]
+    assert torch.autograd.gradcheck(comm.gather_sequence, (chunks,))
+    partials = torch.randn(3, 6, 3, dtype=torch.float64, requires_grad=True)  # [R, S, ...]
+    assert torch.autograd.gradcheck(comm.reduce_scatter_sequence, (partials,))
 
 
 def test_rope_needs_global_positions():
@@ -144,8 +147,9 @@ def _sp_steps(cfg, seed, mode):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     w = cfg.world_size
-    steps = sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)), shard_params(base, cfg), cfg,
-                          *sp_flags(mode))
+    steps = rank_steps(simulated_step(shard_params(base, cfg),
+                                      list(zip(x0.chunk(w), target.chunk(w))), cfg,
+                                      NATIVE_INJECTIONS[mode], LR))
     return steps, dense_reference(x0, target, base, cfg)
 
 

@@ -1,7 +1,7 @@
 """``run(..., simulate="ranks")``: simulated ranks that behave like real ones.
 
 Checked against an independent one-process model of what real ranks do without g (written here
-with plain autograd, not with ``tp_forward_ranks``), against the fixture where the two
+with plain autograd, not with the engine), against the fixture where the two
 semantics must agree, and for its per-rank structure. Real ranks are compared in
 ``test_distributed.py``. Tolerance: ``TOLERANCE`` (1e-6 absolute) between two float32 ways of
 summing the same numbers at the seed's size, where rounding differences are ~1e-7.
@@ -13,13 +13,13 @@ import torch.nn.functional as F
 import tpattn
 from tpattn import (EQUIVALENCE, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
                     MODES, TOLERANCE, Config)
-from tpattn.check import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
-                          ranks_step)
+from tpattn.check import (LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, dense_reference,
+                          five_measures, make_inputs)
 from tpattn.cli import main as cli_main
 from tpattn.dense import attend_and_project
 from tpattn.layers import rms_norm
 from tpattn.params import clone_trainable, init_params, shard_params
-from tpattn.tp import tp_forward_ranks
+from tpattn.parallel.simulated import rank_steps, simulated_step
 
 CFG4 = Config(query_heads=8, kv_heads=4, world_size=4)
 
@@ -80,9 +80,8 @@ def test_where_no_output_is_lost_both_semantics_agree(mode, cfg):
 def _steps(mode: str, cfg: Config, seed: int = 11):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    reduce_g, reduce_f = mode != MISSING_OUTPUT_REDUCE, mode != MISSING_INPUT_GRAD_REDUCE
-    steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_g, reduce_f),
-                       x0, target, shard_params(base, cfg))
+    steps = rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size,
+                                      cfg, NATIVE_INJECTIONS[mode], LR))
     return x0, base, steps
 
 

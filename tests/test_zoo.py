@@ -13,7 +13,8 @@ import torch
 
 import tpattn
 from tpattn import MEASURES, TOLERANCE, Config, zoo
-from tpattn.check import make_inputs
+from tpattn.check import LR, make_inputs
+from tpattn.parallel.simulated import simulated_step
 from tpattn.cli import main as cli_main
 
 CFG = Config()
@@ -204,9 +205,9 @@ def test_counting_replicas_in_the_grad_norm_changes_only_the_step():
     base = zoo.make_params(CFG, 11, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, CFG, inj)]
     batches = zoo.rank_batches(CFG, 11, inj)
-    bug = zoo.ranks_train_step(shards, batches, CFG, inj)
-    good = zoo.ranks_train_step(shards, batches, CFG, inj.correct())
-    norm_grad = bug["grads"][0]["norm"].double().pow(2).sum().item()
+    bug = simulated_step(shards, batches, CFG, inj, LR)
+    good = simulated_step(shards, batches, CFG, inj.correct(), LR)
+    norm_grad = bug["grads"]["norm"][0].double().pow(2).sum().item()
     expected = good["grad_norm"] ** 2 + (CFG.world_size - 1) * norm_grad
     assert bug["grad_norm"] ** 2 == pytest.approx(expected, rel=1e-9)
     assert bug["grad_norm"] > good["grad_norm"] > zoo.MAX_GRAD_NORM
@@ -229,7 +230,7 @@ def test_inputs_not_replicated_gives_every_rank_its_own_loss():
     inj = zoo.get_mode("inputs_not_replicated").injection
     base = zoo.make_params(CFG_W4, 11, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, CFG_W4, inj)]
-    step = zoo.ranks_train_step(shards, zoo.rank_batches(CFG_W4, 11, inj), CFG_W4, inj)
+    step = simulated_step(shards, zoo.rank_batches(CFG_W4, 11, inj), CFG_W4, inj, LR)
     losses = [float(l) for l in step["losses"]]
     assert len(set(losses)) == CFG_W4.world_size, losses
 
@@ -238,7 +239,7 @@ def test_the_ledger_counts_each_collective_where_it_runs():
     inj = zoo.get_mode("input_grad_reduced_twice").injection
     base = zoo.make_params(CFG, 11, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, CFG, inj)]
-    step = zoo.ranks_train_step(shards, zoo.rank_batches(CFG, 11, inj), CFG, inj)
+    step = simulated_step(shards, zoo.rank_batches(CFG, 11, inj), CFG, inj, LR)
     phases = [e["phase"] for e in step["ledger"]]
     assert phases == ["forward", "backward", "backward", "step"]
 

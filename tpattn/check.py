@@ -16,13 +16,14 @@ import torch.nn.functional as F
 
 from .config import Config
 from .dense import dense_forward
-from .kv_heads import (has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv,
-                       tp_forward_kv_ranks)
-from .params import clone_trainable, init_params, shard_params, unshard_params
+from .kv_heads import has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv
+from .params import clone_trainable, init_params, shard_params
 from .rank_batched import rank_batched_tp_forward
 from .tolerance import (apply_auto, auto_bounds, check_kernel_precision, check_tolerance,
                         conditioning, perturbed_start)
-from .tp import tp_forward, tp_forward_ranks
+from .parallel.injection import Injection
+from .parallel.simulated import rank0_view, simulated_step
+from .tp import tp_forward
 
 EQUIVALENCE = "equivalence"
 MISSING_OUTPUT_REDUCE = "missing_output_reduce"
@@ -41,6 +42,13 @@ SP_MODES = MODES + SP_ONLY_MODES
 MISSING_KV_GRAD_REDUCE = "missing_kv_grad_reduce"
 #: Every mode ``run`` knows itself; ``modes_for(cfg)`` says which apply to a Config.
 ALL_MODES = MODES + SP_ONLY_MODES + (MISSING_KV_GRAD_REDUCE,)
+#: Each mode ``run`` knows itself as an ``Injection`` of the engine's block
+#: (``tpattn.parallel.engine``): what its ranks simulation runs.
+NATIVE_INJECTIONS = {EQUIVALENCE: Injection(), MISSING_OUTPUT_REDUCE: Injection(g=0),
+                     MISSING_INPUT_GRAD_REDUCE: Injection(f="none"),
+                     MISSING_NORM_GRAD_REDUCE: Injection(norm_grad="none"),
+                     NORM_GRAD_AVERAGED: Injection(norm_grad="mean"),
+                     MISSING_KV_GRAD_REDUCE: Injection(kv_grad="none")}
 #: The seeds of the seed fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
 #: The five measures, in the order they are reported.
@@ -215,9 +223,9 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
     """``one_step`` on every simulated rank at once, each rank with its own leaf tensors.
 
     ``forward_ranks(xs, ps) -> ys`` maps every rank's input copy and parameters to every rank's
-    output (``tpattn.tp.tp_forward_ranks``). Each rank's MSE loss is its own; one backward of
-    their sum gives each rank the gradient of its own loss (the ranks' graphs meet only in the
-    collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
+    output (e.g. ``tpattn.parallel.simulated.forward_rank_list``). Each rank's MSE loss is its
+    own; one backward of their sum gives each rank the gradient of its own loss (the ranks'
+    graphs meet only in the collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
     (``grads``/``weights`` hold that rank's shards).
     """
     ps = [clone_trainable(shard) for shard in shards]
@@ -233,13 +241,6 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
         steps.append({"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
                       "grads": grads, "weights": weights})
     return steps
-
-
-def gather_ranks(steps: list[dict], cfg: Config) -> dict:
-    """What rank 0 reports of a run on ranks: its own output, loss and dX, and the full-size
-    gradients and weights put together from every rank's shards (``unshard_params``)."""
-    return {**steps[0], "grads": unshard_params([s["grads"] for s in steps], cfg),
-            "weights": unshard_params([s["weights"] for s in steps], cfg)}
 
 
 def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
@@ -274,23 +275,21 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards. ``batched``: plain
     TP in the fixture's semantics runs ``rank_batched.rank_batched_tp_forward`` (same math,
     ranks as a batch dimension: faster, no bit parity with the seed promised)."""
-    reduce_output = mode != MISSING_OUTPUT_REDUCE
-    reduce_input_grad = mode != MISSING_INPUT_GRAD_REDUCE
+    if check_simulate(simulate) == "ranks":  # the engine, every rank its own step
+        w = cfg.world_size
+        batches = list(zip(x0.chunk(w), target.chunk(w))) if cfg.sequence_parallel \
+            else [(x0, target)] * w
+        step = simulated_step(shard_fn(base, cfg), batches, cfg, NATIVE_INJECTIONS[mode], LR)
+        return rank0_view(step, cfg)
+    inj = NATIVE_INJECTIONS[mode]
+    reduce_output, reduce_input_grad = inj.g == 1, inj.f == "sum"
     if cfg.sequence_parallel:
-        from .sequence_parallel import sp_step  # the sequence-parallel block and its variants
+        from .sequence_parallel import sp_step  # the sequence-parallel block, rank 0's view
 
-        return sp_step(x0, target, base, cfg, mode, check_simulate(simulate))
+        return sp_step(x0, target, base, cfg, mode)
     if has_replicas(cfg):  # fewer KV heads than ranks: tpattn.kv_heads
-        flags = (reduce_output, reduce_input_grad, mode != MISSING_KV_GRAD_REDUCE)
-        if check_simulate(simulate) == "ranks":
-            steps = ranks_step(lambda xs, ps: tp_forward_kv_ranks(xs, ps, cfg, *flags),
-                               x0, target, shard_fn(base, cfg))
-            return gather_ranks(steps, cfg)
+        flags = (reduce_output, reduce_input_grad, inj.kv_grad == "sum")
         return one_step(lambda x, p: tp_forward_kv(x, p, cfg, *flags), x0, target, base)
-    if check_simulate(simulate) == "ranks":
-        steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad),
-                           x0, target, shard_fn(base, cfg))
-        return gather_ranks(steps, cfg)
     if batched and shard_fn is shard_params:
         return one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg, reduce_output=reduce_output,
                                                              reduce_input_grad=reduce_input_grad),

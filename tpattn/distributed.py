@@ -48,8 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                    MISSING_OUTPUT_REDUCE, MODES, PARAM_SEED_OFFSET, SEEDS, check_mode,
+from .check import (EQUIVALENCE, MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SEEDS, check_mode,
                     check_seed, dense_reference, five_measures, inspect_fixture, make_inputs,
                     max_abs_diff, mode_route, modes_for, one_step)
 from .cli import build_parser, config_from_args
@@ -98,12 +97,13 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
         from .zoo_real import planned_collectives as registry_plan
 
         return registry_plan(mode)
-    g = [G_ALL_REDUCE] if mode != MISSING_OUTPUT_REDUCE else []
-    f = [F_ALL_REDUCE] if mode != MISSING_INPUT_GRAD_REDUCE else []
+    inj = NATIVE_INJECTIONS[mode]
+    g = [G_ALL_REDUCE] if inj.g == 1 else []
+    f = [F_ALL_REDUCE] if inj.f == "sum" else []
     if cfg is not None and has_replicas(cfg):
         if cfg.kv_strategy == GATHER_ACTIVATIONS:
             return [KV_ALL_GATHER] + g + [KV_REDUCE_SCATTER] + f + [GATHER_RESULTS]
-        kv = [KV_GRAD_ALL_REDUCE] if mode != MISSING_KV_GRAD_REDUCE else []
+        kv = [KV_GRAD_ALL_REDUCE] if inj.kv_grad == "sum" else []
         return g + kv + f + [GATHER_RESULTS]
     return g + f + [GATHER_RESULTS]
 
@@ -344,11 +344,13 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
 
+    inj = NATIVE_INJECTIONS[mode]
+
     def forward(x, shard):
         return tp_rank_forward(x, shard, cfg, ledger,
-                               reduce_output=mode != MISSING_OUTPUT_REDUCE and not skip_output_reduce,
-                               reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE,
-                               reduce_kv_grad=mode != MISSING_KV_GRAD_REDUCE, rank=rank)
+                               reduce_output=inj.g == 1 and not skip_output_reduce,
+                               reduce_input_grad=inj.f == "sum",
+                               reduce_kv_grad=inj.kv_grad == "sum", rank=rank)
 
     # every rank its own step on its own shard and its own loss, as in real TP training
     step = one_step(forward, x0, target, shard_params(base, cfg)[rank])

@@ -25,14 +25,16 @@ from dataclasses import dataclass
 import torch
 
 from .check import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    MODES, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
-                    five_measures, gather_ranks, make_inputs, max_abs_diff, ranks_step, run,
-                    tp_step)
+                    MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
+                    five_measures, make_inputs, max_abs_diff, run, tp_step)
 from .config import Config
 from .dense import attend_and_project, dense_forward
 from .layers import rms_norm
 from .params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
-from .tp import tp_forward, tp_forward_ranks
+from .parallel.injection import Injection
+from .parallel.simulated import (gather_steps, rank0_view, rank_steps,
+                                 simulated_step)
+from .tp import tp_forward
 
 __all__ = [
     "Result", "CHECKED_SEEDS", "CHECKED_CONFIGS",
@@ -550,10 +552,10 @@ def _check_collective(collective, name: str, sums_forward: bool) -> None:
 def _block_with(f, g) -> str:
     """Run the simulated ranks with the given f and g; return the success text or raise."""
     for cfg, seed, x0, target, base in _cases():
-        steps = ranks_step(lambda xs, ps: tp_forward_ranks(xs, ps, cfg, f=f, g=g),
-                           x0, target, shard_params(base, cfg))
+        step = simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
+                              Injection(), LR, f=f, g=g)
         metrics = five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg),
-                                gather_ranks(steps, cfg))
+                                rank0_view(step, cfg))
         failing = _failing(metrics)
         if failing:
             raise _Wrong(f"in the sharded block, for seed {seed}, {_shape(cfg)}, it fails "
@@ -566,11 +568,11 @@ def check_g(g) -> str:
     """Check a ``torch.autograd.Function`` ``g`` for simulated ranks: ``g.apply(*partials)``
     (one tensor per rank) returns one tensor per rank — forward: the sum of all ranks'
     partials on every rank; backward: identity. Probed alone on 2 and 4 ranks, then plugged
-    into every rank's forward (``tpattn.tp.tp_forward_ranks`` with the package's f)."""
-    from .tp import AllReduceGrads
+    into every rank's forward (the engine's block, ``tpattn.parallel.simulated``, with the
+    package's f)."""
     _check_collective(g, _plain_name(g, "g"), sums_forward=True)
     return ("forward sums, backward is the identity (probed on 2 and 4 ranks), and "
-            + _block_with(AllReduceGrads, g) + ".")
+            + _block_with(None, g) + ".")
 
 
 @_exercise("f as an autograd Function", 7)
@@ -578,11 +580,11 @@ def check_f(f) -> str:
     """Check a ``torch.autograd.Function`` ``f`` for simulated ranks: ``f.apply(*ns)`` (one
     tensor per rank) returns one tensor per rank — forward: identity; backward: every rank
     receives the sum of all ranks' gradients. Probed alone on 2 and 4 ranks, then plugged into
-    every rank's forward (``tpattn.tp.tp_forward_ranks`` with the package's g)."""
-    from .tp import AllReduce
+    every rank's forward (the engine's block, ``tpattn.parallel.simulated``, with the
+    package's g)."""
     _check_collective(f, _plain_name(f, "f"), sums_forward=False)
     return ("forward is the identity, backward sums (probed on 2 and 4 ranks), and "
-            + _block_with(f, AllReduce) + ".")
+            + _block_with(f, None) + ".")
 
 
 def _plain_name(obj, default: str) -> str:
@@ -852,8 +854,8 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
     one_step(lambda x, shard: tp_rank_forward(
-        x, shard, cfg, ledger, reduce_output=mode != MISSING_OUTPUT_REDUCE,
-        reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE),
+        x, shard, cfg, ledger, reduce_output=NATIVE_INJECTIONS[mode].g == 1,
+        reduce_input_grad=NATIVE_INJECTIONS[mode].f == "sum"),
         x0, target, shard_params(base, cfg)[0])
     return dict(ledger.counts), ledger.carried
 
@@ -1024,17 +1026,17 @@ def check_norm_grad_reduce(finalize) -> str:
     """Check ``finalize(norm_grads) -> list``: given every simulated rank's gradient of its
     replicated ``norm`` weight after the backward pass (one ``[hidden]`` per rank: the share of
     its own ``S/W`` tokens), what each rank must use for its SGD step. Each rank's steps come
-    from ``tpattn.sequence_parallel.sp_ranks_step``; graded on the five measures against dense
-    and on whether the replicas of ``norm`` stay identical."""
-    from .sequence_parallel import gather_sp_ranks, sp_ranks_step
+    from the engine's simulated ranks (``tpattn.parallel.simulated``); graded on the five
+    measures against dense and on whether the replicas of ``norm`` stay identical."""
     count = 0
     for cfg in SP_CONFIGS:
         w = cfg.world_size
         for seed in EXTRA_SEEDS:
             x0, target = make_inputs(cfg, seed)
             base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-            steps = sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)),
-                                  shard_params(base, cfg), cfg, norm_grad="none")
+            steps = rank_steps(simulated_step(
+                shard_params(base, cfg), list(zip(x0.chunk(w), target.chunk(w))), cfg,
+                Injection(norm_grad="none"), LR))
             own = [s["grads"]["norm"].clone() for s in steps]
             got = _tensor_list(finalize([g.clone() for g in own]), w, [cfg.hidden],
                                "norm gradient")
@@ -1057,7 +1059,7 @@ def check_norm_grad_reduce(finalize) -> str:
                 s["grads"]["norm"] = got[r].detach()
                 s["weights"]["norm"] = base["norm"] - LR * got[r].detach()
             metrics = five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg),
-                                    gather_sp_ranks(steps, cfg))
+                                    gather_steps(steps, cfg))
             failing = _failing(metrics)
             if failing:
                 raise _Wrong(f"{where}, the SP step fails {', '.join(failing)}.")
@@ -1122,12 +1124,12 @@ def check_kv_grad_reduce(reduce) -> str:
     copy of a replicated KV weight (``wk`` or ``wv``, one ``[D, hidden]`` per rank, as the
     block's backward leaves it without the replica-group reduce), the gradient each rank's
     copy must get. Graded against the dense block's gradient of that KV head's rows."""
-    from .kv_heads import kv_weight_rows, replica_groups, tp_forward_kv_ranks
+    from .kv_heads import kv_weight_rows, replica_groups
     count = 0
     for cfg, seed, x0, target, base in _cases(KV_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
-        steps = ranks_step(lambda xs, ps: tp_forward_kv_ranks(xs, ps, cfg, reduce_kv_grad=False),
-                           x0, target, shard_params(base, cfg))
+        steps = rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg,
+                                          Injection(kv_grad="none"), LR))
         dense = dense_reference(x0, target, base, cfg)
         groups = replica_groups(cfg)
         for name in ("wk", "wv"):

@@ -25,8 +25,9 @@ learns from its own rank's query heads only: forward, loss, dX, ``norm``, wq and
 wk/wv gradients are wrong, and the copies of one head drift apart from the first step.
 
 This module holds the layout (``kv_head_of_rank``, ``replica_groups``, ``kv_weight_rows``), the
-block over simulated ranks for both ``simulate`` semantics (``tp_forward_kv``,
-``tp_forward_kv_ranks``), the autograd Functions for real ranks (``ReplicaGradReduce``,
+block in the fixture's one-graph view (``tp_forward_kv``; every simulated rank its own tensors
+is the engine's, ``tpattn.parallel.engine``, option ``Config.kv_heads < world_size``), the
+autograd Functions for real ranks (``ReplicaGradReduce``,
 ``AllGatherKV``, used by ``tpattn.distributed``), and the accounting of memory per rank and
 bytes moved per step (``kv_costs``, ``kv_collectives``).
 """
@@ -45,8 +46,8 @@ __all__ = [
     "REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "KV_STRATEGIES",
     "has_replicas", "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
     "is_first_kv_copy",
-    "kv_grad_bug_applies", "local_kv", "attend_gathered", "AllGatherRanks",
-    "tp_forward_kv", "tp_forward_kv_ranks", "ReplicaGradReduce", "AllGatherKV",
+    "kv_grad_bug_applies", "local_kv", "attend_gathered",
+    "tp_forward_kv", "ReplicaGradReduce", "AllGatherKV",
     "kv_rank_attend", "kv_collectives", "kv_costs", "ring_bytes", "train_steps",
     "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes",
 ]
@@ -145,26 +146,6 @@ def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: tor
     return F.linear(ctx.reshape(s, b, -1), shard["wo"])
 
 
-class AllGatherRanks(torch.autograd.Function):
-    """All-gather over simulated ranks — forward: every rank receives all ranks' tensors
-    concatenated on the last dim (rank order), as ``dist.all_gather`` gives; backward: a
-    reduce-scatter, rank r receives the sum over ranks of the gradient of chunk r.
-
-    ``apply(*tensors)``: one ``[S, B, c]`` per rank; returns one ``[S, B, W*c]`` per rank.
-    """
-
-    @staticmethod
-    def forward(ctx, *tensors: torch.Tensor):
-        ctx.width = tensors[0].shape[-1]
-        full = torch.cat(tensors, dim=-1)
-        return tuple(full.clone() for _ in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        total = sum(grads[1:], grads[0])
-        return tuple(chunk.clone() for chunk in total.split(ctx.width, dim=-1))
-
-
 # --- the block over simulated ranks ----------------------------------------------------------
 
 def _detached_kv(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -202,40 +183,6 @@ def tp_forward_kv(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
                       for r, s in enumerate(shards)]
         partials = [attend_and_project(n_r, s, cfg) for n_r, s in zip(inputs, shards)]
     return x + reduce_output_partials(partials, reduce=reduce_output)
-
-
-def tp_forward_kv_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
-                        cfg: Config, reduce_output: bool = True, reduce_input_grad: bool = True,
-                        reduce_kv_grad: bool = True) -> list[torch.Tensor]:
-    """``tpattn.tp.tp_forward_ranks`` (every simulated rank its own leaves, output and loss)
-    for ``kv_heads < world_size``.
-
-    ``replicate_weights``: each replica is its own leaf; the replica-group reduce is
-    ``AllReduceGrads`` over the group's wk (and wv) tensors — identity forward, sum of the
-    group's gradients backward. ``reduce_kv_grad=False`` drops it: each copy keeps its own
-    rank's gradient. ``gather_activations``: ``AllGatherRanks`` of every rank's ``local_kv``.
-    xs, shards: one per rank; returns one ``[S, B, hidden]`` per rank.
-    """
-    from .tp import AllReduce, AllReduceGrads
-
-    ns = [rms_norm(x, s["norm"], cfg.eps) for x, s in zip(xs, shards)]
-    if reduce_input_grad:
-        ns = AllReduceGrads.apply(*ns)
-    if cfg.kv_strategy == GATHER_ACTIVATIONS:
-        fulls = AllGatherRanks.apply(*[local_kv(n, s) for n, s in zip(ns, shards)])
-        partials = [attend_gathered(n, s, full, cfg, r)
-                    for r, (n, s, full) in enumerate(zip(ns, shards, fulls))]
-    else:
-        shards = [dict(s) for s in shards]
-        if reduce_kv_grad:
-            for group in replica_groups(cfg):
-                for name in ("wk", "wv"):
-                    summed = AllReduceGrads.apply(*[shards[r][name] for r in group])
-                    for r, t in zip(group, summed):
-                        shards[r][name] = t
-        partials = [attend_and_project(n, s, cfg) for n, s in zip(ns, shards)]
-    outs = AllReduce.apply(*partials) if reduce_output else partials
-    return [x + out for x, out in zip(xs, outs)]
 
 
 # --- real ranks (tpattn.distributed) ---------------------------------------------------------
@@ -430,36 +377,29 @@ def train_steps(cfg: Config, seed: int, mode: str, steps: int = 2) -> list[dict]
     how far the copies are apart after the step) and the two losses (``dense_loss``,
     ``tp_loss``). Step 1 is ``run(seed, mode, cfg, "ranks")``.
     """
-    from .check import (MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                        MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_mode, dense_reference,
-                        five_measures, gather_ranks, make_inputs, max_abs_diff, ranks_step)
+    from .check import (LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, check_mode,
+                        dense_reference, five_measures, make_inputs, max_abs_diff)
     from .params import init_params, shard_params
-    from .tp import tp_forward_ranks
+    from .parallel.engine import stack_ranks
+    from .parallel.simulated import rank0_view, simulated_step
 
     check_mode(mode, cfg)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
-    flags = (mode != MISSING_OUTPUT_REDUCE, mode != MISSING_INPUT_GRAD_REDUCE,
-             mode != MISSING_KV_GRAD_REDUCE)
-    if has_replicas(cfg):
-        def forward(xs, ps):
-            return tp_forward_kv_ranks(xs, ps, cfg, *flags)
-    else:
-        def forward(xs, ps):
-            return tp_forward_ranks(xs, ps, cfg, *flags[:2])
     x0, target = make_inputs(cfg, seed)
     dense_weights = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    shards = shard_params(dense_weights, cfg)
+    state = stack_ranks(shard_params(dense_weights, cfg))
     out = []
     for _ in range(steps):
         dense = dense_reference(x0, target, dense_weights, cfg)
-        ranks = ranks_step(forward, x0, target, shards)
-        row = five_measures(seed, mode, dense, gather_ranks(ranks, cfg))
+        step = simulated_step(state, [(x0, target)] * cfg.world_size, cfg,
+                              NATIVE_INJECTIONS[mode], LR)
+        row = five_measures(seed, mode, dense, rank0_view(step, cfg))
         row["kv_replica_max_diff"] = max(
-            max_abs_diff(ranks[r]["weights"][w], ranks[group[0]]["weights"][w])
+            max_abs_diff(step["weights"][w][r], step["weights"][w][group[0]])
             for group in replica_groups(cfg) for r in group for w in ("wk", "wv"))
-        row["dense_loss"], row["tp_loss"] = dense["loss"].item(), ranks[0]["loss"].item()
+        row["dense_loss"], row["tp_loss"] = dense["loss"].item(), step["losses"][0].item()
         out.append(row)
         dense_weights = dense["weights"]
-        shards = [r["weights"] for r in ranks]
+        state = step["weights"]
     return out

@@ -29,12 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .check import NATIVE_MODES, check_seed
+from .check import LR, NATIVE_MODES, check_seed
 from .config import Config
-from .zoo import Injection, check_needs, forward_ranks, make_params, rank_batches, \
-    ranks_train_step, shard, unshard
-from .zoo_batched import batched_losses, batched_train_step, forward_batched, stack_ranks, \
-    unstack_ranks
+from .parallel.engine import stack_ranks, unstack_ranks
+from .parallel.simulated import simulated_forward, simulated_step
+from .zoo import Injection, check_needs, make_params, rank_batches, shard, unshard
 
 __all__ = ["observe", "observe_injection", "STEPS"]
 
@@ -50,49 +49,31 @@ def _detached(shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Ten
     return [{k: t.detach() for k, t in s.items()} for s in shards]
 
 
-def _losses(shards, batches, cfg: Config, inj: Injection) -> list[torch.Tensor]:
-    """Every rank's loss of ``shards`` (forward only: what a step logs before its backward;
-    the same numbers as ``ranks_train_step``'s ``losses``)."""
+def _losses(state, batches, cfg: Config, inj: Injection) -> torch.Tensor:
+    """Every rank's loss ``[W]`` of ``state`` (stacked parameters; forward only: what a step
+    logs before its backward; the same numbers as ``simulated_step``'s ``losses``)."""
     with torch.no_grad():
-        ps = [{k: t.clone() for k, t in s.items()} for s in shards]
-        ys = forward_ranks([x.clone() for x, _ in batches], ps, cfg, inj)
-        return [F.mse_loss(y, target) for y, (_, target) in zip(ys, batches)]
+        ys = simulated_forward(state, [x for x, _ in batches], cfg, inj)
+        return torch.stack([F.mse_loss(y, target) for y, (_, target) in zip(ys, batches)])
 
 
 def _train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config, inj: Injection,
            steps: int, last_update: bool = True) -> dict:
-    """``steps`` steps of ``ranks_train_step`` from ``shards`` on ``batches``; with
+    """``steps`` steps of ``simulated_step`` from ``shards`` on ``batches``; with
     ``last_update=False`` the last step stops at its losses (no backward, no update: the
     good twin's replicas are never looked at)."""
-    def step(state):
-        result = ranks_train_step(state, batches, cfg, inj)
-        return result, result["weights"], result["weights"]
-
-    return _steps(shards, step, lambda state: _losses(state, batches, cfg, inj), steps,
-                  last_update)
-
-
-def _train_batched(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
-                   inj: Injection, steps: int, last_update: bool = True) -> dict:
-    """``_train`` with the ranks as a batch dimension (``zoo_batched.batched_train_step``)."""
-    x = torch.stack([x for x, _ in batches])
-    target = torch.stack([t for _, t in batches])
-
     def step(p):
-        result = batched_train_step(p, x, target, cfg, inj)
+        result = simulated_step(p, batches, cfg, inj, LR)
         per_rank = {**result, "losses": list(result["losses"]),
                     "grads": unstack_ranks(result["grads"])}
         return per_rank, result["weights"], unstack_ranks(result["weights"])
 
-    def losses(p):
-        with torch.no_grad():
-            return batched_losses(forward_batched(x, p, cfg, inj), target)
-
-    return _steps(stack_ranks(shards), step, losses, steps, last_update)
+    return _steps(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj), steps,
+                  last_update)
 
 
 def _steps(state, step, losses, steps: int, last_update: bool) -> dict:
-    """The training loop of ``_train`` and ``_train_batched``: ``step(state)`` is one step,
+    """The training loop of ``_train``: ``step(state)`` is one step,
     returning ``(result, next state, every rank's weights)``; ``losses(state)`` every rank's
     loss without a step. Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per
     step) and ``replicas`` (the replicated weights' checksums after step 1 and the last)."""
@@ -129,7 +110,7 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     shards0 = _detached(shard(base, cfg, inj))
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
-    train = _train_batched if batched else _train
+    train = _train
     run = train(shards0, batches, cfg, inj, steps)
     if good_inj == inj:  # no bug: the good run is this run
         good = run
@@ -175,8 +156,8 @@ def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = S
             reference: bool = True, batched: bool = False) -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
     module docstring); ``reference=False`` leaves out what needs a known-good run.
-    ``batched=True``: the ranks as a batch dimension (``tpattn.zoo_batched``; faster, the
-    same conclusions, digits within float32 rounding of the loop's)."""
+    ``batched``: accepted for compatibility; there is one simulation, the engine's ranks as
+    a batch dimension (``tpattn.parallel.simulated``), whatever its value."""
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
     if entry.injection is None and mode in NATIVE_MODES:

@@ -28,11 +28,12 @@ The loss is the global MSE: rank r back-propagates its share ``sum((y_r - t_r)**
 and the reported loss is the MSE of the ranks' outputs put together (no collective in the
 block's gradient path).
 
-Three implementations of the same block, as for plain TP:
+The block under SP, three ways:
 
 - ``sp_forward`` — the fixture's one-graph model (``simulate="fixture"``), see below;
-- ``sp_forward_ranks`` — every simulated rank its own tensors, the collectives autograd
-  Functions over per-rank lists (``simulate="ranks"``);
+- every simulated rank its own tensors (``simulate="ranks"``): the engine's block
+  (``tpattn.parallel.engine``) under ``Config.sequence_parallel``, whose simulated
+  collectives (``tpattn.parallel.collectives``) gather and scatter over the rank dimension;
 - ``sp_rank_forward`` — one real ``torch.distributed`` rank (``tpattn.distributed``), the
   collectives ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13's names for
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; gloo has both on CPU).
@@ -57,22 +58,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
-                    MISSING_OUTPUT_REDUCE, NORM_GRAD_AVERAGED, PARAM_SEED_OFFSET, SP_MODES,
+from .check import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SP_MODES,
                     check_mode, dense_reference, five_measures, make_inputs, max_abs_diff,
                     one_step)
 from .config import Config
 from .dense import attend_and_project
 from .distributed import GATHER_RESULTS, CollectiveLedger
 from .layers import rms_norm
+from .parallel.engine import ScaleGrad
 from .params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
 from .tp import copy_to_ranks, reduce_output_partials
 
 __all__ = [
     "NORM_GRAD_REDUCTIONS", "sp_flags", "rank_tokens",
-    "ScaleGrad", "sp_forward",
-    "AllGatherSeq", "ReduceScatterSeq", "finalize_norm_grads", "sp_forward_ranks", "sp_ranks_step",
-    "gather_sp_ranks", "sp_step",
+    "ScaleGrad", "sp_forward", "sp_step",
     "GatherFromSequence", "ReduceScatterToSequence", "SequenceLedger", "sp_rank_forward",
     "finalize_norm_grad", "sp_rank_check", "planned_sp_collectives", "ring_bytes",
     "communication_ledger", "norm_activation_bytes", "sp_run_rank",
@@ -87,8 +86,8 @@ def sp_flags(mode: str) -> tuple[bool, bool, str]:
     """``(reduce_output, reduce_input_grad, norm_grad)`` of an SP ``mode`` (one of ``SP_MODES``)."""
     if mode not in SP_MODES:
         raise ValueError(f"mode must be one of {', '.join(SP_MODES)} (got {mode!r})")
-    norm_grad = {MISSING_NORM_GRAD_REDUCE: "none", NORM_GRAD_AVERAGED: "mean"}.get(mode, "sum")
-    return mode != MISSING_OUTPUT_REDUCE, mode != MISSING_INPUT_GRAD_REDUCE, norm_grad
+    inj = NATIVE_INJECTIONS[mode]  # the mode's program, looked up once
+    return inj.g == 1, inj.f == "sum", inj.norm_grad
 
 
 def rank_tokens(cfg: Config, rank: int) -> slice:
@@ -98,20 +97,6 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
 
 
 # --- the fixture's one-graph model ------------------------------------------------------
-
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``.
-    ``apply(t, scale)``. Models a gradient that is averaged where it should be summed."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
 
 def sp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
                reduce_output: bool = True, reduce_input_grad: bool = True,
@@ -135,141 +120,12 @@ def sp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
     return torch.cat([x_r + out_r for x_r, out_r in zip(xs, summed.chunk(w, dim=0))])  # ... keep mine
 
 
-# --- simulated ranks, each with its own tensors -----------------------------------------
-
-class AllGatherSeq(torch.autograd.Function):
-    """The all-gather along the sequence, over simulated ranks — forward: every rank receives
-    the ranks' chunks concatenated in rank order; backward: a reduce-scatter — rank r receives
-    its tokens of the sum of every rank's gradient (rank order).
-
-    ``apply(reduce_grad, *chunks)``: one ``[S/W, ...]`` per rank, returns one ``[S, ...]`` per
-    rank. ``reduce_grad=False`` (the ``missing_input_grad_reduce`` bug): rank r keeps its
-    tokens of its *own* gradient only.
-    """
-
-    @staticmethod
-    def forward(ctx, reduce_grad: bool, *chunks: torch.Tensor):
-        ctx.reduce_grad = reduce_grad
-        full = torch.cat(chunks, dim=0)
-        return tuple(full.clone() for _ in chunks)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        w = len(grads)
-        if ctx.reduce_grad:
-            total = sum(grads[1:], grads[0])
-            return (None, *(c.clone() for c in total.chunk(w, dim=0)))
-        return (None, *(g.chunk(w, dim=0)[r].clone() for r, g in enumerate(grads)))
-
-
-class ReduceScatterSeq(torch.autograd.Function):
-    """The reduce-scatter along the sequence, over simulated ranks — forward: rank r receives
-    its tokens of the sum of every rank's partial (rank order); backward: an all-gather —
-    every rank's partial receives the whole sequence's output gradient.
-
-    ``apply(*partials)``: one ``[S, ...]`` per rank, returns one ``[S/W, ...]`` per rank.
-    """
-
-    @staticmethod
-    def forward(ctx, *partials: torch.Tensor):
-        total = sum(partials[1:], partials[0])
-        return tuple(c.clone() for c in total.chunk(len(partials), dim=0))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        full = torch.cat(grads, dim=0)
-        return tuple(full.clone() for _ in grads)
-
-
-def finalize_norm_grads(norm_grads: list[torch.Tensor], how: str = "sum") -> list[torch.Tensor]:
-    """The all-reduce of the replicated ``norm`` weight's gradient after backward, over
-    simulated ranks (Megatron's ``finalize_model_grads`` for ``sequence_parallel`` weights).
-
-    norm_grads: one ``[hidden]`` per rank (its tokens' share). ``how``: ``"sum"`` — every rank
-    gets the sum (rank order); ``"mean"`` — the sum divided by W (a bug); ``"none"`` — each
-    rank keeps its own share (a bug). Returns one ``[hidden]`` per rank.
-    """
-    if how not in NORM_GRAD_REDUCTIONS:
-        raise ValueError(f"how must be one of {', '.join(NORM_GRAD_REDUCTIONS)} (got {how!r})")
-    if how == "none":
-        return [g.clone() for g in norm_grads]
-    total = sum(norm_grads[1:], norm_grads[0])
-    if how == "mean":
-        total = total / len(norm_grads)
-    return [total.clone() for _ in norm_grads]
-
-
-def sp_forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]], cfg: Config,
-                     reduce_output: bool = True, reduce_input_grad: bool = True) -> list[torch.Tensor]:
-    """Every simulated rank's own output shard of the SP block.
-
-    xs: one ``[S/W, B, hidden]`` per rank (its own tokens); ``shards``: each rank's own
-    parameters (``norm`` replicated, head-group shards), leaf tensors of their own. Returns
-    one ``[S/W, B, hidden]`` per rank.
-
-    ``reduce_output=False`` drops the reduce-scatter: rank r keeps its tokens of its *own*
-    partial. ``reduce_input_grad=False`` drops the all-gather's backward reduce-scatter.
-    """
-    ns = [rms_norm(x, shard["norm"], cfg.eps) for x, shard in zip(xs, shards)]  # local tokens
-    gathered = AllGatherSeq.apply(reduce_input_grad, *ns)  # [S] on every rank
-    partials = [attend_and_project(n, shard, cfg) for n, shard in zip(gathered, shards)]
-    if reduce_output:
-        outs = ReduceScatterSeq.apply(*partials)
-    else:
-        outs = [partial[rank_tokens(cfg, r)] for r, partial in enumerate(partials)]
-    return [x + out for x, out in zip(xs, outs)]
-
-
-def sp_ranks_step(xs0: list[torch.Tensor], targets: list[torch.Tensor],
-                  shards: list[dict[str, torch.Tensor]], cfg: Config, reduce_output: bool = True,
-                  reduce_input_grad: bool = True, norm_grad: str = "sum") -> list[dict]:
-    """One training step on every simulated SP rank (``tpattn.check.ranks_step`` for SP).
-
-    xs0, targets: rank r's tokens ``[S/W, B, hidden]``; ``shards``: each rank's starting
-    parameters (copied). Rank r back-propagates its share of the global MSE, its ``norm``
-    gradient is finalized with ``finalize_norm_grads(norm_grad)``, then it takes its own SGD
-    step. Returns one dict per rank: ``output``, ``input_grad`` (its tokens), ``grads`` and
-    ``weights`` (its shards); ``loss`` is the global MSE of every rank's output.
-    """
-    ps = [clone_trainable(shard) for shard in shards]
-    xs = [x.clone().requires_grad_(True) for x in xs0]
-    ys = sp_forward_ranks(xs, ps, cfg, reduce_output, reduce_input_grad)
-    numel = sum(t.numel() for t in targets)
-    shares = [F.mse_loss(y, t, reduction="sum") / numel for y, t in zip(ys, targets)]
-    sum(shares[1:], shares[0]).backward()
-    norm_grads = finalize_norm_grads([p["norm"].grad for p in ps], norm_grad)
-    loss = F.mse_loss(torch.cat([y.detach() for y in ys]), torch.cat(targets))
-    steps = []
-    for x, p, y, norm_g in zip(xs, ps, ys, norm_grads):
-        grads = {k: norm_g if k == "norm" else (t.grad if t.grad is not None else torch.zeros_like(t))
-                 for k, t in p.items()}
-        with torch.no_grad():
-            weights = {k: p[k] - LR * grads[k] for k in p}
-        steps.append({"output": y.detach(), "loss": loss, "input_grad": x.grad,
-                      "grads": grads, "weights": weights})
-    return steps
-
-
-def gather_sp_ranks(steps: list[dict], cfg: Config) -> dict:
-    """What rank 0 reports of an SP run: the ranks' output and dX shards put together along the
-    sequence, the loss, and the full-size gradients and weights (``unshard_params``; ``norm``
-    is rank 0's copy)."""
-    return {"output": torch.cat([s["output"] for s in steps]), "loss": steps[0]["loss"],
-            "input_grad": torch.cat([s["input_grad"] for s in steps]),
-            "grads": unshard_params([s["grads"] for s in steps], cfg),
-            "weights": unshard_params([s["weights"] for s in steps], cfg)}
-
-
 def sp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-            mode: str, simulate: str = "fixture") -> dict:
-    """The TP side of ``run`` under ``cfg.sequence_parallel``, in ``one_step``'s dict (rank 0's
-    view): ``simulate="fixture"`` runs ``sp_forward``, ``"ranks"`` ``sp_ranks_step``."""
+            mode: str) -> dict:
+    """The TP side of ``run(simulate="fixture")`` under ``cfg.sequence_parallel``: one step of
+    ``sp_forward``, in ``one_step``'s dict (every simulated rank its own step is the engine's,
+    ``tpattn.parallel.simulated``)."""
     reduce_output, reduce_input_grad, norm_grad = sp_flags(mode)
-    if simulate == "ranks":
-        w = cfg.world_size
-        steps = sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)), shard_params(base, cfg),
-                              cfg, reduce_output, reduce_input_grad, norm_grad)
-        return gather_sp_ranks(steps, cfg)
     return one_step(lambda x, p: sp_forward(x, p, cfg, reduce_output, reduce_input_grad, norm_grad),
                     x0, target, base)
 

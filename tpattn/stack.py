@@ -13,7 +13,7 @@ step. ``run_stack`` measures that, block by block.
 
 The TP stack has the same two reduce flags in every block. ``simulate="fixture"`` runs
 ``tp_forward`` (the fixture's model, rank 0's view) in every block and ``check.one_step`` takes
-the step; ``simulate="ranks"`` runs ``tp_forward_ranks`` (every rank its own copies, output,
+the step; ``simulate="ranks"`` runs the engine's block (every rank its own copies, output,
 loss and backward, as real ranks do) and ``check.ranks_step`` takes it. The dense stack is
 ``dense_forward`` in every block. Parameters live in one flat dict, ``"<block>.<name>"``
 (``"0.norm"``, ``"1.wq"``, …).
@@ -24,13 +24,15 @@ import torch
 
 import torch.nn.functional as F
 
-from .check import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET,
+from .check import (LR, MISSING_INPUT_GRAD_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
                     check_mode, check_seed, check_simulate, make_inputs, max_abs_diff,
                     one_step, ranks_step)
 from .config import Config
 from .dense import dense_forward
 from .params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
-from .tp import tp_forward, tp_forward_ranks
+from .parallel.injection import Injection
+from .parallel.simulated import forward_rank_list
+from .tp import tp_forward
 
 __all__ = ["init_stack", "blocks_of", "dense_stack_forward", "tp_stack_forward",
            "tp_stack_forward_ranks", "run_stack", "train_stack", "BLOCK_SEED_STRIDE"]
@@ -88,15 +90,15 @@ def tp_stack_forward(x: torch.Tensor, flat: dict[str, torch.Tensor], cfg: Config
 def tp_stack_forward_ranks(xs: list[torch.Tensor], rank_flats: list[dict[str, torch.Tensor]],
                            cfg: Config, reduce_output: bool = True,
                            reduce_input_grad: bool = True) -> list[torch.Tensor]:
-    """``tp_forward_ranks`` of every block in turn: every simulated rank's own stack.
+    """The engine's block (``forward_rank_list``) of every block in turn: every simulated rank's own stack.
 
     xs: one ``[S, B, hidden]`` per rank; ``rank_flats``: each rank's own flat dict of its
     shards of every block (``"<block>.<name>"``). Returns one ``[S, B, hidden]`` per rank.
     """
+    inj = Injection(g=int(reduce_output), f="sum" if reduce_input_grad else "none")
     per_rank = [blocks_of(flat) for flat in rank_flats]
     for layer in range(len(per_rank[0])):
-        xs = tp_forward_ranks(xs, [blocks[layer] for blocks in per_rank], cfg,
-                              reduce_output, reduce_input_grad)
+        xs = forward_rank_list(xs, [blocks[layer] for blocks in per_rank], cfg, inj)
     return xs
 
 
@@ -130,8 +132,8 @@ def _stack_start(seed: int, mode: str, cfg: Config | None, layers: int, simulate
     cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_stack(cfg, layers, seed + PARAM_SEED_OFFSET)
-    flags = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                 reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+    inj = NATIVE_INJECTIONS[mode]
+    flags = dict(reduce_output=inj.g == 1, reduce_input_grad=inj.f == "sum")
     return cfg, x0, target, base, flags
 
 

@@ -20,8 +20,10 @@ per rank).
 
 In one process the "collectives" are plain tensor code, and autograd does the backward half:
 a tensor used by several ranks receives the *sum* of their gradients (f's all-reduce), and a sum
-hands its gradient unchanged to every term (g's identity). ``tpattn.distributed`` writes the
-same two operations as ``torch.autograd.Function`` subclasses over real processes.
+hands its gradient unchanged to every term (g's identity). This is the seed's one-graph model,
+rank 0's view; ``tpattn.parallel.engine`` writes the block once per rank with the collectives
+passed in (every simulated rank its own tensors: ``tpattn.parallel.collectives``; real
+processes: ``tpattn.distributed``).
 """
 from __future__ import annotations
 
@@ -85,71 +87,3 @@ def tp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
     partials = [attend_and_project(n_rank, shard, cfg)
                 for n_rank, shard in zip(inputs, shard_fn(p, cfg))]
     return x + reduce_output_partials(partials, reduce=reduce_output)
-
-
-# --- simulated ranks that behave like real ones ------------------------------------------------
-#
-# ``tp_forward`` above is the seed fixture's model: one output, rank 0's view. Real ranks differ
-# when a reduction is missing: each rank then computes its *own* output and loss and trains on
-# them. The functions below model that in one process: rank r holds its own leaf tensors (its
-# copy of x, of ``norm``, its shards), and the collectives are autograd Functions over the list
-# of every rank's tensor, so one backward of the summed per-rank losses gives every rank exactly
-# the gradient its own backward would (the ranks' graphs meet only inside the collectives).
-
-
-class AllReduceGrads(torch.autograd.Function):
-    """f over simulated ranks — forward: identity on every rank's tensor; backward: every rank
-    receives the sum of all ranks' gradients (rank order), as ``dist.all_reduce`` of dn gives.
-
-    ``apply(*tensors)``: one tensor per rank, returns one per rank.
-    """
-
-    @staticmethod
-    def forward(ctx, *tensors: torch.Tensor):
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        total = sum(grads[1:], grads[0])
-        return tuple(total.clone() for _ in grads)
-
-
-class AllReduce(torch.autograd.Function):
-    """g over simulated ranks — forward: every rank receives the sum of all ranks' tensors
-    (rank order), as ``dist.all_reduce`` of the output partials gives; backward: identity, each
-    rank's partial receives its own output's gradient.
-
-    ``apply(*tensors)``: one tensor per rank, returns one per rank.
-    """
-
-    @staticmethod
-    def forward(ctx, *tensors: torch.Tensor):
-        total = sum(tensors[1:], tensors[0])
-        return tuple(total.clone() for _ in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return grads
-
-
-def tp_forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]], cfg: Config,
-                     reduce_output: bool = True, reduce_input_grad: bool = True,
-                     f=AllReduceGrads, g=AllReduce) -> list[torch.Tensor]:
-    """Every simulated rank's own output of the block, as real ranks compute it.
-
-    xs: one ``[S, B, hidden]`` per rank (each rank's own copy of the same input); ``shards``:
-    each rank's own parameters (``norm`` replicated, head-group shards of wq/wk/wv/wo), leaf
-    tensors of their own. Returns one ``[S, B, hidden]`` per rank.
-
-    ``reduce_output=False`` drops g: rank r's output is ``x + P_r``, its own partial.
-    ``reduce_input_grad=False`` drops f: rank r's dn stays its own contribution.
-    ``f``, ``g``: the two collectives, ``torch.autograd.Function`` subclasses whose
-    ``apply(*tensors)`` maps one tensor per rank to one per rank (default ``AllReduceGrads``
-    and ``AllReduce``; ``tpattn.exercises`` passes the reader's own).
-    """
-    ns = [rms_norm(x, shard["norm"], cfg.eps) for x, shard in zip(xs, shards)]
-    if reduce_input_grad:
-        ns = f.apply(*ns)
-    partials = [attend_and_project(n, shard, cfg) for n, shard in zip(ns, shards)]
-    outs = g.apply(*partials) if reduce_output else partials
-    return [x + out for x, out in zip(xs, outs)]

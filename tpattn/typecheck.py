@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .check import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                    MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_seed, make_inputs,
-                    mode_route)
+                    MISSING_OUTPUT_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, check_seed,
+                    make_inputs, mode_route)
 from .config import Config
 from .kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
 from .params import init_params, shard_params
@@ -252,15 +252,16 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
 
         params = {k: t.detach().clone().requires_grad_(True)
                   for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
-        reduce_kv = mode != MISSING_KV_GRAD_REDUCE
+        inj = NATIVE_INJECTIONS[mode]
+        reduce_kv = inj.kv_grad == "sum"
         types = {name: (I,) if name == "norm" else
                  (V, I) if name in ("wk", "wv") and ops.replica is not None
                  else (V,) for name in params}
 
         def forward(x):
             return tp_rank_forward(x, params, cfg, ops,
-                                   reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                                   reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE,
+                                   reduce_output=inj.g == 1,
+                                   reduce_input_grad=inj.f == "sum",
                                    reduce_kv_grad=reduce_kv, rank=0)
         x_type = (I,)
 

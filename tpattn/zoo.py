@@ -9,30 +9,15 @@ report (one of ``FIDELITIES``, with a one-line ``fidelity_note``) and what the s
 ``tpattn.run``'s dict; ``tpattn.run`` hands every registry mode it does not know to here.
 Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
 
-The block is rebuilt here from the package's own pieces (``rms_norm``, ``project_qkv``,
-``attention``, ``shard_params``, ``AllReduce``/``AllReduceGrads``) with one knob per way real
-code went wrong::
-
-    f      backward of the copy to ranks: "sum" (correct), "none", "mean",
-           "twice"
-    g      how many times the output partials are all-reduced: 1 (correct),
-           0, 2
-    bias   output-projection bias: None, "after_g" (correct), "every_rank"
-           (before g)
-    shard  "heads" (correct), "fused_naive" (a fused [Wq; Wk; Wv] cut in
-           contiguous slices)
-    kv     "interleave" (repeat_kv, correct) or "tile" (K/V heads tiled on
-           each rank)
-    inputs "replicated" (correct) or "per_rank" (each rank draws its own
-           batch)
-    norm   the logged/clipping gradient norm: "once" (correct) or "per_rank"
-           (replicated parameters counted once per rank); ``clip`` turns
-           clipping on
+Each mode's ``Injection`` (``tpattn.parallel.injection``, whose docstring lists the knobs:
+f, g, bias, shard, kv, inputs, norm, clip, kv_grad, norm_grad) says how the sharded block is
+wired; ``tpattn.parallel.engine.rank_block`` is that block.
 
 Both ``simulate`` semantics of ``tpattn.run`` are supported: ``"fixture"`` (one process, dense
 tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every simulated rank its
-own leaf tensors, output, loss and backward, as real ranks run; ``tpattn.distributed`` runs the
-same injections on real processes).
+own leaf tensors, output, loss and backward, as real ranks run: the engine on
+``tpattn.parallel.simulated``; ``tpattn.distributed`` runs the same injections on real
+processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view.
 
 Other modules contribute modes with ``register``. Three modes are listed here but are not knobs
 of this block: ``tpattn.run`` computes them itself (``check.NATIVE_MODES``) under
@@ -50,67 +35,34 @@ import torch
 import torch.nn.functional as F
 
 from .check import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    NATIVE_MODES, PARAM_SEED_OFFSET, check_mode, check_seed, check_simulate,
-                    dense_reference, five_measures, make_inputs)
+                    NATIVE_INJECTIONS, NATIVE_MODES, PARAM_SEED_OFFSET, check_mode, check_seed,
+                    check_simulate, dense_reference, five_measures, make_inputs)
 from .config import Config
 from .dense import dense_forward, project_qkv
 from .layers import attention, repeat_kv, rms_norm
 from .params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
     shard_params, unshard_params
-from .tp import AllReduce, AllReduceGrads
+from .parallel.engine import MAX_GRAD_NORM, REPLICATED
+from .parallel.engine import ScaleGrad as GradScale
+from .parallel.injection import Injection
+from .parallel.simulated import rank0_view, simulated_step
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
-           "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run", "run_matrix", "make_params",
-           "shard", "unshard", "sides", "forward_fixture", "forward_ranks", "ledger_recorders",
-           "ranks_train_step", "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
+           "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run",
+           "make_params", "shard", "unshard", "sides", "forward_fixture",
+           "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
 #: seed's parameters and their init order never change.
 BIAS_SEED_OFFSET = 200
 #: Under ``inputs="per_rank"`` rank ``r >= 1`` draws its batch from ``seed + this * r``.
 OTHER_BATCH_SEED_OFFSET = 7919
-#: Gradient clipping threshold of the modes that clip (below the seed fixture's gradient norms,
-#: 0.5-1.1 at the seed's shapes, so clipping acts on every seed).
-MAX_GRAD_NORM = 0.25
-#: Names of the replicated parameters (every rank holds the whole tensor).
-REPLICATED = ("norm", "bias")
 #: How faithfully an entry reproduces its public report. ``"mechanism"``: the report's
 #: mechanism, at its place; ``"consistent"``: the simplest mechanism consistent with a report
 #: whose thread establishes no root cause; ``"no report"``: no public report found (a plausible
 #: bug); ``"correct"``: not a bug (``equivalence``). An entry has a citation iff its fidelity is
 #: ``"mechanism"`` or ``"consistent"``.
 FIDELITIES = ("mechanism", "consistent", "no report", "correct")
-
-
-@dataclass(frozen=True)
-class Injection:
-    """How the sharded block is built and trained; the defaults are correct TP.
-
-    See the module docstring for each knob. ``rank_lr_scale`` (one factor per rank, empty:
-    all 1) is not a registry bug: it lets a test make up a bug outside the registry.
-    """
-
-    f: str = "sum"
-    g: int = 1
-    bias: str | None = None
-    shard: str = "heads"
-    kv: str = "interleave"
-    inputs: str = "replicated"
-    norm: str = "once"
-    clip: bool = False
-    rank_lr_scale: tuple = ()
-
-    def correct(self) -> "Injection":
-        """The bug-free twin: the same setup (bias present, clipping, fused checkpoint), every
-        collective and layout right."""
-        return Injection(bias="after_g" if self.bias else None, clip=self.clip,
-                         shard="fused" if self.shard == "fused_naive" else "heads")
-
-    @property
-    def setup(self) -> dict:
-        """What the engineer knows about the model and the training setup (not the bug)."""
-        return {"bias": self.bias is not None, "grad_clip": self.clip,
-                "fused_qkv": self.shard in ("fused", "fused_naive")}
 
 
 @dataclass(frozen=True)
@@ -152,14 +104,17 @@ class BugMode:
 def _entries() -> list[BugMode]:
     return [
         BugMode(EQUIVALENCE, "correct TP: g sums the output partials, f sums dn", None,
-                injection=Injection(), how="both reductions", fix="-", fidelity="correct",
+                injection=NATIVE_INJECTIONS[EQUIVALENCE], how="both reductions", fix="-",
+                fidelity="correct",
                 fidelity_note="not a bug: the correct program every other mode is compared with"),
         BugMode(MISSING_OUTPUT_REDUCE, "g dropped: each rank's output is its own partial", None,
-                ("world_size >= 2",), Injection(g=0), how="no forward all-reduce of partials",
+                ("world_size >= 2",), NATIVE_INJECTIONS[MISSING_OUTPUT_REDUCE],
+                how="no forward all-reduce of partials",
                 fix="all-reduce the row-parallel output (g) before the residual",
                 fidelity_note="the book's own bug (chapter 8); no public report is cited"),
         BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution", None,
-                ("world_size >= 2",), Injection(f="none"), how="no backward all-reduce of dn",
+                ("world_size >= 2",), NATIVE_INJECTIONS[MISSING_INPUT_GRAD_REDUCE],
+                how="no backward all-reduce of dn",
                 fix="all-reduce dn in backward (f, copy_to_tensor_model_parallel_region)",
                 fidelity_note="the book's own bug (chapter 9); no public report is cited"),
         BugMode("input_grad_reduce_averaged",
@@ -428,20 +383,6 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 # --- the per-rank block ---------------------------------------------------------------------
 
-class GradScale(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale`` (``apply(t, scale)``:
-    how the ``f="mean"`` injection averages ``dn``)."""
-
-    @staticmethod
-    def forward(ctx, t, scale):
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class _ScaleForward(torch.autograd.Function):
     """Forward multiplies by ``scale``; backward is the identity (an all-reduce of W equal
     tensors, as g's forward, whose backward is the identity)."""
@@ -499,57 +440,6 @@ def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Con
     return xs[0] + out
 
 
-def ledger_recorders(ledger: list | None):
-    """``(record, record_on_backward)`` for a collectives ledger (``None``: record nothing).
-
-    ``record(phase, label)`` appends ``{"collective": "all_reduce", "phase", "group": "tp",
-    "label"}`` now; ``record_on_backward(t, label)`` appends a ``"backward"`` entry when ``t``'s
-    gradient is computed (a hook), i.e. when backward reaches that all-reduce.
-    """
-    def record(phase, label):
-        if ledger is not None:
-            ledger.append({"collective": "all_reduce", "phase": phase, "group": "tp",
-                           "label": label})
-
-    def record_on_backward(t, label):
-        if ledger is not None and t.requires_grad:
-            t.register_hook(lambda g: record("backward", label))
-
-    return record, record_on_backward
-
-
-def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]], cfg: Config,
-                  inj: Injection, ledger: list | None = None) -> list[torch.Tensor]:
-    """Every simulated rank's own output, each rank with its own leaf tensors (as
-    ``tp.tp_forward_ranks``, with the injection's knobs).
-
-    ``ledger``: if a list, every collective is appended to it as
-    ``{"collective", "phase", "group", "label"}`` when it runs (backward ones during backward).
-    Returns one ``[S, B, hidden]`` per rank.
-    """
-    record, record_on_backward = ledger_recorders(ledger)
-    w = cfg.world_size
-    ns = [rms_norm(x, s["norm"], cfg.eps) for x, s in zip(xs, shards)]
-    if inj.f != "none":
-        ns = list(AllReduceGrads.apply(*ns))
-        record_on_backward(ns[0], "f: all-reduce of dn")
-        if inj.f == "twice":
-            ns = list(AllReduceGrads.apply(*ns))
-            record_on_backward(ns[0], "all-reduce of dn (again)")
-        if inj.f == "mean":
-            ns = [GradScale.apply(n, 1.0 / w) for n in ns]
-    partials = [rank_attend_and_project(n, s, cfg, inj) for n, s in zip(ns, shards)]
-    if inj.bias == "every_rank":
-        partials = [pt + s["bias"] for pt, s in zip(partials, shards)]
-    outs = partials
-    for i in range(inj.g):
-        outs = list(AllReduce.apply(*outs))
-        record("forward", "g: all-reduce of output partials" + (" (again)" if i else ""))
-    if inj.bias == "after_g":
-        outs = [o + s["bias"] for o, s in zip(outs, shards)]
-    return [x + o for x, o in zip(xs, outs)]
-
-
 # --- one training step ------------------------------------------------------------------
 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -577,36 +467,6 @@ def _grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Te
 
 def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
     return min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
-
-
-def ranks_train_step(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
-                     inj: Injection) -> dict:
-    """One step of every simulated rank: forward, its own MSE loss, backward, the gradient
-    norm (all-reduced), clipping if on, SGD.
-
-    shards: every rank's parameters (detached; copied here); batches: every rank's
-    ``(x, target)``. Returns ``outputs``, ``losses``, ``input_grads`` (per rank), ``grads``
-    and ``weights`` (per rank dicts), ``grad_norm`` (the logged norm) and ``ledger``.
-    """
-    ps = [clone_trainable(s) for s in shards]
-    xs = [b[0].clone().requires_grad_(True) for b in batches]
-    ledger: list = []
-    ys = forward_ranks(xs, ps, cfg, inj, ledger)
-    losses = [F.mse_loss(y, b[1]) for y, b in zip(ys, batches)]
-    sum(losses[1:], losses[0]).backward()
-    grads = [{k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-             for p in ps]
-    norm = _grad_norm(grads, inj)
-    ledger.append({"collective": "all_reduce", "phase": "step", "group": "tp",
-                   "label": "sum of squared gradient norms"})
-    coef = clip_coef(norm, inj)
-    scales = inj.rank_lr_scale or (1.0,) * cfg.world_size
-    with torch.no_grad():
-        weights = [{k: p[k] - LR * scales[r] * coef * g[k] for k in p}
-                   for r, (p, g) in enumerate(zip(ps, grads))]
-    return {"outputs": [y.detach() for y in ys], "losses": [l.detach() for l in losses],
-            "input_grads": [x.grad for x in xs], "grads": grads, "weights": weights,
-            "grad_norm": float(norm), "ledger": ledger}
 
 
 def _fixture_step(x0, target, base, cfg, inj, seed) -> dict:
@@ -669,11 +529,8 @@ def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -
     base = make_params(cfg, seed, inj)
     if check_simulate(simulate) == "fixture":
         return _fixture_step(x0, target, base, cfg, inj, seed)
-    shards = [{k: t.detach() for k, t in s.items()} for s in shard(base, cfg, inj)]
-    step = ranks_train_step(shards, rank_batches(cfg, seed, inj), cfg, inj)
-    return {"output": step["outputs"][0], "loss": step["losses"][0],
-            "input_grad": step["input_grads"][0],
-            "grads": unshard(step["grads"], cfg, inj), "weights": unshard(step["weights"], cfg, inj)}
+    step = simulated_step(shard(base, cfg, inj), rank_batches(cfg, seed, inj), cfg, inj, LR)
+    return rank0_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, inj))
 
 
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
@@ -695,10 +552,3 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     base = make_params(cfg, seed, inj)
     return five_measures(seed, mode, dense_step(x0, target, base, cfg, inj),
                          tp_step(seed, cfg, inj, simulate))
-
-
-def run_matrix(seeds, modes, cfg: Config | None = None, simulate: str = "fixture") -> list[dict]:
-    """``run`` for every mode x seed, mode-major."""
-    modes = [get_mode(m).name for m in modes]
-    seeds = [check_seed(s) for s in seeds]
-    return [run(s, m, cfg, simulate) for m in modes for s in seeds]

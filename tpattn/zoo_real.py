@@ -44,8 +44,9 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
 
 def zoo_rank_forward(x: torch.Tensor, shard_: dict[str, torch.Tensor], cfg: Config,
                      inj: Injection, ledger: CollectiveLedger) -> torch.Tensor:
-    """This rank's output of the block wired as ``inj`` says (``zoo.forward_ranks``, one
-    rank, real collectives: ``ledger.copy_to_ranks`` for f, ``ledger.reduce_output`` for g).
+    """This rank's output of the block wired as ``inj`` says (the program of
+    ``tpattn.parallel.engine.rank_block``, for one real rank: ``ledger.copy_to_ranks`` for f,
+    ``ledger.reduce_output`` for g).
     x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
     n = rms_norm(x, shard_["norm"], cfg.eps)
     for _ in range(_f_count(inj)):

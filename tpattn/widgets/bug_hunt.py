@@ -21,11 +21,10 @@ UNANSWERED = "(choose a cause)"
 
 @functools.lru_cache(maxsize=64)
 def _observe(hunt: int) -> tuple[str, dict]:
-    # batched ranks: 2-3x faster than the rank loop, the same describe/judge text
-    # (tests/test_zoo_batched.py); remembered: never modify it
+    # the engine's simulated ranks (tpattn.parallel.simulated); remembered: never modify it
     mode, seed, cfg = hunt_case(hunt)
     with single_thread():
-        return mode, observe(mode, seed, cfg, batched=True)
+        return mode, observe(mode, seed, cfg)
 
 
 def hunt_panel(hunt: int, guess: str) -> tuple[str, str]:

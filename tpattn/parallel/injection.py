@@ -1,0 +1,63 @@
+"""``Injection``: how the sharded block is wired and trained (the defaults are correct TP).
+
+Every mode of the bug registry (``tpattn.zoo.REGISTRY``) is one ``Injection``; the engine
+(``tpattn.parallel.engine``) reads its fields, nothing compares mode names::
+
+    f      backward of the copy to ranks (under sequence parallelism: of the
+           all-gather): "sum" (correct), "none", "mean", "twice"
+    g      how many times the output partials are all-reduced (under sequence
+           parallelism: reduce-scattered): 1 (correct), 0, 2
+    bias   output-projection bias: None, "after_g" (correct), "every_rank"
+           (before g)
+    shard  "heads" (correct), "fused" (a fused [Wq; Wk; Wv] split by heads),
+           "fused_naive" (cut in contiguous slices)
+    kv     "interleave" (repeat_kv, correct) or "tile" (K/V heads tiled on
+           each rank)
+    inputs "replicated" (correct) or "per_rank" (each rank draws its own
+           batch)
+    norm   the logged/clipping gradient norm: "once" (correct) or "per_rank"
+           (replicated parameters counted once per rank); ``clip`` turns
+           clipping on
+    kv_grad    with replicated KV heads, the replica-group reduce of the wk/wv
+           gradients: "sum" (correct) or "none"
+    norm_grad  under sequence parallelism, the all-reduce of the norm weight's
+           gradient: "sum" (correct), "mean" (averaged), "none" (dropped)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Injection"]
+
+
+@dataclass(frozen=True)
+class Injection:
+    """How the sharded block is built and trained; the defaults are correct TP.
+
+    See the module docstring for each knob. ``rank_lr_scale`` (one factor per rank, empty:
+    all 1) is not a registry bug: it lets a test make up a bug outside the registry.
+    """
+
+    f: str = "sum"
+    g: int = 1
+    bias: str | None = None
+    shard: str = "heads"
+    kv: str = "interleave"
+    inputs: str = "replicated"
+    norm: str = "once"
+    clip: bool = False
+    rank_lr_scale: tuple = ()
+    kv_grad: str = "sum"
+    norm_grad: str = "sum"
+
+    def correct(self) -> "Injection":
+        """The bug-free twin: the same setup (bias present, clipping, fused checkpoint), every
+        collective and layout right."""
+        return Injection(bias="after_g" if self.bias else None, clip=self.clip,
+                         shard="fused" if self.shard == "fused_naive" else "heads")
+
+    @property
+    def setup(self) -> dict:
+        """What the engineer knows about the model and the training setup (not the bug)."""
+        return {"bias": self.bias is not None, "grad_clip": self.clip,
+                "fused_qkv": self.shard in ("fused", "fused_naive")}

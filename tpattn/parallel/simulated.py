@@ -1,0 +1,79 @@
+"""The simulated backend: every rank of the group in one process, as dim 0 of every tensor.
+
+``simulated_step`` is one training step of ``engine.rank_block`` on ``SimulatedRanks``: each
+rank has its own parameters, input, output, loss and backward, as real ranks run; their graphs
+meet only in the collectives. ``rank0_view`` is what rank 0 reports of it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from ..params import unshard_params
+from .collectives import SimulatedRanks
+from .engine import rank_block, stack_ranks, train_step
+
+__all__ = ["simulated_step", "simulated_forward", "forward_rank_list", "rank_steps",
+           "gather_steps", "rank0_view"]
+
+
+def _stacked(per_rank):
+    return per_rank if isinstance(per_rank, dict) else stack_ranks(per_rank)
+
+
+def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None) -> dict:
+    """``engine.train_step`` on every rank of ``cfg.world_size``.
+
+    shards: every rank's parameters (a list of per-rank dicts, or one stacked dict
+    ``[W, ...]``); batches: every rank's ``(x, target)`` (``[S_r, B, hidden]`` each).
+    ``f``, ``g``: optional reader's collectives (``collectives.SimulatedRanks``). Returns
+    ``train_step``'s dict (stacked tensors; ``ledger`` the collectives, in order)."""
+    x = torch.stack([b[0] for b in batches])
+    target = torch.stack([b[1] for b in batches])
+    comm = SimulatedRanks(cfg, [], f=f, g=g)
+    return train_step(_stacked(shards), x, target, cfg, inj, comm, lr)
+
+
+def simulated_forward(shards, xs, cfg: Config, inj) -> torch.Tensor:
+    """Every rank's output ``[W, S_r, B, hidden]`` of ``xs`` (one per rank), no step."""
+    return rank_block(torch.stack(list(xs)), _stacked(shards), cfg, inj, SimulatedRanks(cfg))
+
+
+def rank_steps(step: dict) -> list[dict]:
+    """A ``simulated_step`` as one ``check.one_step``-style dict per rank: ``output``,
+    ``loss``, ``input_grad``, ``grads`` and ``weights`` (that rank's own tensors)."""
+    return [{"output": step["outputs"][r], "loss": step["losses"][r],
+             "input_grad": step["input_grads"][r],
+             "grads": {k: t[r] for k, t in step["grads"].items()},
+             "weights": {k: t[r] for k, t in step["weights"].items()}}
+            for r in range(step["outputs"].shape[0])]
+
+
+def gather_steps(steps: list[dict], cfg: Config, unshard=None) -> dict:
+    """What rank 0 reports of every rank's step (``rank_steps``), in ``check.one_step``'s
+    dict: its own output, loss and dX (under sequence parallelism every rank's tokens put
+    together, the loss the global MSE), and the full-size gradients and weights from every
+    rank's own (``unshard(per_rank_dicts)``, default ``params.unshard_params``)."""
+    unshard = unshard or (lambda per_rank: unshard_params(per_rank, cfg))
+    output, input_grad = steps[0]["output"], steps[0]["input_grad"]
+    if cfg.sequence_parallel:
+        output = torch.cat([s["output"] for s in steps])
+        input_grad = torch.cat([s["input_grad"] for s in steps])
+    return {"output": output, "loss": steps[0]["loss"], "input_grad": input_grad,
+            "grads": unshard([s["grads"] for s in steps]),
+            "weights": unshard([s["weights"] for s in steps])}
+
+
+def rank0_view(step: dict, cfg: Config, unshard=None) -> dict:
+    """``gather_steps`` of a ``simulated_step``: what rank 0 reports."""
+    return gather_steps(rank_steps(step), cfg, unshard)
+
+
+def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
+                      cfg: Config, inj, f=None, g=None) -> list[torch.Tensor]:
+    """``engine.rank_block`` with one tensor per rank in and out (differentiable: gradients
+    reach each rank's own ``xs`` and ``shards`` leaves). xs: one ``[S_r, B, hidden]`` per
+    rank; returns one per rank. ``f``, ``g``: as in ``collectives.SimulatedRanks``."""
+    p = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
+    y = rank_block(torch.stack(list(xs)), p, cfg, inj, SimulatedRanks(cfg, f=f, g=g))
+    return list(y.unbind(0))
