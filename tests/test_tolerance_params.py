@@ -68,3 +68,18 @@ def test_per_parameter_reports_the_worst_parameters_own_measure_and_bound():
                              - tp["grads"][name].double()).abs().max().item()
     assert bounds[GRAD] == auto_bounds(cfg, dense, LR, metrics["worst_parameter"])[GRAD]
     assert bounds[GRAD] <= auto_bounds(cfg, dense, LR)[GRAD]  # no larger than the old one
+
+
+def test_max_abs_diff_in_pieces_is_the_whole_tensors_and_keeps_nan():
+    import torch
+
+    from tpattn.check import DIFF_CHUNK, max_abs_diff
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3 * DIFF_CHUNK + 5, generator=g).reshape(-1, 5)
+    b = a + torch.randn(a.shape, generator=g) * 1e-3
+    b[-1, -1] += 7.0  # the largest difference in the last, partial piece
+    assert max_abs_diff(a, b) == (a - b).abs().max().item()
+    assert max_abs_diff(a, b.bfloat16()) == (a - b.bfloat16()).abs().max().item()
+    b[0, 0] = float("nan")
+    assert max_abs_diff(a, b) != max_abs_diff(a, b)  # NaN

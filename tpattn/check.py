@@ -142,9 +142,26 @@ def make_inputs(cfg: Config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(cfg.torch_dtype), target.to(cfg.torch_dtype)
 
 
+#: ``max_abs_diff`` works through tensors larger than this in pieces of this many elements.
+DIFF_CHUNK = 1 << 20
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` as a Python float."""
-    return (a - b).abs().max().detach().item()
+    """``max |a - b|`` as a Python float (NaN if any difference is NaN).
+
+    a, b: tensors of one shape (or broadcastable). Above ``DIFF_CHUNK`` elements the
+    difference is taken piece by piece in one reused buffer: the same elements, the same
+    maximum, without allocating (and page-faulting) a temporary as large as the tensor."""
+    a, b = a.detach(), b.detach()
+    n = a.numel()
+    if n <= DIFF_CHUNK or a.shape != b.shape:
+        return (a - b).abs().max().item()
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    buf = torch.empty(DIFF_CHUNK, dtype=torch.result_type(a, b))
+    peaks = [torch.sub(fa[i:i + DIFF_CHUNK], fb[i:i + DIFF_CHUNK],
+                       out=buf[:min(DIFF_CHUNK, n - i)]).abs_().max()
+             for i in range(0, n, DIFF_CHUNK)]
+    return torch.stack(peaks).max().item()
 
 
 def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float,

@@ -27,11 +27,17 @@ by ~3e-2: a fixed threshold is either too tight (fails correct TP) or blind (pas
   stages (residual add, loss and its gradient, the SGD update). In float32 this is small
   next to ``sqrt(n)``; in bfloat16 it is the whole bound.
 - ``scale_m`` = the magnitude of what the measure compares, taken from the dense side:
-  ``max |y|`` (forward), ``|loss|``, ``max |dL/dx|``, the largest ``max |dL/dp|`` over the
-  parameters. Differences of two correct computations are relative to the size of the
-  numbers, so the bound is too.
-- weights after the step ``w' = w - lr * g``: the two sides' ``w'`` can round to neighbouring
-  floats (one ulp, ``<= 2 u |w'|``) plus ``lr`` times the gradient bound.
+  ``max |y|`` (forward), ``|loss|``, ``max |dL/dx|``, and for the gradients *each
+  parameter's own* ``max |dL/dp|`` (``parameter_bounds``): one scale for all parameters
+  would measure a bug confined to a parameter with small gradients against the largest
+  one's. The two parameter measures report their worst parameter (``per_parameter``,
+  ``worst_parameter``). Differences of two correct computations are relative to the size
+  of the numbers, so the bound is too.
+- weights after the step ``w' = w - lr * g`` (``sgd.sgd_step``): the update runs in the
+  master dtype (``MASTER``: float32 master weights for bfloat16, as bfloat16 TP trains).
+  Each side rounds ``lr * g`` and the difference once at the master's ``u``:
+  ``2 u_master (|w'| + lr |g|)``, plus ``lr`` times the gradient bound (bfloat16's ``rho``:
+  the gradient is bfloat16).
 - ``C = 1``: *calibrated*, not derived. Higham and Mary's bound holds with probability
   ``>= 1 - 2 n exp(-lambda**2 / 2)`` for a ``lambda`` of a few; ``C = 1`` is ``lambda = 1``,
   for which that guarantee is empty. What backs it is measurement: correct TP over random
@@ -110,7 +116,8 @@ def relative_bound(cfg: Config) -> float:
 
 
 def _max_abs(t: torch.Tensor) -> float:
-    return t.detach().abs().max().item()
+    lo, hi = torch.aminmax(t.detach())  # one pass, no |t| temporary (6x abs().max())
+    return max(-lo.item(), hi.item())
 
 
 def check_kernel_precision(cfg: Config, device: torch.device | str = "cpu") -> None:
@@ -177,9 +184,11 @@ def auto_bounds(cfg: Config, dense: dict, lr: float, worst: dict | None = None) 
     The two ``PARAMETER_MEASURES`` are bounded per parameter (``parameter_bounds``): here the
     bound of parameter ``worst[m]`` (``per_parameter`` names it), or without ``worst`` the
     largest over the parameters."""
+    return _bounds(cfg, dense, parameter_bounds(cfg, dense, lr), worst or {})
+
+
+def _bounds(cfg: Config, dense: dict, by_name: dict, worst: dict) -> dict:
     rho = relative_bound(cfg)
-    by_name = parameter_bounds(cfg, dense, lr)
-    worst = worst or {}
     return {
         "forward_max_abs_diff": rho * _max_abs(dense["output"]),
         "loss_abs_diff": rho * _max_abs(dense["loss"]),
@@ -198,15 +207,17 @@ def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict,
     one with the largest ``|dense - tp|_p / bound_p``; the measure becomes that parameter's
     max-abs difference, its bound that parameter's bound, and ``worst_parameter`` (added)
     names it per measure. So ``measure <= bound`` holds iff it holds for every parameter."""
+    from .check import max_abs_diff  # check builds on this module
+
     by_name = parameter_bounds(cfg, dense, lr)
     out, worst = dict(metrics), {}
     for m in PARAMETER_MEASURES:
         side = _SIDE[m]
-        diffs = {k: _max_abs(dense[side][k].double() - tp[side][k].double()) for k in by_name[m]}
+        diffs = {k: max_abs_diff(dense[side][k], tp[side][k]) for k in by_name[m]}
         worst[m] = max(diffs, key=lambda k: _ratio(diffs[k], by_name[m][k]))
         out[m] = diffs[worst[m]]
     out["worst_parameter"] = worst
-    return out, auto_bounds(cfg, dense, lr, worst)
+    return out, _bounds(cfg, dense, by_name, worst)
 
 
 def _ratio(measure: float, bound: float) -> float:
@@ -244,7 +255,7 @@ def amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
     decides whether correct TP passes. The weights' measure has no ``A`` of its own (the probe
     moves the weights themselves); its floor follows the gradients' (``rounding_floors``).
     """
-    from .check import five_measures  # check builds on this module
+    from .check import five_measures, max_abs_diff  # check builds on this module
 
     diff = five_measures(0, "probe", dense, probe)
     scales = auto_bounds(cfg, dense, 0.0)
@@ -252,7 +263,7 @@ def amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
            for m in ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff")}
     grad = parameter_bounds(cfg, dense, 0.0)["parameter_grad_max_abs_diff"]
     amp["parameter_grad_max_abs_diff"] = max(
-        (_max_abs(dense["grads"][k].double() - probe["grads"][k].double()) / b if b else 0.0)
+        (max_abs_diff(dense["grads"][k], probe["grads"][k]) / b if b else 0.0)
         for k, b in grad.items())
     return amp
 
