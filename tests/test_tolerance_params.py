@@ -76,7 +76,7 @@ def test_max_abs_diff_in_pieces_is_the_whole_tensors_and_keeps_nan():
     from tpattn.check import DIFF_CHUNK, max_abs_diff
 
     g = torch.Generator().manual_seed(3)
-    a = torch.randn(3 * DIFF_CHUNK + 5, generator=g).reshape(-1, 5)
+    a = torch.randn(3 * DIFF_CHUNK // 4 + 1, 4, generator=g)  # 3 pieces and a partial
     b = a + torch.randn(a.shape, generator=g) * 1e-3
     b[-1, -1] += 7.0  # the largest difference in the last, partial piece
     assert max_abs_diff(a, b) == (a - b).abs().max().item()
