@@ -48,7 +48,7 @@ def test_bad_parameter_dtype_is_a_value_error_naming_it():
         sgd_step({"w": torch.ones(2, dtype=torch.float16)}, {"w": torch.ones(2)}, LR)
 
 
-SP = Config(seq=16, batch=1, hidden=1024, query_heads=8, kv_heads=8, head_dim=128,
+SP = Config(seq=16, batch=1, hidden=512, query_heads=8, kv_heads=8, head_dim=64,
             world_size=2, dtype="bfloat16", sequence_parallel=True)
 SP_BUGS = ("missing_norm_grad_reduce", "norm_grad_averaged", "missing_input_grad_reduce")
 
@@ -87,7 +87,7 @@ def test_bfloat16_weights_measure_sees_the_sp_bugs_correct_tp_passes(seed):
 
 
 def test_bfloat16_weights_measure_sees_plain_tp_missing_f():
-    cfg = Config(seq=16, batch=1, hidden=1024, query_heads=8, kv_heads=8, head_dim=128,
+    cfg = Config(seq=16, batch=1, hidden=512, query_heads=8, kv_heads=8, head_dim=64,
                  world_size=4, dtype="bfloat16")
     for seed in (2, 5):
         bug = tpattn.run(seed, "missing_input_grad_reduce", cfg, tolerance="auto",
