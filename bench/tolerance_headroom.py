@@ -27,7 +27,8 @@ or ``--budget-s``-limited run resumes where it stopped::
 
 and the runs are joined into the chapter's table (book/data/tolerance_headroom.json,
 committed; chapter 14 reads it), with the CPU named and, per setting and group, the count of
-correct-TP runs, the quantiles of measure/bound and measure/floor, and the verdicts::
+correct-TP runs, the quantiles of measure/bound and measure/floor, and the verdicts
+(``table``: by block, dtype and init; ``blocks``: by block alone)::
 
     python bench/tolerance_headroom.py --merge default.jsonl sse42.jsonl ... --out PATH
 
@@ -133,19 +134,22 @@ def compact(row: dict) -> dict:
             "worst_parameter": row["worst_parameter"]["parameter_grad_max_abs_diff"]}
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per group (block, design/held-out, dtype, init): the distribution of correct TP's
-    measure/bound (median, p95, max) and measure/floor, the largest amplification, and the
+GROUP = ("block", "held_out", "dtype", "init")
+
+
+def summarise(rows: list[dict], keys=GROUP) -> list[dict]:
+    """Per group of ``keys`` (default: block, design/held-out, dtype, init): the
+    distribution of correct TP's measure/bound (median, p95, max) and its largest
+    measure/floor, the largest amplification, the smallest bug measure/bound, and the
     verdict counts of correct TP and of the bugs."""
     table = []
-    for key in sorted({(r["block"], r["held_out"], r["dtype"], r["init"]) for r in rows}):
-        sel = [r for r in rows if (r["block"], r["held_out"], r["dtype"], r["init"]) == key]
+    for key in sorted({tuple(r[k] for k in keys) for r in rows}):
+        sel = [r for r in rows if tuple(r[k] for k in keys) == key]
         ok = [r for r in sel if r["mode"] == EQUIVALENCE]
         bugs = [r for r in sel if r["mode"] != EQUIVALENCE]
         head = [r["over_bound"] for r in ok]
         table.append({
-            "block": key[0], "held_out": key[1], "dtype": key[2], "init": key[3],
-            "n_correct": len(ok), "n_bugs": len(bugs),
+            **dict(zip(keys, key)), "n_correct": len(ok), "n_bugs": len(bugs),
             "median_over_bound": quantile(head, 0.5) if head else None,
             "p95_over_bound": quantile(head, 0.95) if head else None,
             "max_over_bound": max(head) if head else None,
@@ -203,15 +207,17 @@ def read_rows(path) -> tuple[dict, list[dict]]:
 
 def merge(paths, out) -> None:
     """One table from several settings' ``--rows`` files, written to ``out``."""
-    table = []
+    table, blocks = [], []
     for p in paths:
         header, rows = read_rows(p)
         env = " ".join(f"{k}={v}" for k, v in header["env"].items()) or "default"
-        for g in summarise(rows):
-            table.append({"setting": env, "name": header["setting"],
-                          "kernels": header["kernels"], "threads": header["threads"], **g})
+        who = {"setting": env, "name": header["setting"], "kernels": header["kernels"],
+               "threads": header["threads"]}
+        table += [dict(who, **g) for g in summarise(rows)]
+        blocks += [dict(who, **g) for g in summarise(rows, ("block", "held_out"))]
     pathlib.Path(out).write_text(json.dumps(
-        {"cpu": cpu_model(), "torch": torch.__version__, "table": table}, indent=1) + "\n")
+        {"cpu": cpu_model(), "torch": torch.__version__, "blocks": blocks, "table": table},
+        indent=1) + "\n")
     print(f"wrote {out}: {len(table)} rows")
 
 
