@@ -42,9 +42,11 @@ by ~3e-2: a fixed threshold is either too tight (fails correct TP) or blind (pas
   ``>= 1 - 2 n exp(-lambda**2 / 2)`` for a ``lambda`` of a few; ``C = 1`` is ``lambda = 1``,
   for which that guarantee is empty. What backs it is measurement: correct TP over random
   shapes, world sizes 1-8, both inits and all three dtypes (``tests/test_tolerance.py``),
-  and ``bench/tolerance_headroom.py``'s distribution at the Llama shape (seeds 1-5, TP 2/4/8)
-  under several kernel settings of one AMD CPU: measure / bound <= ~0.5 at the Llama shape,
-  one small float64 case of 132 at 1.14. It is a bound *for a well-conditioned
+  and ``bench/tolerance_headroom.py``'s distribution (``book/data/tolerance_headroom.json``)
+  under four kernel settings of one AMD EPYC (machine default, ATen default + MKL SSE4_2,
+  ATen avx2 + MKL AVX2, ``MKL_CBWR=COMPATIBLE``): measure / bound <= 0.74 at the Llama shape
+  (seeds 1-5, TP 2/4/8), and 0-3 of 240 held-out small-shape runs per setting above 1
+  (at most 1.48), which the floor makes inconclusive. It is a bound *for a well-conditioned
   step*; the next paragraph is what happens otherwise.
 
 Conditioning. The bound's model is "a relative rho in, a relative rho out". A step can
