@@ -167,16 +167,17 @@ def parameter_bounds(cfg: Config, dense: dict, lr: float) -> dict[str, dict[str,
     difference once at the master's ``u``, so ``2 u_master (max |w'| + lr max |g|)`` plus
     ``lr`` times the gradient's bound (the gradient is the dtype's, bfloat16's ``rho``)."""
     rho = relative_bound(cfg)
-    grads = {k: rho * _max_abs(g) for k, g in dense["grads"].items()}
-    return {"parameter_grad_max_abs_diff": grads,
-            "post_step_weight_max_abs_diff": {k: _weight_bound(cfg, dense, lr, k, b)
-                                              for k, b in grads.items()}}
+    g_max = {k: _max_abs(g) for k, g in dense["grads"].items()}
+    return {"parameter_grad_max_abs_diff": {k: rho * g for k, g in g_max.items()},
+            "post_step_weight_max_abs_diff": {
+                k: _weight_bound(cfg, dense, lr, k, rho * g, g) for k, g in g_max.items()}}
 
 
-def _weight_bound(cfg: Config, dense: dict, lr: float, name: str, grad_bound: float) -> float:
+def _weight_bound(cfg: Config, dense: dict, lr: float, name: str, grad_bound: float,
+                  g_max: float | None = None) -> float:
     u = UNIT_ROUNDOFF[MASTER[cfg.dtype]]
-    return (2 * u * (_max_abs(dense["weights"][name]) + lr * _max_abs(dense["grads"][name]))
-            + lr * grad_bound)
+    g_max = _max_abs(dense["grads"][name]) if g_max is None else g_max
+    return 2 * u * (_max_abs(dense["weights"][name]) + lr * g_max) + lr * grad_bound
 
 
 def auto_bounds(cfg: Config, dense: dict, lr: float, worst: dict | None = None) -> dict:
