@@ -47,7 +47,7 @@ from tpattn.dense import project_qkv
 from tpattn.layers import rms_norm
 from tpattn.params import init_params
 from tpattn.rank_batched import rank_batched_tp_forward
-from tpattn.tolerance import apply_auto, auto_bounds, conditioning, perturbed_start
+from tpattn.tolerance import apply_auto, conditioning, per_parameter, perturbed_start
 from tpattn.tp import tp_forward
 
 CFG = Config(hidden=4096, query_heads=32, kv_heads=8, head_dim=128, seq=256, batch=1,
@@ -80,16 +80,17 @@ def floor(x0, target, base):
 def check(x0, target, base, tp=rank_batched_tp_forward):
     """run(tolerance="auto")'s work for one equivalence case, from given parameters."""
     dense = dense_reference(x0, target, base, CFG)
-    metrics = five_measures(SEED, EQUIVALENCE, dense,
-                            one_step(lambda x, p: tp(x, p, CFG), x0, target, base))
-    return apply_auto(metrics, auto_bounds(CFG, dense, LR), lambda: _conditioning(
-        x0, target, base, dense))
+    step = one_step(lambda x, p: tp(x, p, CFG), x0, target, base)
+    metrics, bounds = per_parameter(CFG, five_measures(SEED, EQUIVALENCE, dense, step),
+                                    dense, step, LR)
+    return apply_auto(metrics, bounds, lambda: _conditioning(
+        x0, target, base, dense, metrics["worst_parameter"]))
 
 
-def _conditioning(x0, target, base, dense):
+def _conditioning(x0, target, base, dense, worst):
     """The conditioning probe (one more dense step), run only if a measure exceeds its bound."""
     px, pbase = perturbed_start(CFG, x0, base)
-    return conditioning(CFG, dense, dense_reference(px, target, pbase, CFG), LR)
+    return conditioning(CFG, dense, dense_reference(px, target, pbase, CFG), LR, worst)
 
 
 def seed_loop_check(x0, target, base):

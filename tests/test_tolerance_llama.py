@@ -17,8 +17,8 @@ from tpattn.check import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures,
                           one_step)
 from tpattn.params import init_params
 from tpattn.rank_batched import rank_batched_tp_forward
-from tpattn.tolerance import (apply_auto, auto_bounds, perturb, relative_bound,
-                              rounding_floors)
+from tpattn.tolerance import (apply_auto, auto_bounds, per_parameter, perturb,
+                              relative_bound, rounding_floors)
 
 CFG = llama3_8b_attention(64, "float32", world_size=8)
 SEED = 2
@@ -67,9 +67,10 @@ def test_sloppier_kernels_make_the_seed_init_inconclusive_not_fail():
     rho = relative_bound(CFG)
     sx, sp = perturb(x0, -rho / 2), {k: perturb(v, -rho / 2) for k, v in base.items()}
     sloppy = one_step(lambda x, p: rank_batched_tp_forward(x, p, CFG), sx, target, sp)
-    bounds = auto_bounds(CFG, dense, LR)
-    floors = rounding_floors(CFG, dense, amp, LR)
-    row = apply_auto(five_measures(SEED, EQUIVALENCE, dense, sloppy), bounds, (floors, amp))
+    metrics, bounds = per_parameter(CFG, five_measures(SEED, EQUIVALENCE, dense, sloppy),
+                                    dense, sloppy, LR)
+    floors = rounding_floors(CFG, dense, amp, LR, metrics["worst_parameter"])
+    row = apply_auto(metrics, bounds, (floors, amp))
     assert any(row[m] > bounds[m] for m in bounds), row  # the plain bound alone: "fail"
     assert row["verdict"] == "inconclusive", row
     assert f"~{max(amp.values()):.0f}x" in row["reason"]

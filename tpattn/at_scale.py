@@ -14,7 +14,7 @@ from .check import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
 from .config import Config
 from .params import init_params
 from .rank_batched import rank_batched_tp_forward
-from .tolerance import (amplification, apply_auto, auto_bounds, perturbed_start, ratios,
+from .tolerance import (amplification, apply_auto, per_parameter, perturbed_start, ratios,
                         rounding_floors)
 from .tp import tp_forward
 
@@ -39,6 +39,7 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
     The conditioning probe (``probe_amplification``, one more dense step) runs once, when a
     row first needs it, or always with ``probe=True``; every world size's floors scale its
     own bounds by the same amplification.
+    Gradients and weights are judged per parameter (``tolerance.per_parameter``).
     Returns one dict per TP step: ``run(tolerance="auto")``'s keys plus ``world_size``,
     ``dtype``, ``init``, ``ratios`` (measure / bound) and, once probed, ``amplification_by``
     (``A_m`` by measure) and ``floor_ratios`` (measure / floor).
@@ -50,17 +51,16 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
     if probe:
         amp.update(probe_amplification(cfg, x0, target, base, dense))
 
-    def floors_of(cfg_w):
+    def floors_of(cfg_w, worst):
         def floors():
             if not amp:
                 amp.update(probe_amplification(cfg, x0, target, base, dense))
-            return rounding_floors(cfg_w, dense, amp, LR), amp
+            return rounding_floors(cfg_w, dense, amp, LR, worst), amp
         return floors
 
     rows = []
     for w in world_sizes:
         cfg_w = replace(cfg, world_size=w)
-        bounds = auto_bounds(cfg_w, dense, LR)
         for mode in modes:
             if w == 1 and mode in (MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE):
                 continue
@@ -70,13 +70,16 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
                                       reduce_output=mode != MISSING_OUTPUT_REDUCE,
                                       reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
 
-            row = apply_auto(five_measures(seed, mode, dense, one_step(tp, x0, target, base)),
-                             bounds, floors_of(cfg_w))
+            step = one_step(tp, x0, target, base)
+            metrics, bounds = per_parameter(cfg_w, five_measures(seed, mode, dense, step),
+                                            dense, step, LR)
+            worst = metrics["worst_parameter"]
+            row = apply_auto(metrics, bounds, floors_of(cfg_w, worst))
             row.update(world_size=w, dtype=cfg.dtype, init=init,
                        ratios=ratios(row, bounds))
             if amp:
                 row.update(amplification_by=dict(amp), floor_ratios=ratios(
-                    row, rounding_floors(cfg_w, dense, amp, LR)))
+                    row, rounding_floors(cfg_w, dense, amp, LR, worst)))
             rows.append(row)
     return rows
 
@@ -95,8 +98,9 @@ def against_float64(cfg: Config, seed: int, init: str = "fan_in") -> dict:
             "input_grad": low["input_grad"].double(),
             "grads": {k: v.double() for k, v in low["grads"].items()},
             "weights": {k: v.double() for k, v in low["weights"].items()}}
-    bounds = auto_bounds(cfg, exact, LR)
-    row = apply_auto(five_measures(seed, "dense_vs_float64", exact, as64), bounds)
+    row, bounds = per_parameter(cfg, five_measures(seed, "dense_vs_float64", exact, as64),
+                                exact, as64, LR)
+    row = apply_auto(row, bounds)
     row.update(dtype=cfg.dtype, init=init, ratios=ratios(row, bounds))
     return row
 

@@ -19,8 +19,9 @@ from .dense import dense_forward
 from .kv_heads import has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv
 from .params import clone_trainable, init_params, shard_params
 from .rank_batched import rank_batched_tp_forward
-from .tolerance import (apply_auto, auto_bounds, check_kernel_precision, check_tolerance,
-                        conditioning, perturbed_start)
+from .sgd import sgd_step
+from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, conditioning,
+                        per_parameter, perturbed_start)
 from .parallel.injection import Injection
 from .parallel.simulated import rank0_view, simulated_step
 from .tp import tp_forward
@@ -149,9 +150,26 @@ def make_inputs(cfg: Config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(cfg.torch_dtype), target.to(cfg.torch_dtype)
 
 
+#: ``max_abs_diff`` works through tensors larger than this in pieces of this many elements.
+DIFF_CHUNK = 1 << 20
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` as a Python float."""
-    return (a - b).abs().max().detach().item()
+    """``max |a - b|`` as a Python float (NaN if any difference is NaN).
+
+    a, b: tensors of one shape (or broadcastable). Above ``DIFF_CHUNK`` elements the
+    difference is taken piece by piece in one reused buffer: the same elements, the same
+    maximum, without allocating (and page-faulting) a temporary as large as the tensor."""
+    a, b = a.detach(), b.detach()
+    n = a.numel()
+    if n <= DIFF_CHUNK or a.shape != b.shape:
+        return (a - b).abs().max().item()
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    buf = torch.empty(DIFF_CHUNK, dtype=torch.result_type(a, b))
+    peaks = [torch.sub(fa[i:i + DIFF_CHUNK], fb[i:i + DIFF_CHUNK],
+                       out=buf[:min(DIFF_CHUNK, n - i)]).abs_().max()
+             for i in range(0, n, DIFF_CHUNK)]
+    return torch.stack(peaks).max().item()
 
 
 def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float,
@@ -205,15 +223,15 @@ def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, to
 
     x0, target: ``[S, B, hidden]``; ``base``: the starting parameters (copied, not touched).
     Returns the tensors the five measures compare: ``output`` ``[S, B, hidden]``, ``loss``,
-    ``input_grad`` ``[S, B, hidden]``, ``grads`` and ``weights`` (after the step), by name.
+    ``input_grad`` ``[S, B, hidden]``, ``grads`` and ``weights`` (after the step, by name:
+    ``sgd.sgd_step``'s, so float32 master weights for bfloat16 parameters).
     """
     p = clone_trainable(base)
     x = x0.clone().requires_grad_(True)
     y = forward(x, p)
     loss = F.mse_loss(y, target)
     loss.backward()
-    with torch.no_grad():
-        weights = {k: p[k] - LR * p[k].grad for k in p}
+    weights = sgd_step(p, {k: t.grad for k, t in p.items()}, LR)
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": {k: p[k].grad for k in p}, "weights": weights}
 
@@ -236,8 +254,7 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
     steps = []
     for x, p, y, loss in zip(xs, ps, ys, losses):
         grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-        with torch.no_grad():
-            weights = {k: p[k] - LR * grads[k] for k in p}
+        weights = sgd_step(p, grads, LR)
         steps.append({"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
                       "grads": grads, "weights": weights})
     return steps
@@ -318,7 +335,9 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 
     ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
     (``tp.tp_forward``). ``tolerance="auto"``: a rounding bound per measure
-    (``tolerance.auto_bounds``, added as ``bounds``) and, for plain TP, the rank-batched path
+    (``tolerance.auto_bounds``, added as ``bounds``; the gradients and weights per parameter,
+    reported for the worst one, named in ``worst_parameter``: ``tolerance.per_parameter``)
+    and, for plain TP, the rank-batched path
     (``rank_batched.rank_batched_tp_forward``: same math, faster, no bit parity promised)
     and a ``verdict``: ``pass``, ``fail``, or ``inconclusive`` where the step amplifies
     rounding as much as the difference (measured by one more dense step from a perturbed
@@ -344,14 +363,17 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)
-    metrics = five_measures(seed, mode, dense, tp_step(x0, target, base, cfg, mode, simulate,
-                                                       shard_fn, batched=tolerance == "auto"))
+    tp = tp_step(x0, target, base, cfg, mode, simulate, shard_fn, batched=tolerance == "auto")
+    metrics = five_measures(seed, mode, dense, tp)
     if tolerance == "auto":
+        metrics, bounds = per_parameter(cfg, metrics, dense, tp, LR)
+
         def probe():  # the conditioning probe: the dense step from a perturbed start
             px, pbase = perturbed_start(cfg, x0, base)
-            return conditioning(cfg, dense, dense_reference(px, target, pbase, cfg), LR)
+            return conditioning(cfg, dense, dense_reference(px, target, pbase, cfg), LR,
+                                metrics["worst_parameter"])
 
-        metrics = apply_auto(metrics, auto_bounds(cfg, dense, LR), probe)
+        metrics = apply_auto(metrics, bounds, probe)
     return metrics
 
 

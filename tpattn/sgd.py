@@ -1,20 +1,41 @@
-"""One SGD update, used by every training step of the package.
+"""The package's one SGD update, as mixed-precision TP trains it.
 
-(Minimal float version; the tolerance work adds fp32 master weights for bfloat16.)
+Real bfloat16 training keeps float32 *master weights* in the optimizer (Megatron-LM's
+``main_grad`` and fp32 master params; ``torch.amp``'s recipe): the forward and backward run in
+bfloat16, the update ``w - lr g`` runs in float32 on the float32 copy. Updating in bfloat16
+itself would round the step away (bfloat16's spacing near ``|w| = 0.15`` is ``2**-10``, larger
+than most ``lr * g``), and a check comparing bfloat16 weights after the step would see only
+that rounding.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sgd_step"]
+#: The dtype the update runs in and the weights after it are kept in, by parameter dtype.
+MASTER_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32,
+                torch.bfloat16: torch.float32}
 
 
 def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float,
              scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """``{name: p - lr * scale * g}`` for every parameter (new tensors, no autograd).
+    """One SGD step ``w' = w - (lr * scale) * g`` for every name of ``params``; a new dict.
 
-    params, grads: tensors of one shape per name (any shape). ``scale``: a factor on the
-    step, e.g. a clipping coefficient (a float, or a tensor that broadcasts, such as one
-    factor per simulated rank ``[R, 1, ...]``)."""
+    params, grads: tensors by name, ``grads[k]`` of ``params[k]``'s shape (any shape, e.g.
+    ``wq`` ``[Hq*D, hidden]``, ``norm`` ``[hidden]``); ``scale`` multiplies the learning rate
+    (e.g. ``1 / accumulation steps``). float32/float64: ``p - lr * scale * g`` in that dtype,
+    bit for bit the seed's update. bfloat16: the float32 master weights
+    ``p.float() - lr * scale * g.float()`` (``MASTER_DTYPE``): float32 tensors of the same
+    shapes. No autograd graph is recorded; ``params`` and ``grads`` are not modified.
+    """
+    step = lr * scale
     with torch.no_grad():
-        return {k: p - lr * scale * grads[k] for k, p in params.items()}
+        out = {}
+        for k, p in params.items():
+            master = MASTER_DTYPE.get(p.dtype)
+            if master is None:
+                raise ValueError(f"params[{k!r}].dtype must be one of float64, float32, "
+                                 f"bfloat16 (got {p.dtype})")
+            g = grads[k]
+            out[k] = (p - step * g if master == p.dtype
+                      else p.to(master) - step * g.to(master))
+    return out
