@@ -46,10 +46,10 @@ $(MATHJAX):
 book: setup
 	$(JB) build . --all -W -n --keep-going
 
-# make test, in three steps; each runs even if an earlier one failed, and make test fails if any
+# make test: import-linter's layers contract (.importlinter), then three steps; each runs even if an earlier one failed, and make test fails if any
 # did:
 # 1. pytest: unit/property/CLI/distributed tests and every chapter under nbval. nbval executes every notebook from scratch; each notebook whose cells all passed is
-#    kept with the outputs nbval just compared (tests/nbval_record.py, in _build/nbval-executed);
+#    kept with the outputs nbval just compared (tools/nbval_record.py, in _build/nbval-executed);
 # 2. the book, which caches those executions instead of running the notebooks a second time
 #    (book/_ext/tpattn_book.py: only for this package's digest and unchanged code cells);
 # 3. pytest on the tests that read the built HTML (marker built_book): the browser test, ...
@@ -60,21 +60,22 @@ book: setup
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 PYTEST_WORKERS ?= auto
 XDIST := -n $(PYTEST_WORKERS) --dist loadscope
-RECORD := -p tests.nbval_record --record-executed _build/nbval-executed
+RECORD := -p tools.nbval_record --record-executed _build/nbval-executed
 JUNIT ?=
 test: setup
 	@status=0; \
+	$(VENV)/bin/lint-imports --config .importlinter || status=1; \
 	$(PY) -m pytest -q $(XDIST) $(NBVAL) $(RECORD) -m "not built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-1.xml) tests book || status=1; \
 	$(JB) build . --all -W -n --keep-going || status=1; \
 	$(PY) -m pytest -q $(XDIST) -m "built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-3.xml) tests || status=1; \
 	exit $$status
 
-# Every chapter in a real JupyterLab driven by headless Chromium (tests/test_lab.py, issue 9):
+# Every chapter in a real JupyterLab driven by headless Chromium (tests/book/test_lab.py, issue 9):
 # open, Run All, no raw directive, the shown code is the package's, an explorer answers a click.
 # It runs every chapter a second time, in a browser: about as long as all of `make test`'s pytest
 # besides it (463 of 1001 worker-seconds when it was part of make test), and only a frontend
 # change can break what it checks beyond make test's own checks (nbval runs every chapter,
-# tests/test_source.py reads every markdown cell for raw directives). .ci/run runs it after
+# tests/book/test_source.py reads every markdown cell for raw directives). .ci/run runs it after
 # make test.
 test-lab: setup
 	$(PY) -m pytest -q $(XDIST) -m lab $(if $(JUNIT),--junitxml=$(JUNIT)-lab.xml) tests
@@ -89,8 +90,8 @@ test-lab: setup
 # pass: ~90 s of CPU here). Does not rebuild the book.
 PORTABLE_SETTINGS := "ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2" \
                      "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1"
-NUMERIC_TESTS := tests/test_golden.py tests/test_rederive.py tests/test_properties.py tests/test_cli.py \
-                 tests/test_tolerance_llama.py
+NUMERIC_TESTS := tests/check/test_golden.py tests/check/test_rederive.py tests/check/test_properties.py tests/frontends/test_cli.py \
+                 tests/check/test_tolerance_llama.py
 # The Llama-shape tolerance test (~10 s) also under the settings the loop above leaves out,
 # so that every kernel setting runs it with and without OMP_NUM_THREADS=1.
 LLAMA_SETTINGS := "" "OMP_NUM_THREADS=1" \
@@ -103,10 +104,10 @@ test-portable: setup
 	@echo "== MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) $(NUMERIC_TESTS) book
 	@set -e; for s in $(LLAMA_SETTINGS); do echo "== $$s (Llama-shape tolerance)"; \
-	  env $$s $(PY) -m pytest -q -p no:cacheprovider tests/test_tolerance_llama.py; done
+	  env $$s $(PY) -m pytest -q -p no:cacheprovider tests/check/test_tolerance_llama.py; done
 
 test-browser: book
-	$(PY) -m pytest -q $(XDIST) tests/test_browser.py
+	$(PY) -m pytest -q $(XDIST) tests/book/test_browser.py
 
 lab: setup
 	@echo "JupyterLab: open the http://127.0.0.1:8888/lab?token=... URL it prints below"

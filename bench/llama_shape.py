@@ -41,14 +41,14 @@ import torch
 import torch.nn.functional as F
 
 from tpattn import Config
-from tpattn.check import (EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures,
+from tpattn.check.core import (EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures,
                           make_inputs, one_step)
-from tpattn.dense import project_qkv
-from tpattn.layers import rms_norm
-from tpattn.params import init_params
-from tpattn.rank_batched import rank_batched_tp_forward
-from tpattn.tolerance import apply_auto, conditioning, per_parameter, perturbed_start
-from tpattn.tp import tp_forward
+from tpattn.block.dense import project_qkv
+from tpattn.block.layers import rms_norm
+from tpattn.block.params import init_params
+from tpattn.parallel.rank_batched import rank_batched_tp_forward
+from tpattn.check.tolerance import apply_auto, conditioning, per_parameter, perturbed_start
+from tpattn.parallel.tp import tp_forward
 
 CFG = Config(hidden=4096, query_heads=32, kv_heads=8, head_dim=128, seq=256, batch=1,
              world_size=8, dtype="float32")

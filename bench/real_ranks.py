@@ -34,7 +34,7 @@ COMMANDS = {
     "torchrun -m tpattn.distributed (2 ranks)": (
         [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"])
         + ["--standalone", "--nproc-per-node", "2", "-m", "tpattn.distributed", "--mode", "matrix"],
-    "python -c 'import tpattn.distributed'": [sys.executable, "-c", "import tpattn.distributed"],
+    "python -c 'import tpattn.real.ranks'": [sys.executable, "-c", "import tpattn.real.ranks"],
 }
 BASELINE = "python -m tpattn (simulated)"
 
@@ -59,7 +59,7 @@ def in_process(runs: int) -> dict[str, list[float]]:
     import torch
 
     import tpattn
-    from tpattn.distributed import run_distributed
+    from tpattn.real.ranks import run_distributed
 
     rows: dict[str, list[float]] = {}
     report = run_distributed(2, dtensor=False)  # first call: starts the forkserver

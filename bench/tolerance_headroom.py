@@ -1,6 +1,6 @@
 """Headroom of ``tolerance="auto"`` under this machine's kernels: a distribution, not one number.
 
-Runs correct TP and both bugs (``tpattn.at_scale.compare_world_sizes``, conditioning probe
+Runs correct TP and both bugs (``tpattn.check.at_scale.compare_world_sizes``, conditioning probe
 always on) and prints, for correct TP, the distribution of ``max_m measure_m / bound_m``
 (headroom of the calibrated ``C = 1``) and of ``measure / floor``, the verdict counts of every
 mode, and every false "fail" of correct TP (there must be none) or "pass" of a bug.
@@ -49,9 +49,9 @@ import time
 import torch
 
 from tpattn import Config
-from tpattn.at_scale import compare_world_sizes, llama3_8b_attention
-from tpattn.check import EQUIVALENCE
-from tpattn.tolerance import VERDICTS
+from tpattn.check.at_scale import compare_world_sizes, llama3_8b_attention
+from tpattn.check.core import EQUIVALENCE
+from tpattn.check.tolerance import VERDICTS
 
 DESIGN_SEEDS = (2,)
 SETTINGS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "OMP_NUM_THREADS")

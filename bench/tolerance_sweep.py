@@ -1,7 +1,7 @@
 """The sweep behind chapter 14 ("Equal at scale"): correct TP and both bugs against the
 ``tolerance="auto"`` bounds at the Llama-3-8B attention shape.
 
-Cases (``tpattn.at_scale``; rank-batched TP path; dense computed once per seed and dtype):
+Cases (``tpattn.check.at_scale``; rank-batched TP path; dense computed once per seed and dtype):
 
 - float32, float64, bfloat16 x TP 1/2/4/8 x all modes x seeds 1-2, seq 64, 1/sqrt(fan_in) init;
 - float32 at seq 256, TP 8, seeds 1-2 (the bench's shape);
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from tpattn.at_scale import against_float64, compare_world_sizes, llama3_8b_attention
+from tpattn.check.at_scale import against_float64, compare_world_sizes, llama3_8b_attention
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "book" / "data" / "equal_at_scale.json"
 

@@ -42,7 +42,7 @@ from typing import Callable
 
 import tpattn
 from tpattn import widgets
-from tpattn.check import SP_MODES
+from tpattn.check.core import SP_MODES
 from tpattn.widgets.bug_hunt import bug_hunt_explorer
 
 TARGET_P95_MS = 50.0
@@ -111,7 +111,7 @@ def _seed_mode_change(modes):
 
 def _bug_hunt_change(rng, values):
     from tpattn.widgets.bug_hunt import UNANSWERED
-    from tpattn.bug_hunt import choices
+    from tpattn.diagnosis.hunt import choices
 
     if rng.random() < 0.5:
         return "hunt", _other(rng, range(0, 30), values["hunt"])

@@ -1,20 +1,20 @@
 """The simulated ranks as a LIST of ranks (one tensor per rank, a Python loop), as the package
 computed them before ``tpattn.parallel``'s engine replaced them (b42a997): kept here, verbatim,
-as the reference ``tests/test_engine.py`` checks the engine against. Not used by the package.
+as the reference ``tests/parallel/test_engine.py`` checks the engine against. Not used by the package.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tpattn.check import LR
+from tpattn.check.core import LR
 from tpattn.config import Config
-from tpattn.dense import attend_and_project, project_qkv
-from tpattn.kv_heads import GATHER_ACTIVATIONS, attend_gathered, local_kv, replica_groups
-from tpattn.layers import attention, repeat_kv, rms_norm
-from tpattn.params import clone_trainable
+from tpattn.block.dense import attend_and_project, project_qkv
+from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, attend_gathered, local_kv, replica_groups
+from tpattn.block.layers import attention, repeat_kv, rms_norm
+from tpattn.block.params import clone_trainable
 from tpattn.parallel.engine import REPLICATED
-from tpattn.zoo import Injection, clip_coef
+from tpattn.bugs.zoo import Injection, clip_coef
 
 NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
 
@@ -227,7 +227,7 @@ class AllGatherRanks(torch.autograd.Function):
 def tp_forward_kv_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
                         cfg: Config, reduce_output: bool = True, reduce_input_grad: bool = True,
                         reduce_kv_grad: bool = True) -> list[torch.Tensor]:
-    """``tpattn.tp.tp_forward_ranks`` (every simulated rank its own leaves, output and loss)
+    """``tpattn.parallel.tp.tp_forward_ranks`` (every simulated rank its own leaves, output and loss)
     for ``kv_heads < world_size``.
 
     ``replicate_weights``: each replica is its own leaf; the replica-group reduce is
@@ -342,7 +342,7 @@ def sp_forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor
 def sp_ranks_step(xs0: list[torch.Tensor], targets: list[torch.Tensor],
                   shards: list[dict[str, torch.Tensor]], cfg: Config, reduce_output: bool = True,
                   reduce_input_grad: bool = True, norm_grad: str = "sum") -> list[dict]:
-    """One training step on every simulated SP rank (``tpattn.check.ranks_step`` for SP).
+    """One training step on every simulated SP rank (``tpattn.check.core.ranks_step`` for SP).
 
     xs0, targets: rank r's tokens ``[S/W, B, hidden]``; ``shards``: each rank's starting
     parameters (copied). Rank r back-propagates its share of the global MSE, its ``norm``
@@ -374,7 +374,7 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
     """``one_step`` on every simulated rank at once, each rank with its own leaf tensors.
 
     ``forward_ranks(xs, ps) -> ys`` maps every rank's input copy and parameters to every rank's
-    output (``tpattn.tp.tp_forward_ranks``). Each rank's MSE loss is its own; one backward of
+    output (``tpattn.parallel.tp.tp_forward_ranks``). Each rank's MSE loss is its own; one backward of
     their sum gives each rank the gradient of its own loss (the ranks' graphs meet only in the
     collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
     (``grads``/``weights`` hold that rank's shards).

@@ -62,9 +62,9 @@ def tolerances(cfg: Config, scale: dict[str, float]) -> dict[str, float]:
 def run_tolerances(seed: int, mode: str, cfg: Config | None = None) -> dict[str, float]:
     """The tolerances for ``tpattn.run(seed, mode, cfg)``'s measures, from the run's own tensors."""
     from tpattn import tp_forward
-    from tpattn.check import (MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET,
+    from tpattn.check.core import (MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET,
                               dense_reference, make_inputs, one_step)
-    from tpattn.params import init_params
+    from tpattn.block.params import init_params
 
     cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)

@@ -1,6 +1,6 @@
 """Known-wrong answers to the exercises of chapters 12-17, each with the message it must get.
 
-``tests/test_exercises.py`` runs them with chapters 5-11's (``WRONG``): one test that every
+``tests/frontends/test_exercises.py`` runs them with chapters 5-11's (``WRONG``): one test that every
 checker rejects each with its message, one that every checker has at least two. The wrong
 answers of chapters 12-17 live here only."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 import tpattn
 from tpattn import exercises as ex
-from tpattn.dense import attend_and_project
-from tpattn.tolerance import ACCUMULATOR, UNIT_ROUNDOFF, fan_in
-from tpattn.tp import copy_to_ranks, reduce_output_partials
+from tpattn.block.dense import attend_and_project
+from tpattn.check.tolerance import ACCUMULATOR, UNIT_ROUNDOFF, fan_in
+from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials
 
 
 def mean_norm(grads):  # norm_grad_averaged
@@ -35,7 +35,7 @@ def kv_everyone(grads, cfg):  # all-reduce over the whole TP group
 
 
 def kv_group_mean(grads, cfg):
-    from tpattn.kv_heads import replica_groups
+    from tpattn.parallel.kv_heads import replica_groups
     out = [None] * len(grads)
     for group in replica_groups(cfg):
         for r in group:
@@ -81,7 +81,7 @@ def detached(w, cfg):
 def forward_bias(where):
     def forward(x, p, cfg):
         n = tpattn.rms_norm(x, p["norm"], cfg.eps)
-        shards = tpattn.shard_params({k: p[k] for k in tpattn.params.PARAM_NAMES}, cfg)
+        shards = tpattn.shard_params({k: p[k] for k in tpattn.block.params.PARAM_NAMES}, cfg)
         parts = [attend_and_project(n_r, s, cfg) for n_r, s in
                  zip(copy_to_ranks(n, cfg.world_size), shards)]
         if where == "every_rank":

@@ -21,7 +21,7 @@ What is dumped (one entry per case, keyed so that two dumps line up):
 - ``observe`` / ``diagnose`` / ``describe``: hunts 0..59 (``bug_hunt.hunt_case``) and
   every mode on the hunt shapes at two seeds; ``diagnose`` of five-measure results.
 - ``exercise``: every checker on the book's solution, its stub and the known-wrong answers
-  of tests/test_exercises.py and tests/wrong_answers_later.py.
+  of tests/frontends/test_exercises.py and tests/wrong_answers_later.py.
 
 Each entry says how its floats may be compared: ``floats: "bits"`` (bit-identical: the
 seed fixture's path, the default CLI) or ``"bound"`` with ``rtol`` (the package's relative
@@ -124,7 +124,7 @@ SHAPES = (
      False),
     ({"seq": 6, "batch": 1, "hidden": 8, "query_heads": 6, "kv_heads": 3, "head_dim": 2,
       "world_size": 3, "sequence_parallel": True}, False),
-    # tests/test_sequence_parallel.py's realistic float64 SP, world sizes 1, 2, 4
+    # tests/parallel/test_sequence_parallel.py's realistic float64 SP, world sizes 1, 2, 4
     *(({"seq": 16, "batch": 2, "hidden": 256, "query_heads": 8, "kv_heads": 4, "head_dim": 32,
         "world_size": w, "dtype": "float64", "sequence_parallel": True}, True)
       for w in (1, 2, 4)),
@@ -153,11 +153,11 @@ BAD_SHAPES = (
 #: Where each non-top-level name lived at b42a997, then where it may move (first match wins;
 #: after these, every tpattn module is searched).
 CANDIDATES = {
-    "relative_bound": ["tpattn.tolerance", "tpattn.check.tolerance", "tpattn.checks.tolerance",
-                       "tpattn.check.tolerances", "tpattn.tolerances"],
-    "hunt_case": ["tpattn.bug_hunt", "tpattn.bugs.bug_hunt", "tpattn.bugs.hunt",
+    "relative_bound": ["tpattn.check.tolerance", "tpattn.check.core.tolerance", "tpattn.checks.tolerance",
+                       "tpattn.check.core.tolerances", "tpattn.tolerances"],
+    "hunt_case": ["tpattn.diagnosis.hunt", "tpattn.bugs.bug_hunt", "tpattn.diagnosis.hunt",
                   "tpattn.diagnosis.bug_hunt", "tpattn.bugs"],
-    "describe": ["tpattn.bug_hunt", "tpattn.bugs.bug_hunt", "tpattn.bugs.hunt",
+    "describe": ["tpattn.diagnosis.hunt", "tpattn.bugs.bug_hunt", "tpattn.diagnosis.hunt",
                  "tpattn.diagnosis.bug_hunt", "tpattn.bugs"],
     "exercises": ["tpattn.exercises", "tpattn.exercises.checkers", "tpattn.exercises.check"],
     "Config": ["tpattn", "tpattn.config", "tpattn.block.config"],

@@ -1,19 +1,19 @@
 """tpattn — tensor-parallel attention, built, sharded, checked and broken.
 
 ``tpattn.observe(mode, seed)`` and ``tpattn.diagnose(observations)``: what a run shows
-without a dense model, and which bug of the registry (``tpattn.zoo``) explains it (the
-functions shadow their modules' names; ``from tpattn.diagnose import features`` still works).
+without a dense model, and which bug of the registry (``tpattn.bugs.zoo``) explains it (the
+functions shadow their modules' names; ``from tpattn.diagnosis.diagnose import features`` still works).
 
 ``import tpattn`` loads torch and nothing heavier; plotting (``tpattn.viz``) and widgets
 (``tpattn.widgets``) load only when imported, Hugging Face's ``transformers`` only with
-``tpattn.interop``, and ``tpattn.check_module`` (``tpattn.module_check``) on first use.
+``tpattn.interop``, and ``tpattn.check_module`` (``tpattn.real.module_check``) on first use.
 """
-from .config import Config
-from .layers import apply_rope, attention, repeat_kv, rms_norm
-from .params import clone_trainable, init_params, shard_params
-from .dense import dense_forward
-from .tp import copy_to_ranks, reduce_output_partials, tp_forward
-from .check import (
+from tpattn.config import Config
+from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
+from tpattn.block.params import clone_trainable, init_params, shard_params
+from tpattn.block.dense import dense_forward
+from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials, tp_forward
+from tpattn.check.core import (
     EQUIVALENCE,
     MEASURES,
     MISSING_INPUT_GRAD_REDUCE,
@@ -23,11 +23,10 @@ from .check import (
     TOLERANCE,
     assert_close_within,
     inspect_fixture,
-    run,
-    run_matrix,
 )
-from .observe import observe
-from .diagnose import diagnose
+from tpattn.bugs.modes import run, run_matrix
+from tpattn.diagnosis.observe import observe
+from tpattn.diagnosis.diagnose import diagnose
 
 __all__ = [
     "Config", "rms_norm", "apply_rope", "repeat_kv", "attention",
@@ -42,7 +41,7 @@ __all__ = [
 def __getattr__(name: str):
     """``tpattn.check_module``: imported on first use (it pulls in torch.distributed.tensor)."""
     if name == "check_module":
-        from .module_check import check_module
+        from tpattn.real.module_check import check_module
 
         return check_module
     raise AttributeError(f"module 'tpattn' has no attribute {name!r}")

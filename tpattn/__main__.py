@@ -1,6 +1,6 @@
 """``python -m tpattn``: see ``tpattn.cli``."""
 import sys
 
-from .cli import main
+from tpattn.cli import main
 
 sys.exit(main(prog="python -m tpattn"))

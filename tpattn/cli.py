@@ -10,18 +10,19 @@ import argparse
 import json
 import sys
 
-from .check import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture,
-                    modes_for, run, run_matrix)
-from .config import DTYPES, KV_STRATEGIES, Config
-from .params import INITS
-from .tolerance import TOLERANCES
+from tpattn.bugs.modes import run, run_matrix
+from tpattn.check.core import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture,
+                               modes_for)
+from tpattn.config import DTYPES, KV_STRATEGIES, Config
+from tpattn.block.params import INITS
+from tpattn.check.tolerance import TOLERANCES
 
 CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
 
 
 def registry_modes() -> tuple[str, ...]:
-    """The bug registry's modes beyond ``CLI_MODES`` (``tpattn.zoo``), in listing order."""
-    from .zoo import mode_names
+    """The bug registry's modes beyond ``CLI_MODES`` (``tpattn.bugs.zoo``), in listing order."""
+    from tpattn.bugs.zoo import mode_names
 
     return tuple(m for m in mode_names() if m not in CLI_MODES)
 
@@ -38,7 +39,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.ArgumentParser:
     """The argument parser (also used to document the CLI in the book). ``simulated=False``
-    leaves out ``--simulate`` (``tpattn.distributed`` runs real ranks, nothing to choose)."""
+    leaves out ``--simulate`` (``tpattn.real.ranks`` runs real ranks, nothing to choose)."""
     defaults = Config()
     ap = _OneLineParser(prog=prog, description=(
         "Compare a dense attention block with its tensor-parallel version on five measures "
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
     ap = build_parser(prog)
     args = ap.parse_args(argv)
     if args.list_modes:
-        from .zoo import list_modes
+        from tpattn.bugs.zoo import list_modes
 
         print(json.dumps(list_modes(), indent=2))
         return 0
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
             if args.mode in ("inspect", "matrix") or args.diagnose:
                 raise ValueError("--typecheck checks one --mode (not inspect or matrix) and "
                                  "cannot be combined with --diagnose")
-            from .typecheck import typecheck
+            from tpattn.diagnosis.typecheck import typecheck
 
             print(json.dumps(typecheck(args.mode, cfg, args.seed), indent=2))
             return 0  # a caught bug is a result
@@ -125,8 +126,8 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
             out = run(args.seed, args.mode, cfg, args.simulate, tolerance=args.tolerance,
                       init=args.init)
         if args.diagnose and isinstance(out, (list, dict)) and out is not None:
-            from .diagnose import diagnose
-            from .observe import observe
+            from tpattn.diagnosis.diagnose import diagnose
+            from tpattn.diagnosis.observe import observe
 
             for result in (out if isinstance(out, list) else [out] if "passed" in out else []):
                 result["diagnosis"] = diagnose(observe(result["mode"], result["seed"], cfg))

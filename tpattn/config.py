@@ -40,7 +40,7 @@ class Config:
       query/KV groups);
     - when ``kv_heads < world_size``: ``world_size % kv_heads == 0`` (each KV head is shared by
       a *replica group* of ``world_size / kv_heads`` ranks) and ``query_heads % world_size == 0``
-      (see ``tpattn.kv_heads``);
+      (see ``tpattn.parallel.kv_heads``);
     - ``kv_strategy`` is ``"replicate_weights"`` (each rank of a replica group holds a copy of
       its KV head's wk/wv rows; their gradients are summed within the group) or
       ``"gather_activations"`` (no copies: K/V activations are all-gathered; needs
@@ -49,7 +49,7 @@ class Config:
       stored by name; bfloat16 keeps parameters and activations in bf16);
     - ``sequence_parallel`` is a bool; when ``True``, ``seq % world_size == 0`` (each rank holds
       ``seq // world_size`` consecutive tokens of the residual stream, see
-      ``tpattn.sequence_parallel``).
+      ``tpattn.parallel.sequence_parallel``).
     """
 
     seq: int = 5

@@ -1,7 +1,7 @@
 """Exercises that check themselves: the reader writes the code, the package says what is right.
 
 Each ``check_*`` function takes the reader's function, runs it through the package — the five
-measures of ``tpattn.check`` against the dense block, the collective ledger where it applies —
+measures of ``tpattn.check.core`` against the dense block, the collective ledger where it applies —
 on several seeds and shapes (more than the chapter tried: ``CHECKED_SEEDS`` × ``CHECKED_CONFIGS``)
 and returns a ``Result``: ``.passed`` and one short paragraph saying what is right, what is
 wrong and which chapter explains it. A checker never shows a traceback: an exception in the
@@ -24,17 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .check import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
+from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
                     MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
-                    five_measures, make_inputs, max_abs_diff, run, tp_step)
-from .config import Config
-from .dense import attend_and_project, dense_forward
-from .layers import rms_norm
-from .params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
-from .parallel.injection import Injection
-from .parallel.simulated import (gather_steps, rank0_view, rank_steps,
+                    five_measures, make_inputs, max_abs_diff, tp_step)
+from tpattn.bugs.modes import run
+from tpattn.config import Config
+from tpattn.block.dense import attend_and_project, dense_forward
+from tpattn.block.layers import rms_norm
+from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
+from tpattn.parallel.injection import Injection
+from tpattn.parallel.simulated import (gather_steps, rank0_view, rank_steps,
                                  simulated_step)
-from .tp import tp_forward
+from tpattn.parallel.tp import tp_forward
 
 __all__ = [
     "Result", "CHECKED_SEEDS", "CHECKED_CONFIGS",
@@ -237,16 +238,16 @@ _STEP_HINTS = {
                                    "the trainable copies after one backward of the loss",
     "post_step_weight_max_abs_diff": f"the weights after the step are wrong: one SGD step "
                                      f"moves each parameter against its gradient, scaled by "
-                                     f"the learning rate tpattn.check.LR = {LR}",
+                                     f"the learning rate tpattn.check.core.LR = {LR}",
 }
 
 
 @_exercise("one SGD step", 5)
 def check_train_step(train_step) -> str:
     """Check ``train_step(x0, target, params, cfg) -> dict``: one training step of the dense
-    block (forward, MSE loss, backward, SGD with ``tpattn.check.LR``) that leaves ``params``
+    block (forward, MSE loss, backward, SGD with ``tpattn.check.core.LR``) that leaves ``params``
     untouched and returns ``output``, ``loss``, ``input_grad``, ``grads`` and ``weights``
-    (by parameter name), as ``tpattn.check.one_step`` does."""
+    (by parameter name), as ``tpattn.check.core.one_step`` does."""
     for cfg, seed, x0, target, base in _cases():
         before = {k: v.clone() for k, v in base.items()}
         x_before = x0.clone()
@@ -708,7 +709,7 @@ def check_missing_f_signature(predict) -> str:
 
 @_exercise("which parameters a missing f hits", 9)
 def check_missing_f_parameters(predict) -> str:
-    """Check ``predict() -> set``: the names (``tpattn.params.PARAM_NAMES``) of the parameters
+    """Check ``predict() -> set``: the names (``tpattn.block.params.PARAM_NAMES``) of the parameters
     whose gradients are wrong when f is missing. Graded against real runs of
     ``missing_input_grad_reduce``, parameter by parameter."""
     predicted = _as_names(predict(), PARAM_NAMES, "parameter")
@@ -828,13 +829,13 @@ def check_diagnose(diagnose) -> str:
 # --- chapter 11 -----------------------------------------------------------------------------
 
 def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
-    """Rank 0's training step through ``tpattn.distributed``'s real ``tp_rank_forward``
+    """Rank 0's training step through ``tpattn.real.ranks``'s real ``tp_rank_forward``
     (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records what each collective
     is handed and does not communicate (one process, no process group: rank 0's values stay its
     own; only the counts and sizes are used). Returns ``(counts, carried)``: the ledger's
     all-reduces by phase, and bytes carried per collective label."""
-    from .check import one_step
-    from .distributed import CollectiveLedger, tp_rank_forward
+    from tpattn.check.core import one_step
+    from tpattn.real.ranks import CollectiveLedger, tp_rank_forward
 
     class RecordingLedger(CollectiveLedger):
         def __init__(self):
@@ -862,7 +863,7 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
 
 def _recorded_bytes(cfg: Config) -> dict[str, int]:
     """Bytes each of f's and g's all-reduces carries on one rank in one training step."""
-    from .distributed import F_ALL_REDUCE, G_ALL_REDUCE
+    from tpattn.real.ranks import F_ALL_REDUCE, G_ALL_REDUCE
     _, carried = _recorded_step(cfg)
     return {"f": carried.get(F_ALL_REDUCE, 0), "g": carried.get(G_ALL_REDUCE, 0)}
 
@@ -928,9 +929,9 @@ def check_ledger_counts(ledger_counts) -> str:
 def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
     """One rank of ``check_real_f_and_g``: every checked seed's training step with the reader's
     f and g, gathered to rank 0 and compared with dense there (module level: started by
-    ``tpattn.launch.run_on_ranks``)."""
-    from .check import one_step
-    from .distributed import CollectiveLedger, assemble_shards
+    ``tpattn.real.launch.run_on_ranks``)."""
+    from tpattn.check.core import one_step
+    from tpattn.real.ranks import CollectiveLedger, assemble_shards
 
     cfg, seeds, f, g = plan
     ledger = CollectiveLedger()
@@ -961,7 +962,7 @@ def check_real_f_and_g(f_and_g) -> str:
     ``torch.distributed.all_reduce`` themselves. Runs them on 2 gloo ranks (processes forked
     from this one, so classes defined in a notebook reach them) for the checked seeds, and
     compares rank 0's gathered step with dense on the five measures."""
-    from .launch import RankFailure, run_on_ranks
+    from tpattn.real.launch import RankFailure, run_on_ranks
 
     if not isinstance(f_and_g, tuple) or len(f_and_g) != 2:
         raise _Wrong("pass the two classes as a tuple (F, G).")
@@ -1075,8 +1076,8 @@ def check_rope_offset(offset) -> str:
     holds under SP, the ``offset`` it must pass to ``apply_rope`` when it rotates its own
     tokens' queries or keys. Graded by rotating each rank's tokens with it and comparing with
     the rotation of the whole gathered sequence."""
-    from .layers import apply_rope
-    from .sequence_parallel import rank_tokens
+    from tpattn.block.layers import apply_rope
+    from tpattn.parallel.sequence_parallel import rank_tokens
     configs = SP_CONFIGS + (Config(seq=12, query_heads=4, kv_heads=4, world_size=4,
                                    sequence_parallel=True),)
     gen = torch.Generator().manual_seed(12)
@@ -1124,7 +1125,7 @@ def check_kv_grad_reduce(reduce) -> str:
     copy of a replicated KV weight (``wk`` or ``wv``, one ``[D, hidden]`` per rank, as the
     block's backward leaves it without the replica-group reduce), the gradient each rank's
     copy must get. Graded against the dense block's gradient of that KV head's rows."""
-    from .kv_heads import kv_weight_rows, replica_groups
+    from tpattn.parallel.kv_heads import kv_weight_rows, replica_groups
     count = 0
     for cfg, seed, x0, target, base in _cases(KV_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
@@ -1169,7 +1170,7 @@ def check_kv_grad_reduce(reduce) -> str:
 def _kv_mode_hits() -> tuple[frozenset, ...]:
     """For every KV shape × seed × simulation of ``missing_kv_grad_reduce``: the parameters
     whose gradients are wrong."""
-    from .check import MISSING_KV_GRAD_REDUCE
+    from tpattn.check.core import MISSING_KV_GRAD_REDUCE
     found = []
     for cfg, seed, x0, target, base in _cases(KV_CONFIGS[:2], EXTRA_SEEDS):
         dense = dense_reference(x0, target, base, cfg)
@@ -1183,10 +1184,10 @@ def _kv_mode_hits() -> tuple[frozenset, ...]:
 
 @_exercise("which parameters a missing KV reduce hits", 13)
 def check_missing_kv_parameters(predict) -> str:
-    """Check ``predict() -> set``: the names (``tpattn.params.PARAM_NAMES``) of the parameters
+    """Check ``predict() -> set``: the names (``tpattn.block.params.PARAM_NAMES``) of the parameters
     whose gradients are wrong when the replica-group all-reduce of the KV gradients is
     missing. Graded against runs of ``missing_kv_grad_reduce``, parameter by parameter."""
-    from .check import MISSING_KV_GRAD_REDUCE
+    from tpattn.check.core import MISSING_KV_GRAD_REDUCE
     predicted = _as_names(predict(), PARAM_NAMES, "parameter")
     found = [set(hit) for hit in _kv_mode_hits()]
     return _grade_prediction(predicted, found, "parameter gradients", MISSING_KV_GRAD_REDUCE,
@@ -1196,7 +1197,7 @@ def check_missing_kv_parameters(predict) -> str:
 # --- chapter 14 -----------------------------------------------------------------------------
 
 def _bound_configs() -> tuple[Config, ...]:
-    from .at_scale import llama3_8b_attention
+    from tpattn.check.at_scale import llama3_8b_attention
     return (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
             Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, world_size=4),
             llama3_8b_attention(), llama3_8b_attention(dtype="bfloat16"),
@@ -1206,7 +1207,7 @@ def _bound_configs() -> tuple[Config, ...]:
 def _bound_variants(cfg: Config) -> dict[str, float]:
     """The bound with one ingredient wrong, each with what it misses."""
     import math
-    from .tolerance import ACCUMULATOR, LATER_STAGES, UNIT_ROUNDOFF, fan_in
+    from tpattn.check.tolerance import ACCUMULATOR, LATER_STAGES, UNIT_ROUNDOFF, fan_in
     u, n = UNIT_ROUNDOFF[cfg.dtype], fan_in(cfg)
     u_acc = UNIT_ROUNDOFF[ACCUMULATOR[cfg.dtype]]
     w, later = cfg.world_size, LATER_STAGES
@@ -1229,9 +1230,9 @@ def _bound_variants(cfg: Config) -> dict[str, float]:
 @_exercise("the tolerance bound", 14)
 def check_relative_bound(bound) -> str:
     """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of
-    the block's step may differ by (``tpattn.tolerance``), for shapes from the fixture's to
+    the block's step may differ by (``tpattn.check.tolerance``), for shapes from the fixture's to
     Llama-3-8B's attention, in float32, float64 and bfloat16."""
-    from .tolerance import relative_bound
+    from tpattn.check.tolerance import relative_bound
     configs = _bound_configs()
     for cfg in configs:
         got = bound(cfg)
@@ -1373,7 +1374,7 @@ def check_shard_fused_qkv(shard) -> str:
     """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows cut
     from Megatron's fused weight (``tpattn.interop.fuse_qkv``: per KV group its query heads,
     its key head, its value head), differentiably. Graded as ``check_shard_concat_qkv``."""
-    from .interop import fuse_qkv
+    from tpattn.interop import fuse_qkv
 
     def fuse(params, cfg):
         return fuse_qkv(params["wq"], params["wk"], params["wv"], cfg)
@@ -1386,11 +1387,11 @@ def check_shard_fused_qkv(shard) -> str:
 @_exercise("add the row-parallel bias once", 16)
 def check_bias_once(forward) -> str:
     """Check ``forward(x, p, cfg) -> [S, B, hidden]``: the sharded block (the fixture's one
-    process, as ``tpattn.tp.tp_forward``) with the output projection's bias ``p["bias"]``
+    process, as ``tpattn.parallel.tp.tp_forward``) with the output projection's bias ``p["bias"]``
     (``[hidden]``, replicated) — the fix of ``row_bias_on_every_rank``. Graded on the five
-    measures against the dense block with its bias (``tpattn.zoo``)."""
-    from . import zoo
-    from .check import one_step
+    measures against the dense block with its bias (``tpattn.bugs.zoo``)."""
+    from tpattn.bugs import zoo
+    from tpattn.check.core import one_step
     inj = zoo.Injection(bias="after_g")
     for cfg in CHECKED_CONFIGS:
         for seed in EXTRA_SEEDS:
@@ -1438,11 +1439,11 @@ def check_bias_once(forward) -> str:
 @functools.lru_cache(maxsize=None)
 def _zoo_forward_hits() -> tuple[tuple[str, Config, int, bool], ...]:
     """For every runnable registry bug on both hunt shapes (a seed each): whether rank 0's
-    forward output (``tpattn.zoo.forward_fixture``, the fixture's view, as ``zoo.run``
+    forward output (``tpattn.bugs.zoo.forward_fixture``, the fixture's view, as ``zoo.run``
     builds it) differs from the dense block's by ``TOLERANCE`` or more. Forward only: the
     forward measure needs no backward."""
-    from . import zoo
-    from .bug_hunt import HUNT_SHAPES
+    from tpattn.bugs import zoo
+    from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = []
     for mode in zoo.runnable_modes():
         if mode == EQUIVALENCE:
@@ -1463,11 +1464,11 @@ def _zoo_forward_hits() -> tuple[tuple[str, Config, int, bool], ...]:
 
 @_exercise("which zoo bugs the forward shows", 16)
 def check_forward_visible(predict) -> str:
-    """Check ``predict() -> set``: the names of the zoo's bugs (``tpattn.zoo.runnable_modes``,
+    """Check ``predict() -> set``: the names of the zoo's bugs (``tpattn.bugs.zoo.runnable_modes``,
     without ``equivalence``) whose forward output differs from dense's
     (``forward_max_abs_diff`` fails, rank 0's view). Graded on the zoo's block with each
     bug injected, on both hunt shapes."""
-    from . import zoo
+    from tpattn.bugs import zoo
     names = [m for m in zoo.runnable_modes() if m != EQUIVALENCE]
     predicted = _as_names(predict(), names, "zoo bug")
     runs = _zoo_forward_hits()
@@ -1495,20 +1496,20 @@ _LEDGER_BUGS = (MISSING_OUTPUT_REDUCE, "output_reduced_twice", MISSING_INPUT_GRA
 
 @functools.lru_cache(maxsize=None)
 def _observed(mode: str, seed: int, cfg: Config, reference: bool, steps: int = 2) -> dict:
-    from .observe import observe
+    from tpattn.diagnosis.observe import observe
     return observe(mode, seed, cfg, steps=steps, reference=reference)
 
 
 @_exercise("read the ledger", 17)
 def check_ledger_verdict(verdict) -> str:
     """Check ``verdict(obs) -> str | None``: from the ledger alone (``obs["ledger"]`` against
-    ``obs["planned_ledger"]``, as ``tpattn.observe.observe`` records them), the bug a run's
+    ``obs["planned_ledger"]``, as ``tpattn.diagnosis.observe.observe`` records them), the bug a run's
     collectives show — ``missing_output_reduce``, ``output_reduced_twice``,
     ``missing_input_grad_reduce``, ``input_grad_reduced_twice`` — or ``None`` when the ledger
     is as planned. Graded on observed runs of every runnable zoo mode."""
     import copy
-    from . import zoo
-    from .bug_hunt import HUNT_SHAPES
+    from tpattn.bugs import zoo
+    from tpattn.diagnosis.hunt import HUNT_SHAPES
     modes = zoo.runnable_modes()
     for mode in modes:
         for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
@@ -1543,7 +1544,7 @@ def check_ledger_verdict(verdict) -> str:
             f"it a doubled one, and the other bugs leave the ledger as planned.")
 
 
-#: The hunts of ``check_hunts`` (``tpattn.bug_hunt.hunt_case``): a clipping bug, a bias bug,
+#: The hunts of ``check_hunts`` (``tpattn.diagnosis.hunt.hunt_case``): a clipping bug, a bias bug,
 #: diverged data and a run with no bug.
 HUNTS = (0, 3, 10, 1)
 
@@ -1551,9 +1552,9 @@ HUNTS = (0, 3, 10, 1)
 @_exercise("three bug hunts and a healthy run", 17)
 def check_hunts(guess) -> str:
     """Check ``guess(hunt) -> str``: for each hunt of ``HUNTS``, the cause of the run
-    ``tpattn.bug_hunt.hunt_case(hunt)`` hides, named from its observables alone: a registry
-    bug's name or ``tpattn.diagnose.NO_KNOWN_CAUSE``. Judged by ``tpattn.bug_hunt.judge``."""
-    from .bug_hunt import choices, hunt_case, judge
+    ``tpattn.diagnosis.hunt.hunt_case(hunt)`` hides, named from its observables alone: a registry
+    bug's name or ``tpattn.diagnosis.diagnose.NO_KNOWN_CAUSE``. Judged by ``tpattn.diagnosis.hunt.judge``."""
+    from tpattn.diagnosis.hunt import choices, hunt_case, judge
     for hunt in HUNTS:
         answer = guess(hunt)
         if answer not in choices():
@@ -1568,8 +1569,8 @@ def check_hunts(guess) -> str:
 
 
 def hunt_evidence(hunt: int) -> list[str]:
-    """What hunt ``hunt``'s run shows, in words (``tpattn.bug_hunt.describe`` of the same
+    """What hunt ``hunt``'s run shows, in words (``tpattn.diagnosis.hunt.describe`` of the same
     observation ``check_hunts`` judges), without naming the hidden cause."""
-    from .bug_hunt import describe, hunt_case
+    from tpattn.diagnosis.hunt import describe, hunt_case
     mode, seed, cfg = hunt_case(hunt)
     return describe(_observed(mode, seed, cfg, True))

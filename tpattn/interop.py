@@ -35,9 +35,9 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from .config import Config
-from .layers import attention, causal_mask, repeat_kv, rms_norm, rope_angles
-from .params import PARAM_NAMES, init_params
+from tpattn.config import Config
+from tpattn.block.layers import attention, causal_mask, repeat_kv, rms_norm, rope_angles
+from tpattn.block.params import PARAM_NAMES, init_params
 
 __all__ = [
     "ROPE_THETA", "FLOAT32_INTERNALS", "llama_config", "config_from_llama", "llama_layer",
@@ -47,7 +47,7 @@ __all__ = [
     "read_rank_slices", "float32_tolerance",
 ]
 
-#: The RoPE base of ``tpattn.layers.rope_angles`` (``10000 ** (i / (D/2))``), HF's
+#: The RoPE base of ``tpattn.block.layers.rope_angles`` (``10000 ** (i / (D/2))``), HF's
 #: ``default_theta`` too; a Llama config with another ``rope_theta`` is refused.
 ROPE_THETA = 10000.0
 
@@ -63,7 +63,7 @@ def float32_tolerance(cfg: Config, scale: float) -> float:
     relative to the size of its terms (the standard worst-case bound). Summing that over the
     chain, with the output's size ``scale`` (e.g. ``max |y|``, at least 1) standing in for the
     terms' sizes, gives ``u * (hidden + seq + query_heads * head_dim) * scale``. Correct
-    computations land well inside it (tests/test_interop.py); a wrong block is off by O(0.1).
+    computations land well inside it (tests/block/test_interop.py); a wrong block is off by O(0.1).
     """
     u = torch.finfo(torch.float32).eps / 2
     return u * (cfg.hidden + cfg.seq + cfg.query_heads * cfg.head_dim) * max(1.0, float(scale))
@@ -103,7 +103,7 @@ def config_from_llama(hf: LlamaConfig, *, seq: int, batch: int, world_size: int 
     if rope.get("rope_type", "default") != "default" or \
             float(rope.get("rope_theta", ROPE_THETA)) != ROPE_THETA:
         raise ValueError(f"rope_parameters must be the default RoPE with rope_theta={ROPE_THETA} "
-                         f"(tpattn.layers.apply_rope's base; got {rope})")
+                         f"(tpattn.block.layers.apply_rope's base; got {rope})")
     return Config(seq=seq, batch=batch, hidden=hf.hidden_size, query_heads=hf.num_attention_heads,
                   kv_heads=hf.num_key_value_heads, head_dim=hf.head_dim, world_size=world_size,
                   eps=float(hf.rms_norm_eps), dtype=dtype)
@@ -232,7 +232,7 @@ def adjacent_from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def apply_rope_adjacent(x: torch.Tensor) -> torch.Tensor:
     """Rotary embedding with Meta's pairing: channels ``(2i, 2i+1)`` are one complex number,
-    multiplied by ``exp(1j * angle)`` with the angles of ``tpattn.layers.rope_angles``.
+    multiplied by ``exp(1j * angle)`` with the angles of ``tpattn.block.layers.rope_angles``.
 
     x: ``[S, B, H, D]`` (float32 or float64), ``D`` even; returns ``[S, B, H, D]``.
     """

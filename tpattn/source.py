@@ -5,7 +5,7 @@ markdown cell's directive as plain text. ``show_source(obj)`` is a code cell's *
 instead, so every frontend renders it, and it is always the code the kernel imported::
 
     from tpattn.source import show_source
-    show_source(tpattn.params.shard_params)
+    show_source(tpattn.block.params.shard_params)
 
 The output carries ``text/html`` (highlighted with Pygments' inline styles, long lines wrapped
 to the column; no stylesheet needed) and ``text/plain`` (the bare source). The book hides the
@@ -32,7 +32,7 @@ _CAPTION_STYLE = ("font-family: monospace; font-size: 0.8em; color: #57606a; bac
 
 
 def _location(obj) -> str:
-    """``tpattn/params.py · shard_params`` for an object of this package."""
+    """``tpattn/block/params.py · shard_params`` for an object of this package."""
     path = Path(inspect.getsourcefile(obj)).resolve()
     try:
         path = path.relative_to(_ROOT)

@@ -32,7 +32,7 @@ What the stock Jupyter Book does not do:
 
 4. One execution for nbval and the book — ``make test`` runs nbval first, which executes every
    notebook from scratch and writes each one that passed, with the outputs it just compared,
-   under ``_build/nbval-executed/<package digest>/`` (``tests/nbval_record.py``). A notebook
+   under ``_build/nbval-executed/<package digest>/`` (``tools/nbval_record.py``). A notebook
    missing from the cache whose recorded execution has this package's digest and the same code
    cells (jupyter-cache's hash) is cached from it, not executed again.
 
@@ -58,7 +58,7 @@ from sphinx.util.docutils import SphinxDirective
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tpattn"
-#: Where ``make test``'s nbval run writes the notebooks it executed (``tests/nbval_record.py``),
+#: Where ``make test``'s nbval run writes the notebooks it executed (``tools/nbval_record.py``),
 #: next to the build's output folder (``_build/html``) and its execution cache.
 RECORDED = "nbval-executed"
 
@@ -106,7 +106,7 @@ def book_notebooks(app: Sphinx) -> list[Path]:
 def recorded_execution(app: Sphinx, path: Path, digest: str) -> Path | None:
     """Where ``make test``'s nbval run left its execution of notebook ``path``: a path under
     ``_build/nbval-executed/<digest>/`` (``digest``: the package's) that need not exist
-    (``tests/nbval_record.py``);
+    (``tools/nbval_record.py``);
     ``None`` for a notebook outside the source folder."""
     try:
         where = path.resolve().relative_to(Path(app.srcdir).resolve())

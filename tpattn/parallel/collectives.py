@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
+from tpattn.config import Config
 
 __all__ = ["SimulatedRanks", "rank_sum", "F_LABEL", "G_LABEL"]
 

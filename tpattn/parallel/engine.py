@@ -8,7 +8,7 @@ Every tensor carries a leading local-rank dimension ``R`` (``R = world_size`` fo
     wo   [R, hidden, Hq/W*D]    bias [R, hidden] (optional)
 
 ``rank_block(x, p, cfg, inj, comm)`` is the block; ``comm`` supplies the collectives (see
-``tpattn.parallel.collectives``) and ``inj`` (``tpattn.zoo.Injection``, or anything with its
+``tpattn.parallel.collectives``) and ``inj`` (``tpattn.bugs.zoo.Injection``, or anything with its
 fields) says how the program is wired: f's backward (``"sum"``, ``"none"``, ``"mean"``,
 ``"twice"``), how many g's, the bias, the K/V repeat (``"interleave"``/``"tile"``) and, with
 replicated KV heads, whether the replica-group reduce runs (``kv_grad``). ``cfg`` says the
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import KV_STRATEGIES, Config
-from ..layers import apply_rope, attention, repeat_kv, rms_norm
-from ..sgd import sgd_step
+from tpattn.config import KV_STRATEGIES, Config
+from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
+from tpattn.block.sgd import sgd_step
 from .collectives import G_LABEL
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",

@@ -1,6 +1,6 @@
 """``Injection``: how the sharded block is wired and trained (the defaults are correct TP).
 
-Every mode of the bug registry (``tpattn.zoo.REGISTRY``) is one ``Injection``; the engine
+Every mode of the bug registry (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection``; the engine
 (``tpattn.parallel.engine``) reads its fields, nothing compares mode names::
 
     f      backward of the copy to ranks (under sequence parallelism: of the

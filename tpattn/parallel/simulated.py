@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
-from ..params import unshard_params
+from tpattn.config import Config
+from tpattn.block.params import unshard_params
 from .collectives import SimulatedRanks
 from .engine import rank_block, stack_ranks, train_step
 

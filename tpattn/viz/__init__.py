@@ -5,7 +5,7 @@ draws the heads pictures (matplotlib and SVG), ``tables`` the five measures as t
 ``tables`` loads with the package, the figure modules (and matplotlib) on the first use of
 one of their names.
 """
-from ..lazy import lazy_names
+from tpattn.lazy import lazy_names
 from .tables import *  # noqa: F401,F403
 from .tables import __all__ as _tables
 

@@ -2,7 +2,7 @@
 backward pass with f's sum (chapter 7). Drawn from a ``Config`` (one lane per rank); no data."""
 from __future__ import annotations
 
-from ..config import Config
+from tpattn.config import Config
 from .style import DENSE_COLOR, FAIL_COLOR, arrow, box, new_figure, rank_color
 
 __all__ = ["gradient_paths_figure", "backward_flow_figure"]

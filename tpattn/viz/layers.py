@@ -14,11 +14,11 @@ from matplotlib.textpath import TextPath
 from matplotlib.transforms import Affine2D
 from matplotlib.ticker import MaxNLocator
 
-from ..check import PARAM_SEED_OFFSET, check_seed, make_inputs
-from ..config import Config
-from ..dense import project_qkv
-from ..layers import apply_rope, attention_probs, causal_mask, repeat_kv, rms_norm, rope_angles
-from ..params import PARAM_NAMES, init_params
+from tpattn.check.core import PARAM_SEED_OFFSET, check_seed, make_inputs
+from tpattn.config import Config
+from tpattn.block.dense import project_qkv
+from tpattn.block.layers import apply_rope, attention_probs, causal_mask, repeat_kv, rms_norm, rope_angles
+from tpattn.block.params import PARAM_NAMES, init_params
 from .style import DENSE_COLOR, new_figure
 
 __all__ = [

@@ -7,14 +7,15 @@ import math
 
 import torch
 
-from ..check import MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES, PARAM_SEED_OFFSET, \
-    TOLERANCE, make_inputs, run
-from ..config import Config
-from ..dense import dense_forward
-from ..layers import attention, repeat_kv, rms_norm
-from ..params import init_params, rank_head_slices
-from ..tp import copy_to_ranks, reduce_output_partials
+from tpattn.check.core import MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES, PARAM_SEED_OFFSET, \
+    TOLERANCE, make_inputs
+from tpattn.config import Config
+from tpattn.block.dense import dense_forward
+from tpattn.block.layers import attention, repeat_kv, rms_norm
+from tpattn.block.params import init_params, rank_head_slices
+from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials
 from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, arrow, box, new_figure, rank_color
+from tpattn.bugs.modes import run
 
 __all__ = ["rank_heads", "block_map_figure", "float32_rounding_errors", "float32_rounding_figure"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ..check import MEASURES, MODES, TOLERANCE
+from tpattn.check.core import MEASURES, MODES, TOLERANCE
 from .sharding import MEASURE_LABELS, MODE_COLORS, ZERO_FLOOR
 from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure
 

@@ -7,8 +7,8 @@ from typing import Mapping, Sequence
 import matplotlib.patches as mpatches
 import torch
 
-from ..check import MEASURES, MODES, TOLERANCE
-from ..config import Config
+from tpattn.check.core import MEASURES, MODES, TOLERANCE
+from tpattn.config import Config
 from .frames import HeadsPicture, draw_heads
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table

@@ -36,7 +36,7 @@ def norm_grad_by_rank_figure(by_rank: Sequence[Sequence[float]], truth: Sequence
 
 def sp_ledger_figure(rows: Sequence[Mapping]):
     """Bytes each rank sends per training step, TP against SP, stacked by collective
-    (``tpattn.sequence_parallel.communication_ledger``'s rows)."""
+    (``tpattn.parallel.sequence_parallel.communication_ledger``'s rows)."""
     variants = list(dict.fromkeys(row["variant"] for row in rows))
     if not variants:
         raise ValueError("rows must hold at least one collective (communication_ledger)")

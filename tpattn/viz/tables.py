@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Mapping, Sequence
 
-from ..check import MEASURES, TOLERANCE
+from tpattn.check.core import MEASURES, TOLERANCE
 
 __all__ = ["MEASURE_LABELS", "SHORT_MEASURE_LABELS", "format_measure", "measures_table"]
 

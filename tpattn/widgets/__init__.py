@@ -12,7 +12,7 @@ buttons), which the book's myst-nb config shows instead of the widget view
 on the first use of one of their names.
 """
 
-from ..lazy import lazy_names
+from tpattn.lazy import lazy_names
 from .core import Explorer, config_controls, mode_control, seed_control
 from .static import StaticExplorer
 

@@ -7,8 +7,8 @@ import html
 
 import ipywidgets as widgets
 
-from ..bug_hunt import choices, describe, hunt_case, judge
-from ..observe import observe
+from tpattn.diagnosis.hunt import choices, describe, hunt_case, judge
+from tpattn.diagnosis.observe import observe
 from .core import Explorer, html_output, single_thread
 
 __all__ = ["bug_hunt_explorer", "HUNTS", "hunt_panel"]

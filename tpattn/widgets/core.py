@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..check import EQUIVALENCE, MODES
-from ..config import Config
+from tpattn.check.core import EQUIVALENCE, MODES
+from tpattn.config import Config
 from .static import StaticExplorer
 
 __all__ = [
@@ -117,7 +117,7 @@ class StandingFigure:
     the artists that depend on the state (the setter that figure uses itself); ``dynamic(fig)``
     lists them in drawing order. The first state lays the figure out once, freezes the layout
     and caches the background without them; later states draw only them over it. The pixels
-    equal a full draw (``tests/test_widgets.py`` compares them).
+    equal a full draw (``tests/frontends/test_widgets.py`` compares them).
     """
 
     def __init__(self, build: Callable, update: Callable, dynamic: Callable,

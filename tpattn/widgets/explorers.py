@@ -11,13 +11,13 @@ from typing import Callable
 
 import ipywidgets as widgets
 
-from ..check import EQUIVALENCE, MODES, SEEDS, SP_MODES
-from ..config import Config
-from ..layers import rope_angles
-from ..viz.frames import HeadsPicture, heads_svg
-from ..viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
+from tpattn.check.core import EQUIVALENCE, MODES, SEEDS, SP_MODES
+from tpattn.config import Config
+from tpattn.block.layers import rope_angles
+from tpattn.viz.frames import HeadsPicture, heads_svg
+from tpattn.viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
                           rope_rotation_figure, set_attention_state, set_rope_position)
-from ..viz.sharding import heads_picture, measures_table
+from tpattn.viz.sharding import heads_picture, measures_table
 from .core import (Explorer, StandingFigure, config_controls, drawn_config, html_output,
                    mode_control, png_output, seed_control, single_thread, text_output)
 from .measures import MeasuresPlot, live_run, measures_html

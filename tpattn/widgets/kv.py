@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from ..config import KV_STRATEGIES, Config
-from ..kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
-from ..viz.kv import replica_groups_layout
+from tpattn.config import KV_STRATEGIES, Config
+from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
+from tpattn.viz.kv import replica_groups_layout
 from .core import Explorer, config_controls
 from .explorers import control_states, heads_explorer, layout_states
 

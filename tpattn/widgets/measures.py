@@ -8,12 +8,13 @@ import html
 from typing import Mapping
 
 
-from ..check import MEASURES, TOLERANCE, run
-from ..config import Config
-from ..viz.sharding import MEASURE_LABELS, format_measure, measures_figure
+from tpattn.bugs.modes import run
+from tpattn.check.core import MEASURES, TOLERANCE
+from tpattn.config import Config
+from tpattn.viz.sharding import MEASURE_LABELS, format_measure, measures_figure
 # measures_figure's own rules for where 0 is drawn and how a bar is labelled
-from ..viz.sharding import value_label, zero_floor
-from ..viz.style import FAIL_COLOR, PASS_COLOR
+from tpattn.viz.sharding import value_label, zero_floor
+from tpattn.viz.style import FAIL_COLOR, PASS_COLOR
 from .core import StandingFigure, single_thread
 
 __all__ = ["MeasuresPlot", "live_run", "measures_html"]
@@ -84,7 +85,7 @@ def _measures_dynamic(fig) -> list:
 
 class MeasuresPlot(StandingFigure):
     """``measures_figure(result)`` as PNG bytes, standing per zero floor (``builds``: one per
-    floor seen); the pixels equal a full draw (``tests/test_widgets.py``)."""
+    floor seen); the pixels equal a full draw (``tests/frontends/test_widgets.py``)."""
 
     def __init__(self):
         super().__init__(lambda _floor, result: measures_figure(result), _set_measures,

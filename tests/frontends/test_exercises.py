@@ -1,0 +1,376 @@
+"""tpattn.exercises: every checker accepts the book's reference solution and rejects known-wrong
+answers with the right message; a reader's exception becomes one sentence, a stub 'not written
+yet'.
+
+The reference solutions are read from the chapter notebooks (cells tagged
+``exercise-solution``), so no second copy exists; the wrong answers live here only.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpattn
+from tpattn import exercises as ex
+from tpattn.check.core import LR, MEASURES
+from tpattn.block.dense import attend_and_project
+
+from tests.wrong_answers_later import WRONG_LATER
+
+BOOK = Path(__file__).resolve().parents[2] / "book"
+CHECK_CALL = re.compile(r"^exercises\.(check_\w+)\((.+)\)$")
+
+
+def exercise_cells():
+    """(notebook, checker name, answer name, stub code, solution code) per exercise."""
+    found = []
+    for path in sorted(BOOK.glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if "exercise-solution" in cell["metadata"].get("tags", []):
+                match = CHECK_CALL.match("".join(cells[i + 1]["source"]).strip())
+                assert match, f"{path.name}: the cell after a solution must call its checker"
+                stub_check = CHECK_CALL.match("".join(cells[i - 2]["source"]).strip())
+                assert stub_check and stub_check.groups() == match.groups(), path.name
+                assert "hide-input" in cell["metadata"]["tags"]
+                found.append((path.name, *match.groups(), "".join(cells[i - 3]["source"]),
+                              "".join(cell["source"])))
+    return found
+
+
+EXERCISES = exercise_cells()
+
+
+def load(code: str, answer: str, where: str):
+    """Run a notebook cell's code; return the value of ``answer`` (the checker's argument)."""
+    namespace = {"__name__": "reader"}
+    exec(compile(code, where, "exec"), namespace)
+    return eval(answer, namespace)
+
+
+def solution(checker: str):
+    for nb, check, name, _, code in EXERCISES:
+        if check == checker:
+            return load(code, name, f"<{nb}>")
+    raise LookupError(checker)
+
+
+def test_every_chapter_from_5_on_has_two_exercises_and_every_checker_is_used():
+    per_chapter = {}
+    for nb, check, *_ in EXERCISES:
+        per_chapter.setdefault(nb[:2], []).append(check)
+    assert sorted(per_chapter) == [f"{n:02d}" for n in range(5, 18)]
+    assert all(len(checks) >= 2 for checks in per_chapter.values())
+    used = [check for _, check, *_ in EXERCISES]
+    assert sorted(used) == sorted(n for n in ex.__all__ if n.startswith("check_"))
+
+
+@pytest.mark.parametrize("nb, checker, name, stub, code", EXERCISES,
+                         ids=[f"{e[0][:2]}-{e[1]}" for e in EXERCISES])
+def test_checker_accepts_the_reference_solution_and_reports_the_stub(nb, checker, name, stub, code):
+    result = getattr(ex, checker)(load(code, name, f"<{nb}>"))
+    assert result.passed, result.message
+    assert "\n" not in result.message
+    stubbed = getattr(ex, checker)(load(stub, name, f"<{nb} stub>"))
+    assert not stubbed.passed
+    assert stubbed.message.startswith("not written yet: replace `raise NotImplementedError`")
+
+
+def test_import_tpattn_does_not_import_exercises():
+    code = "import sys, tpattn; assert 'tpattn.exercises' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_solution_lives_in_the_package():
+    source = (Path(ex.__file__)).read_text()
+    assert "def train_step" not in source and "def keeps_groups" not in source
+    assert "class G(" not in source
+    assert "def reduce_kv_grads" not in source and "def shard_interleaved" not in source
+    assert "def forward_with_bias" not in source and "def guess" not in source
+
+
+# --- known-wrong answers, each with the message that must name its mistake -------------------
+
+def step_with(loss_fn=F.mse_loss, lr=LR, in_place=False):
+    def train_step(x0, target, params, cfg):
+        p = params if in_place else tpattn.clone_trainable(params)
+        if in_place:
+            for t in p.values():
+                t.requires_grad_(True)
+        x = x0.clone().requires_grad_(True)
+        y = tpattn.dense_forward(x, p, cfg)
+        loss = loss_fn(y, target)
+        loss.backward()
+        with torch.no_grad():
+            if in_place:
+                for t in p.values():
+                    t -= lr * t.grad
+                weights = {k: t.clone() for k, t in p.items()}
+            else:
+                weights = {k: p[k] - lr * p[k].grad for k in p}
+        return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+                "grads": {k: p[k].grad for k in p}, "weights": weights}
+    return train_step
+
+
+def measures_with(reduce_forward=torch.max, params=None, signed=False):
+    def measures(dense, tp):
+        def diff(a, b, reduce=torch.max):
+            d = a - b if signed else (a - b).abs()
+            return reduce(d).item()
+        keys = params or list(dense["grads"])
+        return {"forward_max_abs_diff": diff(dense["output"], tp["output"], reduce_forward),
+                "loss_abs_diff": diff(dense["loss"], tp["loss"]),
+                "input_grad_max_abs_diff": diff(dense["input_grad"], tp["input_grad"]),
+                "parameter_grad_max_abs_diff": max(diff(dense["grads"][k], tp["grads"][k])
+                                                   for k in keys),
+                "post_step_weight_max_abs_diff": max(diff(dense["weights"][k], tp["weights"][k])
+                                                     for k in keys)}
+    return measures
+
+
+def shard_with(kv_rank=lambda r, w: r, wo_rows=False, detach=False):
+    def shard(params, cfg):
+        d = cfg.head_dim
+        q, kv = cfg.local_query_heads * d, cfg.local_kv_heads * d
+        out = []
+        for r in range(cfg.world_size):
+            k = kv_rank(r, cfg.world_size)
+            mine = {"norm": params["norm"], "wq": params["wq"][r * q:(r + 1) * q],
+                    "wk": params["wk"][k * kv:(k + 1) * kv], "wv": params["wv"][k * kv:(k + 1) * kv],
+                    "wo": params["wo"][r * q:(r + 1) * q] if wo_rows else params["wo"][:, r * q:(r + 1) * q]}
+            out.append({n: t.detach() for n, t in mine.items()} if detach else mine)
+        return out
+    return shard
+
+
+def collective(forward_sums: bool, backward_sums: bool):
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ts):
+            if forward_sums:
+                total = sum(ts[1:], ts[0])
+                return tuple(total.clone() for _ in ts)
+            return tuple(t.view_as(t) for t in ts)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            if backward_sums:
+                total = sum(grads[1:], grads[0])
+                return tuple(total.clone() for _ in grads)
+            return grads
+    return Wrong
+
+
+def fingerprint_with(which):
+    def fingerprint(x, params, cfg):
+        n = tpattn.rms_norm(x, params["norm"], cfg.eps)
+        partials = [attend_and_project(n, s, cfg) for s in tpattn.shard_params(params, cfg)]
+        return which(partials)
+    return fingerprint
+
+
+def signature_with(fails=lambda v: v >= tpattn.TOLERANCE, kind=tuple):
+    return lambda result: kind(m for m in MEASURES if fails(result[m]))
+
+
+def forward_first_diagnose(result):
+    if result["forward_max_abs_diff"] >= tpattn.TOLERANCE:
+        return tpattn.MISSING_OUTPUT_REDUCE
+    if result["input_grad_max_abs_diff"] >= tpattn.TOLERANCE:
+        return tpattn.MISSING_INPUT_GRAD_REDUCE
+    return tpattn.EQUIVALENCE
+
+
+def swapped_diagnose(result):
+    mode = solution("check_diagnose")(result)
+    swap = {tpattn.MISSING_OUTPUT_REDUCE: tpattn.MISSING_INPUT_GRAD_REDUCE,
+            tpattn.MISSING_INPUT_GRAD_REDUCE: tpattn.MISSING_OUTPUT_REDUCE}
+    return swap.get(mode, mode)
+
+
+def real_f(reduce: bool):
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, n):
+            return n.view_as(n)
+
+        @staticmethod
+        def backward(ctx, grad):
+            total = grad.contiguous().clone()
+            if reduce:
+                torch.distributed.all_reduce(total)
+            return total
+    return F
+
+
+def real_g(reduce: bool, fail: bool = False):
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, partial):
+            total = partial.contiguous().clone()
+            if fail:
+                1 / 0
+            if reduce:
+                torch.distributed.all_reduce(total)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+    return G
+
+
+def nbytes(cfg):
+    return cfg.seq * cfg.batch * cfg.hidden * cfg.torch_dtype.itemsize
+
+
+WRONG = [
+    ("check_train_step", step_with(loss_fn=lambda y, t: F.mse_loss(y, t, reduction="sum")),
+     "the loss is not the fixture's"),
+    ("check_train_step", step_with(lr=-LR), "the weights after the step are wrong"),
+    ("check_train_step", step_with(in_place=True), "changed the starting parameters"),
+    ("check_five_measures", measures_with(reduce_forward=torch.mean),
+     "forward_max_abs_diff is not the largest absolute difference of the outputs"),
+    ("check_five_measures", measures_with(params=["wq"]),
+     "parameter_grad_max_abs_diff is not the largest absolute difference over the gradients"),
+    ("check_five_measures", measures_with(signed=True), "is not the largest absolute"),
+    ("check_shard_params", shard_with(kv_rank=lambda r, w: w - 1 - r), "a split group"),
+    ("check_shard_params", shard_with(wo_rows=True), "rank 0's wo has shape"),
+    ("check_shard_params", shard_with(detach=True), "the gradients do not reach the dense"),
+    ("check_keeps_groups", lambda layout, cfg: True,
+     "you said it keeps groups complete, but the sharded block with this layout differs"),
+    ("check_keeps_groups",
+     lambda layout, cfg: all({h % cfg.kv_heads for h in r["query"]} == set(r["kv"]) for r in layout),
+     "you said it"),
+    ("check_keeps_groups",  # contiguous heads only: rejects groups moved between ranks
+     lambda layout, cfg: all(r["kv"] == list(range(i * cfg.local_kv_heads, (i + 1) * cfg.local_kv_heads))
+                             and {h // cfg.group_size for h in r["query"]} == set(r["kv"])
+                             for i, r in enumerate(layout)),
+     "you said it splits a group, but the sharded block with this layout matches dense"),
+    ("check_g", collective(forward_sums=True, backward_sums=True), "backward sums the ranks'"),
+    ("check_g", collective(forward_sums=False, backward_sums=False),
+     "forward hands rank 0 its own tensor back"),
+    ("check_f", collective(forward_sums=True, backward_sums=False),  # f that sums in forward
+     "forward sums the ranks' tensors; f's forward is the identity"),
+    ("check_f", collective(forward_sums=False, backward_sums=False),
+     "backward passes each rank its own gradient"),
+    ("check_missing_g_signature", lambda: {"forward_max_abs_diff"}, "you left out loss_abs_diff"),
+    ("check_missing_g_signature", lambda: "forward_max_abs_diff", "should be a set of measure"),
+    ("check_missing_g_signature", lambda: {"forward"}, "'forward' is not one of the measure names"),
+    ("check_fingerprint", fingerprint_with(lambda p: p[0]), "rank 0's own partial"),
+    ("check_fingerprint", fingerprint_with(sum), "the whole branch"),
+    ("check_fingerprint", fingerprint_with(lambda p: -sum(p[1:])), "the sign is flipped"),
+    ("check_missing_f_signature", lambda: set(MEASURES), "you named forward_max_abs_diff, loss_abs_diff"),
+    ("check_missing_f_signature", lambda: {"input_grad_max_abs_diff"},
+     "you left out parameter_grad_max_abs_diff, post_step_weight_max_abs_diff"),
+    ("check_missing_f_parameters", lambda: set(tpattn.block.params.PARAM_NAMES), "you named wq, wk, wv, wo"),
+    ("check_missing_f_parameters", lambda: set(), "you left out norm"),
+    ("check_signature", signature_with(fails=lambda v: v > tpattn.TOLERANCE),
+     "as passing, but a measure at or above TOLERANCE fails"),
+    ("check_signature", signature_with(fails=lambda v: v > 0), "as failing, but they are below TOLERANCE"),
+    ("check_signature", signature_with(kind=set), "the right measures, as a set"),
+    ("check_diagnose", forward_first_diagnose, "no mode leaves that signature, so the answer is None"),
+    ("check_diagnose", swapped_diagnose, "the run came from missing_"),
+    ("check_bytes_per_step", lambda cfg: {"f": nbytes(cfg) // cfg.world_size, "g": nbytes(cfg)},
+     "divided by the ranks"),
+    ("check_bytes_per_step",
+     lambda cfg: {"f": cfg.seq * cfg.batch * cfg.hidden * 4, "g": cfg.seq * cfg.batch * cfg.hidden * 4},
+     "an element's size depends on cfg.dtype"),
+    ("check_real_f_and_g", (real_f(reduce=False), real_g(reduce=True)),
+     "on real ranks the forward is right but input_grad_max_abs_diff"),
+    ("check_real_f_and_g", (real_f(reduce=True), real_g(reduce=False)),
+     "on real ranks the output is not dense's"),
+    ("check_real_f_and_g", (real_f(reduce=True), real_g(reduce=True, fail=True)),
+     "on real ranks, rank 0 raised ZeroDivisionError"),
+    ("check_ledger_counts", lambda mode: {"forward": 1, "backward": 1},
+     "for missing_output_reduce, one rank's step issues 0 all-reduces in the forward pass; you said 1"),
+    ("check_ledger_counts", lambda mode: {"forward": 1, "backward": 2},
+     "for equivalence, one rank's step issues 1 all-reduce in the backward pass; you said 2"),
+]
+
+
+ALL_WRONG = WRONG + WRONG_LATER
+
+
+@pytest.mark.parametrize("checker, answer, expected", ALL_WRONG,
+                         ids=[f"{w[0]}-{i}" for i, w in enumerate(ALL_WRONG)])
+def test_checker_rejects_a_known_wrong_answer_with_its_message(checker, answer, expected):
+    result = getattr(ex, checker)(answer)
+    assert not result.passed
+    assert expected in result.message, result.message
+    assert "Traceback" not in result.message and "\n" not in result.message
+
+
+def test_every_checker_has_at_least_two_known_wrong_answers():
+    counts = {}
+    for checker, *_ in ALL_WRONG:
+        counts[checker] = counts.get(checker, 0) + 1
+    checkers = [n for n in ex.__all__ if n.startswith("check_")]
+    assert sum(getattr(ex, n).chapter >= 12 for n in checkers) == 12  # chapters 12-17: 2 each
+    assert all(counts.get(n, 0) >= 2 for n in checkers), counts
+
+
+def test_an_exception_in_the_readers_code_is_one_sentence_naming_the_line():
+    def train_step(x0, target, params, cfg):
+        p = dict(params)
+        return p["w_q"]  # a typo: the key is wq
+
+    result = ex.check_train_step(train_step)
+    assert not result.passed
+    line = train_step.__code__.co_firstlineno + 2
+    assert result.message.startswith(
+        f"your code raised KeyError ('w_q') at line {line} of train_step: `return p[\"w_q\"]"), \
+        result.message
+    assert "Traceback" not in result.message and "\n" not in result.message
+    assert result.message.endswith("See chapter 5 (the dense block).")
+
+
+def test_an_exception_in_the_readers_backward_names_the_backward():
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ts):
+            total = sum(ts[1:], ts[0])
+            return tuple(total.clone() for _ in ts)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return grads[0] @ grads[1]  # shapes do not fit
+
+    result = ex.check_g(G)
+    assert not result.passed
+    assert re.match(r"your code raised RuntimeError \(.*\) at line \d+ of backward: "
+                    r"`return grads\[0\] @ grads\[1\]", result.message), result.message
+
+
+def test_a_wrong_call_signature_is_one_sentence():
+    result = ex.check_fingerprint(lambda x: x)
+    assert not result.passed
+    assert result.message.startswith("calling your code failed with TypeError")
+
+
+def test_result_text_fits_the_column_and_html_is_escaped():
+    result = ex.Result("demo", False, "a <b> & " + "word " * 40)
+    assert all(len(line) <= ex.WIDTH for line in repr(result).splitlines())
+    assert "&lt;b&gt; &amp;" in result._repr_html_()
+    assert result._repr_html_().startswith("<p") and "✗ not yet" in result._repr_html_()
+
+
+@pytest.mark.built_book
+@pytest.mark.parametrize("nb", sorted({e[0] for e in EXERCISES}))
+def test_the_html_book_shows_the_stubs_message_and_hides_the_solution(nb):
+    page = BOOK.parent / "_build" / "html" / "book" / nb.replace(".ipynb", ".html")
+    if not page.is_file():
+        pytest.skip("the HTML book is not built (make book)")
+    html = page.read_text()
+    solutions = re.findall(r'<div class="cell tag_hide-input tag_exercise-solution[^"]*"', html)
+    assert len(solutions) == sum(1 for e in EXERCISES if e[0] == nb)
+    assert html.count("not written yet") == len(solutions)
+    assert "Traceback" not in html.split('id="exercises"')[-1]

@@ -1,0 +1,179 @@
+"""The engine (``tpattn.parallel``: the block written once, ranks as dim 0, collectives passed
+in) against the package's other implementations of the same ranks, on every mode.
+
+The engine's batched kernels block their sums differently from a loop over ranks, so the
+contract is the rounding bound of ``tests/rounding.py`` (``2 * n * eps * scale``, ``scale``
+the largest value compared, at least 1), against the loop over a list of ranks the package
+ran before (``tests/reference_ranks.py``), on every rank's output, loss, input gradient,
+parameter gradients and weights after the step; and exact equality of the ledger.
+Cases: seeds 11 and 23 (shapes of the tests below), held-out seed 5 at another shape.
+"""
+import pytest
+import torch
+
+from tpattn import Config
+from tpattn.bugs import zoo
+from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel.engine import rank_block, stack_ranks, train_step
+from tpattn.parallel.injection import Injection
+from tpattn.check.core import LR, make_inputs, PARAM_SEED_OFFSET
+from tpattn.block.params import init_params, shard_params
+from tests import reference_ranks as ref
+from tests.rounding import longest_sum
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, cfg: Config, what: str) -> None:
+    eps = torch.finfo(a.dtype).eps
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1.0)
+    bound = 2 * longest_sum(cfg) * eps * scale
+    diff = (a - b).abs().max().item()
+    assert diff <= bound, f"{what}: {diff:.3e} > {bound:.3e}"
+
+
+def _engine(shards, batches, cfg, inj):
+    ledger: list = []
+    x = torch.stack([b[0] for b in batches])
+    t = torch.stack([b[1] for b in batches])
+    return train_step(stack_ranks(shards), x, t, cfg, inj, SimulatedRanks(cfg, ledger), LR)
+
+
+ZOO_MODES = [m for m in zoo.runnable_modes()]
+
+
+@pytest.mark.parametrize("seed", [11, 23])
+@pytest.mark.parametrize("mode", ZOO_MODES)
+def test_engine_equals_the_zoo_rank_loop(mode, seed):
+    cfg = Config(query_heads=8, kv_heads=4, world_size=2) if "kv_heads >= 2 * world_size" \
+        in zoo.get_mode(mode).needs else Config()
+    inj = zoo.check_needs(mode, cfg).injection
+    base = zoo.make_params(cfg, seed, inj)
+    shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, cfg, inj)]
+    batches = zoo.rank_batches(cfg, seed, inj)
+    loop = ref.ranks_train_step(shards, batches, cfg, inj)
+    eng = _engine(shards, batches, cfg, inj)
+    assert eng["ledger"] == loop["ledger"]
+    for r in range(cfg.world_size):
+        _close(eng["outputs"][r], loop["outputs"][r], cfg, f"output rank {r}")
+        _close(eng["losses"][r], loop["losses"][r], cfg, f"loss rank {r}")
+        _close(eng["input_grads"][r], loop["input_grads"][r], cfg, f"dX rank {r}")
+        for k in shards[0]:
+            _close(eng["grads"][k][r], loop["grads"][r][k], cfg, f"grad {k} rank {r}")
+            _close(eng["weights"][k][r], loop["weights"][r][k], cfg, f"weight {k} rank {r}")
+    assert eng["grad_norm"] == pytest.approx(loop["grad_norm"], rel=1e-6)
+
+
+def test_engine_block_is_dense_at_world_size_one_held_out_shape():
+    """Held out: seed 5, another shape; TP = 1 has no collectives to get wrong."""
+    from tpattn.block.dense import dense_forward
+
+    cfg = Config(seq=6, hidden=24, query_heads=6, kv_heads=3, head_dim=4, world_size=1,
+                 dtype="float64")
+    x, _ = make_inputs(cfg, 5)
+    p = init_params(cfg, 5 + PARAM_SEED_OFFSET)
+    y = rank_block(x.unsqueeze(0), stack_ranks(shard_params(p, cfg)), cfg, Injection(),
+                   SimulatedRanks(cfg))
+    _close(y[0], dense_forward(x, p, cfg), cfg, "output")
+
+
+#: The modes ``tpattn.run`` has no zoo injection for today, as injections of the engine.
+NATIVE = {"equivalence": Injection(), "missing_output_reduce": Injection(g=0),
+          "missing_input_grad_reduce": Injection(f="none"),
+          "missing_kv_grad_reduce": Injection(kv_grad="none"),
+          "missing_norm_grad_reduce": Injection(norm_grad="none"),
+          "norm_grad_averaged": Injection(norm_grad="mean")}
+
+
+def _compare_steps(eng, steps, cfg, names):
+    for r, step in enumerate(steps):
+        _close(eng["outputs"][r], step["output"], cfg, f"output rank {r}")
+        _close(eng["losses"][r], step["loss"], cfg, f"loss rank {r}")
+        _close(eng["input_grads"][r], step["input_grad"], cfg, f"dX rank {r}")
+        for k in names:
+            _close(eng["grads"][k][r], step["grads"][k], cfg, f"grad {k} rank {r}")
+            _close(eng["weights"][k][r], step["weights"][k], cfg, f"weight {k} rank {r}")
+
+
+@pytest.mark.parametrize("strategy", ["replicate_weights", "gather_activations"])
+@pytest.mark.parametrize("mode", ["equivalence", "missing_output_reduce",
+                                  "missing_input_grad_reduce", "missing_kv_grad_reduce"])
+@pytest.mark.parametrize("seed", [11, 5])
+def test_engine_equals_the_kv_replica_ranks(mode, strategy, seed):
+    from tpattn.check.core import modes_for
+
+    cfg = Config(query_heads=8, kv_heads=2, world_size=4, kv_strategy=strategy)
+    if mode not in modes_for(cfg):
+        pytest.skip(f"{mode} does not apply to {strategy}")
+    flags = (mode != "missing_output_reduce", mode != "missing_input_grad_reduce",
+             mode != "missing_kv_grad_reduce")
+    x0, target = make_inputs(cfg, seed)
+    shards = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)
+    steps = ref.ranks_step(lambda xs, ps: ref.tp_forward_kv_ranks(xs, ps, cfg, *flags), x0, target,
+                       shards)
+    eng = _engine(shards, [(x0, target)] * cfg.world_size, cfg, NATIVE[mode])
+    _compare_steps(eng, steps, cfg, shards[0])
+
+
+@pytest.mark.parametrize("mode", ["equivalence", "missing_output_reduce",
+                                  "missing_input_grad_reduce", "missing_norm_grad_reduce",
+                                  "norm_grad_averaged"])
+@pytest.mark.parametrize("seed", [11, 5])
+def test_engine_equals_the_sequence_parallel_ranks(mode, seed):
+    from tpattn.check.core import sp_flags
+
+    cfg = Config(seq=8, sequence_parallel=True)
+    w = cfg.world_size
+    x0, target = make_inputs(cfg, seed)
+    shards = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)
+    steps = ref.sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)), shards, cfg,
+                          *sp_flags(mode))
+    eng = _engine(shards, list(zip(x0.chunk(w), target.chunk(w))), cfg, NATIVE[mode])
+    _compare_steps(eng, steps, cfg, shards[0])
+
+
+@pytest.mark.parametrize("mode", ["equivalence", "missing_output_reduce",
+                                  "missing_input_grad_reduce"])
+def test_engine_equals_plain_ranks_held_out_shape(mode):
+    """Held out: seed 3, 4 ranks, 8/4 heads, float64 (the bound scales with eps)."""
+
+    cfg = Config(query_heads=8, kv_heads=4, world_size=4, dtype="float64")
+    inj = NATIVE[mode]
+    x0, target = make_inputs(cfg, 3)
+    shards = shard_params(init_params(cfg, 3 + PARAM_SEED_OFFSET), cfg)
+    steps = ref.ranks_step(lambda xs, ps: ref.tp_forward_ranks(xs, ps, cfg, inj.g == 1,
+                                                       inj.f == "sum"), x0, target, shards)
+    eng = _engine(shards, [(x0, target)] * cfg.world_size, cfg, inj)
+    _compare_steps(eng, steps, cfg, shards[0])
+
+
+@pytest.mark.parametrize("seed", [11, 29])
+def test_the_seed_one_graph_block_is_the_engine_under_correct_tp(seed):
+    """``tp.tp_forward`` (the seed's rank-0 view, chapters 6-9) is the engine's result where
+    the two semantics coincide: correct TP, the seed's Config (seed 29 held out)."""
+    from tpattn.check.core import dense_reference, five_measures, tp_step
+    from tpattn.parallel.simulated import rank0_view, simulated_step
+
+    cfg = Config()
+    x0, target = make_inputs(cfg, seed)
+    base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+    seed_view = tp_step(x0, target, base, cfg, "equivalence")
+    engine = rank0_view(simulated_step(shard_params(base, cfg), [(x0, target)] * 2, cfg,
+                                       Injection(), LR), cfg)
+    for key in ("output", "loss", "input_grad"):
+        _close(engine[key], seed_view[key], cfg, key)
+    for k in base:
+        _close(engine["grads"][k], seed_view["grads"][k], cfg, f"grad {k}")
+        _close(engine["weights"][k], seed_view["weights"][k], cfg, f"weight {k}")
+    # and both are the correct block: every measure against dense passes
+    dense = dense_reference(x0, target, base, cfg)
+    assert five_measures(seed, "equivalence", dense, engine)["passed"]
+
+
+def test_the_registry_and_run_share_one_injection_per_seed_mode():
+    """One vocabulary: the registry's entries of the seed's three modes are the very
+    injections ``run`` simulates them with."""
+    from tpattn.check.core import MODES, NATIVE_INJECTIONS
+
+    for mode in MODES:
+        assert zoo.get_mode(mode).injection is NATIVE_INJECTIONS[mode]

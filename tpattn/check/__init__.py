@@ -1,0 +1,1 @@
+"""The check: one training step on both sides, the five measures, tolerances."""

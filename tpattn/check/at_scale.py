@@ -1,0 +1,112 @@
+"""The check at real sizes: many TP variants against one dense step, and a dtype against float64.
+
+``check.run`` computes the dense reference once per (seed, mode). At the Llama-3-8B attention
+shape a dense step costs as much as a TP step, and the dense side does not depend on the
+world size or the mode — so a sweep computes it once per seed and compares every (world
+size, mode) against it, under ``tolerance="auto"`` bounds (``tpattn.check.tolerance``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .core import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
+                    PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs, one_step)
+from tpattn.config import Config
+from tpattn.block.params import init_params
+from tpattn.parallel.rank_batched import rank_batched_tp_forward
+from .tolerance import (amplification, apply_auto, per_parameter, perturbed_start, ratios,
+                        rounding_floors)
+from tpattn.parallel.tp import tp_forward
+
+#: TP implementations by name: the seed's per-rank loop, or ranks as a batch dimension.
+TP_PATHS = {"loop": tp_forward, "batched": rank_batched_tp_forward}
+
+
+def probe_amplification(cfg: Config, x0, target, base: dict, dense: dict) -> dict:
+    """``tolerance.amplification`` of ``cfg``'s step: the dense step again from
+    ``perturbed_start`` (inputs ``[S, B, hidden]`` and parameters moved by a relative
+    ``relative_bound(cfg)``), compared with ``dense``; ``A_m`` by measure."""
+    px, pbase = perturbed_start(cfg, x0, base)
+    return amplification(cfg, dense, dense_reference(px, target, pbase, cfg))
+
+
+def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=MODES,
+                        init: str = "fan_in", path: str = "batched",
+                        probe: bool = False) -> list[dict]:
+    """One dense step of ``cfg``'s block, then a TP step for every world size x mode.
+
+    Bug modes are skipped at world size 1 (with one rank there is nothing to reduce).
+    The conditioning probe (``probe_amplification``, one more dense step) runs once, when a
+    row first needs it, or always with ``probe=True``; every world size's floors scale its
+    own bounds by the same amplification.
+    Gradients and weights are judged per parameter (``tolerance.per_parameter``).
+    Returns one dict per TP step: ``run(tolerance="auto")``'s keys plus ``world_size``,
+    ``dtype``, ``init``, ``ratios`` (measure / bound) and, once probed, ``amplification_by``
+    (``A_m`` by measure) and ``floor_ratios`` (measure / floor).
+    """
+    x0, target = make_inputs(cfg, seed)
+    base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
+    dense = dense_reference(x0, target, base, cfg)
+    amp = {}
+    if probe:
+        amp.update(probe_amplification(cfg, x0, target, base, dense))
+
+    def floors_of(cfg_w, worst):
+        def floors():
+            if not amp:
+                amp.update(probe_amplification(cfg, x0, target, base, dense))
+            return rounding_floors(cfg_w, dense, amp, LR, worst), amp
+        return floors
+
+    rows = []
+    for w in world_sizes:
+        cfg_w = replace(cfg, world_size=w)
+        for mode in modes:
+            if w == 1 and mode in (MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE):
+                continue
+
+            def tp(x, p, cfg_w=cfg_w, mode=mode):
+                return TP_PATHS[path](x, p, cfg_w,
+                                      reduce_output=mode != MISSING_OUTPUT_REDUCE,
+                                      reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
+
+            step = one_step(tp, x0, target, base)
+            metrics, bounds = per_parameter(cfg_w, five_measures(seed, mode, dense, step),
+                                            dense, step, LR)
+            worst = metrics["worst_parameter"]
+            row = apply_auto(metrics, bounds, floors_of(cfg_w, worst))
+            row.update(world_size=w, dtype=cfg.dtype, init=init,
+                       ratios=ratios(row, bounds))
+            if amp:
+                row.update(amplification_by=dict(amp), floor_ratios=ratios(
+                    row, rounding_floors(cfg_w, dense, amp, LR, worst)))
+            rows.append(row)
+    return rows
+
+
+def against_float64(cfg: Config, seed: int, init: str = "fan_in") -> dict:
+    """The dense step in ``cfg.dtype`` against the dense step in float64 *of the same
+    numbers* (inputs and parameters of ``cfg.dtype``, cast up exactly): the five measures,
+    the bounds of ``cfg.dtype`` and their ratios — how far ``cfg.dtype`` is from exact."""
+    x0, target = make_inputs(cfg, seed)
+    base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
+    low = dense_reference(x0, target, base, cfg)
+    cfg64 = replace(cfg, dtype="float64")
+    exact = dense_reference(x0.double(), target.double(),
+                            {k: v.double() for k, v in base.items()}, cfg64)
+    as64 = {"output": low["output"].double(), "loss": low["loss"].double(),
+            "input_grad": low["input_grad"].double(),
+            "grads": {k: v.double() for k, v in low["grads"].items()},
+            "weights": {k: v.double() for k, v in low["weights"].items()}}
+    row, bounds = per_parameter(cfg, five_measures(seed, "dense_vs_float64", exact, as64),
+                                exact, as64, LR)
+    row = apply_auto(row, bounds)
+    row.update(dtype=cfg.dtype, init=init, ratios=ratios(row, bounds))
+    return row
+
+
+def llama3_8b_attention(seq: int = 64, dtype: str = "float32", world_size: int = 8) -> Config:
+    """The Llama-3-8B attention block's shape: hidden 4096, 32 query / 8 KV heads of 128."""
+    return Config(seq=seq, batch=1, hidden=4096, query_heads=32, kv_heads=8, head_dim=128,
+                  world_size=world_size, dtype=dtype)
+

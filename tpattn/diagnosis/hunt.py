@@ -1,0 +1,110 @@
+"""A bug hunt: a hidden, seeded bug; the reader sees only the observables and names a cause.
+
+``hunt_case(n)`` picks hunt ``n``'s hidden mode (a registry bug, or none), seed and shape,
+reproducibly. ``describe(obs)`` states what the run shows in words a reader can check — classes
+("agree", "= 1/W", "larger"), never rounding digits. ``judge(obs, truth, guess)`` says whether a
+guess is right and why: the fingerprint conditions that pin the true cause, or the first
+condition of the guessed cause's fingerprint that the run does not show.
+"""
+from __future__ import annotations
+
+import random
+
+from tpattn.config import Config
+from .diagnose import FINGERPRINTS, NO_KNOWN_CAUSE, features
+
+__all__ = ["hunt_case", "describe", "judge", "choices", "HUNT_SHAPES"]
+
+#: The shapes hunts are drawn on: two KV heads per rank, so every registry bug can show.
+HUNT_SHAPES = (Config(query_heads=8, kv_heads=4),
+               Config(seq=4, query_heads=16, kv_heads=8, world_size=4))
+
+
+def _hidden_modes() -> list[str]:
+    from tpattn.bugs.zoo import runnable_modes
+
+    return list(runnable_modes())  # equivalence included: "no known cause" is an answer too
+
+
+def choices() -> list[str]:
+    """The answers a hunt offers: ``NO_KNOWN_CAUSE`` and every runnable registry bug."""
+    from tpattn.check.core import EQUIVALENCE
+
+    return [NO_KNOWN_CAUSE] + [m for m in _hidden_modes() if m != EQUIVALENCE]
+
+
+def hunt_case(n: int) -> tuple[str, int, Config]:
+    """Hunt ``n``'s hidden ``(mode, seed, cfg)`` (``n``: any integer >= 0)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"hunt must be an integer >= 0 (got {n!r})")
+    rng = random.Random(1000 + n)
+    return rng.choice(_hidden_modes()), rng.randrange(100), rng.choice(HUNT_SHAPES)
+
+
+def _agree(flag: bool, yes: str = "agree", no: str = "differ") -> str:
+    return yes if flag else no
+
+
+def describe(obs: dict) -> list[str]:
+    """What the run shows, one line each (no dense model involved)."""
+    f = features(obs)
+    s = obs["setup"]
+    lines = [
+        f"setup: {s['world_size']} TP ranks, {s['kv_heads']} KV heads, "
+        f"bias {'yes' if s['bias'] else 'no'}, fused QKV checkpoint "
+        f"{'yes' if s['fused_qkv'] else 'no'}, clipping {'on' if s['grad_clip'] else 'off'}",
+        "step-0 losses across ranks: " + _agree(f["losses_agree"]),
+        "batch checksums across ranks: " + _agree(f["batches_agree"], "the same", "differ"),
+        "shard checksums vs checkpoint: " + (
+            "all match" if all(f["shards_ok"].values())
+            else ", ".join(k for k, ok in f["shards_ok"].items() if not ok) + " differ"),
+        f"ledger: forward {f['fwd']} (plan {f['fwd_plan']}), backward {f['bwd']} "
+        f"(plan {f['bwd_plan']})",
+        "replicated weights after 1 step: " + _agree(f["replicas_agree_1"], "identical", "differ")
+        + "; after the last: " + _agree(f["replicas_agree_k"], "identical", "differ"),
+    ]
+    if f["has_reference"]:
+        ratio = obs["grad_norm_ratio"]
+
+        def cls(r):
+            w = s["world_size"]
+            for name, value in (("same", 1.0), ("= 1/W", 1 / w), ("= W", float(w))):
+                if abs(r - value) <= 1e-4 * value:
+                    return name
+            return "larger" if r > 1 else "smaller"
+
+        lines += [
+            "vs a known-good run: step-0 loss " + _agree(f["loss_matches"], "the same", "differs")
+            + "; logged grad norm " + ("the same" if f["logged_norm_matches"]
+                                       else "larger" if f["logged_norm_high"] else "smaller"),
+            "gradient norms vs the good run: " + ", ".join(f"{k} {cls(r)}" for k, r in ratio.items()),
+        ]
+        if s["bias"]:
+            lines.append("bias gradient moved along the bias: "
+                         + ("yes" if f["bias_shift_along_bias"] else "no"))
+    return lines
+
+
+def judge(obs: dict, truth: str, guess: str) -> tuple[bool, str]:
+    """``(right, why)`` for a reader's ``guess`` when the hidden mode was ``truth``
+    (``"equivalence"``: no bug, the right answer is ``NO_KNOWN_CAUSE``)."""
+    from tpattn.check.core import EQUIVALENCE
+
+    answer = NO_KNOWN_CAUSE if truth == EQUIVALENCE else truth
+    if guess not in choices():
+        raise ValueError(f"guess must be one of {', '.join(choices())} (got {guess!r})")
+    f = features(obs)
+    if guess == answer:
+        if answer == NO_KNOWN_CAUSE:
+            return True, "Right: nothing deviates from a correct run; no fingerprint fits."
+        conditions, confirm = FINGERPRINTS[answer]
+        return True, ("Right: " + "; ".join(text for text, _ in conditions[1:])
+                      + f". To confirm: {confirm}.")
+    if guess == NO_KNOWN_CAUSE:
+        return False, "Not quite: something here does deviate from a correct run; look again."
+    conditions, _ = FINGERPRINTS[guess]
+    for text, test in conditions:
+        if not test(f):
+            return False, f"Not {guess}: its fingerprint needs \u201c{text}\u201d, which this run does not show."
+    return False, (f"Not {guess}, though this run fits its fingerprint too: a tie "
+                   f"the observables cannot break.")

@@ -1,0 +1,171 @@
+"""What an engineer can see of a TP run without a dense model to compare with.
+
+A diverging run has per-rank losses, parameter checksums, gradient norms and a trace of its
+collectives, not a dense twin. ``observe(mode, seed, cfg)`` trains the block on simulated ranks
+(each rank its own tensors, loss and backward, ``simulate="ranks"``) for a few steps and
+returns only such observables, as plain JSON-able numbers:
+
+- ``rank_losses``: every rank's loss at step 0 (do the ranks agree?);
+- ``batch_checksums``: every rank's sum of its input batch (did they get the same data?);
+- ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the sum
+  of the checkpoint slice that rank should hold (0: it loaded the right numbers);
+- ``replica_checksums``: per replicated parameter (``norm``, ``bias``), every rank's sum after
+  step 1 and after the last step (replicas must stay identical);
+- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase
+  and group, against those the correct program issues;
+- ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
+- ``loss_curve``: rank 0's loss at each step;
+- and, *when a known-good run is available* (an earlier commit, TP = 1):
+  ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
+  ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
+  ``bias_grad_shift_cosine`` (only with a bias): the cosine between the bias gradient's
+  change and the bias itself.
+
+The good run here is the mode's correct twin (``Injection.correct``): same setup, no bug.
+Tensors are float; checksums are sums (float64 accumulation of the float32 values).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tpattn.check.core import LR, NATIVE_MODES, check_seed
+from tpattn.config import Config
+from tpattn.parallel.engine import stack_ranks, unstack_ranks
+from tpattn.parallel.simulated import simulated_forward, simulated_step
+from tpattn.bugs.zoo import Injection, check_needs, make_params, rank_batches, shard, unshard
+
+__all__ = ["observe", "observe_injection", "STEPS"]
+
+#: Training steps of one observation (loss curve length).
+STEPS = 3
+
+
+def _checksum(t: torch.Tensor) -> float:
+    return float(t.detach().double().sum())
+
+
+def _detached(shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    return [{k: t.detach() for k, t in s.items()} for s in shards]
+
+
+def _losses(state, batches, cfg: Config, inj: Injection) -> torch.Tensor:
+    """Every rank's loss ``[W]`` of ``state`` (stacked parameters; forward only: what a step
+    logs before its backward; the same numbers as ``simulated_step``'s ``losses``)."""
+    with torch.no_grad():
+        ys = simulated_forward(state, [x for x, _ in batches], cfg, inj)
+        return torch.stack([F.mse_loss(y, target) for y, (_, target) in zip(ys, batches)])
+
+
+def _train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config, inj: Injection,
+           steps: int, last_update: bool = True) -> dict:
+    """``steps`` steps of ``simulated_step`` from ``shards`` on ``batches``; with
+    ``last_update=False`` the last step stops at its losses (no backward, no update: the
+    good twin's replicas are never looked at)."""
+    def step(p):
+        result = simulated_step(p, batches, cfg, inj, LR)
+        per_rank = {**result, "losses": list(result["losses"]),
+                    "grads": unstack_ranks(result["grads"])}
+        return per_rank, result["weights"], unstack_ranks(result["weights"])
+
+    return _steps(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj), steps,
+                  last_update)
+
+
+def _steps(state, step, losses, steps: int, last_update: bool) -> dict:
+    """The training loop of ``_train``: ``step(state)`` is one step,
+    returning ``(result, next state, every rank's weights)``; ``losses(state)`` every rank's
+    loss without a step. Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per
+    step) and ``replicas`` (the replicated weights' checksums after step 1 and the last)."""
+    out = {"curve": [], "replicas": {}}
+    for i in range(steps):
+        if i == steps - 1 and i > 0 and not last_update:
+            out["curve"].append(float(losses(state)[0]))
+            break
+        result, state, weights = step(state)
+        if i == 0:
+            out["first"] = result
+        out["curve"].append(float(result["losses"][0]))
+        if i in (0, steps - 1):
+            out["replicas"]["after_1" if i == 0 else "after_k"] = {
+                name: [_checksum(w[name]) for w in weights] for name in ("norm", "bias")
+                if name in weights[0]}
+    return out
+
+
+def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
+                      steps: int = STEPS, reference: bool = True,
+                      batched: bool = False) -> dict:
+    """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up)."""
+    check_seed(seed)
+    cfg = Config() if cfg is None else cfg
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+    if not isinstance(batched, bool):
+        raise ValueError(f"batched must be True or False (got {batched!r})")
+    good_inj = inj.correct()
+    # One checkpoint for both runs (the twin has the same setup: the same numbers);
+    # the twin's shards are the slices every rank should hold.
+    base = make_params(cfg, seed, inj)
+    shards0 = _detached(shard(base, cfg, inj))
+    expected = _detached(shard(base, cfg, good_inj))
+    batches = rank_batches(cfg, seed, inj)
+    train = _train
+    run = train(shards0, batches, cfg, inj, steps)
+    if good_inj == inj:  # no bug: the good run is this run
+        good = run
+    else:
+        good_batches = batches if inj.inputs == good_inj.inputs else \
+            rank_batches(cfg, seed, good_inj)
+        good = train(expected, good_batches, cfg, good_inj, steps,
+                     last_update=False)
+    first, good_first = run["first"], good["first"]
+    obs = {
+        "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
+                  "kv_heads": cfg.kv_heads},
+        "rank_losses": [float(l) for l in first["losses"]],
+        "batch_checksums": [_checksum(x) + _checksum(t) for x, t in batches],
+        "shard_checksums": {name: [_checksum(s[name]) - _checksum(e[name])
+                                   for s, e in zip(shards0, expected)]
+                            for name in ("wq", "wk", "wv", "wo")},
+        "shard_scale": {name: float(base[name].abs().sum())
+                        for name in ("wq", "wk", "wv", "wo")},
+        "replica_checksums": run["replicas"],
+        "ledger": [{k: e[k] for k in ("collective", "phase", "group")} for e in first["ledger"]],
+        "planned_ledger": [{k: e[k] for k in ("collective", "phase", "group")}
+                           for e in good_first["ledger"]],
+        "logged_grad_norm": first["grad_norm"],
+        "loss_curve": run["curve"],
+    }
+    if reference:
+        grads = unshard(first["grads"], cfg, inj)
+        good_grads = unshard(good_first["grads"], cfg, good_inj)
+        obs["reference"] = {"rank_losses": [float(l) for l in good_first["losses"]],
+                            "logged_grad_norm": good_first["grad_norm"],
+                            "loss_curve": good["curve"]}
+        obs["grad_norm_ratio"] = {k: float(grads[k].norm() / good_grads[k].norm())
+                                  for k in good_grads}
+        if "bias" in grads:
+            shift = (grads["bias"] - good_grads["bias"]).double()
+            b = base["bias"].double()
+            obs["bias_grad_shift_cosine"] = float(shift @ b / (shift.norm() * b.norm() + 1e-30))
+    return obs
+
+
+def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
+            reference: bool = True, batched: bool = False) -> dict:
+    """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
+    module docstring); ``reference=False`` leaves out what needs a known-good run.
+    ``batched``: accepted for compatibility; there is one simulation, the engine's ranks as
+    a batch dimension (``tpattn.parallel.simulated``), whatever its value."""
+    cfg = Config() if cfg is None else cfg
+    entry = check_needs(mode, cfg)
+    if entry.injection is None and mode in NATIVE_MODES:
+        raise ValueError(
+            f"observe cannot watch mode {mode!r} yet: it records the observables on "
+            f"tpattn.bugs.zoo's block, which has no knob for this bug; tpattn.run computes it "
+            f"(in {entry.provider}) and gives the five measures against the dense block")
+    if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
+        raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
+                         f"an injection of this block")
+    return observe_injection(entry.injection, seed, cfg, steps, reference, batched)

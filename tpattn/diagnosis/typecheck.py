@@ -1,0 +1,397 @@
+"""Tier 0: the sharded block under ``spmd_types``' type checker, before any number is compared.
+
+``spmd_types`` (meta-pytorch/spmd_types, BSD) gives every tensor a *local SPMD type* per mesh
+axis: ``I`` invariant (the same on every rank, gradient too), ``R`` replicate (the same on
+every rank, gradient pending a sum), ``V`` varying (differs per rank) or ``P`` partial (the
+value is the pending sum over ranks). Ops check that their operands' types mix; collectives
+change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g).
+
+``typecheck(mode, cfg)`` runs the SAME per-rank block the real ranks run
+(``tpattn.real.ranks.tp_rank_forward``, ``tpattn.real.sp_ranks.sp_rank_forward``,
+``tpattn.real.zoo_real.zoo_rank_forward``), forward and backward, with ``TypedCollectives`` in
+place of the ledger, on a fake process group of ``cfg.world_size`` ranks (backend
+``"fake"``: no rank runs, no collective moves data; this process plays rank 0). The inputs and
+parameters are declared with the types correct TP gives them::
+
+    x, target        I   (SP: x and target V, each rank its own tokens)
+    norm (, bias)    I   (SP: R, its gradient summed after backward;
+                          without that sum, I)
+    wq, wk, wv, wo   V   (replicated KV heads: a 2-D mesh ("kv", "rep"),
+                          wk/wv V on "kv" and I on "rep"; the replica
+                          reduce converts them to R, its gradient summed)
+
+Verdicts (``VERDICTS``): ``"type-checks"`` (correct TP), ``"caught"`` (a bug mode that raises
+``SpmdTypeError``; ``message`` is the checker's own text, ``where`` the line of the block
+where it was raised, which names the tensors), ``"not a type error"`` (a bug mode that
+type-checks because what it breaks is a value or a layout, not a type: ``WHY`` says why for
+each mode) and ``"missed"`` (a bug mode that drops a collective yet type-checks: the local
+types do not see it in that setting). ``import tpattn`` never imports spmd_types; this module
+does (install ``spmd-types``, pinned in requirements.txt).
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
+                    MISSING_OUTPUT_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, check_seed,
+                    make_inputs)
+from tpattn.config import Config
+from tpattn.bugs.modes import mode_route
+from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
+from tpattn.block.params import init_params, shard_params
+
+__all__ = ["VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
+           "TABLE_SETUPS", "typecheck_table"]
+
+#: Every verdict ``typecheck`` returns.
+VERDICTS = ("type-checks", "caught", "not a type error", "missed")
+
+#: Per mode: why the type checker does or does not see it (one line each; ``typecheck``
+#: returns the line of the verdict it reached: ``"caught"`` or the other).
+WHY = {
+    EQUIVALENCE: {
+        "type-checks": "f turns the invariant norm output into R (its gradient is summed), "
+                       "g turns the partials into I: every op sees types that mix"},
+    MISSING_OUTPUT_REDUCE: {
+        "caught": "without g the varying partial meets the invariant residual x at the add",
+        "missed": "under sequence parallelism x is varying too (each rank its own tokens): "
+                  "a varying partial plus varying tokens type-checks; the local types do not "
+                  "record that the partial is a pending sum"},
+    MISSING_INPUT_GRAD_REDUCE: {
+        "caught": "without f the invariant norm output meets the varying wq in the "
+                  "projection: an invariant's gradient would not be summed"},
+    "input_grad_reduce_averaged": {
+        "not a type error": "f is there (convert I->R); dividing its backward by W is a scale "
+                            "on a gradient, a value no type records"},
+    "input_grad_reduced_twice": {
+        "caught": "the second f takes a tensor that is already R, and convert wants I"},
+    "output_reduced_twice": {
+        "caught": "the second g takes a tensor that is already I, and all_reduce wants P "
+                  "(or V)"},
+    "grad_norm_counts_replicas": {
+        "not a type error": "the block is correct; the bug is in the gradient norm after "
+                            "backward, a sum over parameters that counts a replicated one W "
+                            "times: a count, not a type"},
+    "row_bias_on_every_rank": {
+        "caught": "the invariant bias meets the varying partial before g (the hint's fix, "
+                  "convert(bias, I->R), would type-check and keep the W-fold bias: the "
+                  "right fix is to add it after g)"},
+    "fused_qkv_naive_split": {
+        "not a type error": "every rank's rows of the fused weight are varying whichever rows "
+                            "they are: which rows a rank holds is a layout, not a type"},
+    "repeat_kv_tiled": {
+        "not a type error": "tiling instead of interleaving is a permutation of heads inside "
+                            "one rank: same types, wrong pairing"},
+    "inputs_not_replicated": {
+        "not a type error": "x is declared invariant and the checker trusts declarations: "
+                            "ranks holding different values under an I type is a value fact "
+                            "one fake rank cannot see"},
+    "missing_norm_grad_reduce": {
+        "caught": "without the sum of its gradient the norm weight is I, and it meets the "
+                  "varying tokens in RMSNorm"},
+    "norm_grad_averaged": {
+        "not a type error": "the norm weight's gradient is all-reduced (R); dividing by W is a "
+                            "scale, a value no type records"},
+    MISSING_KV_GRAD_REDUCE: {
+        "caught": "without the replica-group reduce wk is I on the replica axis, and it "
+                  "meets the R norm output in the K projection"},
+}
+
+
+def _in_dtype(t: torch.Tensor) -> dict:
+    """A backward reduction in ``t``'s own dtype, as the ledger's collectives do (spmd_types
+    asks for it to be said when the dtype is reduced precision)."""
+    return {"op_dtype": t.dtype}
+
+
+class TypedCollectives:
+    """The block's collectives as ``spmd_types``' typed ones: what ``tp_rank_forward``,
+    ``sp_rank_forward``, ``kv_rank_attend`` and ``zoo_rank_forward`` call on the ledger.
+
+    ``mesh``: the ``DeviceMesh``; ``axes``: the process groups of its axes (one for a 1-D TP mesh; ``("kv",
+    "rep")`` for replicated KV heads); ``tp``: the whole TP group; ``replica``: the replica
+    axis (or ``None``). Shapes are those of ``tpattn.real.ranks.CollectiveLedger``'s methods.
+    """
+
+    def __init__(self, mesh, axes, tp, replica=None):
+        self.mesh, self.axes, self.tp, self.replica = mesh, tuple(axes), tp, replica
+
+    def rank(self) -> int:
+        """This process's rank (0: the fake group's only process)."""
+        return dist.get_rank(self.tp)
+
+    def copy_to_ranks(self, n: torch.Tensor) -> torch.Tensor:
+        """f: ``convert(n, axis, src=I, dst=R)`` on every axis (no-op forward, all-reduce of
+        the gradient in backward)."""
+        from spmd_types import I, R, convert
+
+        for axis in self.axes:
+            n = convert(n, axis, src=I, dst=R, backward_options=_in_dtype(n))
+        return n
+
+    def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
+        """g: ``all_reduce(partial, axis, src=P, dst=I)`` on every axis."""
+        from spmd_types import I, P, all_reduce
+
+        for axis in self.axes:
+            partial = all_reduce(partial, axis, src=P, dst=I)
+        return partial
+
+    def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
+        """The replica-group reduce: ``convert(w, rep, src=I, dst=R)`` for wk and wv."""
+        from spmd_types import I, R, convert
+
+        return tuple(convert(w, self.replica, src=I, dst=R, backward_options=_in_dtype(w))
+                     for w in (wk, wv))
+
+    def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
+        """The K/V all-gather on the last dim: ``all_gather(src=S(-1), dst=R)``
+        (``[S, B, 2c]`` -> ``[S, B, W*2c]``; backward: reduce-scatter)."""
+        from spmd_types import R, S, all_gather
+
+        return all_gather(local, self.tp, src=S(local.dim() - 1), dst=R,
+                          backward_options=_in_dtype(local))
+
+    def gather_sequence(self, n_local: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
+        """SP's all-gather along the sequence: ``all_gather(src=S(0), dst=R)``
+        (backward reduce-scatter); ``reduce_grad=False``: ``dst=I`` (backward keeps this
+        rank's chunk, the ``missing_input_grad_reduce`` bug)."""
+        from spmd_types import I, R, S, all_gather
+
+        return all_gather(n_local, self.tp, src=S(0), dst=R if reduce_grad else I,
+                          backward_options=_in_dtype(n_local) if reduce_grad else None)
+
+    def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
+        """SP's reduce-scatter along the sequence: ``reduce_scatter(src=P, dst=S(0))``."""
+        from spmd_types import P, S, reduce_scatter
+
+        return reduce_scatter(partial, self.tp, src=P, dst=S(0))
+
+
+@contextlib.contextmanager
+def fake_process_group(cfg: Config):
+    """A fake process group of ``cfg.world_size`` ranks (this process is rank 0) and its
+    device mesh, destroyed on exit; yields a ``TypedCollectives``.
+
+    Replicated KV weights (``replicate_weights`` with ``kv_heads < world_size``) get a 2-D
+    mesh ``(kv_heads, world_size // kv_heads)`` named ``("kv", "rep")``: rank ``r`` is KV head
+    ``r // replicas``, as ``tpattn.parallel.kv_heads.kv_head_of_rank``. Raises ``RuntimeError`` when a
+    process group is already initialized (it is left alone).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise RuntimeError("typecheck needs its own fake process group, but one is already "
+                           "initialized in this process (it was left alone)")
+    dist.init_process_group(backend="fake", rank=0, world_size=cfg.world_size)
+    try:
+        if kv_grad_bug_applies(cfg):
+            mesh = init_device_mesh("cpu", (cfg.kv_heads, cfg.kv_replicas),
+                                    mesh_dim_names=("kv", "rep"))
+            yield TypedCollectives(mesh, (mesh.get_group("kv"), mesh.get_group("rep")),
+                                   dist.group.WORLD, mesh.get_group("rep"))
+        else:
+            mesh = init_device_mesh("cpu", (cfg.world_size,), mesh_dim_names=("tp",))
+            yield TypedCollectives(mesh, (mesh.get_group("tp"),), mesh.get_group("tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> None:
+    """``assert_type`` of ``t``: ``typ`` on every axis, except ``replica_typ`` (when given)
+    on the replica axis."""
+    from spmd_types import assert_type
+
+    assert_type(t, {axis: replica_typ if replica_typ is not None and axis is ops.replica
+                    else typ for axis in ops.axes})
+
+
+def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
+    """The mode's per-rank block on rank 0, its inputs and parameters declared: returns a
+    thunk that runs forward, the loss and backward."""
+    from spmd_types import I, R, V
+
+    route = mode_route(mode, cfg)
+    x0, target = make_inputs(cfg, seed)
+    if route == "registry":
+        from tpattn.bugs.zoo import check_needs, make_params, rank_batches, shard
+        from tpattn.real.zoo_real import zoo_rank_forward
+
+        inj = check_needs(mode, cfg).injection
+        inj = inj.correct() if twin else inj
+        params = {k: t.detach().clone().requires_grad_(True)
+                  for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
+        x0, target = rank_batches(cfg, seed, inj)[0]
+        types = {name: (I if name in ("norm", "bias") else V,) for name in params}
+
+        def forward(x):
+            return zoo_rank_forward(x, params, cfg, inj, ops)
+        x_type = (I,)
+    elif cfg.sequence_parallel:
+        from tpattn.parallel.sequence_parallel import rank_tokens
+        from tpattn.real.sp_ranks import sp_rank_forward
+        from tpattn.check.core import sp_flags
+
+        reduce_output, reduce_input_grad, norm_grad = sp_flags(mode)
+        params = {k: t.detach().clone().requires_grad_(True)
+                  for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
+        types = {name: ((R if norm_grad != "none" else I) if name == "norm" else V,)
+                 for name in params}
+        tokens = rank_tokens(cfg, 0)
+        x0, target = x0[tokens], target[tokens]
+
+        def forward(x):
+            return sp_rank_forward(x, params, cfg, ops, reduce_output, reduce_input_grad)
+        x_type = (V,)
+    else:
+        from tpattn.real.ranks import tp_rank_forward
+
+        params = {k: t.detach().clone().requires_grad_(True)
+                  for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
+        inj = NATIVE_INJECTIONS[mode]
+        reduce_kv = inj.kv_grad == "sum"
+        types = {name: (I,) if name == "norm" else
+                 (V, I) if name in ("wk", "wv") and ops.replica is not None
+                 else (V,) for name in params}
+
+        def forward(x):
+            return tp_rank_forward(x, params, cfg, ops,
+                                   reduce_output=inj.g == 1,
+                                   reduce_input_grad=inj.f == "sum",
+                                   reduce_kv_grad=reduce_kv, rank=0)
+        x_type = (I,)
+
+    numel = cfg.seq * cfg.batch * cfg.hidden
+    x, target = x0.clone().requires_grad_(True), target.clone()
+    declared = {**{name: (t, types[name]) for name, t in params.items()},
+                "x": (x, x_type), "target": (target, x_type)}
+
+    def run():
+        for t, typ in declared.values():
+            _declare(t, ops, *typ)
+        if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
+            from spmd_types import P, reinterpret
+
+            share = F.mse_loss(forward(x), target, reduction="sum") / numel
+            loss = reinterpret(share, ops.tp, src=V, dst=P)
+        else:
+            loss = F.mse_loss(forward(x), target)
+        loss.backward()
+    return run
+
+
+def _where(error: BaseException) -> str:
+    """``module.function: source line`` of the innermost frame of the tpattn package (not this
+    module) in ``error``'s traceback: the op of the block that raised."""
+    package = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve()
+    found = "?"
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = Path(frame.filename).resolve()
+        if path != here and package in path.parents:
+            module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+            found = f"{module}.{frame.name}: {(frame.line or '').strip()}"
+    return found
+
+
+def _validate(mode, cfg, seed):
+    from tpattn.check.core import check_mode
+
+    if not isinstance(cfg, Config):
+        raise ValueError(f"cfg must be a tpattn.Config (got {type(cfg).__name__})")
+    check_seed(seed)
+    if not isinstance(mode, str):
+        raise ValueError(f"mode must be a mode name (got {mode!r})")
+    if mode_route(mode, cfg) == "registry":
+        from tpattn.bugs.zoo import check_needs
+
+        check_needs(mode, cfg)  # ValueError naming the mode and what it needs (plain TP)
+    else:
+        check_mode(mode, cfg)
+    if cfg.sequence_parallel and has_replicas(cfg):
+        raise ValueError("typecheck: sequence_parallel with kv_heads < world_size has no "
+                         "per-rank block to check")
+
+
+def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
+              twin: bool = False) -> dict:
+    """Run ``mode``'s per-rank block under ``spmd_types``' type checker on a fake process
+    group of ``cfg.world_size`` ranks (``cfg`` defaults to ``Config()``).
+
+    Returns ``{"mode", "world_size", "sequence_parallel", "kv_layout", "verdict", "message",
+    "where", "why"}``: ``verdict`` one of ``VERDICTS``; ``message`` the checker's own
+    ``SpmdTypeError`` text (``None`` when it type-checks); ``where`` the block's line that
+    raised (``module.function: code``, naming the tensors; ``None``); ``why`` one line
+    (``WHY``). The numbers ``seed`` draws do not matter to types (they only fill shapes).
+    Raises ``ValueError`` for a mode ``cfg`` cannot run (the field and the rule).
+    ``twin=True`` checks the bug-free twin of a registry mode's setup instead
+    (``tpattn.bugs.zoo.Injection.correct``: its bias after g, its fused checkpoint cut by heads,
+    its clipping), reported under the mode's name with the verdict of ``equivalence``.
+    """
+    from spmd_types import (SpmdTypeError, register_local_autograd_function, set_current_mesh,
+                            traceback_filtering)
+    from spmd_types.checker import typecheck as spmd_typecheck
+
+    from tpattn.bugs.zoo import GradScale
+
+    register_local_autograd_function(GradScale)  # identity forward: types pass through
+
+    cfg = Config() if cfg is None else cfg
+    _validate(mode, cfg, seed)
+    message = where = None
+    with fake_process_group(cfg) as ops:
+        if twin and mode_route(mode, cfg) != "registry":  # the native modes' twin
+            mode_run = EQUIVALENCE
+        else:
+            mode_run = mode
+        run = _program(mode_run, cfg, seed, ops, twin)
+        try:
+            with warnings.catch_warnings(), traceback_filtering("off"), \
+                    set_current_mesh(ops.mesh), spmd_typecheck():
+                # spmd_types 0.3.1's all_gather calls a functional collective torch 2.13
+                # deprecates (a FutureWarning per call): not this check's concern
+                warnings.filterwarnings("ignore", category=FutureWarning,
+                                        module="spmd_types")
+                run()
+        except SpmdTypeError as e:
+            message, where = str(e).strip(), _where(e)
+    if message is not None:
+        verdict = "caught"
+    elif mode == EQUIVALENCE or twin:
+        verdict = "type-checks"
+    else:
+        verdict = "not a type error" if "not a type error" in WHY.get(mode, {}) else "missed"
+    layout = ("replicated KV heads, 2-D mesh (kv, rep)" if kv_grad_bug_applies(cfg)
+              else "K/V all-gathered" if has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
+              else "whole KV heads per rank")
+    why = WHY[EQUIVALENCE]["type-checks"] if twin and message is None \
+        else WHY.get(mode, {}).get(verdict, "no reason recorded for this verdict")
+    return {"mode": mode, "world_size": cfg.world_size,
+            "sequence_parallel": cfg.sequence_parallel, "kv_layout": layout,
+            "verdict": verdict, "message": message, "where": where, "why": why}
+
+
+#: The setup each registry mode is checked at in ``typecheck_table``: the seed's shape
+#: (``Config()``) unless the mode needs another (sequence parallelism, fewer KV heads than
+#: ranks, two KV heads per rank).
+TABLE_SETUPS = {
+    "missing_norm_grad_reduce": Config(seq=8, sequence_parallel=True),
+    "norm_grad_averaged": Config(seq=8, sequence_parallel=True),
+    MISSING_KV_GRAD_REDUCE: Config(query_heads=8, kv_heads=2, world_size=4),
+    "repeat_kv_tiled": Config(query_heads=8, kv_heads=4),
+}
+
+
+def typecheck_table() -> list[dict]:
+    """``typecheck`` of every registry mode (``python -m tpattn --list-modes``, in order) at
+    its ``TABLE_SETUPS`` setup: one ``typecheck`` dict per mode."""
+    from tpattn.bugs.zoo import REGISTRY
+
+    return [typecheck(name, TABLE_SETUPS.get(name, Config())) for name in REGISTRY]

@@ -1,0 +1,306 @@
+"""Fewer KV heads than ranks: replica groups, their gradient reduce, and the all-gather option.
+
+When ``kv_heads < world_size`` a rank cannot hold whole KV heads of its own. Rank ``r`` still
+holds query heads ``[r*Hq/W, (r+1)*Hq/W)``; they all read KV head ``r // (W/Hkv)``, which
+``W/Hkv`` ranks now share — its **replica group**. Two ways to give every rank that head
+(``Config.kv_strategy``)::
+
+    replicate_weights   each rank of the group holds a copy of the head's wk/wv
+                        rows and projects K/V itself; backward: all-reduce of the
+                        wk/wv gradients WITHIN the replica group (each copy then
+                        gets the head's full gradient)
+    gather_activations  no copies: rank r holds rows [r*c, (r+1)*c) of wk/wv
+                        (c = Hkv*D/W), projects its slice of K/V, and an
+                        all-gather over the TP group gives every rank all of K/V;
+                        it slices its head. Backward: the all-gather's
+                        reduce-scatter sums each slice's gradient over the ranks
+                        that read it
+
+(Megatron-Core chose the second, NVIDIA/Megatron-LM PR 2565, "Support TP greater than
+num_kv_heads by supporting QKV activation sub-sharding"; it gathers the fused QKV activation,
+here only K/V are gathered.) The collectives *f* and *g* of ``tpattn.parallel.tp`` are unchanged.
+
+Without the replica-group reduce (mode ``missing_kv_grad_reduce``) each copy of a KV head
+learns from its own rank's query heads only: forward, loss, dX, ``norm``, wq and wo stay exact,
+wk/wv gradients are wrong, and the copies of one head drift apart from the first step.
+
+This module holds the layout (``kv_head_of_rank``, ``replica_groups``, ``kv_weight_rows``), the
+block in the fixture's one-graph view (``tp_forward_kv``; every simulated rank its own tensors
+is the engine's, ``tpattn.parallel.engine``, option ``Config.kv_heads < world_size``), the
+autograd Functions for real ranks (``ReplicaGradReduce``,
+``AllGatherKV``, used by ``tpattn.real.ranks``), and the accounting of memory per rank and
+bytes moved per step (``kv_costs``, ``kv_collectives``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tpattn.config import KV_STRATEGIES, Config
+from tpattn.block.dense import attend_and_project
+from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
+
+from tpattn.block.kv_layout import (GATHER_ACTIVATIONS, REPLICATE_WEIGHTS, has_replicas,
+                                    is_first_kv_copy, kv_grad_bug_applies, kv_head_of_rank,
+                                    kv_weight_rows, replica_groups, replica_index)
+
+__all__ = [
+    "REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "KV_STRATEGIES",
+    "has_replicas", "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
+    "is_first_kv_copy",
+    "kv_grad_bug_applies", "local_kv", "attend_gathered",
+    "tp_forward_kv", "ReplicaGradReduce", "AllGatherKV",
+    "kv_rank_attend", "kv_collectives", "kv_costs", "ring_bytes",
+    "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes",
+]
+
+
+# --- gather_activations: the per-rank pieces --------------------------------------------------
+
+def local_kv(n: torch.Tensor, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's slice of the K and V projections, side by side (what it all-gathers).
+
+    n: ``[S, B, hidden]``; ``shard["wk"], shard["wv"]``: ``[c, hidden]``. Returns
+    ``[S, B, 2c]`` (K slice, then V slice).
+    """
+    return torch.cat([F.linear(n, shard["wk"]), F.linear(n, shard["wv"])], dim=-1)
+
+
+def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: torch.Tensor,
+                    cfg: Config, rank: int) -> torch.Tensor:
+    """One rank's partial output from the gathered K/V: slice KV head ``kv_head_of_rank``,
+    RoPE, attention of its query heads, its columns of wo.
+
+    n: ``[S, B, hidden]``; kv_all: ``[S, B, W*2c]`` — every rank's ``local_kv`` in rank order.
+    Returns ``[S, B, hidden]`` (this rank's partial sum).
+    """
+    s, b, d, w = n.shape[0], n.shape[1], cfg.head_dim, cfg.world_size
+    parts = kv_all.view(s, b, w, 2, -1)  # rank, (K | V), slice
+    k_all = parts[:, :, :, 0].reshape(s, b, cfg.kv_heads, d)
+    v_all = parts[:, :, :, 1].reshape(s, b, cfg.kv_heads, d)
+    h = kv_head_of_rank(cfg, rank)
+    q = apply_rope(F.linear(n, shard["wq"]).view(s, b, -1, d))
+    k, v = apply_rope(k_all[:, :, h:h + 1]), v_all[:, :, h:h + 1]
+    ctx = attention(q, repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2]))
+    return F.linear(ctx.reshape(s, b, -1), shard["wo"])
+
+
+# --- the block over simulated ranks ----------------------------------------------------------
+
+def _detached_kv(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {**shard, "wk": shard["wk"].detach(), "wv": shard["wv"].detach()}
+
+
+def tp_forward_kv(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
+                  reduce_output: bool = True, reduce_input_grad: bool = True,
+                  reduce_kv_grad: bool = True) -> torch.Tensor:
+    """``tpattn.parallel.tp.tp_forward`` (the fixture's semantics: one output, rank 0's view) for
+    ``kv_heads < world_size``, in either ``cfg.kv_strategy``.
+
+    x: ``[S, B, hidden]``; ``p``: dense parameters (shards are views, gradients land in ``p``).
+    Returns ``[S, B, hidden]``.
+
+    Replicas here are slices of one dense tensor, so autograd already sums the replicas'
+    gradients: that sum IS the replica-group all-reduce. ``reduce_kv_grad=False`` models the
+    missing reduce as the view of each group's first rank: the other replicas use a
+    *detached* copy of the KV rows (same values, so the forward is exact), and the dense wk/wv
+    receive the first replica's gradient only — what rank 0 of the group would hold.
+    """
+    from tpattn.block.params import shard_params
+    from .tp import copy_to_ranks, reduce_output_partials
+
+    n = rms_norm(x, p["norm"], cfg.eps)
+    inputs = copy_to_ranks(n, cfg.world_size, reduce_grad=reduce_input_grad)
+    shards = shard_params(p, cfg)
+    if cfg.kv_strategy == GATHER_ACTIVATIONS:
+        kv_all = torch.cat([local_kv(n_r, s) for n_r, s in zip(inputs, shards)], dim=-1)
+        partials = [attend_gathered(n_r, s, kv_all, cfg, r)
+                    for r, (n_r, s) in enumerate(zip(inputs, shards))]
+    else:
+        if not reduce_kv_grad:
+            shards = [s if replica_index(cfg, r) == 0 else _detached_kv(s)
+                      for r, s in enumerate(shards)]
+        partials = [attend_and_project(n_r, s, cfg) for n_r, s in zip(inputs, shards)]
+    return x + reduce_output_partials(partials, reduce=reduce_output)
+
+
+# --- real ranks (tpattn.real.ranks) ---------------------------------------------------------
+#
+# The ledger (``tpattn.real.ranks.CollectiveLedger``) issues and counts every collective; its
+# ``replica_group`` is this rank's replica-group process group, made with ``dist.new_group``.
+
+#: Labels of the KV collectives (they name the collective in errors and in the ledger).
+KV_GRAD_ALL_REDUCE = "backward all-reduce of wk/wv grads in the replica group"
+KV_ALL_GATHER = "forward all-gather of K/V activations"
+KV_REDUCE_SCATTER = "backward reduce-scatter of K/V activation grads"
+
+
+class ReplicaGradReduce(torch.autograd.Function):
+    """The replica-group reduce on a real rank — forward: identity on this rank's copies of
+    wk and wv; backward: one all-reduce (over the replica group) of both gradients, flattened
+    into one buffer, so every copy receives the head's full gradient.
+
+    ``apply(wk, wv, ledger)`` returns ``(wk, wv)`` (views).
+    """
+
+    @staticmethod
+    def forward(ctx, wk: torch.Tensor, wv: torch.Tensor, ledger):
+        ctx.ledger = ledger
+        return wk.view_as(wk), wv.view_as(wv)
+
+    @staticmethod
+    def backward(ctx, grad_wk: torch.Tensor, grad_wv: torch.Tensor):
+        flat = torch.cat([grad_wk.reshape(-1), grad_wv.reshape(-1)])
+        ctx.ledger.all_reduce(flat, "backward", KV_GRAD_ALL_REDUCE, group=ctx.ledger.replica_group)
+        gk, gv = flat.split([grad_wk.numel(), grad_wv.numel()])
+        return gk.view_as(grad_wk), gv.view_as(grad_wv), None
+
+
+class AllGatherKV(torch.autograd.Function):
+    """The K/V all-gather on a real rank — forward: ``all_gather_single`` over the TP
+    group on the last dim; backward: ``reduce_scatter_single`` (sum) of the gradient.
+
+    ``apply(local, ledger)``: local ``[S, B, 2c]``; returns ``[S, B, W*2c]`` (rank order).
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, ledger):
+        ctx.ledger = ledger
+        return ledger.all_gather_last_dim(local, "forward", KV_ALL_GATHER)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.ledger.reduce_scatter_last_dim(grad, "backward", KV_REDUCE_SCATTER), None
+
+
+def kv_rank_attend(n: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config, rank: int,
+                   ledger, reduce_kv_grad: bool = True) -> torch.Tensor:
+    """This real rank's partial output when ``kv_heads < world_size`` (``attend_and_project``
+    with the KV collectives of ``cfg.kv_strategy``). n: ``[S, B, hidden]``; returns
+    ``[S, B, hidden]``. ``reduce_kv_grad=False`` drops the replica-group reduce.
+    ``ledger``: the collectives (``ledger.gather_kv`` is ``AllGatherKV``,
+    ``ledger.reduce_replica_grads`` is ``ReplicaGradReduce`` on real ranks)."""
+    if cfg.kv_strategy == GATHER_ACTIVATIONS:
+        return attend_gathered(n, shard, ledger.gather_kv(local_kv(n, shard)), cfg, rank)
+    if reduce_kv_grad and cfg.kv_replicas > 1:
+        wk, wv = ledger.reduce_replica_grads(shard["wk"], shard["wv"])
+        shard = {**shard, "wk": wk, "wv": wv}
+    return attend_and_project(n, shard, cfg)
+
+
+# --- what each strategy costs --------------------------------------------------------------
+
+def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> int:
+    """Bytes one rank sends in a ring collective (the bandwidth-optimal algorithm's count):
+    all-reduce of N elements ``2(p-1)/p * N``; all-gather (N = output) and reduce-scatter
+    (N = input) ``(p-1)/p * N``. ``group_size`` p divides N here, so the result is exact."""
+    p = group_size
+    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[kind]
+    return factor * (p - 1) * elements // p * element_size
+
+
+def kv_collectives(cfg: Config) -> list[dict]:
+    """The KV collectives one rank issues in one correct step of ``cfg``, in order: ``label``,
+    ``phase``, ``kind``, ``group_size`` and ``elements`` (of the buffer passed to the collective:
+    the all-reduce's tensor, the all-gather's output, the reduce-scatter's input).
+
+    Empty when ``kv_heads >= world_size``. ``tpattn.real.ranks``'s ledger records the same rows
+    on real ranks (``RealRankReport.traffic``), which tests compare.
+    """
+    if not has_replicas(cfg):
+        return []
+    if cfg.kv_strategy == GATHER_ACTIVATIONS:
+        kv = 2 * cfg.seq * cfg.batch * cfg.kv_heads * cfg.head_dim  # K and V, all heads
+        w = cfg.world_size
+        return [{"label": KV_ALL_GATHER, "phase": "forward", "kind": "all_gather",
+                 "group_size": w, "elements": kv},
+                {"label": KV_REDUCE_SCATTER, "phase": "backward", "kind": "reduce_scatter",
+                 "group_size": w, "elements": kv}]
+    return [{"label": KV_GRAD_ALL_REDUCE, "phase": "backward", "kind": "all_reduce",
+             "group_size": cfg.kv_replicas, "elements": 2 * cfg.head_dim * cfg.hidden}]
+
+
+def kv_costs(cfg: Config) -> dict:
+    """Memory per rank and bytes moved per step of one block, for ``cfg``'s shape under BOTH
+    strategies (``cfg.kv_strategy`` itself is ignored). Element size from ``cfg.dtype``.
+
+    Returns ``{strategy: {...}}`` (a strategy the shape does not allow is left out) with,
+    per rank:
+
+    - ``weight_elements`` / ``weight_bytes``: norm, wq, wk, wv and wo shards held;
+    - ``kv_weight_elements``: the wk + wv part of it;
+    - ``kv_activation_elements``: K and V activations it holds for attention (its own head
+      after the gather holds ALL heads' K/V, the gathered buffer);
+    - ``kv_bytes_moved``: bytes it sends in the KV collectives (``ring_bytes`` of
+      ``kv_collectives``); ``fg_bytes_moved``: the same for f and g, equal in both strategies.
+    """
+    from dataclasses import replace
+
+    size = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    d, h, w, tokens = cfg.head_dim, cfg.hidden, cfg.world_size, cfg.seq * cfg.batch
+    fg = 2 * ring_bytes("all_reduce", tokens * h, w, size) if w > 1 else 0
+    out = {}
+    for strategy in KV_STRATEGIES:
+        try:
+            c = replace(cfg, kv_strategy=strategy) if has_replicas(cfg) else cfg
+        except ValueError:  # gather_activations needs kv_heads*head_dim % world_size == 0
+            continue
+        kv_rows = 2 * (kv_weight_rows(c, 0).stop - kv_weight_rows(c, 0).start)
+        weights = h + 2 * cfg.local_query_heads * d * h + kv_rows * h
+        if has_replicas(cfg) and strategy == GATHER_ACTIVATIONS:
+            activations = 2 * tokens * cfg.kv_heads * d
+        else:
+            activations = 2 * tokens * cfg.local_kv_heads * d
+        moved = sum(ring_bytes(r["kind"], r["elements"], r["group_size"], size)
+                    for r in kv_collectives(c))
+        out[strategy] = {"weight_elements": weights, "weight_bytes": weights * size,
+                         "kv_weight_elements": kv_rows * h,
+                         "kv_activation_elements": activations,
+                         "kv_bytes_moved": moved, "fg_bytes_moved": fg}
+    return out
+
+
+def fused_qkv_gather_bytes(cfg: Config) -> int:
+    """Bytes one rank sends per step when the whole fused Q/K/V activation (``mixed_qkv``,
+    ``tokens x (Hq + 2 Hkv) x D`` values) is all-gathered in the forward and reduce-scattered in
+    the backward over the ``world_size`` ranks, and each rank then slices its heads out — what
+    Megatron-Core does when ``num_query_groups < tensor_model_parallel_size``
+    (NVIDIA/Megatron-LM#2565). Ring counts (``ring_bytes``), element size from ``cfg.dtype``."""
+    size = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    elements = cfg.seq * cfg.batch * (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    w = cfg.world_size
+    return ring_bytes("all_gather", elements, w, size) + ring_bytes("reduce_scatter", elements, w, size)
+
+
+# --- replicas counted once: gradient norm, clipping, checkpoints ------------------------------
+
+def unique_parameters(cfg: Config, rank_tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every distinct parameter tensor of a TP block once, from each rank's ``norm``, ``wq``,
+    ``wk``, ``wv``, ``wo`` (weights or their gradients; one dict per rank).
+
+    ``norm`` is replicated on every rank: rank 0's is kept. ``wq``/``wo`` shards are disjoint:
+    all kept (``"wq@r"``, ``"wo@r"``). ``wk``/``wv`` are kept only from a rank that holds the
+    first copy of its rows (``is_first_kv_copy``): under ``replicate_weights`` the other ranks of
+    a replica group hold the same head again. This is what a gradient norm (for clipping) must
+    sum over and what a checkpoint must store once.
+    """
+    if len(rank_tensors) != cfg.world_size:
+        raise ValueError(f"rank_tensors must hold one dict per rank, world_size={cfg.world_size} "
+                         f"(got {len(rank_tensors)})")
+    out = {"norm": rank_tensors[0]["norm"]}
+    for rank, t in enumerate(rank_tensors):
+        out[f"wq@{rank}"], out[f"wo@{rank}"] = t["wq"], t["wo"]
+        if is_first_kv_copy(cfg, rank):
+            out[f"wk@{rank}"], out[f"wv@{rank}"] = t["wk"], t["wv"]
+    return out
+
+
+def global_grad_norm(cfg: Config, rank_grads: list[dict[str, torch.Tensor]]) -> float:
+    """The L2 norm of the whole block's gradient from every rank's gradients, each replicated
+    tensor counted once (``unique_parameters``), accumulated in float64 — equal to the dense
+    block's gradient norm when the replicas' gradients have been all-reduced."""
+    unique = unique_parameters(cfg, rank_grads)
+    return float(sum(g.double().square().sum() for g in unique.values()) ** 0.5)
+
+
+# --- several steps: how the missing reduce drifts -------------------------------------------

@@ -1,0 +1,1 @@
+"""Real ranks: torch.distributed processes, DTensor cross-checks, any module's TP plan."""

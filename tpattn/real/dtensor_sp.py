@@ -1,0 +1,147 @@
+"""Cross-check of sequence parallelism with PyTorch's own API (DTensor).
+
+The block of ``tpattn.parallel.sequence_parallel`` as an ``nn.Module`` whose ``norm`` is a module
+(``RMSNorm``), parallelized by ``parallelize_module`` on a 1-D device mesh::
+
+    norm         SequenceParallel(sequence_dim=0)
+                     weight Replicate, input/output Shard(0)
+    wq, wk, wv   ColwiseParallel(input_layouts=Shard(0))
+                     all-gather the tokens first
+    wo           RowwiseParallel(output_layouts=Shard(0))
+                     reduce-scatter to the tokens
+
+Our layout is sequence-first, so the sequence is dimension 0 (PyTorch's defaults assume
+batch-first, dimension 1). Nothing here reduces the ``norm`` gradient by hand: the weight is a
+``Replicate`` DTensor used on ``Shard(0)`` tokens, so autograd's sum over the tokens is a
+``Partial`` placement, and DTensor all-reduces it when the gradient is made ``Replicate``.
+
+Must run on every rank of an initialized default process group (see ``tpattn.real.ranks``).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from tpattn.check.core import EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs
+from tpattn.config import Config
+from .dtensor_check import AttentionBlock
+from tpattn.block.layers import rms_norm
+from tpattn.block.params import PARAM_NAMES, init_params
+from tpattn.parallel.sequence_parallel import rank_tokens
+
+__all__ = ["RMSNorm", "SequenceParallelBlock", "parallelize_sp_block", "dtensor_sp_check",
+           "norm_grad_placement"]
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm`` as a module (``SequenceParallel`` shards a module's input, not a function's).
+
+    x: ``[..., hidden]``; returns ``[..., hidden]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class SequenceParallelBlock(AttentionBlock):
+    """``AttentionBlock`` with ``norm`` as a module (``RMSNorm``); its forward is
+    ``AttentionBlock.forward``: x ``[S_local, B, hidden]`` (``S/W`` tokens when parallelized)
+    in, the same shape out. The sequence length of Q/K/V is read from the projections' output
+    — after ``ColwiseParallel``'s all-gather it is the whole sequence, while ``x`` (and the
+    residual) hold one rank's tokens; head counts are read from the (local) weights.
+    """
+
+    def make_norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
+        """``norm`` as a module: ``SequenceParallel`` shards a module's input."""
+        return RMSNorm(weight, eps)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[S_local, B, hidden]``, one rank's tokens; returns the same shape."""
+        return self.norm(x)
+
+
+def parallelize_sp_block(block: SequenceParallelBlock, world_size: int,
+                         device_type: str = "cpu") -> SequenceParallelBlock:
+    """Shard ``block`` in place: Megatron's TP plan with the residual stream on ``Shard(0)``."""
+    mesh = init_device_mesh(device_type, (world_size,))
+    plan = {"norm": SequenceParallel(sequence_dim=0),
+            "wq": ColwiseParallel(input_layouts=Shard(0)),
+            "wk": ColwiseParallel(input_layouts=Shard(0)),
+            "wv": ColwiseParallel(input_layouts=Shard(0)),
+            "wo": RowwiseParallel(output_layouts=Shard(0))}
+    return parallelize_module(block, mesh, plan)
+
+
+def norm_grad_placement(block: SequenceParallelBlock) -> str:
+    """How DTensor holds the ``norm`` weight's gradient after backward, e.g. ``"Replicate()"``."""
+    grad = block.norm.weight.grad
+    return ", ".join(str(p) for p in grad.placements) if hasattr(grad, "placements") else "plain"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _counts(mode: CommDebugMode, phase: str) -> Counter:
+    counts = Counter()
+    for op, n in mode.get_comm_counts().items():
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            if kind in str(op):
+                counts[f"{phase} {kind}"] += n
+    return counts
+
+
+def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
+    """The five measures of ``run(seed, "equivalence", cfg)`` (``cfg.sequence_parallel``) with
+    the SP block done by DTensor. Call on every rank.
+
+    Returns ``(metrics, ledger)``: ``metrics`` has ``run()``'s keys (mode ``"equivalence"``),
+    with the output and dX put together from every rank's tokens; ``ledger`` counts the
+    collectives DTensor issued in forward, backward and the SGD step on its DTensors
+    (``{"forward all_gather": n, ..., "SGD step all_reduce": 1}``) and ``norm_grad_placement``,
+    the placement of ``norm``'s gradient after backward (``"P(sum)"``: partial sums, reduced
+    by the step's all-reduce).
+    """
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    x0, target = (t.to(device) for t in make_inputs(cfg, seed))
+    base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
+    rank, w = dist.get_rank(), cfg.world_size
+    tokens = rank_tokens(cfg, rank)
+
+    block = parallelize_sp_block(SequenceParallelBlock(base, cfg), w, device.type)
+    x = x0[tokens].clone().requires_grad_(True)
+    with CommDebugMode() as forward_comms:
+        y = block(x)
+    with CommDebugMode() as backward_comms:
+        (F.mse_loss(y, target[tokens], reduction="sum") / target.numel()).backward()
+    placement = norm_grad_placement(block)
+    params = {"norm": block.norm.weight, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
+    grads = {k: _full(params[k].grad) for k in PARAM_NAMES}  # a Partial grad: summed on reading
+    with CommDebugMode() as step_comms, torch.no_grad():  # the SGD step on the DTensors
+        for p in params.values():
+            p -= LR * p.grad
+    weights = {k: _full(params[k].detach()) for k in PARAM_NAMES}
+    pieces = [torch.empty_like(y) for _ in range(w)], [torch.empty_like(x) for _ in range(w)]
+    dist.all_gather(pieces[0], y.detach().contiguous())
+    dist.all_gather(pieces[1], x.grad.contiguous())
+    output = torch.cat(pieces[0])
+    tp = {"output": output, "loss": F.mse_loss(output, target), "input_grad": torch.cat(pieces[1]),
+          "grads": grads, "weights": weights}
+    ledger = {**_counts(forward_comms, "forward"), **_counts(backward_comms, "backward"),
+              **_counts(step_comms, "SGD step"), "norm_grad_placement": placement}
+    return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), dict(ledger)

@@ -1,0 +1,269 @@
+"""Start one process per rank, watch them, fail fast: the plumbing under ``tpattn.real.ranks``.
+
+``run_on_ranks(rank_fn, world_size, plan, ...)`` starts ``world_size`` processes that join one
+process group (rendezvous on a ``TCPStore`` this process owns on 127.0.0.1, port picked by the
+OS, so parallel runs never collide), calls ``rank_fn(rank, plan, device, on_progress)`` in each
+and returns their results. It never hangs and never leaves a process behind:
+
+- every collective waits at most ``timeout`` seconds (gloo's own default is 30 minutes);
+- the first rank that raises, exits without reporting or stops reporting ends the run: the
+  other ranks get a short grace to report what they saw, every rank process is stopped, and
+  ``RankFailure`` says in one line which rank caused it;
+- a rank process exits by itself when the process that started it is gone.
+
+A rank's exception may carry two attributes that help the diagnosis: ``in_collective``
+(it is a collective's failure — usually a *consequence* of another rank's problem) and
+``deviation`` (this rank had issued collectives out of plan before — the *cause*).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue as queue_lib
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "run_on_ranks", "default_backend", "rank_device",
+           "pin_gloo_to_loopback", "backend_message", "describe_error"]
+
+#: After the first failure, how long the other ranks may take to report what they saw (up to
+#: min(timeout, 5 s) while every report so far is a failed collective, i.e. a consequence).
+FAILURE_GRACE_S = 1.0
+
+
+class RankFailure(RuntimeError):
+    """A multi-process run failed; the message is one line naming the rank (``rank``)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def default_backend(world_size: int) -> str:
+    """``"nccl"`` when there is one CUDA device per rank, else ``"gloo"`` (CPU)."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """Where a rank computes: its own GPU under NCCL, the CPU under gloo."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def pin_gloo_to_loopback() -> None:
+    """Make gloo talk over the loopback interface (single-host runs) unless the user chose one."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        names = {name for _, name in socket.if_nameindex()}
+        for loopback in ("lo", "lo0"):
+            if loopback in names:
+                os.environ["GLOO_SOCKET_IFNAME"] = loopback
+                return
+
+
+def backend_message(e: BaseException) -> str:
+    """The useful part of a gloo/NCCL error: first sentence, no ``[file.cc:12]`` prefix."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ")[0].rstrip(".")
+
+
+def describe_error(e: BaseException) -> str:
+    """One line: a collective's own message, or ``Type: message (file.py:line)``."""
+    if getattr(e, "in_collective", False):
+        return str(e)
+    where = ""
+    if e.__traceback__ is not None:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = f" ({os.path.basename(frame.filename)}:{frame.lineno})"
+    return f"{type(e).__name__}: {backend_message(e)}{where}"
+
+
+# --- inside a rank process -----------------------------------------------------------------
+
+def _exit_with_parent() -> None:
+    """End this process as soon as the process that started it is gone: no orphans."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tpattn-parent-watch", daemon=True).start()
+
+
+def _rank_main(rank_fn, rank: int, world_size: int, port: int, plan, backend: str,
+               timeout: float, messages) -> None:
+    """Body of every rank process: join the group, run ``rank_fn``, report to the parent."""
+    _exit_with_parent()
+    pin_gloo_to_loopback()
+    torch.set_num_threads(1)
+    try:
+        device = rank_device(backend, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        wait = timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=wait)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
+        messages.put(("ready", rank, time.monotonic()))
+        result = rank_fn(rank, plan, device, lambda step: messages.put(("progress", rank, step)))
+        messages.put(("done", rank, result))
+        dist.destroy_process_group()
+    except BaseException as e:  # report, then leave at once (backend threads may still block)
+        messages.put(("error", rank, {"in_collective": bool(getattr(e, "in_collective", False)),
+                                      "message": describe_error(e),
+                                      "deviation": getattr(e, "deviation", None)}))
+        messages.close()
+        messages.join_thread()
+        os._exit(1)
+
+
+# --- in the process that starts them ----------------------------------------------------------
+
+def run_on_ranks(rank_fn, world_size: int, plan, *, timeout: float, backend: str,
+                 start_method: str = "forkserver", preload: tuple[str, ...] = ()):
+    """Run ``rank_fn(rank, plan, device, on_progress)`` in ``world_size`` fresh processes that
+    share one process group; return ``(results, timings)``.
+
+    ``rank_fn`` must be a module-level function (it is pickled to the ranks) that returns
+    something picklable and calls ``on_progress(step)`` now and then. ``results`` is the list
+    of its return values by rank; ``timings`` has ``startup_s`` (until every rank has joined the
+    group) and ``total_s``. ``start_method="forkserver"`` imports ``preload`` once in a server
+    process that then forks the ranks (later runs from the same process start in well under a
+    second); ``"spawn"`` starts each rank from scratch. Raises ``RankFailure`` on any failure.
+    """
+    if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        start_method = "spawn"  # Windows
+    ctx = torch.multiprocessing.get_context(start_method)
+    if start_method == "forkserver" and preload:
+        ctx.set_forkserver_preload(list(preload))
+    started = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    messages = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, name=f"tpattn-rank-{rank}", daemon=True,
+                         args=(rank_fn, rank, world_size, store.port, plan, backend, timeout, messages))
+             for rank in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        results, ready = _supervise(procs, messages, timeout)
+    finally:
+        _stop(procs)
+        messages.close()
+        del store
+    return ([results[rank] for rank in range(world_size)],
+            {"startup_s": max(ready.values()) - started, "total_s": time.monotonic() - started})
+
+
+def _stop(procs) -> None:
+    """Terminate, then kill, every rank process still alive; reap them all."""
+    procs = [p for p in procs if p.pid is not None]  # the started ones
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _supervise(procs, messages, timeout: float):
+    """Collect every rank's report; at the first failure, diagnose and raise ``RankFailure``.
+
+    Returns ``(results, ready_times)``, dicts by rank.
+    """
+    world_size = len(procs)
+    start = time.monotonic()
+    ready, done, errors, silent_exit, stalled = {}, {}, {}, {}, {}
+    heard = {rank: start for rank in range(world_size)}
+    startup_limit = max(120.0, timeout)   # importing torch on a busy machine
+    stall_limit = 2 * timeout + 30.0      # any collective times out long before this
+    failed_at = None
+
+    def drain(wait: float) -> None:
+        end = time.monotonic() + wait
+        while True:
+            try:
+                kind, rank, body = messages.get(timeout=max(0.0, end - time.monotonic()))
+            except queue_lib.Empty:
+                return
+            heard[rank] = time.monotonic()
+            {"ready": ready, "done": done, "error": errors}.get(kind, {})[rank] = body
+
+    while len(done) < world_size:
+        drain(0.05)
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if p.exitcode is not None and rank not in done and rank not in errors \
+                    and rank not in silent_exit:
+                drain(0.2)  # its last message may still be in the pipe
+                if rank not in done and rank not in errors:
+                    silent_exit[rank] = p.exitcode
+            elif p.exitcode is None and rank not in done and rank not in stalled:
+                if now - heard[rank] > (stall_limit if rank in ready else startup_limit):
+                    stalled[rank] = now - heard[rank]
+        if failed_at is None and (errors or silent_exit or stalled):
+            failed_at = now
+        if failed_at is not None:
+            settled = all(r in done or r in errors or r in stalled or procs[r].exitcode is not None
+                          for r in range(world_size))
+            # A failed collective is usually a consequence: give the rank that caused it a
+            # little longer to say so (its own wait may have started a moment later).
+            cause_known = silent_exit or any(not e["in_collective"] or e["deviation"]
+                                             for e in errors.values())
+            grace = FAILURE_GRACE_S if cause_known else max(FAILURE_GRACE_S, min(timeout, 5.0))
+            if settled or now - failed_at > grace:
+                for rank, p in enumerate(procs):  # one that died since the scan above
+                    if p.exitcode is not None and rank not in done and rank not in errors:
+                        silent_exit.setdefault(rank, p.exitcode)
+                raise _diagnose(errors, silent_exit, stalled)
+    return done, ready
+
+
+def _diagnose(errors, silent_exit, stalled) -> RankFailure:
+    """One line: the rank that caused the failure, then what the others saw.
+
+    Blame, in order: the first rank seen to exit without reporting (a dead process breaks its
+    peers' connections, so their errors — "Connection reset by peer" — are consequences); a
+    rank that raised on its own; a rank whose collectives had strayed from the plan (it
+    skipped one); a rank that stopped reporting; else the first rank whose collective failed.
+    """
+    own = {r: e["message"] for r, e in errors.items() if not e["in_collective"]}
+    strayed = {r: e["deviation"] for r, e in errors.items() if e["deviation"]}
+    if silent_exit:
+        rank = next(iter(silent_exit))  # dicts keep insertion order: the first one noticed
+        cause = f"rank {rank} exited (exit code {silent_exit[rank]}) before finishing its work"
+        others = [r for r in silent_exit if r != rank]
+        if others:
+            cause += " — " + "; ".join(f"rank {r} exited (exit code {silent_exit[r]})"
+                                       for r in others)
+    elif own:
+        rank = min(own)
+        cause = f"rank {rank} raised {own[rank]}"
+    elif strayed:
+        rank = min(strayed)
+        cause = f"rank {rank} skipped a collective: {strayed[rank]}"
+    elif stalled:
+        rank = min(stalled)
+        cause = f"rank {rank} stopped reporting ({stalled[rank]:.0f} s without progress)"
+    elif errors:
+        rank = min(errors)
+        cause = f"rank {rank}: {errors[rank]['message']}"
+    else:  # pragma: no cover - _supervise raises only after a failure
+        rank, cause = None, "unknown failure"
+    seen = [f"rank {r}: {e['message']}" for r, e in sorted(errors.items())
+            if r != rank or rank in strayed]
+    if seen:
+        cause += " — then " + "; ".join(seen)
+    return RankFailure("real-rank run failed: " + cause, rank)

@@ -1,0 +1,265 @@
+"""The five-measure check for any ``nn.Module`` and any PyTorch tensor-parallel plan, on real ranks.
+
+``check_module(module, plan, x)`` starts ``world_size`` processes (``tpattn.real.launch``: gloo on
+CPU, NCCL with one GPU per rank), and on every rank:
+
+1. copies ``module`` twice: one stays whole (the reference), the other is sharded by
+   ``torch.distributed.tensor.parallel.parallelize_module(copy, mesh, plan)``;
+2. takes one training step with each from the same start (``tpattn.check.core.one_step``: forward,
+   MSE loss against a fixed random target, backward, SGD), the sharded one under
+   ``CommDebugMode`` (the *ledger*: collectives by kind, forward and backward);
+3. compares them on the five measures of ``tpattn.run`` (``tpattn.check.core.five_measures``),
+   sharded gradients and weights gathered to full size;
+4. compares the ranks' own copies of what should be replicated — the output, the input
+   gradient, and the gradients and weights of every parameter the plan left replicated — across
+   ranks (*replica disagreement*: 0 when every rank holds the same bits).
+
+Nothing here knows the module: the plan places the collectives, and the check only says
+whether the sharded module computes what the whole one does.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tpattn.check.core import LR, MEASURES, TOLERANCE, five_measures, max_abs_diff, one_step
+from .launch import default_backend, run_on_ranks
+
+__all__ = ["ModuleCheck", "check_module", "check_plans", "DEFAULT_TIMEOUT"]
+
+#: Seconds any collective (and the rendezvous) may wait before the run fails.
+DEFAULT_TIMEOUT = 60.0
+#: The regression target is drawn from this seed (the same on every rank).
+TARGET_SEED = 0
+
+
+@dataclass
+class ModuleCheck:
+    """What ``check_module`` found (rank 0's view).
+
+    - ``measures``: ``run()``'s five measures (max abs differences, sharded vs whole module)
+      and ``passed`` (every measure below ``tolerance``); ``mode`` is the plan's ``label``;
+    - ``ledger``: collectives the sharded module issued, ``{"forward": {kind: n},
+      "backward": {kind: n}}`` (``CommDebugMode``; kinds like ``"all_reduce"``);
+    - ``replica_disagreement``: for each tensor every rank should hold whole and identical
+      (``output``, ``input_grad``, ``grad:<param>`` and ``weight:<param>`` of each parameter the
+      plan left replicated), the max abs difference of the other ranks' copies from rank 0's;
+    - ``sharded``: the parameters the plan sharded, with their placements;
+    - ``timings``: seconds (``startup_s``, ``total_s``). Not deterministic: never print them.
+    """
+
+    world_size: int
+    backend: str
+    tolerance: float
+    measures: dict
+    ledger: dict
+    replica_disagreement: dict
+    sharded: dict
+    timings: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def passed(self) -> bool:
+        """Every measure below ``tolerance`` and every replica identical."""
+        return self.measures["passed"] and not any(self.replica_disagreement.values())
+
+
+@dataclass(frozen=True)
+class _Job:
+    module: torch.nn.Module
+    plans: tuple[tuple[str, dict], ...]
+    x: torch.Tensor
+    target: torch.Tensor | None
+    tolerance: float
+
+
+def _kind(op) -> str:
+    """``"all_reduce"`` for ``c10d_functional.all_reduce`` and friends."""
+    name = str(op).split(".")[-1]
+    return name.removesuffix("_")
+
+
+def _counts(mode) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        counts[_kind(op)] = counts.get(_kind(op), 0) + n
+    return dict(sorted(counts.items()))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (an all-gather), or a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+#: The start of torch's warning that ``_rank_step`` silences (a regex for ``filterwarnings``).
+COMM_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect "
+                     r"to module outputs since no inputs require gradients")
+
+
+def _is_replicated(t: torch.Tensor) -> bool:
+    placements = getattr(t, "placements", None)
+    return placements is None or all(p.is_replicate() for p in placements)
+
+
+def _rank_main(rank: int, job: _Job, device: torch.device, on_progress) -> list[dict]:
+    """Every rank: every plan of ``job`` in turn, in one process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    results = []
+    for index, (label, plan) in enumerate(job.plans):
+        results.append(_rank_step(rank, job, label, plan, mesh, device))
+        on_progress(index)
+    return results
+
+
+def _rank_step(rank: int, job: _Job, label: str, plan: dict, mesh, device: torch.device) -> dict:
+    """One plan on every rank: the whole module's step, the sharded module's, the comparisons."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.func import functional_call
+
+    world_size = dist.get_world_size()
+    whole = copy.deepcopy(job.module).to(device)
+    sharded = parallelize_module(copy.deepcopy(job.module).to(device), mesh, plan)
+    x0 = job.x.to(device)
+    # the parameters the forward uses (an HF decoder layer also holds an MLP this block skips)
+    y = whole(x0.clone().requires_grad_(True))
+    y.sum().backward()
+    used = [k for k, v in whole.named_parameters() if v.grad is not None]
+    whole.zero_grad(set_to_none=True)
+    if job.target is not None:
+        target = job.target.to(device)
+    else:
+        g = torch.Generator().manual_seed(TARGET_SEED)
+        target = torch.randn(y.shape, generator=g, dtype=torch.float64).to(x0.dtype).to(device)
+
+    def call(module):
+        return lambda x, p: functional_call(module, p, (x,))
+
+    whole_params, sharded_params = dict(whole.named_parameters()), dict(sharded.named_parameters())
+    base = {k: whole_params[k].detach() for k in used}
+    reference = one_step(call(whole), x0, target, base)
+
+    forward_comms = []
+
+    def sharded_forward(x, p):
+        with CommDebugMode() as comms:
+            y = functional_call(sharded, p, (x,))
+        forward_comms.append(comms)
+        return _local(y) if _is_replicated(y) else _full(y)
+
+    # CommDebugMode counts per module with a global full backward pre-hook; torch warns when
+    # it fires on a submodule none of whose inputs needs a gradient (an embedding of
+    # positions, say). That warning is about this check's hook, not the user's module.
+    with CommDebugMode() as step_comms, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=COMM_HOOK_WARNING, category=UserWarning)
+        tp = one_step(sharded_forward, x0, target,
+                      {k: sharded_params[k].detach() for k in used})
+    fwd = _counts(forward_comms[0])
+    total = _counts(step_comms)
+    ledger = {"forward": fwd,
+              "backward": {k: total[k] - fwd.get(k, 0) for k in total if total[k] - fwd.get(k, 0)}}
+
+    replicated = {k for k in used if _is_replicated(sharded_params[k])}
+    shard_info = {k: [str(p) for p in sharded_params[k].placements] for k in used
+                  if k not in replicated}
+    mine = {"output": tp["output"], "input_grad": tp["input_grad"],
+            **{"grad:" + k: _local(tp["grads"][k]) for k in sorted(replicated)},
+            **{"weight:" + k: _local(tp["weights"][k]) for k in sorted(replicated)}}
+    # full sizes (an all-gather per sharded tensor), then every rank's replicated copies
+    tp_full = {**tp, "grads": {k: _full(v) for k, v in tp["grads"].items()},
+               "weights": {k: _full(v) for k, v in tp["weights"].items()}}
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in mine.values()])
+    parts = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(parts, flat)
+    if rank != 0:
+        return {}
+    sizes = [t.numel() for t in mine.values()]
+    ranks = [dict(zip(mine, part.split(sizes))) for part in parts]
+    disagreement = {name: max(max_abs_diff(r[name], ranks[0][name]) for r in ranks)
+                    for name in mine}
+    measures = five_measures(None, label, reference, tp_full)
+    measures["passed"] = all(measures[m] < job.tolerance for m in MEASURES)
+    return {"measures": measures, "ledger": ledger, "replica_disagreement": disagreement,
+            "sharded": shard_info}
+
+
+def check_module(module: torch.nn.Module, plan: dict, x: torch.Tensor, *,
+                 target: torch.Tensor | None = None, world_size: int = 2,
+                 label: str = "plan", tolerance: float = TOLERANCE,
+                 timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> ModuleCheck:
+    """Shard ``module`` with the PyTorch TP ``plan`` over ``world_size`` real ranks, take one
+    training step with it and with the whole module, and compare them.
+
+    module: any ``nn.Module`` whose forward takes one tensor (``x``) and returns one tensor
+    (picklable: the ranks receive a copy; it is never modified). plan: ``parallelize_module``'s
+    ``parallelize_plan`` (module name -> ``ColwiseParallel()``, ``RowwiseParallel()``,
+    ``SequenceParallel()`` ...). ``tolerance``: the measures' pass bound (the package's 1e-6 by
+    default; derive your own for a larger module, e.g. ``tpattn.interop.float32_tolerance``).
+    ``label`` names the plan in ``measures["mode"]``. The loss is the MSE against ``target``
+    (the output's shape; default: a fixed random one); the step is SGD with the package's learning rate (``tpattn.check.core.LR``).
+    Only the parameters the forward uses take part (an HF decoder layer's MLP does not).
+
+    Raises ``ValueError`` for bad arguments, and ``tpattn.real.launch.RankFailure`` (one line naming
+    the rank) when a rank fails — e.g. a plan whose shards do not fit the module's shapes.
+    """
+    return check_plans(module, {label: plan}, x, target=target, world_size=world_size,
+                       tolerance=tolerance, timeout=timeout, backend=backend)[0]
+
+
+def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
+                target: torch.Tensor | None = None, world_size: int = 2,
+                tolerance: float = TOLERANCE, timeout: float = DEFAULT_TIMEOUT,
+                backend: str | None = None) -> list[ModuleCheck]:
+    """``check_module`` for several plans (``{label: plan}``), all in ONE set of rank processes
+    (starting them is most of the time); one ``ModuleCheck`` per plan, in order."""
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module (got {type(module).__name__})")
+    if not isinstance(plans, dict) or not plans:
+        raise ValueError("plans must be a non-empty dict of label -> plan")
+    names = {name for name, _ in module.named_modules()}
+    for label, plan in plans.items():
+        if not isinstance(plan, dict) or not plan:
+            raise ValueError(f"plan {label!r} must be a non-empty dict of module name -> "
+                             f"ParallelStyle")
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        odd = sorted(k for k, v in plan.items() if not isinstance(v, ParallelStyle))
+        if odd:
+            raise ValueError(f"plan {label!r} must map module names to ParallelStyle objects "
+                             f"(ColwiseParallel() ...); not: {', '.join(odd)}")
+        unknown = sorted(k for k in plan if "*" not in k and k not in names)
+        if unknown:
+            raise ValueError(f"plan {label!r} names modules the module does not have: "
+                             f"{', '.join(unknown)}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError("x must be a floating-point torch.Tensor (the module's input)")
+    if target is not None and not isinstance(target, torch.Tensor):
+        raise ValueError("target must be a torch.Tensor shaped like the module's output, or None")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an integer >= 2 (got {world_size!r})")
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance > 0:
+        raise ValueError(f"tolerance must be a number > 0 (got {tolerance!r})")
+    backend = backend or default_backend(world_size)
+    job = _Job(module=module, plans=tuple((str(k), dict(v)) for k, v in plans.items()),
+               x=x.detach().cpu(), target=None if target is None else target.detach().cpu(),
+               tolerance=float(tolerance))
+    # the forkserver imports the module's code once, so that no rank pays for it again
+    preload = ("tpattn.real.module_check",) + tuple(sorted(
+        {type(m).__module__ for m in module.modules()} - {"__main__"}))
+    results, timings = run_on_ranks(_rank_main, world_size, job, timeout=timeout, backend=backend,
+                                    preload=preload)
+    return [ModuleCheck(world_size=world_size, backend=backend, tolerance=float(tolerance),
+                        measures=r["measures"], ledger=r["ledger"],
+                        replica_disagreement=r["replica_disagreement"], sharded=r["sharded"],
+                        timings=timings)
+            for r in results[0]]

@@ -1,0 +1,108 @@
+"""The zoo's bugs on real ranks: one torch.distributed process per TP rank.
+
+``tpattn.real.ranks`` hands every registry mode that is not one of the seed's three to
+``zoo_rank_check``: each rank builds its own shard with the mode's loader
+(``zoo.shard``), runs the mode's per-rank forward with real collectives (``CopyToRanks`` for
+f, ``ReduceOutputPartials`` for g, each as many times as the bug issues it), its own loss,
+backward, the gradient norm (all-reduced when the mode clips) and its SGD step; rank 0
+gathers the shards and compares with the dense block on the five measures — the same dict
+as ``tpattn.run(seed, mode, cfg, simulate="ranks")``, equal within float32 rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tpattn.check.core import LR, check_seed, five_measures, make_inputs, max_abs_diff
+from tpattn.config import Config
+from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED,
+                          CollectiveLedger)
+from tpattn.block.layers import rms_norm
+from tpattn.bugs.zoo import (REPLICATED as REPLICATED_PARAMS, Injection, rank_attend_and_project, clip_coef,
+                  dense_step, GradScale, check_needs, get_mode, make_params, rank_batches, shard, unshard)
+
+__all__ = ["planned_collectives", "zoo_rank_forward", "zoo_rank_check", "GRAD_NORM_ALL_REDUCE"]
+
+#: Label of the all-reduce of the squared gradient norms (modes that clip).
+GRAD_NORM_ALL_REDUCE = "all-reduce of squared gradient norms"
+
+
+def _f_count(inj: Injection) -> int:
+    return {"none": 0, "twice": 2}.get(inj.f, 1)
+
+
+def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
+    """The collectives every rank issues, in order, in one check of registry ``mode``: g as
+    many times as the bug applies it, f likewise, the gradient-norm all-reduce if it clips,
+    then the gather of results to rank 0."""
+    inj = (get_mode(mode) if cfg is None else check_needs(mode, cfg)).injection
+    if inj is None:
+        raise ValueError(f"mode {mode!r} has no injection in tpattn.bugs.zoo")
+    return ([G_ALL_REDUCE] * inj.g + [F_ALL_REDUCE] * _f_count(inj)
+            + ([GRAD_NORM_ALL_REDUCE] if inj.clip else []) + [GATHER_RESULTS])
+
+
+def zoo_rank_forward(x: torch.Tensor, shard_: dict[str, torch.Tensor], cfg: Config,
+                     inj: Injection, ledger: CollectiveLedger) -> torch.Tensor:
+    """This rank's output of the block wired as ``inj`` says (the program of
+    ``tpattn.parallel.engine.rank_block``, for one real rank: ``ledger.copy_to_ranks`` for f,
+    ``ledger.reduce_output`` for g).
+    x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
+    n = rms_norm(x, shard_["norm"], cfg.eps)
+    for _ in range(_f_count(inj)):
+        n = ledger.copy_to_ranks(n)
+    if inj.f == "mean":
+        n = GradScale.apply(n, 1.0 / cfg.world_size)
+    out = rank_attend_and_project(n, shard_, cfg, inj)
+    if inj.bias == "every_rank":
+        out = out + shard_["bias"]
+    for _ in range(inj.g):
+        out = ledger.reduce_output(out)
+    if inj.bias == "after_g":
+        out = out + shard_["bias"]
+    return x + out
+
+
+def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveLedger,
+                   device: torch.device | str = "cpu"):
+    """``distributed.rank_check`` for a registry mode: ``(metrics, disagreement)`` on rank 0,
+    ``(None, None)`` elsewhere."""
+    check_seed(seed)
+    inj = check_needs(mode, cfg).injection
+    device = torch.device(device)
+    base = {k: v.to(device) for k, v in make_params(cfg, seed, inj).items()}
+    mine_params = {k: t.detach().clone().requires_grad_(True)
+                   for k, t in shard(base, cfg, inj)[rank].items()}
+    x_r, target_r = (t.to(device) for t in rank_batches(cfg, seed, inj)[rank])
+    x = x_r.clone().requires_grad_(True)
+    y = zoo_rank_forward(x, mine_params, cfg, inj, ledger)
+    loss = F.mse_loss(y, target_r)
+    loss.backward()
+    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t)
+             for k, t in mine_params.items()}
+    coef = 1.0
+    if inj.clip:  # each rank's share of the squared norm, summed over the ranks
+        square = sum(g.double().pow(2).sum() for k, g in grads.items()
+                     if k not in REPLICATED_PARAMS or rank == 0 or inj.norm == "per_rank")
+        square = square.reshape(1).clone()
+        ledger.counts.setdefault("step", 0)
+        ledger.all_reduce(square, "step", GRAD_NORM_ALL_REDUCE)
+        coef = clip_coef(square.sqrt()[0], inj)
+    with torch.no_grad():
+        weights = {k: mine_params[k] - LR * coef * grads[k] for k in mine_params}
+    mine = {"output": y.detach(), "input_grad": x.grad,
+            **{"grad_" + k: g for k, g in grads.items()},
+            **{"weight_" + k: w for k, w in weights.items()}}
+    ranks = ledger.gather_tensors(mine)
+    if rank != 0:
+        return None, None
+    names = list(mine_params)
+    tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+          "grads": unshard([{k: r["grad_" + k] for k in names} for r in ranks], cfg, inj),
+          "weights": unshard([{k: r["weight_" + k] for k in names} for r in ranks], cfg, inj)}
+    x0, target = (t.to(device) for t in make_inputs(cfg, seed))
+    metrics = five_measures(seed, mode, dense_step(x0, target, base, cfg, inj), tp)
+    disagreement = {"seed": seed, "mode": mode}
+    for name, key in REPLICATED.items():
+        disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[key], ranks[0][key]) for r in ranks)
+    return metrics, disagreement
