@@ -2,7 +2,7 @@
 
 ``tpattn.parallel.engine.rank_block`` is written for the ranks ONE process holds: every tensor
 carries a leading local-rank dimension ``[R, ...]``. It calls the collectives on an object
-passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the process group:
+passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the process group::
 
     copy_to_ranks(n)            f: identity forward; backward all-reduce of dn
     reduce_output(partial)      g: all-reduce forward; identity backward
