@@ -15,7 +15,7 @@ passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the proce
                                 reduce-scatter
     reduce_replica_grads(k, v)  identity forward; backward all-reduce of the wk/wv
                                 gradients within each KV replica group
-    reduce_norm_grad(g, how)    after backward: SP's all-reduce of the norm gradient
+    reduce_norm_grad(g, how)    after backward: SP's norm-gradient all-reduce
 
 ``SimulatedRanks`` holds every rank (``R = world_size``): each collective is a sum or a
 concatenation over dim 0, in rank order (``t[0] + t[1] + ...``, as the all-reduces of a ring of

@@ -4,7 +4,7 @@ Every tensor carries a leading local-rank dimension ``R`` (``R = world_size`` fo
 ``collectives.SimulatedRanks``): rank r's entry is exactly what rank r holds::
 
     x    [R, S_r, B, hidden]    S_r = S/W under sequence parallelism, else S
-    norm [R, hidden]            wq [R, Hq/W*D, hidden]    wk, wv [R, rows, hidden]
+    norm [R, hidden]    wq [R, Hq/W*D, hidden]    wk, wv [R, rows, hidden]
     wo   [R, hidden, Hq/W*D]    bias [R, hidden] (optional)
 
 ``rank_block(x, p, cfg, inj, comm)`` is the block; ``comm`` supplies the collectives (see
