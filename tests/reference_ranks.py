@@ -7,21 +7,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpattn.check.core import LR
+from tpattn.check.core import LR, ranks_step  # noqa: F401 (test_engine calls ref.ranks_step)
 from tpattn.config import Config
 from tpattn.block.dense import attend_and_project, project_qkv
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, attend_gathered, local_kv, replica_groups
 from tpattn.block.layers import attention, repeat_kv, rms_norm
 from tpattn.block.params import clone_trainable
-from tpattn.parallel.engine import REPLICATED
-from tpattn.bugs.zoo import Injection, clip_coef
+from tpattn.parallel.engine import REPLICATED, ScaleGrad
+from tpattn.parallel.sequence_parallel import rank_tokens
+from tpattn.bugs.zoo import Injection, clip_coef, rank_attend_and_project
 
 NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
-
-
-def rank_tokens(cfg: Config, rank: int) -> slice:
-    local = cfg.seq // cfg.world_size
-    return slice(rank * local, (rank + 1) * local)
 
 
 class AllReduceGrads(torch.autograd.Function):
@@ -82,34 +78,6 @@ def tp_forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor
     return [x + out for x, out in zip(xs, outs)]
 
 
-class GradScale(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale`` (``apply(t, scale)``:
-    how the ``f="mean"`` injection averages ``dn``)."""
-
-    @staticmethod
-    def forward(ctx, t, scale):
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def rank_attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
-                        inj: Injection) -> torch.Tensor:
-    """``dense.attend_and_project`` with the injection's ``repeat_kv``: ``"interleave"`` is
-    ``layers.repeat_kv``; ``"tile"`` repeats the whole block of local KV heads."""
-    q, k, v = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
-    groups = cfg.group_size
-    if inj.kv == "tile":
-        k, v = k.repeat(1, 1, groups, 1), v.repeat(1, 1, groups, 1)
-    else:
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    ctx = attention(q, k, v)
-    return F.linear(ctx.reshape(n.shape[0], n.shape[1], -1), p["wo"])
-
-
 def ledger_recorders(ledger: list | None):
     """``(record, record_on_backward)`` for a collectives ledger (``None``: record nothing).
 
@@ -148,7 +116,7 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
             ns = list(AllReduceGrads.apply(*ns))
             record_on_backward(ns[0], "all-reduce of dn (again)")
         if inj.f == "mean":
-            ns = [GradScale.apply(n, 1.0 / w) for n in ns]
+            ns = [ScaleGrad.apply(n, 1.0 / w) for n in ns]
     partials = [rank_attend_and_project(n, s, cfg, inj) for n, s in zip(ns, shards)]
     if inj.bias == "every_rank":
         partials = [pt + s["bias"] for pt, s in zip(partials, shards)]
@@ -365,30 +333,5 @@ def sp_ranks_step(xs0: list[torch.Tensor], targets: list[torch.Tensor],
         with torch.no_grad():
             weights = {k: p[k] - LR * grads[k] for k in p}
         steps.append({"output": y.detach(), "loss": loss, "input_grad": x.grad,
-                      "grads": grads, "weights": weights})
-    return steps
-
-
-def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
-               shards: list[dict[str, torch.Tensor]]) -> list[dict]:
-    """``one_step`` on every simulated rank at once, each rank with its own leaf tensors.
-
-    ``forward_ranks(xs, ps) -> ys`` maps every rank's input copy and parameters to every rank's
-    output (``tpattn.parallel.tp.tp_forward_ranks``). Each rank's MSE loss is its own; one backward of
-    their sum gives each rank the gradient of its own loss (the ranks' graphs meet only in the
-    collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
-    (``grads``/``weights`` hold that rank's shards).
-    """
-    ps = [clone_trainable(shard) for shard in shards]
-    xs = [x0.clone().requires_grad_(True) for _ in shards]
-    ys = forward_ranks(xs, ps)
-    losses = [F.mse_loss(y, target) for y in ys]
-    sum(losses[1:], losses[0]).backward()
-    steps = []
-    for x, p, y, loss in zip(xs, ps, ys, losses):
-        grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-        with torch.no_grad():
-            weights = {k: p[k] - LR * grads[k] for k in p}
-        steps.append({"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
                       "grads": grads, "weights": weights})
     return steps
