@@ -4,16 +4,16 @@
 carries a leading local-rank dimension ``[R, ...]``. It calls the collectives on an object
 passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the process group::
 
-  copy_to_ranks(n)            f: identity forward; backward all-reduce of dn
-  reduce_output(partial)      g: all-reduce forward; identity backward
-  gather_sequence(n, reduce)  SP's f: all-gather along the sequence; backward
-                              reduce-scatter (or, ``reduce=False``, this rank's
-                              tokens of its own gradient)
-  reduce_scatter_sequence(p)  SP's g: reduce-scatter along the sequence; backward
-                              all-gather
+  copy_to_ranks(n)            f: identity; backward all-reduce of dn
+  reduce_output(partial)      g: all-reduce; backward identity
+  gather_sequence(n, reduce)  SP's f: all-gather along the sequence;
+                              backward reduce-scatter (``reduce=False``:
+                              this rank's tokens of its own gradient)
+  reduce_scatter_sequence(p)  SP's g: reduce-scatter along the sequence;
+                              backward all-gather
   gather_kv(local)            K/V all-gather on the last dim; backward
                               reduce-scatter
-  reduce_replica_grads(k, v)  identity forward; backward all-reduce of the wk/wv
+  reduce_replica_grads(k, v)  identity; backward all-reduce of the wk/wv
                               gradients within each KV replica group
   reduce_norm_grad(g, how)    after backward: SP's norm-gradient all-reduce
 
