@@ -14,6 +14,7 @@ from tpattn.check.core import LR, PARAM_SEED_OFFSET, dense_reference, five_measu
 from tpattn.block.params import init_params
 from tpattn.parallel.rank_batched import rank_batched_tp_forward
 from tpattn.block.sgd import sgd_step
+from tpattn.check.magnitude import gradient_magnitudes
 from tpattn.check.tolerance import apply_auto, auto_bounds, per_parameter, ratios
 
 GRAD = "parameter_grad_max_abs_diff"
@@ -30,6 +31,7 @@ def _judge(cfg, seed, name):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     dense = dense_reference(x0, target, base, cfg)
+    dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)  # as run() does
     tp = one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg), x0, target, base)
     grads = dict(tp["grads"], **{name: tp["grads"][name] * 1.05})
     bug = dict(tp, grads=grads, weights=sgd_step(base, grads, LR))

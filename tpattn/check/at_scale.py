@@ -14,8 +14,9 @@ from .core import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
 from tpattn.config import Config
 from tpattn.block.params import init_params
 from tpattn.parallel.rank_batched import rank_batched_tp_forward
-from .tolerance import (amplification, apply_auto, per_parameter, perturbed_start, ratios,
-                        rounding_floors)
+from .magnitude import gradient_magnitudes
+from .tolerance import (amplification, apply_auto, parameter_amplification, per_parameter,
+                        perturbed_start, ratios, rounding_floors)
 from tpattn.parallel.tp import tp_forward
 
 #: TP implementations by name: the seed's per-rank loop, or ranks as a batch dimension.
@@ -26,8 +27,13 @@ def probe_amplification(cfg: Config, x0, target, base: dict, dense: dict) -> dic
     """``tolerance.amplification`` of ``cfg``'s step: the dense step again from
     ``perturbed_start`` (inputs ``[S, B, hidden]`` and parameters moved by a relative
     ``relative_bound(cfg)``), compared with ``dense``; ``A_m`` by measure."""
+    return amplification(cfg, dense, probe_step(cfg, x0, target, base))
+
+
+def probe_step(cfg: Config, x0, target, base: dict) -> dict:
+    """The conditioning probe: ``dense_reference`` from ``tolerance.perturbed_start``."""
     px, pbase = perturbed_start(cfg, x0, base)
-    return amplification(cfg, dense, dense_reference(px, target, pbase, cfg))
+    return dense_reference(px, target, pbase, cfg)
 
 
 def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=MODES,
@@ -47,15 +53,21 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)
-    amp = {}
+    dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)
+    amp, by_name = {}, {}
+
+    def measure():  # the probe, once: A_m by measure and A_p by parameter
+        if not amp:
+            step = probe_step(cfg, x0, target, base)
+            amp.update(amplification(cfg, dense, step))
+            by_name.update(parameter_amplification(cfg, dense, step))
     if probe:
-        amp.update(probe_amplification(cfg, x0, target, base, dense))
+        measure()
 
     def floors_of(cfg_w, worst):
         def floors():
-            if not amp:
-                amp.update(probe_amplification(cfg, x0, target, base, dense))
-            return rounding_floors(cfg_w, dense, amp, LR, worst), amp
+            measure()
+            return rounding_floors(cfg_w, dense, amp, LR, worst, by_name), amp
         return floors
 
     rows = []
@@ -79,7 +91,7 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
                        ratios=ratios(row, bounds))
             if amp:
                 row.update(amplification_by=dict(amp), floor_ratios=ratios(
-                    row, rounding_floors(cfg_w, dense, amp, LR, worst)))
+                    row, rounding_floors(cfg_w, dense, amp, LR, worst, by_name)))
             rows.append(row)
     return rows
 
@@ -94,6 +106,7 @@ def against_float64(cfg: Config, seed: int, init: str = "fan_in") -> dict:
     cfg64 = replace(cfg, dtype="float64")
     exact = dense_reference(x0.double(), target.double(),
                             {k: v.double() for k, v in base.items()}, cfg64)
+    exact["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)
     as64 = {"output": low["output"].double(), "loss": low["loss"].double(),
             "input_grad": low["input_grad"].double(),
             "grads": {k: v.double() for k, v in low["grads"].items()},

@@ -20,6 +20,7 @@ from tpattn.parallel.kv_heads import has_replicas, kv_grad_bug_applies, replica_
 from tpattn.block.params import clone_trainable, init_params, shard_params
 from tpattn.parallel.rank_batched import rank_batched_tp_forward
 from tpattn.block.sgd import sgd_step
+from .magnitude import gradient_magnitudes
 from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, conditioning,
                         per_parameter, perturbed_start)
 from tpattn.parallel.injection import Injection
@@ -332,6 +333,8 @@ def run_native(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = Non
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)
+    if tolerance == "auto":
+        dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)
     tp = tp_step(x0, target, base, cfg, mode, simulate, shard_fn, batched=tolerance == "auto")
     metrics = five_measures(seed, mode, dense, tp)
     if tolerance == "auto":

@@ -9,6 +9,9 @@ by ~3e-2: a fixed threshold is either too tight (fails correct TP) or blind (pas
     bound_m = rho * scale_m
     rho     = C * (u_acc * sqrt(n) + u * (W + L))
 
+(for a parameter gradient, the ``u_acc sqrt(n)`` term is taken of the summands' magnitude;
+see ``scale_m`` below).
+
 - ``u`` = unit roundoff of the dtype (``2**-53`` float64, ``2**-24`` float32, ``2**-8``
   bfloat16): every stored result is within a relative ``u`` of the exact one.
 - ``u_acc`` = unit roundoff of the *accumulator* of a long sum. float32/float64 sum in their
@@ -28,11 +31,15 @@ by ~3e-2: a fixed threshold is either too tight (fails correct TP) or blind (pas
   next to ``sqrt(n)``; in bfloat16 it is the whole bound.
 - ``scale_m`` = the magnitude of what the measure compares, taken from the dense side:
   ``max |y|`` (forward), ``|loss|``, ``max |dL/dx|``, and for the gradients *each
-  parameter's own* ``max |dL/dp|`` (``parameter_bounds``): one scale for all parameters
-  would measure a bug confined to a parameter with small gradients against the largest
-  one's. The two parameter measures report their worst parameter (``per_parameter``,
-  ``worst_parameter``). Differences of two correct computations are relative to the size
-  of the numbers, so the bound is too.
+  parameter's own* scale (``parameter_bounds``): one scale for all parameters would measure
+  a bug confined to a parameter with small gradients against the largest one's. For the
+  gradients the long sums' term takes Higham and Mary's scale, the *summands'* magnitude
+  ``max M_p`` (``magnitude.gradient_magnitudes``: the backward again in absolute values,
+  ``M_p >= |dL/dp|``), and only the stages' term the result's: a gradient that cancels
+  keeps the rounding of its terms (``wk`` with one input channel cancels to ``1e-8`` of its
+  summands, and its TP and dense values are both rounding). The two parameter measures
+  report their worst parameter (``per_parameter``, ``worst_parameter``). Differences of
+  two correct computations are relative to the size of the numbers, so the bound is too.
 - weights after the step ``w' = w - lr * g`` (``sgd.sgd_step``): the update runs in the
   master dtype (``MASTER``: float32 master weights for bfloat16, as bfloat16 TP trains).
   Each side rounds ``lr * g`` and the difference once at the master's ``u``:
@@ -110,11 +117,17 @@ def fan_in(cfg: Config) -> int:
                cfg.seq * cfg.batch)
 
 
-def relative_bound(cfg: Config) -> float:
-    """``rho = C (u_acc sqrt(n) + u (W + L))``: allowed difference relative to the scale."""
+def bound_terms(cfg: Config) -> tuple[float, float]:
+    """``rho``'s two terms: ``(C u_acc sqrt(n), C u (W + L))``, the long sums' and the stages'."""
     u = UNIT_ROUNDOFF[cfg.dtype]
     u_acc = UNIT_ROUNDOFF[ACCUMULATOR[cfg.dtype]]
-    return SAFETY * (u_acc * math.sqrt(fan_in(cfg)) + u * (cfg.world_size + LATER_STAGES))
+    return (SAFETY * u_acc * math.sqrt(fan_in(cfg)),
+            SAFETY * u * (cfg.world_size + LATER_STAGES))
+
+
+def relative_bound(cfg: Config) -> float:
+    """``rho = C (u_acc sqrt(n) + u (W + L))``: allowed difference relative to the scale."""
+    return sum(bound_terms(cfg))
 
 
 def _max_abs(t: torch.Tensor) -> float:
@@ -160,17 +173,22 @@ _SIDE = {"parameter_grad_max_abs_diff": "grads", "post_step_weight_max_abs_diff"
 def parameter_bounds(cfg: Config, dense: dict, lr: float) -> dict[str, dict[str, float]]:
     """Each parameter's own bounds, ``{measure: {name: bound}}`` for ``PARAMETER_MEASURES``.
 
-    Gradient of ``p``: ``rho * max |dL/dp|`` (its own scale: a bug confined to a parameter with
-    small gradients, e.g. ``norm``, is measured against that parameter's size, not the
-    largest gradient's). Weights after the step ``w' = w - lr g`` (``sgd.sgd_step``, in the
+    Gradient of ``p``: ``C u_acc sqrt(n) max M_p + C u (W + L) max |dL/dp|``
+    (``bound_terms``): the long sums' rounding against the magnitude of their summands
+    (``M_p = dense["grad_magnitudes"][p]``, ``magnitude.gradient_magnitudes``; without that
+    key ``|dL/dp|``), the stages' against the result. Its own scale: a bug confined to a
+    parameter with small gradients, e.g. ``wq``, is measured against that parameter's size,
+    not the largest gradient's. Weights after the step ``w' = w - lr g`` (``sgd.sgd_step``, in the
     master dtype ``MASTER``, float32 for bfloat16): each side rounds the product and the
     difference once at the master's ``u``, so ``2 u_master (max |w'| + lr max |g|)`` plus
     ``lr`` times the gradient's bound (the gradient is the dtype's, bfloat16's ``rho``)."""
-    rho = relative_bound(cfg)
+    sums, stages = bound_terms(cfg)
     g_max = {k: _max_abs(g) for k, g in dense["grads"].items()}
-    return {"parameter_grad_max_abs_diff": {k: rho * g for k, g in g_max.items()},
+    m_max = {k: _max_abs(m) for k, m in dense.get("grad_magnitudes", dense["grads"]).items()}
+    grad = {k: sums * m_max[k] + stages * g for k, g in g_max.items()}
+    return {"parameter_grad_max_abs_diff": grad,
             "post_step_weight_max_abs_diff": {
-                k: _weight_bound(cfg, dense, lr, k, rho * g, g) for k, g in g_max.items()}}
+                k: _weight_bound(cfg, dense, lr, k, grad[k], g) for k, g in g_max.items()}}
 
 
 def _weight_bound(cfg: Config, dense: dict, lr: float, name: str, grad_bound: float,
@@ -264,26 +282,41 @@ def amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
     scales = auto_bounds(cfg, dense, 0.0)
     amp = {m: _ratio(diff[m], scales[m]) if scales[m] else 0.0
            for m in ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff")}
-    grad = parameter_bounds(cfg, dense, 0.0)["parameter_grad_max_abs_diff"]
-    amp["parameter_grad_max_abs_diff"] = max(
-        (max_abs_diff(dense["grads"][k], probe["grads"][k]) / b if b else 0.0)
-        for k, b in grad.items())
+    amp["parameter_grad_max_abs_diff"] = max(parameter_amplification(cfg, dense, probe).values())
     return amp
 
 
+def parameter_amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
+    """``A_p`` of each parameter's gradient, by name: ``|probe - dense|`` of that gradient
+    over its own bound (``parameter_bounds``); ``amplification`` reports the largest."""
+    from .core import max_abs_diff  # check builds on this module
+
+    grad = parameter_bounds(cfg, dense, 0.0)["parameter_grad_max_abs_diff"]
+    return {k: (max_abs_diff(dense["grads"][k], probe["grads"][k]) / b if b else 0.0)
+            for k, b in grad.items()}
+
+
 def rounding_floors(cfg: Config, dense: dict, amp: dict[str, float], lr: float,
-                    worst: dict | None = None) -> dict:
+                    worst: dict | None = None, by_name: dict[str, float] | None = None) -> dict:
     """What rounding can reach once amplified: ``max(1, A_m) * bound_m`` per measure
     (``FLOOR_SAFETY`` times that), and for the weights ``2 u (|w'| + lr |g|) + lr *
     floor_grad`` (``parameter_bounds``); the parameter measures' floors are those of the
-    parameters ``worst`` names (``per_parameter``), else the largest over the parameters."""
+    parameters ``worst`` names (``per_parameter``), else the largest over the parameters.
+    ``by_name``: each parameter's own ``A_p`` (``parameter_amplification``) for its floors;
+    without it every parameter takes the largest, ``amp["parameter_grad_max_abs_diff"]``."""
     bounds = auto_bounds(cfg, dense, lr, worst)
     floors = {m: FLOOR_SAFETY * max(1.0, a) * bounds[m] for m, a in amp.items()}
     grad = parameter_bounds(cfg, dense, lr)["parameter_grad_max_abs_diff"]
-    g_amp = FLOOR_SAFETY * max(1.0, amp["parameter_grad_max_abs_diff"])
+
+    def g_amp(k):
+        a = amp["parameter_grad_max_abs_diff"] if by_name is None else by_name[k]
+        return FLOOR_SAFETY * max(1.0, a)
+    if worst and by_name is not None:
+        k = worst["parameter_grad_max_abs_diff"]
+        floors["parameter_grad_max_abs_diff"] = g_amp(k) * grad[k]
     names = [worst["post_step_weight_max_abs_diff"]] if worst else list(grad)
     floors["post_step_weight_max_abs_diff"] = max(
-        _weight_bound(cfg, dense, lr, k, g_amp * grad[k]) for k in names)
+        _weight_bound(cfg, dense, lr, k, g_amp(k) * grad[k]) for k in names)
     return floors
 
 
@@ -299,11 +332,12 @@ def bug_margin(metrics: dict, bounds: dict) -> float:
 
 def conditioning(cfg: Config, dense: dict, probe: dict, lr: float,
                  worst: dict | None = None) -> tuple[dict, dict]:
-    """``(floors, amp)``: ``rounding_floors`` (for the parameters ``worst`` names) and
-    ``amplification`` from the dense step ``dense`` and its probe ``probe`` (the dense step
+    """``(floors, amp)``: ``rounding_floors`` (for the parameters ``worst`` names, each with
+    its own ``parameter_amplification``) and ``amplification`` from the dense step ``dense`` and its probe ``probe`` (the dense step
     from ``perturbed_start``)."""
     amp = amplification(cfg, dense, probe)
-    return rounding_floors(cfg, dense, amp, lr, worst), amp
+    by_name = parameter_amplification(cfg, dense, probe)
+    return rounding_floors(cfg, dense, amp, lr, worst, by_name), amp
 
 
 def apply_auto(metrics: dict, bounds: dict, floors=None) -> dict:

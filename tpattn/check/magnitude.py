@@ -1,0 +1,101 @@
+r"""How large the summands of each parameter gradient are: the rounding scale under cancellation.
+
+A computed sum ``s = a_1 + ... + a_n`` is off by about ``u sqrt(n) sum |a_i|`` (the rounding
+analysis in ``tolerance``), not by ``u |s|``: where the summands cancel, ``|s|`` understates
+what rounding reaches. A parameter gradient is a chain of such sums (over tokens, keys, head
+channels, the softmax's row sum), and one that cancels to nearly zero -- ``wk`` with one-channel
+inputs, where every token's normalized input is the same up to sign -- is made of rounding.
+
+``gradient_magnitudes`` runs the dense block's backward once more with every factor replaced by
+its absolute value, the textbook running-error magnitude (``|A| |B|`` in place of ``A B``;
+N. Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1): each entry
+bounds the sum of the magnitudes of the terms its gradient entry is built from, so it is never
+below ``|dL/dp|`` and equals it where nothing cancels. The forward's values are the exact
+ones (float64); the forward's own rounding reaches the gradients like a perturbation of the
+start, which ``tolerance.amplification`` measures.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tpattn.config import Config
+from tpattn.block.layers import apply_rope, attention_probs, repeat_kv, rope_angles
+
+
+def _rope_abs_transpose(m: torch.Tensor) -> torch.Tensor:
+    """RoPE's backward with ``|cos|``, ``|sin|``: ``m`` ``[S, B, H, D]`` of magnitudes."""
+    theta = rope_angles(m.shape[0], m.shape[-1], dtype=m.dtype, device=m.device)
+    cos, sin = theta.cos().abs(), theta.sin().abs()
+    half = m.shape[-1] // 2
+    a, b = m[..., :half], m[..., half:]
+    return torch.cat([a * cos + b * sin, a * sin + b * cos], dim=-1)
+
+
+def backward_magnitudes(x0: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
+                        upstream: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The dense block's backward from ``upstream`` with every factor in absolute value.
+
+    x0: ``[S, B, hidden]``; ``base``: the parameters (``norm`` ``[hidden]``, ``wq``
+    ``[Hq*D, hidden]``, ``wk``/``wv`` ``[Hkv*D, hidden]``, ``wo`` ``[hidden, Hq*D]``) of any
+    dtype; ``upstream``: ``[S, B, hidden]``, non-negative, in place of ``|dL/dy|``. Returns
+    float64 tensors of the parameters' shapes: ``|J_p|^T upstream`` for the Jacobian ``J_p``
+    of ``dL/dp`` with respect to ``dL/dy``, so ``|J_p^T e| <= M_p`` for every ``|e| <= upstream``.
+    """
+    d, D = torch.float64, cfg.head_dim
+    x = x0.detach().to(d)
+    p = {k: v.detach().to(d) for k, v in base.items()}
+    S, B, h = x.shape
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps)
+    xh = x * r
+    n = xh * p["norm"]
+    q = apply_rope(F.linear(n, p["wq"]).view(S, B, -1, D))
+    k = apply_rope(F.linear(n, p["wk"]).view(S, B, -1, D))
+    v = F.linear(n, p["wv"]).view(S, B, -1, D)
+    groups = q.shape[2] // k.shape[2]
+    kr, vr = repeat_kv(k, groups), repeat_kv(v, groups)
+    probs = attention_probs(q, kr)  # [B, H, S, S], >= 0
+    ctx = torch.einsum("bhst,tbhd->sbhd", probs, vr)
+    m_y = upstream.detach().to(d)
+    tokens = S * B
+
+    def weight(m_out, inp):  # |dL/dW| summands of W in out = inp W^T: [out, in]
+        return m_out.reshape(tokens, -1).T @ inp.abs().reshape(tokens, -1)
+
+    def group_sum(m):  # repeat_kv's backward: [S, B, Hq, D] -> [S, B, Hkv, D]
+        return m.view(S, B, -1, groups, D).sum(3)
+
+    m_ctx = (m_y @ p["wo"].abs()).view(S, B, -1, D)
+    m_dp = torch.einsum("sbhd,tbhd->bhst", m_ctx, vr.abs())
+    m_v = group_sum(torch.einsum("bhst,sbhd->tbhd", probs, m_ctx))
+    m_scores = probs * (m_dp + (probs * m_dp).sum(-1, keepdim=True)) / math.sqrt(D)
+    m_q = _rope_abs_transpose(torch.einsum("bhst,tbhd->sbhd", m_scores, kr.abs()))
+    m_k = _rope_abs_transpose(group_sum(torch.einsum("bhst,sbhd->tbhd", m_scores, q.abs())))
+    out = {"wo": weight(m_y, ctx), "wq": weight(m_q, n), "wk": weight(m_k, n),
+           "wv": weight(m_v, n)}
+    m_n = sum(m.reshape(S, B, -1) @ p[w].abs() for m, w in ((m_q, "wq"), (m_k, "wk"), (m_v, "wv")))
+    out["norm"] = (m_n * xh.abs()).sum((0, 1))
+    return {name: out[name] for name in base}
+
+
+def gradient_magnitudes(x0: torch.Tensor, target: torch.Tensor,
+                        base: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+    """The summand magnitude ``M_p >= |dL/dp|`` of every entry of every parameter gradient of
+    the dense step's MSE loss (``backward_magnitudes`` from ``|dL/dy| = 2 |y - target| / N``).
+    x0, target: ``[S, B, hidden]``; returns float64 tensors of the parameters' shapes."""
+    from tpattn.block.dense import dense_forward
+
+    d = torch.float64
+    y = dense_forward(x0.detach().to(d), {k: v.detach().to(d) for k, v in base.items()}, cfg)
+    return backward_magnitudes(x0, base, cfg, (y - target.to(d)).abs() * (2.0 / y.numel()))
+
+
+def forward_difference_effect(x0: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
+                              y_dense: torch.Tensor, y_tp: torch.Tensor) -> dict[str, float]:
+    """How far the two sides' forward outputs ``y_dense``, ``y_tp`` ``[S, B, hidden]`` can
+    move each parameter gradient of the MSE loss: ``max backward_magnitudes`` from
+    ``|d(dL/dy)| = 2 |y_dense - y_tp| / N``, by parameter name."""
+    e = (y_dense.to(torch.float64) - y_tp.to(torch.float64)).abs() * (2.0 / y_dense.numel())
+    return {k: m.max().item() for k, m in backward_magnitudes(x0, base, cfg, e).items()}
