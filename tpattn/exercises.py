@@ -31,6 +31,7 @@ from tpattn.bugs.modes import run
 from tpattn.config import Config
 from tpattn.block.dense import attend_and_project, dense_forward
 from tpattn.block.layers import rms_norm
+from tpattn.block.sgd import sgd_step
 from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, rank_head_slices, shard_params
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import (gather_steps, rank0_view, rank_steps,
@@ -1058,7 +1059,8 @@ def check_norm_grad_reduce(finalize) -> str:
                              f"ranks' shares nor any one of them.")
             for r, s in enumerate(steps):
                 s["grads"]["norm"] = got[r].detach()
-                s["weights"]["norm"] = base["norm"] - LR * got[r].detach()
+                s["weights"]["norm"] = sgd_step({"norm": base["norm"]},
+                                                {"norm": got[r].detach()}, LR)["norm"]
             metrics = five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg),
                                     gather_steps(steps, cfg))
             failing = _failing(metrics)

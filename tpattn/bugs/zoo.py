@@ -38,6 +38,7 @@ from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSI
                     NATIVE_INJECTIONS, NATIVE_MODES, PARAM_SEED_OFFSET, check_mode, check_seed,
                     check_simulate, dense_reference, five_measures, make_inputs)
 from tpattn.config import Config
+from tpattn.block.sgd import sgd_step
 from tpattn.block.dense import dense_forward, project_qkv
 from tpattn.block.layers import attention, repeat_kv, rms_norm
 from tpattn.block.params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
@@ -484,8 +485,7 @@ def _fixture_step(x0, target, base, cfg, inj, seed) -> dict:
     per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
                                           else inj.shard))
     coef = clip_coef(_grad_norm(per_rank, inj), inj)
-    with torch.no_grad():
-        weights = {k: p[k] - LR * coef * grads[k] for k in p}
+    weights = sgd_step(p, grads, LR, float(coef))
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": grads, "weights": weights}
 
@@ -501,8 +501,7 @@ def dense_step(x0, target, base, cfg, inj) -> dict:
     loss.backward()
     norm = torch.sqrt(sum(t.grad.double().pow(2).sum() for t in p.values()))
     coef = clip_coef(norm, inj)
-    with torch.no_grad():
-        weights = {k: p[k] - LR * coef * p[k].grad for k in p}
+    weights = sgd_step(p, {k: t.grad for k, t in p.items()}, LR, float(coef))
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": {k: t.grad for k, t in p.items()}, "weights": weights}
 
