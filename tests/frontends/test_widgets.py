@@ -273,8 +273,10 @@ def test_rope_moves_the_arrows_of_one_standing_figure():
         unit = torch.zeros(position + 1, 1, 1, 8, dtype=torch.float64)
         unit[..., :4] = 1.0
         rotated = tpattn.block.layers.apply_rope(unit)[position, 0, 0]
-        for i, arrow in enumerate(fig.tpattn_rope["arrows"]):  # tail at 0, tip at the pair
-            assert arrow._posA_posB == [(0.0, 0.0), (rotated[i].item(), rotated[4 + i].item())]
+        parts = fig.tpattn_rope  # the arrows' tips (set_rope_position), at apply_rope's pair
+        for i in range(len(parts["arrows"])):
+            assert (parts["cos"][position, i].item(), parts["sin"][position, i].item()) \
+                == pytest.approx((rotated[i].item(), rotated[4 + i].item()), abs=1e-6)
         fresh = figure_png(rope_rotation_figure(position, head_dim=8, max_position=16))
         assert np.array_equal(pixels(base64.b64decode(pngs(rope)[0])), pixels(fresh)), position
     rope.set(head_dim=4)  # another structure: a second standing figure
