@@ -14,7 +14,7 @@ import torch
 import tpattn
 from tpattn import MEASURES, TOLERANCE, Config
 from tpattn.bugs import zoo
-from tpattn.check.core import LR, make_inputs
+from tpattn.check.core import LR, NATIVE_INJECTIONS, five_measures, make_inputs
 from tpattn.parallel.simulated import simulated_step
 from tpattn.cli import main as cli_main
 
@@ -56,28 +56,30 @@ def test_every_entry_has_a_fidelity_and_a_citation_iff_it_has_a_report():
     assert "Dropout" in listed["inputs_not_replicated"]["fidelity_note"]
     assert "independent of TP" in listed["repeat_kv_tiled"]["fidelity_note"]
     assert "gpt-neox PR 1259" in listed["norm_grad_averaged"]["citation"]
-    # the modes of the sequence-parallel and KV-replication work: run by tpattn.run itself,
-    # not observable on the zoo's block
+    # the modes of the sequence-parallel and KV-replication work: injections that need their
+    # layout, observable there, not among the plain-TP shapes' runnable_modes()
     for name, need in [("missing_norm_grad_reduce", "sequence_parallel"),
                        ("norm_grad_averaged", "sequence_parallel"),
                        ("missing_kv_grad_reduce", "kv_heads < world_size")]:
-        assert need in listed[name]["needs"]
+        assert need in listed[name]["needs"] and need in zoo.LAYOUT_NEEDS
         assert listed[name]["provider"] != "tpattn.bugs.zoo"
-        assert listed[name]["observable"] is False and name not in zoo.runnable_modes()
-    assert all(listed[n]["observable"] for n in zoo.runnable_modes())
+        assert zoo.REGISTRY[name].injection == NATIVE_INJECTIONS[name]
+        assert listed[name]["observable"] is True and name not in zoo.runnable_modes()
+    assert all(m["observable"] for m in listed.values())
 
 
-def test_the_native_modes_run_through_the_registry_and_observe_says_what_is_missing():
+def test_the_layout_modes_run_through_the_registry_and_on_the_engines_ranks():
     sp = tpattn.Config(seq=8, sequence_parallel=True)
     kv = tpattn.Config(query_heads=8, kv_heads=2, world_size=4)
     for mode, cfg in [("missing_norm_grad_reduce", sp), ("norm_grad_averaged", sp),
-                      ("missing_kv_grad_reduce", kv)]:
+                      ("missing_kv_grad_reduce", kv), ("equivalence", sp), ("equivalence", kv)]:
         assert zoo.run(11, mode, cfg, "ranks") == tpattn.run(11, mode, cfg, "ranks")
-        assert zoo.run(11, mode, cfg)["passed"] is False
-        with pytest.raises(ValueError, match="observe cannot watch mode .* tpattn.run"):
-            tpattn.observe(mode, 11, cfg)
-        with pytest.raises(ValueError, match="not an injection of this block"):
-            zoo.sides(mode, 11, cfg)
+        assert zoo.run(11, mode, cfg)["passed"] is (mode == "equivalence")
+        # the zoo's sides on the engine's ranks are tpattn.run's two sides, bit for bit
+        dense, tp, _ = zoo.sides(mode, 11, cfg, "ranks")
+        assert five_measures(11, mode, dense, tp) == tpattn.run(11, mode, cfg, "ranks")
+        with pytest.raises(ValueError, match="simulate must be 'ranks' .*forward_fixture"):
+            zoo.sides(mode, 11, cfg, "fixture")
     # on a shape the mode does not apply to, the rule that fails is named
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
         tpattn.observe("norm_grad_averaged", 11)
@@ -90,7 +92,7 @@ def test_a_mode_of_the_zoos_block_refuses_a_shape_the_block_does_not_have():
     plain TP, and with replicated KV heads it used to crash in einsum."""
     sp = tpattn.Config(seq=8, sequence_parallel=True)
     kv = tpattn.Config(query_heads=8, kv_heads=2, world_size=4)
-    for mode in ("equivalence", "row_bias_on_every_rank"):
+    for mode in ("input_grad_reduced_twice", "row_bias_on_every_rank"):
         with pytest.raises(ValueError, match="no sequence parallelism: sequence_parallel"):
             tpattn.observe(mode, 11, sp)
         with pytest.raises(ValueError, match="kv_heads must be >= world_size .*kv_heads=2"):
@@ -102,14 +104,18 @@ def test_a_mode_of_the_zoos_block_refuses_a_shape_the_block_does_not_have():
     assert tpattn.run(11, "equivalence", kv)["passed"] is True
 
 
-def test_cli_diagnose_of_a_native_mode_exits_2_with_one_true_line(capsys):
+def test_cli_diagnose_of_a_layout_mode_diagnoses_and_an_unmet_need_exits_2(capsys):
     argv = ["--mode", "norm_grad_averaged", "--sequence-parallel", "--seq", "8",
             "--diagnose", "--simulate", "ranks"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "norm_grad_averaged" and out["passed"] is False
+    assert out["diagnosis"] and all("cause" in c for c in out["diagnosis"])
     with pytest.raises(SystemExit) as e:
-        cli_main(argv)
+        cli_main(["--mode", "norm_grad_averaged", "--diagnose"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "observe cannot watch mode 'norm_grad_averaged'" in err[0]
+    assert len(err) == 1 and "needs sequence_parallel=True" in err[0]
 
 
 @pytest.mark.parametrize("simulate", ["fixture", "ranks"])

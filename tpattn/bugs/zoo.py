@@ -19,11 +19,15 @@ own leaf tensors, output, loss and backward, as real ranks run: the engine on
 ``tpattn.parallel.simulated``; ``tpattn.real.ranks`` runs the same injections on real
 processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view.
 
-Other modules contribute modes with ``register``. Three modes are listed here but are not knobs
-of this block: ``tpattn.run`` computes them itself (``check.NATIVE_MODES``) under
-``Config.sequence_parallel`` (``tpattn.parallel.sequence_parallel``) or with replicated KV heads
-(``tpattn.parallel.kv_heads``); they are runnable, but ``tpattn.observe`` cannot watch them (its
-observables are recorded on this block), so ``runnable_modes()`` leaves them out.
+Other modules contribute modes with ``register``. Three entries are injections that need a
+layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
+``norm_grad_averaged`` (``norm_grad``) need ``sequence_parallel=True``,
+``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
+``kv_strategy="replicate_weights"``). The engine runs them on simulated ranks (``tpattn.observe``
+watches them there); ``run`` hands them, like every ``check.NATIVE_MODES`` mode on such a
+layout, to ``check.core.run_native`` (whose ``"fixture"`` view has these layouts; this module's
+``forward_fixture`` does not). ``runnable_modes()`` leaves them out: the hunts and tables run on
+plain-TP shapes.
 """
 from __future__ import annotations
 
@@ -34,23 +38,27 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    NATIVE_INJECTIONS, NATIVE_MODES, PARAM_SEED_OFFSET, check_mode, check_seed,
+from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
+                    MISSING_NORM_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, NATIVE_INJECTIONS,
+                    NATIVE_MODES, NORM_GRAD_AVERAGED, PARAM_SEED_OFFSET, check_mode, check_seed,
                     check_simulate, dense_reference, five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.block.sgd import sgd_step
 from tpattn.block.dense import dense_forward, project_qkv
 from tpattn.block.layers import attention, repeat_kv, rms_norm
+from tpattn.block.kv_layout import has_replicas
 from tpattn.block.params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
     shard_params, unshard_params
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.engine import ScaleGrad as GradScale
 from tpattn.parallel.injection import Injection
+from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.simulated import rank0_view, simulated_step
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
            "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run",
-           "make_params", "shard", "unshard", "sides", "forward_fixture",
+           "make_params", "shard", "unshard", "sides", "forward_fixture", "block_inputs",
+           "LAYOUT_NEEDS",
            "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
@@ -64,15 +72,19 @@ OTHER_BATCH_SEED_OFFSET = 7919
 #: bug); ``"correct"``: not a bug (``equivalence``). An entry has a citation iff its fidelity is
 #: ``"mechanism"`` or ``"consistent"``.
 FIDELITIES = ("mechanism", "consistent", "no report", "correct")
+#: The ``needs`` that name a layout of the ``Config`` rather than a setup: the mode's injection
+#: exists only there (``check.core.check_mode`` states the rule) and runs on the engine's
+#: ranks; this module's ``forward_fixture`` (plain TP) has neither layout.
+LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size")
 
 
 @dataclass(frozen=True)
 class BugMode:
     """One entry of the registry.
 
-    ``injection``: ``None`` for a mode that is not a knob of this block (``tpattn.run``
-    computes it, or ``provider`` registers a runner). ``needs``: conditions on the setup, as
-    text (checked by ``check_needs``). ``citation``: the public report(s), ``"owner/repo
+    ``injection``: ``None`` for a mode that is not a knob of this block (``provider``
+    registers a runner). ``needs``: conditions on the setup or the layout (``LAYOUT_NEEDS``),
+    as text (checked by ``check_needs``). ``citation``: the public report(s), ``"owner/repo
     issue N"`` style text. ``fidelity``: one of ``FIDELITIES``; ``fidelity_note``: one line
     saying what the cited thread showed and where the reproduction differs (or why there is
     no citation).
@@ -93,7 +105,8 @@ class BugMode:
         """What ``--list-modes`` prints for this mode: name, description, citation,
         fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it:
         an injection of this block, a mode ``tpattn.run`` computes itself, or a registered
-        runner) and ``observable`` (``tpattn.observe`` can watch it: an injection)."""
+        runner) and ``observable`` (``tpattn.observe`` can watch it, on a ``Config`` that
+        meets its ``needs``: an injection)."""
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
@@ -204,7 +217,10 @@ def _entries() -> list[BugMode]:
         BugMode("missing_norm_grad_reduce",
                 "sequence parallelism without the all-reduce of the norm weight's gradient",
                 "NVIDIA-NeMo/Speech PR 7184; hpcaitech/ColossalAI PR 4915",
-                ("sequence_parallel",), provider="tpattn.parallel.sequence_parallel",
+                ("sequence_parallel",), NATIVE_INJECTIONS[MISSING_NORM_GRAD_REDUCE],
+                provider="tpattn.parallel.sequence_parallel",
+                how="no all-reduce of the norm weight's gradient after backward",
+                fix="all-reduce the norm weight's gradient over the TP group",
                 fidelity="mechanism",
                 fidelity_note="NeMo PR 7184: the all-reduce of sequence-parallel LayerNorm "
                 "gradients looked for a 'sequence_parallel' attribute that apex's LayerNorm "
@@ -213,14 +229,21 @@ def _entries() -> list[BugMode]:
         BugMode("norm_grad_averaged",
                 "sequence parallelism: the norm weight's gradient averaged instead of summed",
                 "EleutherAI/gpt-neox PR 1259", ("sequence_parallel",),
-                provider="tpattn.parallel.sequence_parallel", fidelity="mechanism",
+                NATIVE_INJECTIONS[NORM_GRAD_AVERAGED],
+                provider="tpattn.parallel.sequence_parallel",
+                how="the norm weight's gradient all-reduced with op AVG (sum / W)",
+                fix="reduce with SUM: each rank's gradient covers different tokens",
+                fidelity="mechanism",
                 fidelity_note="the SP LayerNorm gradient hook averaged over the sequence "
                 "shards instead of summing (and was registered before deepspeed.initialize); "
                 "the PR sums, and says it does not fix the run's convergence issue, whose "
                 "slowly changing LayerNorm weights it reports as still open"),
         BugMode("missing_kv_grad_reduce",
                 "replicated KV heads without the all-reduce of their gradients", None,
-                ("kv_heads < world_size",), provider="tpattn.parallel.kv_heads",
+                ("kv_heads < world_size",), NATIVE_INJECTIONS[MISSING_KV_GRAD_REDUCE],
+                provider="tpattn.parallel.kv_heads",
+                how="no all-reduce of the wk/wv gradients in the KV replica group",
+                fix="all-reduce wk/wv gradients over each replica group",
                 fidelity_note="no public report of this bug was found; the related "
                 "bigcode-project/Megatron-LM issue 35 (MQA + TP > 1: loss explodes, weights in "
                 "sync) is the other half, the shared K/V's activation gradients (chapter 13)"),
@@ -262,12 +285,14 @@ def mode_names() -> tuple[str, ...]:
 
 
 def runnable_modes() -> tuple[str, ...]:
-    """The modes of this block (an injection) or of a registered runner: those the hunts,
-    the diagnosis's signatures and the zoo's tables run on the zoo's shapes. The three modes
-    ``tpattn.run`` computes itself under sequence parallelism or replicated KV heads are
-    runnable too (``list_modes``'s ``runnable``) but need their own ``Config`` and are not
-    observable, so they are not in this tuple."""
-    return tuple(n for n, m in REGISTRY.items() if m.injection is not None or n in _RUNNERS)
+    """The modes of this block (an injection) or of a registered runner that run on plain-TP
+    shapes: those the hunts, the diagnosis's signatures and the zoo's tables run on the zoo's
+    shapes. The modes with a ``LAYOUT_NEEDS`` need (sequence parallelism, replicated KV
+    heads) are runnable and observable too (``list_modes``) but need their own ``Config``,
+    so they are not in this tuple."""
+    return tuple(n for n, m in REGISTRY.items()
+                 if (m.injection is not None or n in _RUNNERS)
+                 and not set(m.needs) & set(LAYOUT_NEEDS))
 
 
 def reported_modes() -> tuple[str, ...]:
@@ -292,17 +317,18 @@ def get_mode(mode: str) -> BugMode:
 
 def check_needs(mode: str, cfg: Config) -> BugMode:
     """The entry of ``mode`` if this build can run it on ``cfg``, else ``ValueError`` naming
-    the unmet need (setup needs such as ``bias`` are met by the mode itself). A mode of this
-    block needs a plain-TP ``cfg`` (no ``sequence_parallel``, ``kv_heads >= world_size``);
-    a mode ``tpattn.run`` computes itself is checked by ``check.check_mode``."""
+    the unmet need (setup needs such as ``bias`` are met by the mode itself). A mode
+    ``tpattn.run`` computes itself (``check.NATIVE_MODES``) is checked by
+    ``check.check_mode``, which also says the rule of a layout need (``sequence_parallel=True``;
+    ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``); any other mode of
+    this block needs a plain-TP ``cfg`` (no ``sequence_parallel``, ``kv_heads >= world_size``)."""
     entry = get_mode(mode)
     if entry.injection is None and mode not in _RUNNERS:
-        if mode in NATIVE_MODES:  # tpattn.run computes it: its own rules on cfg
-            check_mode(mode, cfg)
-            return entry
         raise ValueError(f"mode {mode!r} has neither an injection of this block nor a runner "
                          f"registered by {entry.provider} (tpattn.bugs.zoo.register)")
-    if entry.injection is not None:  # this block: plain TP, every rank its own KV heads
+    if mode in NATIVE_MODES:  # tpattn.run's own modes: its rules on cfg and its layouts
+        check_mode(mode, cfg)
+    elif entry.injection is not None:  # this block: plain TP, every rank its own KV heads
         if cfg.sequence_parallel:
             raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
                              f"no sequence parallelism: sequence_parallel must be False")
@@ -310,7 +336,7 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
             raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
                              f"not replicate KV heads: kv_heads must be >= world_size (got "
                              f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
-    rules = {"world_size >= 2": cfg.world_size >= 2,
+    rules = {"world_size >= 2": cfg.world_size >= 2, "sequence_parallel": cfg.sequence_parallel,
              "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
              "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
              "kv_heads < world_size": cfg.kv_heads < cfg.world_size}
@@ -444,13 +470,31 @@ def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Con
 # --- one training step ------------------------------------------------------------------
 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's ``(x, target)``: the seed's batch on every rank, or under
-    ``inputs="per_rank"`` rank ``r >= 1``'s own from ``seed + OTHER_BATCH_SEED_OFFSET * r``."""
+    """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the seed's
+    batch on every rank, or under ``inputs="per_rank"`` rank ``r >= 1``'s own from
+    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes)."""
     first = make_inputs(cfg, seed)
     if inj.inputs != "per_rank":
         return [first] * cfg.world_size
     return [first] + [make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r)
                       for r in range(1, cfg.world_size)]
+
+
+def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The part of every rank's loaded ``(x, target)`` ``[S, B, hidden]`` that enters its
+    block: under ``cfg.sequence_parallel`` rank r's own tokens ``[S/W, B, hidden]``
+    (``sequence_parallel.rank_tokens``: the scatter along the sequence), else the batch."""
+    if not cfg.sequence_parallel:
+        return list(batches)
+    return [(x[rank_tokens(cfg, r)], t[rank_tokens(cfg, r)])
+            for r, (x, t) in enumerate(batches)]
+
+
+def _layout(cfg: Config) -> bool:
+    """Whether ``cfg`` has a layout ``forward_fixture`` does not: sequence parallelism or
+    replicated KV heads (``LAYOUT_NEEDS``)."""
+    return cfg.sequence_parallel or has_replicas(cfg)
 
 
 def _grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
@@ -514,8 +558,8 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
     cfg = Config() if cfg is None else cfg
     inj = check_needs(mode, cfg).injection
     if inj is None:
-        raise ValueError(f"mode {mode!r} is not an injection of this block: tpattn.run "
-                         f"computes it (see {get_mode(mode).provider})")
+        raise ValueError(f"mode {mode!r} is not an injection of this block: it is run by "
+                         f"{get_mode(mode).provider}")
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
     return dense_step(x0, target, base, cfg, inj), tp_step(seed, cfg, inj, simulate), base
@@ -523,12 +567,18 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
 
 def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
     """The TP side of ``run`` in ``check.one_step``'s dict (rank 0's view; full-size
-    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``)."""
+    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``).
+    ``"fixture"`` needs a plain-TP ``cfg`` (``forward_fixture``): else ``ValueError``."""
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj)
     if check_simulate(simulate) == "fixture":
+        if _layout(cfg):
+            raise ValueError("simulate must be 'ranks' for the zoo's block under "
+                             "sequence_parallel=True or kv_heads < world_size: its fixture view "
+                             "(forward_fixture) is plain TP (tpattn.run's fixture has both)")
         return _fixture_step(x0, target, base, cfg, inj, seed)
-    step = simulated_step(shard(base, cfg, inj), rank_batches(cfg, seed, inj), cfg, inj, LR)
+    step = simulated_step(shard(base, cfg, inj), block_inputs(rank_batches(cfg, seed, inj), cfg),
+                          cfg, inj, LR)
     return rank0_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, inj))
 
 
@@ -542,7 +592,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     entry = check_needs(mode, cfg)
     if mode in _RUNNERS:
         return _RUNNERS[mode](seed, cfg, simulate)
-    if entry.injection is None:  # a mode tpattn.run computes itself (check.NATIVE_MODES)
+    if mode in NATIVE_MODES and _layout(cfg):  # forward_fixture has no such layout
         from tpattn.check.core import run_native
 
         return run_native(seed, mode, cfg, simulate)

@@ -6,11 +6,15 @@ collectives, not a dense twin. ``observe(mode, seed, cfg)`` trains the block on 
 returns only such observables, as plain JSON-able numbers:
 
 - ``rank_losses``: every rank's loss at step 0 (do the ranks agree?);
-- ``batch_checksums``: every rank's sum of its input batch (did they get the same data?);
+- ``batch_checksums``: every rank's sum of the batch it loaded (did they get the same data?
+  Under sequence parallelism each rank loads the whole batch and its block takes its own
+  ``S/W`` tokens, ``zoo.block_inputs``);
 - ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the sum
   of the checkpoint slice that rank should hold (0: it loaded the right numbers);
 - ``replica_checksums``: per replicated parameter (``norm``, ``bias``), every rank's sum after
-  step 1 and after the last step (replicas must stay identical);
+  step 1 and after the last step (replicas must stay identical); with replicated KV heads
+  (``kv_heads < world_size``, ``kv_strategy="replicate_weights"``) also ``wk`` and ``wv`` per
+  replica group, keyed ``"wk (ranks 0, 1)"``: the sums of that group's ranks;
 - ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase
   and group, against those the correct program issues;
 - ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
@@ -21,7 +25,8 @@ returns only such observables, as plain JSON-able numbers:
   ``bias_grad_shift_cosine`` (only with a bias): the cosine between the bias gradient's
   change and the bias itself.
 
-The good run here is the mode's correct twin (``Injection.correct``): same setup, no bug.
+The good run here is the mode's correct twin (``Injection.correct``): same setup and layout
+(sequence parallelism, replicated KV heads: the ``Config``), no bug.
 Tensors are float; checksums are sums (float64 accumulation of the float32 values).
 """
 from __future__ import annotations
@@ -29,11 +34,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpattn.check.core import LR, NATIVE_MODES, check_seed
+from tpattn.block.kv_layout import kv_grad_bug_applies, replica_groups
+from tpattn.check.core import LR, check_seed
 from tpattn.config import Config
-from tpattn.parallel.engine import stack_ranks, unstack_ranks
+from tpattn.parallel.engine import REPLICATED, stack_ranks, unstack_ranks
 from tpattn.parallel.simulated import simulated_forward, simulated_step
-from tpattn.bugs.zoo import Injection, check_needs, make_params, rank_batches, shard, unshard
+from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, rank_batches,
+                             shard, unshard)
 
 __all__ = ["observe", "observe_injection", "STEPS"]
 
@@ -51,10 +58,29 @@ def _detached(shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Ten
 
 def _losses(state, batches, cfg: Config, inj: Injection) -> torch.Tensor:
     """Every rank's loss ``[W]`` of ``state`` (stacked parameters; forward only: what a step
-    logs before its backward; the same numbers as ``simulated_step``'s ``losses``)."""
+    logs before its backward; the same numbers as ``simulated_step``'s ``losses``: under
+    sequence parallelism the global MSE on every rank). batches: ``block_inputs``."""
     with torch.no_grad():
         ys = simulated_forward(state, [x for x, _ in batches], cfg, inj)
+        if cfg.sequence_parallel:
+            targets = torch.stack([t for _, t in batches])
+            total = F.mse_loss(ys, targets, reduction="sum").div(targets.numel())
+            return total.expand(len(batches))
         return torch.stack([F.mse_loss(y, target) for y, (_, target) in zip(ys, batches)])
+
+
+def _replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, list[float]]:
+    """The checksums of the tensors that must stay identical across ranks: each replicated
+    parameter on every rank, and with replicated KV heads ``wk``/``wv`` on each replica
+    group's ranks (``"wk (ranks 0, 1)"``). weights: every rank's dict."""
+    sums = {name: [_checksum(w[name]) for w in weights] for name in REPLICATED
+            if name in weights[0]}
+    if kv_grad_bug_applies(cfg):
+        for name in ("wk", "wv"):
+            for group in replica_groups(cfg):
+                key = f"{name} (ranks {', '.join(str(r) for r in group)})"
+                sums[key] = [_checksum(weights[r][name]) for r in group]
+    return sums
 
 
 def _train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config, inj: Injection,
@@ -69,14 +95,15 @@ def _train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config, inj: Inj
         return per_rank, result["weights"], unstack_ranks(result["weights"])
 
     return _steps(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj), steps,
-                  last_update)
+                  last_update, lambda weights: _replica_sums(weights, cfg))
 
 
-def _steps(state, step, losses, steps: int, last_update: bool) -> dict:
+def _steps(state, step, losses, steps: int, last_update: bool, replica_sums) -> dict:
     """The training loop of ``_train``: ``step(state)`` is one step,
     returning ``(result, next state, every rank's weights)``; ``losses(state)`` every rank's
-    loss without a step. Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per
-    step) and ``replicas`` (the replicated weights' checksums after step 1 and the last)."""
+    loss without a step; ``replica_sums(weights)`` the checksums of what must stay
+    identical. Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per step) and
+    ``replicas`` (``replica_sums`` after step 1 and the last)."""
     out = {"curve": [], "replicas": {}}
     for i in range(steps):
         if i == steps - 1 and i > 0 and not last_update:
@@ -87,9 +114,7 @@ def _steps(state, step, losses, steps: int, last_update: bool) -> dict:
             out["first"] = result
         out["curve"].append(float(result["losses"][0]))
         if i in (0, steps - 1):
-            out["replicas"]["after_1" if i == 0 else "after_k"] = {
-                name: [_checksum(w[name]) for w in weights] for name in ("norm", "bias")
-                if name in weights[0]}
+            out["replicas"]["after_1" if i == 0 else "after_k"] = replica_sums(weights)
     return out
 
 
@@ -110,15 +135,14 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     shards0 = _detached(shard(base, cfg, inj))
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
-    train = _train
-    run = train(shards0, batches, cfg, inj, steps)
+    run = _train(shards0, block_inputs(batches, cfg), cfg, inj, steps)
     if good_inj == inj:  # no bug: the good run is this run
         good = run
     else:
         good_batches = batches if inj.inputs == good_inj.inputs else \
             rank_batches(cfg, seed, good_inj)
-        good = train(expected, good_batches, cfg, good_inj, steps,
-                     last_update=False)
+        good = _train(expected, block_inputs(good_batches, cfg), cfg, good_inj, steps,
+                      last_update=False)
     first, good_first = run["first"], good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
@@ -156,15 +180,13 @@ def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = S
             reference: bool = True, batched: bool = False) -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
     module docstring); ``reference=False`` leaves out what needs a known-good run.
+    ``cfg`` must meet the mode's needs (``zoo.check_needs``: e.g. ``sequence_parallel=True``
+    for the norm-gradient modes, ``kv_heads < world_size`` for ``missing_kv_grad_reduce``),
+    else ``ValueError`` naming the field and the rule.
     ``batched``: accepted for compatibility; there is one simulation, the engine's ranks as
     a batch dimension (``tpattn.parallel.simulated``), whatever its value."""
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
-    if entry.injection is None and mode in NATIVE_MODES:
-        raise ValueError(
-            f"observe cannot watch mode {mode!r} yet: it records the observables on "
-            f"tpattn.bugs.zoo's block, which has no knob for this bug; tpattn.run computes it "
-            f"(in {entry.provider}) and gives the five measures against the dense block")
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
         raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
                          f"an injection of this block")
