@@ -57,6 +57,14 @@ def features(obs: dict) -> dict:
                       for k, v in obs["shard_checksums"].items()},
         # replicas get the same all-reduced gradient and the same update: the same bits
         "replicas_agree_1": all(len(set(v)) == 1 for v in obs["replica_checksums"]["after_1"].values()),
+        "norm_replicas_agree_1": len(set(obs["replica_checksums"]["after_1"]["norm"])) == 1,
+        "kv_replicas_agree_1": all(len(set(v)) == 1 for k, v in
+                                   obs["replica_checksums"]["after_1"].items() if k[:2] in ("wk", "wv")),
+        "sequence_parallel": setup.get("sequence_parallel", False),
+        "after_bwd": _count(obs["ledger"], "after backward"),
+        "after_bwd_plan": _count(obs["planned_ledger"], "after backward"),
+        "kv_reduces": sum(e["group"] == "kv_replicas" for e in obs["ledger"]),
+        "kv_reduces_plan": sum(e["group"] == "kv_replicas" for e in obs["planned_ledger"]),
         "replicas_agree_k": all(len(set(v)) == 1 for v in obs["replica_checksums"]["after_k"].values()),
         "fwd": _count(obs["ledger"], "forward"), "bwd": _count(obs["ledger"], "backward"),
         "fwd_plan": _count(obs["planned_ledger"], "forward"),
@@ -100,6 +108,7 @@ _LOSS_OK = _c("the step-0 loss equals the good run's (the forward is right)",
 _LOSS_OFF = _c("the step-0 loss differs from the good run's (the forward is wrong)",
                _ref(lambda f: not f["loss_matches"]))
 _W2 = _c("world size >= 2", lambda f: f["world_size"] >= 2)
+_SP = _c("the job runs sequence parallelism", lambda f: f["sequence_parallel"])
 
 #: cause -> (conditions, the test that would confirm it)
 FINGERPRINTS: dict[str, tuple[list, str]] = {
@@ -115,11 +124,11 @@ FINGERPRINTS: dict[str, tuple[list, str]] = {
            lambda f: f["fwd"] == 2 * f["fwd_plan"] > 0),
     ], "remove one all-reduce: the block's output drops by the factor W"),
     "missing_input_grad_reduce": ([
-        _W2, _LOSSES_AGREE, _LOSS_OK,
+        _W2, _LOSSES_AGREE,
         _c("backward ledger: fewer all-reduces than the plan (f missing)",
            lambda f: f["bwd"] < f["bwd_plan"]),
         _c("the replicated norm weight differs across ranks after one step",
-           lambda f: not f["replicas_agree_1"]),
+           lambda f: not f["norm_replicas_agree_1"]),
     ], "all-reduce dn in backward: the norm replicas stay identical"),
     "input_grad_reduced_twice": ([
         _W2, _LOSSES_AGREE, _LOSS_OK,
@@ -158,6 +167,29 @@ FINGERPRINTS: dict[str, tuple[list, str]] = {
            "interleaving)", lambda f: f["kv_per_rank"] >= 2 and f["gqa"]),
         _c("no extra bias explains the shift", _ref(lambda f: not (f["bias"] and f["bias_shift_along_bias"]))),
     ], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv is then exact"),
+    "missing_norm_grad_reduce": ([
+        _W2, _SP, _LOSSES_AGREE,
+        _c("after backward: fewer all-reduces than the plan (the norm gradient's)",
+           lambda f: f["after_bwd"] < f["after_bwd_plan"]),
+        _c("the replicated norm weight differs across ranks after one step",
+           lambda f: not f["norm_replicas_agree_1"]),
+    ], "all-reduce the norm weight's gradient over the TP group: the norm replicas stay "
+       "identical"),
+    "norm_grad_averaged": ([
+        _W2, _SP, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
+        _c("the norm weight's gradient norm is 1/W times the good run's",
+           _ref(lambda f: f["norm_ratio_is"]["1/W"])),
+        _c("the sharded weights' gradients equal the good run's",
+           _ref(lambda f: all(f["grads_match"][k] for k in ("wq", "wk", "wv", "wo")))),
+    ], "reduce the norm gradient with SUM, not AVG: it grows by exactly W"),
+    "missing_kv_grad_reduce": ([
+        _W2, _LOSSES_AGREE,
+        _c("backward: fewer all-reduces over the KV replica groups than the plan",
+           lambda f: f["kv_reduces"] < f["kv_reduces_plan"]),
+        _c("wk/wv differ across the ranks of a replica group after one step",
+           lambda f: not f["kv_replicas_agree_1"]),
+        _c("the replicated norm weight stays identical", lambda f: f["norm_replicas_agree_1"]),
+    ], "all-reduce wk/wv gradients over each KV replica group: the replicas stay identical"),
     "inputs_not_replicated": ([
         _W2, _c("the ranks' batch checksums differ", lambda f: not f["batches_agree"]),
     ], "broadcast the batch from TP rank 0: the batch checksums and losses agree"),

@@ -146,7 +146,7 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     first, good_first = run["first"], good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
-                  "kv_heads": cfg.kv_heads},
+                  "kv_heads": cfg.kv_heads, "sequence_parallel": cfg.sequence_parallel},
         "rank_losses": [float(l) for l in first["losses"]],
         "batch_checksums": [_checksum(x) + _checksum(t) for x, t in batches],
         "shard_checksums": {name: [_checksum(s[name]) - _checksum(e[name])
