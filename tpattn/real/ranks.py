@@ -16,8 +16,10 @@ also does f without ``mappings.py``: ``ColumnParallelLinear`` with ``allreduce_d
 (``dn = ∂L/∂n`` is the gradient at the input of the sharded region, after RMSNorm. The input
 gradient dX = dy + RMSNorm's backward of the summed dn is never all-reduced.)
 
-Each rank builds the same inputs and weights from the seed, runs forward, its own MSE loss,
-backward and one SGD step; rank 0 gathers the shards and compares them with the dense block on
+Each rank builds the same inputs and weights from the seed, runs forward (the simulated
+ranks' block, ``tpattn.parallel.engine.rank_block``, on its one local rank:
+``real_rank_block``, collectives from ``DistributedRanks``), its own MSE loss, backward and
+one SGD step; rank 0 gathers the shards and compares them with the dense block on
 the five measures of ``tpattn.run`` (same dict). The bug modes drop g or f on every rank.
 
 What only real ranks show (``RealRankReport``): the ranks' own copies of the output, of dX and
