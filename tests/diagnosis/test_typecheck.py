@@ -54,13 +54,14 @@ EXPECTED = {
 
 #: The block's line each caught mode is raised at (it names the tensors that do not mix).
 WHERE = {
-    MISSING_OUTPUT_REDUCE: "tp_rank_forward: return x + out",
-    MISSING_INPUT_GRAD_REDUCE: "project_qkv: q = F.linear(n, wq)",
-    "input_grad_reduced_twice": "zoo_rank_forward: n = ledger.copy_to_ranks(n)",
-    "output_reduced_twice": "zoo_rank_forward: out = ledger.reduce_output(out)",
-    "row_bias_on_every_rank": 'zoo_rank_forward: out = out + shard_["bias"]',
+    MISSING_OUTPUT_REDUCE: "engine.rank_block: return x + out",
+    MISSING_INPUT_GRAD_REDUCE: 'engine._attend: q = apply_rope(_heads(_project(n, p["wq"]), d))',
+    "input_grad_reduced_twice":
+        'engine.rank_block: n = comm.copy_to_ranks(n, "all-reduce of dn (again)")',
+    "output_reduced_twice": "engine.rank_block: out = comm.reduce_output(out, G_LABEL",
+    "row_bias_on_every_rank": 'engine.rank_block: out = out + p["bias"]',
     "missing_norm_grad_reduce": "rms_norm: return x * torch.rsqrt(",
-    MISSING_KV_GRAD_REDUCE: "project_qkv: k = F.linear(n, wk)",
+    MISSING_KV_GRAD_REDUCE: "engine._attend: k, v = _project(n, wk), _project(n, wv)",
 }
 
 
@@ -119,12 +120,12 @@ def test_missing_f_names_the_tensors_and_the_rule():
     assert message.startswith("Invariant type on axis")
     assert "cannot mix with other types. Found types: [I, V]" in message
     assert "src=I, dst=R" in message  # the fix: f, convert I -> R
-    assert "F.linear(n, wq)" in result["where"]  # n (invariant) meets wq (varying)
+    assert '_project(n, p["wq"])' in result["where"]  # n (invariant) meets wq (varying)
 
 
 def test_missing_g_is_raised_at_the_residual_add_and_its_hint_names_fs_fix():
     result = typecheck(MISSING_OUTPUT_REDUCE)
-    assert result["where"].endswith("tp_rank_forward: return x + out")
+    assert result["where"] == "tpattn.parallel.engine.rank_block: return x + out"
     assert "cannot mix with other types. Found types: [I, V]" in result["message"]
     # the hint suggests f's convert on the invariant operand (x), not the missing all-reduce
     assert "src=I, dst=R" in result["message"] and "all_reduce" not in result["message"]
@@ -135,7 +136,7 @@ def test_sp_missing_reduce_scatter_is_missed_but_missing_all_gather_grad_is_caug
     assert typecheck(MISSING_OUTPUT_REDUCE, sp)["verdict"] == "missed"
     assert typecheck(MISSING_OUTPUT_REDUCE, sp)["why"] == WHY[MISSING_OUTPUT_REDUCE]["missed"]
     caught = typecheck(MISSING_INPUT_GRAD_REDUCE, sp)
-    assert caught["verdict"] == "caught" and "F.linear(n, wq)" in caught["where"]
+    assert caught["verdict"] == "caught" and '_project(n, p["wq"])' in caught["where"]
 
 
 def test_the_fake_group_is_torn_down_and_a_real_one_is_left_alone(tmp_path):
@@ -169,7 +170,7 @@ def test_a_mode_the_setup_cannot_run_is_a_value_error(mode, cfg, message):
 def test_cli_prints_the_verdict_as_json_and_exits_0(capsys):
     assert cli_main(["--mode", MISSING_INPUT_GRAD_REDUCE, "--typecheck"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["verdict"] == "caught" and "F.linear(n, wq)" in out["where"]
+    assert out["verdict"] == "caught" and '_project(n, p["wq"])' in out["where"]
     assert cli_main(["--mode", EQUIVALENCE, "--typecheck", "--world-size", "4",
                      "--query-heads", "8", "--kv-heads", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "type-checks"

@@ -341,3 +341,32 @@ def test_a_faulty_rank_fails_the_run_fast_and_leaves_no_process(commands, world2
     # a rank's wait times out: timeout + 1 s grace + stopping the processes
     assert elapsed < (FAULT_TIMEOUT_S if kind != "skip_collective" else FAULT_TIMEOUT_S + 2.5), elapsed
     assert _descendants() - before == set()
+
+
+# --- the block the real ranks run -------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [Config(world_size=1), Config(seq=8, world_size=1,
+                                                               sequence_parallel=True)], ids=str)
+def test_a_real_rank_runs_the_engines_rank_block_on_one_local_rank(cfg, monkeypatch, tmp_path):
+    """Plain TP and SP on a one-process gloo group: the check's forward is
+    ``engine.rank_block`` once per job, on ``[1, ...]`` tensors and ``DistributedRanks``."""
+    import torch.distributed as dist
+
+    import tpattn.real.ranks as ranks_module
+    from tpattn.parallel.engine import rank_block
+
+    calls = []
+
+    def counted(x, p, cfg_, inj, comm):
+        calls.append((x.shape[0], type(comm).__name__, comm.ranks))
+        return rank_block(x, p, cfg_, inj, comm)
+
+    monkeypatch.setattr(ranks_module, "rank_block", counted)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        out = ranks_module.run_rank(0, ranks_module.RunPlan(cfg=cfg, jobs=(("equivalence", 11),)))
+    finally:
+        dist.destroy_process_group()
+    assert calls == [(1, "DistributedRanks", [0])]
+    assert out["results"][0]["passed"] and out["results"][0]["forward_max_abs_diff"] < TOLERANCE

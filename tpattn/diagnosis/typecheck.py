@@ -7,9 +7,9 @@ value is the pending sum over ranks). Ops check that their operands' types mix; 
 change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g).
 
 ``typecheck(mode, cfg)`` runs the SAME per-rank block the real ranks run
-(``tpattn.real.ranks.tp_rank_forward``, ``tpattn.real.sp_ranks.sp_rank_forward``,
-``tpattn.real.zoo_real.zoo_rank_forward``), forward and backward, with ``TypedCollectives`` in
-place of the ledger, on a fake process group of ``cfg.world_size`` ranks (backend
+(``tpattn.parallel.engine.rank_block`` through ``tpattn.real.ranks.real_rank_block``, every
+variant), forward and backward, with ``TypedCollectives`` in place of the ledger, on a fake
+process group of ``cfg.world_size`` ranks (backend
 ``"fake"``: no rank runs, no collective moves data; this process plays rank 0). The inputs and
 parameters are declared with the types correct TP gives them::
 
@@ -21,8 +21,8 @@ parameters are declared with the types correct TP gives them::
                           reduce converts them to R, its gradient summed)
 
 Verdicts (``VERDICTS``): ``"type-checks"`` (correct TP), ``"caught"`` (a bug mode that raises
-``SpmdTypeError``; ``message`` is the checker's own text, ``where`` the line of the block
-where it was raised, which names the tensors), ``"not a type error"`` (a bug mode that
+``SpmdTypeError``; ``message`` is the checker's own text, ``where`` the lines of the block
+where it was raised and its caller, which name the tensors), ``"not a type error"`` (a bug mode that
 type-checks because what it breaks is a value or a layout, not a type: ``WHY`` says why for
 each mode) and ``"missed"`` (a bug mode that drops a collective yet type-checks: the local
 types do not see it in that setting). ``import tpattn`` never imports spmd_types; this module
@@ -46,6 +46,7 @@ from tpattn.config import Config
 from tpattn.bugs.modes import mode_route
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
 from tpattn.block.params import init_params, shard_params
+from tpattn.real.ranks import real_rank_block
 
 __all__ = ["VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
            "TABLE_SETUPS", "typecheck_table"]
@@ -111,9 +112,23 @@ def _in_dtype(t: torch.Tensor) -> dict:
     return {"op_dtype": t.dtype}
 
 
+class ContiguousGrad(torch.autograd.Function):
+    """Identity forward; backward hands on a contiguous copy of the gradient (the engine's
+    batched matmul gives wk/wv a transposed one, and spmd_types' all-reduce wants contiguous
+    input). Registered with spmd_types as a local function: types pass through."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class TypedCollectives:
-    """The block's collectives as ``spmd_types``' typed ones: what ``tp_rank_forward``,
-    ``sp_rank_forward``, ``kv_rank_attend`` and ``zoo_rank_forward`` call on the ledger.
+    """The block's collectives as ``spmd_types``' typed ones: what
+    ``tpattn.real.ranks.DistributedRanks`` calls on the ledger for ``engine.rank_block``.
 
     ``mesh``: the ``DeviceMesh``; ``axes``: the process groups of its axes (one for a 1-D TP mesh; ``("kv",
     "rep")`` for replicated KV heads); ``tp``: the whole TP group; ``replica``: the replica
@@ -148,7 +163,8 @@ class TypedCollectives:
         """The replica-group reduce: ``convert(w, rep, src=I, dst=R)`` for wk and wv."""
         from spmd_types import I, R, convert
 
-        return tuple(convert(w, self.replica, src=I, dst=R, backward_options=_in_dtype(w))
+        return tuple(ContiguousGrad.apply(convert(w, self.replica, src=I, dst=R,
+                                                  backward_options=_in_dtype(w)))
                      for w in (wk, wv))
 
     def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
@@ -222,7 +238,6 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
     x0, target = make_inputs(cfg, seed)
     if route == "registry":
         from tpattn.bugs.zoo import check_needs, make_params, rank_batches, shard
-        from tpattn.real.zoo_real import zoo_rank_forward
 
         inj = check_needs(mode, cfg).injection
         inj = inj.correct() if twin else inj
@@ -230,43 +245,27 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
                   for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
         x0, target = rank_batches(cfg, seed, inj)[0]
         types = {name: (I if name in ("norm", "bias") else V,) for name in params}
-
-        def forward(x):
-            return zoo_rank_forward(x, params, cfg, inj, ops)
         x_type = (I,)
-    elif cfg.sequence_parallel:
-        from tpattn.parallel.sequence_parallel import rank_tokens
-        from tpattn.real.sp_ranks import sp_rank_forward
-        from tpattn.check.core import sp_flags
-
-        reduce_output, reduce_input_grad, norm_grad = sp_flags(mode)
-        params = {k: t.detach().clone().requires_grad_(True)
-                  for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
-        types = {name: ((R if norm_grad != "none" else I) if name == "norm" else V,)
-                 for name in params}
-        tokens = rank_tokens(cfg, 0)
-        x0, target = x0[tokens], target[tokens]
-
-        def forward(x):
-            return sp_rank_forward(x, params, cfg, ops, reduce_output, reduce_input_grad)
-        x_type = (V,)
     else:
-        from tpattn.real.ranks import tp_rank_forward
-
+        inj = NATIVE_INJECTIONS[mode]
         params = {k: t.detach().clone().requires_grad_(True)
                   for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
-        inj = NATIVE_INJECTIONS[mode]
-        reduce_kv = inj.kv_grad == "sum"
-        types = {name: (I,) if name == "norm" else
-                 (V, I) if name in ("wk", "wv") and ops.replica is not None
-                 else (V,) for name in params}
+        if cfg.sequence_parallel:
+            from tpattn.parallel.sequence_parallel import rank_tokens
 
-        def forward(x):
-            return tp_rank_forward(x, params, cfg, ops,
-                                   reduce_output=inj.g == 1,
-                                   reduce_input_grad=inj.f == "sum",
-                                   reduce_kv_grad=reduce_kv, rank=0)
-        x_type = (I,)
+            types = {name: ((R if inj.norm_grad != "none" else I) if name == "norm" else V,)
+                     for name in params}
+            tokens = rank_tokens(cfg, 0)
+            x0, target = x0[tokens], target[tokens]
+            x_type = (V,)
+        else:
+            types = {name: (I,) if name == "norm" else
+                     (V, I) if name in ("wk", "wv") and ops.replica is not None
+                     else (V,) for name in params}
+            x_type = (I,)
+
+    def forward(x):
+        return real_rank_block(x, params, cfg, inj, ops, rank=0)
 
     numel = cfg.seq * cfg.batch * cfg.hidden
     x, target = x0.clone().requires_grad_(True), target.clone()
@@ -288,17 +287,19 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
 
 
 def _where(error: BaseException) -> str:
-    """``module.function: source line`` of the innermost frame of the tpattn package (not this
-    module) in ``error``'s traceback: the op of the block that raised."""
+    """``module.function: source line`` of the two innermost frames of the block in
+    ``error``'s traceback (tpattn's frames, not this module's nor ``tpattn.real.ranks``'
+    adapter ``DistributedRanks``), outer first and joined by ``" -> "``: the op that raised and
+    the line that called it, which names the tensors (one frame where there is one)."""
     package = Path(__file__).resolve().parents[1]
-    here = Path(__file__).resolve()
-    found = "?"
+    skipped = {Path(__file__).resolve(), package / "real" / "ranks.py"}
+    found = []
     for frame in traceback.extract_tb(error.__traceback__):
         path = Path(frame.filename).resolve()
-        if path != here and package in path.parents:
+        if path not in skipped and package in path.parents:
             module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
-            found = f"{module}.{frame.name}: {(frame.line or '').strip()}"
-    return found
+            found.append(f"{module}.{frame.name}: {(frame.line or '').strip()}")
+    return " -> ".join(found[-2:]) or "?"
 
 
 def _validate(mode, cfg, seed):
@@ -327,7 +328,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
 
     Returns ``{"mode", "world_size", "sequence_parallel", "kv_layout", "verdict", "message",
     "where", "why"}``: ``verdict`` one of ``VERDICTS``; ``message`` the checker's own
-    ``SpmdTypeError`` text (``None`` when it type-checks); ``where`` the block's line that
+    ``SpmdTypeError`` text (``None`` when it type-checks); ``where`` the block's lines that
     raised (``module.function: code``, naming the tensors; ``None``); ``why`` one line
     (``WHY``). The numbers ``seed`` draws do not matter to types (they only fill shapes).
     Raises ``ValueError`` for a mode ``cfg`` cannot run (the field and the rule).
@@ -341,7 +342,8 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
 
     from tpattn.bugs.zoo import GradScale
 
-    register_local_autograd_function(GradScale)  # identity forward: types pass through
+    for function in (GradScale, ContiguousGrad):  # identity forwards: types pass through
+        register_local_autograd_function(function)
 
     cfg = Config() if cfg is None else cfg
     _validate(mode, cfg, seed)

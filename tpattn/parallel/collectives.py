@@ -23,7 +23,8 @@ real ranks are modelled elsewhere in the package). A ``ledger`` list, when given
 collective as ``{"collective", "phase", "group", "label"}`` when it runs (backward ones during
 backward). ``f`` and ``g`` may be replaced by a reader's own ``torch.autograd.Function``
 subclasses whose ``apply(*tensors)`` maps one tensor per rank to one per rank (the exercises'
-contract).
+contract). ``tpattn.real.ranks.DistributedRanks`` has the same methods for one real
+torch.distributed rank (``R = 1``; its ``CollectiveLedger`` records the collectives).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The sharded attention block, written once, for the ranks one process holds.
 
 Every tensor carries a leading local-rank dimension ``R`` (``R = world_size`` for
-``collectives.SimulatedRanks``): rank r's entry is exactly what rank r holds::
+``collectives.SimulatedRanks``, ``R = 1`` for one real rank's
+``tpattn.real.ranks.DistributedRanks``): rank r's entry is exactly what rank r holds::
 
     x    [R, S_r, B, hidden]    S_r = S/W under sequence parallelism, else S
     norm [R, hidden]    wq [R, Hq/W*D, hidden]    wk, wv [R, rows, hidden]

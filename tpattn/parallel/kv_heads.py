@@ -50,7 +50,7 @@ __all__ = [
     "is_first_kv_copy",
     "kv_grad_bug_applies", "local_kv", "attend_gathered",
     "tp_forward_kv", "ReplicaGradReduce", "AllGatherKV",
-    "kv_rank_attend", "kv_collectives", "kv_costs", "ring_bytes",
+    "kv_collectives", "kv_costs", "ring_bytes",
     "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes",
 ]
 
@@ -171,21 +171,6 @@ class AllGatherKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return ctx.ledger.reduce_scatter_last_dim(grad, "backward", KV_REDUCE_SCATTER), None
-
-
-def kv_rank_attend(n: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config, rank: int,
-                   ledger, reduce_kv_grad: bool = True) -> torch.Tensor:
-    """This real rank's partial output when ``kv_heads < world_size`` (``attend_and_project``
-    with the KV collectives of ``cfg.kv_strategy``). n: ``[S, B, hidden]``; returns
-    ``[S, B, hidden]``. ``reduce_kv_grad=False`` drops the replica-group reduce.
-    ``ledger``: the collectives (``ledger.gather_kv`` is ``AllGatherKV``,
-    ``ledger.reduce_replica_grads`` is ``ReplicaGradReduce`` on real ranks)."""
-    if cfg.kv_strategy == GATHER_ACTIVATIONS:
-        return attend_gathered(n, shard, ledger.gather_kv(local_kv(n, shard)), cfg, rank)
-    if reduce_kv_grad and cfg.kv_replicas > 1:
-        wk, wv = ledger.reduce_replica_grads(shard["wk"], shard["wv"])
-        shard = {**shard, "wk": wk, "wv": wv}
-    return attend_and_project(n, shard, cfg)
 
 
 # --- what each strategy costs --------------------------------------------------------------

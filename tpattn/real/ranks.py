@@ -16,8 +16,10 @@ also does f without ``mappings.py``: ``ColumnParallelLinear`` with ``allreduce_d
 (``dn = ∂L/∂n`` is the gradient at the input of the sharded region, after RMSNorm. The input
 gradient dX = dy + RMSNorm's backward of the summed dn is never all-reduced.)
 
-Each rank builds the same inputs and weights from the seed, runs forward, its own MSE loss,
-backward and one SGD step; rank 0 gathers the shards and compares them with the dense block on
+Each rank builds the same inputs and weights from the seed, runs forward (the simulated
+ranks' block, ``tpattn.parallel.engine.rank_block``, on its one local rank:
+``real_rank_block``, collectives from ``DistributedRanks``), its own MSE loss, backward and
+one SGD step; rank 0 gathers the shards and compares them with the dense block on
 the five measures of ``tpattn.run`` (same dict). The bug modes drop g or f on every rank.
 
 What only real ranks show (``RealRankReport``): the ranks' own copies of the output, of dX and
@@ -40,7 +42,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -51,17 +53,19 @@ from tpattn.check.core import (EQUIVALENCE, MODES, NATIVE_INJECTIONS, PARAM_SEED
                     max_abs_diff, modes_for, one_step)
 from tpattn.bugs.modes import mode_route
 from tpattn.config import Config
-from tpattn.block.dense import attend_and_project
+from tpattn.parallel.engine import rank_block
+from tpattn.parallel.injection import Injection
 from tpattn.parallel.kv_heads import (GATHER_ACTIVATIONS, KV_ALL_GATHER, KV_GRAD_ALL_REDUCE, KV_REDUCE_SCATTER,
                        AllGatherKV, ReplicaGradReduce, has_replicas, kv_grad_bug_applies,
-                       kv_rank_attend, replica_groups)
+                       replica_groups)
+from tpattn.parallel.sequence_parallel import rank_tokens
 from .launch import (RankFailure, backend_message, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
-from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params, shard_params, unshard_params
 
 __all__ = [
-    "CollectiveLedger", "CopyToRanks", "ReduceOutputPartials", "tp_rank_forward",
+    "CollectiveLedger", "CopyToRanks", "ReduceOutputPartials", "DistributedRanks",
+    "real_rank_block", "tp_rank_forward",
     "rank_check", "five_measures", "dense_reference", "planned_collectives", "run_rank",
     "RunPlan", "run_distributed", "RealRankReport", "RankFailure",
     "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS", "validate_run",
@@ -204,9 +208,9 @@ class CollectiveLedger:
         self._issue(label, dist.reduce_scatter_single, part, whole)
         return part.movedim(0, -1)
 
-    # The block's collectives: ``tp_rank_forward``, ``kv_rank_attend`` and
-    # ``tpattn.real.zoo_real.zoo_rank_forward`` call these and nothing else, so the same functions
-    # run with typed collectives (``tpattn.diagnosis.typecheck``) in place of the ledger.
+    # The block's collectives on this rank's own tensors: ``DistributedRanks`` calls these and
+    # nothing else, so ``engine.rank_block`` runs with typed collectives
+    # (``tpattn.diagnosis.typecheck``) in place of the ledger.
 
     def rank(self) -> int:
         """This rank's index in the ledger's group."""
@@ -280,31 +284,105 @@ class ReduceOutputPartials(torch.autograd.Function):
         return grad, None
 
 
+class DistributedRanks:
+    """``tpattn.parallel.collectives.SimulatedRanks``'s methods for one real rank: this process
+    holds R = 1 local rank, so every tensor of ``engine.rank_block`` is ``[1, ...]``.
+
+    ``ops`` issues the collectives on this rank's own tensors (``[...]``, no rank dim): a
+    ``CollectiveLedger`` (``SequenceLedger`` under sequence parallelism) calls torch.distributed
+    through ``CopyToRanks``, ``ReduceOutputPartials``, ``AllGatherKV``, ``ReplicaGradReduce``,
+    ``GatherFromSequence`` and ``ReduceScatterToSequence`` and counts each one;
+    ``tpattn.diagnosis.typecheck.TypedCollectives`` is spmd_types' typed twin. ``rank``: this
+    rank (default ``ops.rank()``, asked only when the block needs it). The ledger's labels
+    name the collectives; the labels the engine passes are the simulated ledger's and unused.
+    """
+
+    def __init__(self, cfg: Config, ops, rank: int | None = None):
+        self.cfg, self.ops, self.ledger, self._rank = cfg, ops, ops, rank
+        self.world_size = cfg.world_size
+
+    @property
+    def ranks(self) -> list[int]:
+        """This process's global rank, the one entry of dim 0."""
+        if self._rank is None:
+            self._rank = self.ops.rank()
+        return [self._rank]
+
+    def record(self, phase: str, label: str, collective: str = "all_reduce",
+               group: str = "tp") -> None:
+        """Nothing: ``ops`` records each real collective when it is issued."""
+
+    def copy_to_ranks(self, n: torch.Tensor, label: str = F_ALL_REDUCE) -> torch.Tensor:
+        """f on ``n`` ``[1, S, B, hidden]``: identity; backward all-reduce of dn."""
+        return self.ops.copy_to_ranks(n[0]).unsqueeze(0)
+
+    def reduce_output(self, partial: torch.Tensor, label: str = G_ALL_REDUCE) -> torch.Tensor:
+        """g on ``partial`` ``[1, S, B, hidden]``: all-reduce; backward identity."""
+        return self.ops.reduce_output(partial[0]).unsqueeze(0)
+
+    def own_tokens(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's ``S/W`` tokens of ``full`` ``[1, S, ...]``: ``[1, S/W, ...]``."""
+        return full[:, rank_tokens(self.cfg, self.ranks[0])]
+
+    def gather_sequence(self, n: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
+        """SP's f: ``[1, S/W, B, hidden]`` -> ``[1, S, B, hidden]`` (all-gather; backward
+        reduce-scatter, or with ``reduce_grad=False`` this rank's tokens of its own dn)."""
+        return self.ops.gather_sequence(n[0], reduce_grad).unsqueeze(0)
+
+    def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
+        """SP's g: ``[1, S, B, hidden]`` -> ``[1, S/W, B, hidden]`` (reduce-scatter; backward
+        all-gather of dy)."""
+        return self.ops.reduce_scatter_sequence(partial[0]).unsqueeze(0)
+
+    def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
+        """K/V all-gather: ``[1, S, B, c]`` -> ``[1, S, B, W*c]`` (rank order on the last dim);
+        backward reduce-scatter."""
+        return self.ops.gather_kv(local[0]).unsqueeze(0)
+
+    def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
+        """``(wk, wv)`` ``[1, rows, hidden]`` unchanged; backward all-reduce of their gradients
+        in this rank's KV replica group."""
+        return self.ops.reduce_replica_grads(wk, wv)
+
+    def reduce_norm_grad(self, grad: torch.Tensor, how: str = "sum") -> torch.Tensor:
+        """SP's ``norm`` gradient ``[1, hidden]`` after backward: all-reduced (``"sum"``),
+        all-reduced and divided by W (``"mean"``) or kept (``"none"``)."""
+        return self.ops.reduce_norm_grad(grad[0], how).unsqueeze(0)
+
+    def reduce_scalar(self, value: torch.Tensor, label: str) -> torch.Tensor:
+        """The sum over ranks of ``value`` ``[1]`` (a step-phase all-reduce): a scalar."""
+        total = value.detach().reshape(1).clone()
+        self.ops.counts.setdefault("step", 0)
+        self.ops.all_reduce(total, "step", label)
+        return total[0]
+
+
+def real_rank_block(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config, inj, ops,
+                    rank: int | None = None) -> torch.Tensor:
+    """This real rank's output of ``tpattn.parallel.engine.rank_block`` wired as ``inj`` says
+    (``tpattn.parallel.injection.Injection``), its collectives issued by ``ops`` (see
+    ``DistributedRanks``). x: ``[S_r, B, hidden]`` (S/W tokens under sequence parallelism);
+    ``shard``: this rank's parameters; returns ``[S_r, B, hidden]`` (differentiable: gradients
+    reach ``x`` and ``shard``)."""
+    p = {k: t.unsqueeze(0) for k, t in shard.items()}
+    return rank_block(x.unsqueeze(0), p, cfg, inj, DistributedRanks(cfg, ops, rank))[0]
+
+
 def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
                     ledger: CollectiveLedger, reduce_output: bool = True,
                     reduce_input_grad: bool = True, reduce_kv_grad: bool = True,
                     rank: int | None = None) -> torch.Tensor:
-    """This rank's share of ``dense_forward``: its own copy of the block's output.
+    """This rank's share of ``dense_forward``: ``real_rank_block`` of plain TP.
 
-    x: ``[S, B, hidden]`` (the same on every rank); ``shard``: this rank's ``norm`` (replicated)
-    and its ``wq, wk, wv, wo`` head-group shards. Returns ``[S, B, hidden]``.
-    ``ledger``: the collectives — f is ``ledger.copy_to_ranks``, g ``ledger.reduce_output``
-    (a ``CollectiveLedger`` on real ranks; ``tpattn.diagnosis.typecheck`` passes spmd_types' typed ones).
-    ``reduce_output=False`` drops g; ``reduce_input_grad=False`` drops f.
-    With fewer KV heads than ranks the attention is ``tpattn.parallel.kv_heads.kv_rank_attend`` (the KV
-    collectives of ``cfg.kv_strategy``; ``reduce_kv_grad=False`` drops the replica-group
-    reduce); ``rank``: this rank (default ``dist.get_rank()``).
+    x: ``[S, B, hidden]`` (the same on every rank); ``shard``: this rank's ``norm`` and
+    ``wq, wk, wv, wo`` shards. Returns ``[S, B, hidden]``. ``ledger``: the collectives (f is
+    ``ledger.copy_to_ranks``, g ``ledger.reduce_output``). ``reduce_output=False`` drops g,
+    ``reduce_input_grad=False`` f, ``reduce_kv_grad=False`` the KV replica-group reduce;
+    ``rank``: this rank (default ``ledger.rank()``).
     """
-    n = rms_norm(x, shard["norm"], cfg.eps)
-    if reduce_input_grad:
-        n = ledger.copy_to_ranks(n)
-    if has_replicas(cfg):
-        rank = ledger.rank() if rank is None else rank
-        partial = kv_rank_attend(n, shard, cfg, rank, ledger, reduce_kv_grad)
-    else:
-        partial = attend_and_project(n, shard, cfg)
-    out = ledger.reduce_output(partial) if reduce_output else partial
-    return x + out
+    inj = Injection(g=int(reduce_output), f="sum" if reduce_input_grad else "none",
+                    kv_grad="sum" if reduce_kv_grad else "none")
+    return real_rank_block(x, shard, cfg, inj, ledger, rank)
 
 
 # --- one check on every rank --------------------------------------------------------------
@@ -344,12 +422,11 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
 
     inj = NATIVE_INJECTIONS[mode]
+    if skip_output_reduce:
+        inj = replace(inj, g=0)
 
     def forward(x, shard):
-        return tp_rank_forward(x, shard, cfg, ledger,
-                               reduce_output=inj.g == 1 and not skip_output_reduce,
-                               reduce_input_grad=inj.f == "sum",
-                               reduce_kv_grad=inj.kv_grad == "sum", rank=rank)
+        return real_rank_block(x, shard, cfg, inj, ledger, rank)
 
     # every rank its own step on its own shard and its own loss, as in real TP training
     step = one_step(forward, x0, target, shard_params(base, cfg)[rank])

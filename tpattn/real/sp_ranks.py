@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpattn.block.dense import attend_and_project
-from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
 from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SP_MODES,
                                check_mode, dense_reference, five_measures, make_inputs,
@@ -19,7 +17,9 @@ from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OF
 from tpattn.config import Config
 from tpattn.parallel.sequence_parallel import NORM_GRAD_REDUCTIONS, rank_tokens, ring_bytes
 
-from .ranks import GATHER_RESULTS, CollectiveLedger
+from tpattn.parallel.injection import Injection
+
+from .ranks import GATHER_RESULTS, CollectiveLedger, real_rank_block
 
 
 #: Labels of the collectives one SP check issues, in the order every rank issues them.
@@ -85,6 +85,10 @@ class SequenceLedger(CollectiveLedger):
         """``ReduceScatterToSequence``: ``[S, B, hidden]`` -> ``[S/W, B, hidden]``."""
         return ReduceScatterToSequence.apply(partial, self)
 
+    def reduce_norm_grad(self, grad: torch.Tensor, how: str = "sum") -> torch.Tensor:
+        """``finalize_norm_grad`` of the ``norm`` gradient ``[hidden]``."""
+        return finalize_norm_grad(grad, self, how)
+
     def finish_job(self) -> dict:
         """Check the job issued exactly its plan; return its counts,
         ``{"<phase> <kind>": n, ..., "bytes_per_rank": sent}``."""
@@ -135,20 +139,17 @@ class ReduceScatterToSequence(torch.autograd.Function):
 def sp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
                     ledger: SequenceLedger, reduce_output: bool = True,
                     reduce_input_grad: bool = True) -> torch.Tensor:
-    """This real rank's share of the SP block: its own tokens' output.
+    """This real rank's share of the SP block: ``tpattn.real.ranks.real_rank_block`` under
+    ``cfg.sequence_parallel``.
 
     x: ``[S/W, B, hidden]``, this rank's tokens; ``shard``: its ``norm`` (replicated) and
     head-group shards. Returns ``[S/W, B, hidden]``. ``reduce_output=False`` drops the
     reduce-scatter (this rank keeps its tokens of its own partial); ``reduce_input_grad=False``
     drops the all-gather's backward reduce-scatter. ``ledger``: the collectives
-    (``gather_sequence``, ``reduce_scatter_sequence``; ``tpattn.diagnosis.typecheck`` passes typed ones).
+    (``gather_sequence``, ``reduce_scatter_sequence``).
     """
-    n = rms_norm(x, shard["norm"], cfg.eps)  # this rank's tokens only
-    n_full = ledger.gather_sequence(n, reduce_input_grad)  # [S]: RoPE sees 0..S-1
-    partial = attend_and_project(n_full, shard, cfg)
-    if reduce_output:
-        return x + ledger.reduce_scatter_sequence(partial)
-    return x + partial[rank_tokens(cfg, ledger.rank())]
+    inj = Injection(g=int(reduce_output), f="sum" if reduce_input_grad else "none")
+    return real_rank_block(x, shard, cfg, inj, ledger)
 
 
 def finalize_norm_grad(grad: torch.Tensor, ledger: SequenceLedger, how: str = "sum") -> torch.Tensor:
@@ -176,14 +177,14 @@ def sp_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Sequence
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
-    reduce_output, reduce_input_grad, norm_grad = sp_flags(check_mode(mode, cfg))
+    inj = NATIVE_INJECTIONS[check_mode(mode, cfg)]  # under SP: one of SP_MODES
     tokens = rank_tokens(cfg, rank)
     p = clone_trainable(shard_params(base, cfg)[rank])
     x = x0[tokens].clone().requires_grad_(True)
-    y = sp_rank_forward(x, p, cfg, ledger, reduce_output, reduce_input_grad)
+    y = real_rank_block(x, p, cfg, inj, ledger, rank)
     (F.mse_loss(y, target[tokens], reduction="sum") / target.numel()).backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-    grads["norm"] = finalize_norm_grad(grads["norm"], ledger, norm_grad)
+    grads["norm"] = finalize_norm_grad(grads["norm"], ledger, inj.norm_grad)
     with torch.no_grad():
         weights = {k: p[k] - LR * grads[k] for k in p}
     mine = {"output": y.detach(), "input_grad": x.grad,

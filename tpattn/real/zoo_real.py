@@ -2,8 +2,9 @@
 
 ``tpattn.real.ranks`` hands every registry mode that is not one of the seed's three to
 ``zoo_rank_check``: each rank builds its own shard with the mode's loader
-(``zoo.shard``), runs the mode's per-rank forward with real collectives (``CopyToRanks`` for
-f, ``ReduceOutputPartials`` for g, each as many times as the bug issues it), its own loss,
+(``zoo.shard``), runs ``tpattn.parallel.engine.rank_block`` wired as the mode's injection with
+real collectives (``tpattn.real.ranks.real_rank_block``: ``CopyToRanks`` for f,
+``ReduceOutputPartials`` for g, each as many times as the bug issues it), its own loss,
 backward, the gradient norm (all-reduced when the mode clips) and its SGD step; rank 0
 gathers the shards and compares with the dense block on the five measures — the same dict
 as ``tpattn.run(seed, mode, cfg, simulate="ranks")``, equal within float32 rounding.
@@ -16,12 +17,12 @@ import torch.nn.functional as F
 from tpattn.check.core import LR, check_seed, five_measures, make_inputs, max_abs_diff
 from tpattn.config import Config
 from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED,
-                          CollectiveLedger)
-from tpattn.block.layers import rms_norm
-from tpattn.bugs.zoo import (REPLICATED as REPLICATED_PARAMS, Injection, rank_attend_and_project, clip_coef,
-                  dense_step, GradScale, check_needs, get_mode, make_params, rank_batches, shard, unshard)
+                          CollectiveLedger, DistributedRanks,
+                    real_rank_block)
+from tpattn.bugs.zoo import (REPLICATED as REPLICATED_PARAMS, Injection, clip_coef,
+                  dense_step, check_needs, get_mode, make_params, rank_batches, shard, unshard)
 
-__all__ = ["planned_collectives", "zoo_rank_forward", "zoo_rank_check", "GRAD_NORM_ALL_REDUCE"]
+__all__ = ["planned_collectives", "zoo_rank_check", "GRAD_NORM_ALL_REDUCE"]
 
 #: Label of the all-reduce of the squared gradient norms (modes that clip).
 GRAD_NORM_ALL_REDUCE = "all-reduce of squared gradient norms"
@@ -42,27 +43,6 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
             + ([GRAD_NORM_ALL_REDUCE] if inj.clip else []) + [GATHER_RESULTS])
 
 
-def zoo_rank_forward(x: torch.Tensor, shard_: dict[str, torch.Tensor], cfg: Config,
-                     inj: Injection, ledger: CollectiveLedger) -> torch.Tensor:
-    """This rank's output of the block wired as ``inj`` says (the program of
-    ``tpattn.parallel.engine.rank_block``, for one real rank: ``ledger.copy_to_ranks`` for f,
-    ``ledger.reduce_output`` for g).
-    x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
-    n = rms_norm(x, shard_["norm"], cfg.eps)
-    for _ in range(_f_count(inj)):
-        n = ledger.copy_to_ranks(n)
-    if inj.f == "mean":
-        n = GradScale.apply(n, 1.0 / cfg.world_size)
-    out = rank_attend_and_project(n, shard_, cfg, inj)
-    if inj.bias == "every_rank":
-        out = out + shard_["bias"]
-    for _ in range(inj.g):
-        out = ledger.reduce_output(out)
-    if inj.bias == "after_g":
-        out = out + shard_["bias"]
-    return x + out
-
-
 def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveLedger,
                    device: torch.device | str = "cpu"):
     """``distributed.rank_check`` for a registry mode: ``(metrics, disagreement)`` on rank 0,
@@ -75,7 +55,7 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
                    for k, t in shard(base, cfg, inj)[rank].items()}
     x_r, target_r = (t.to(device) for t in rank_batches(cfg, seed, inj)[rank])
     x = x_r.clone().requires_grad_(True)
-    y = zoo_rank_forward(x, mine_params, cfg, inj, ledger)
+    y = real_rank_block(x, mine_params, cfg, inj, ledger, rank)
     loss = F.mse_loss(y, target_r)
     loss.backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t)
@@ -84,10 +64,8 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
     if inj.clip:  # each rank's share of the squared norm, summed over the ranks
         square = sum(g.double().pow(2).sum() for k, g in grads.items()
                      if k not in REPLICATED_PARAMS or rank == 0 or inj.norm == "per_rank")
-        square = square.reshape(1).clone()
-        ledger.counts.setdefault("step", 0)
-        ledger.all_reduce(square, "step", GRAD_NORM_ALL_REDUCE)
-        coef = clip_coef(square.sqrt()[0], inj)
+        total = DistributedRanks(cfg, ledger, rank).reduce_scalar(square, GRAD_NORM_ALL_REDUCE)
+        coef = clip_coef(total.sqrt(), inj)
     with torch.no_grad():
         weights = {k: mine_params[k] - LR * coef * grads[k] for k in mine_params}
     mine = {"output": y.detach(), "input_grad": x.grad,
