@@ -109,3 +109,23 @@ def test_weights_bound_is_float32s_update_plus_bfloat16s_gradient():
     for k, g in dense["grads"].items():
         w, gm = dense["weights"][k].abs().max().item(), g.abs().max().item()
         assert pb[WEIGHTS][k] == pytest.approx(2 * u32 * (w + LR * gm) + LR * rho * gm)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16))
+def test_an_in_place_step_on_master_weights_is_sgd_step(dtype):
+    from tpattn.block.sgd import master_weights
+
+    g = torch.Generator().manual_seed(3)
+    params = {k: torch.randn(4, 3, generator=g).to(dtype) for k in ("wq", "norm")}
+    grads = {k: torch.randn(4, 3, generator=g).to(dtype) for k in params}
+    before = {k: p.clone() for k, p in params.items()}
+    masters = master_weights(params)
+    for k, m in masters.items():
+        m -= 0.1 * grads[k].to(m.dtype)
+    expected = sgd_step(before, grads, 0.1)
+    for k in params:
+        assert torch.equal(masters[k], expected[k]) and masters[k].dtype == expected[k].dtype
+        # float32/float64 step the parameter itself; bfloat16 steps a float32 copy
+        assert torch.equal(params[k], masters[k] if dtype != torch.bfloat16 else before[k])
+    with pytest.raises(ValueError, match=r"params\['x'\]\.dtype must be one of"):
+        master_weights({"x": torch.zeros(2, dtype=torch.float16)})

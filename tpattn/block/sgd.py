@@ -39,3 +39,18 @@ def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr
             out[k] = (p - step * g if master == p.dtype
                       else p.to(master) - step * g.to(master))
     return out
+
+
+def master_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors an in-place SGD step updates, by name: each parameter detached, in
+    ``MASTER_DTYPE`` (float32/float64: the parameter's own storage, so the step updates it;
+    bfloat16: a float32 copy). ``m -= lr * g.to(m.dtype)`` on them is ``sgd_step``'s update,
+    for tensors that must be stepped in place (e.g. DTensors, whose placements it keeps)."""
+    out = {}
+    for k, p in params.items():
+        master = MASTER_DTYPE.get(p.dtype)
+        if master is None:
+            raise ValueError(f"params[{k!r}].dtype must be one of float64, float32, "
+                             f"bfloat16 (got {p.dtype})")
+        out[k] = p.detach().to(master)
+    return out

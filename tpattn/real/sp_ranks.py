@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
+from tpattn.block.sgd import sgd_step
 from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SP_MODES,
                                check_mode, dense_reference, five_measures, make_inputs,
                                max_abs_diff, one_step, sp_flags)
@@ -185,8 +186,7 @@ def sp_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Sequence
     (F.mse_loss(y, target[tokens], reduction="sum") / target.numel()).backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     grads["norm"] = finalize_norm_grad(grads["norm"], ledger, inj.norm_grad)
-    with torch.no_grad():
-        weights = {k: p[k] - LR * grads[k] for k in p}
+    weights = sgd_step(p, grads, LR)
     mine = {"output": y.detach(), "input_grad": x.grad,
             **{"grad_" + k: g for k, g in grads.items()},
             **{"weight_" + k: w for k, w in weights.items()}}

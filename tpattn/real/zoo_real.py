@@ -16,11 +16,12 @@ import torch.nn.functional as F
 
 from tpattn.check.core import LR, check_seed, five_measures, make_inputs, max_abs_diff
 from tpattn.config import Config
-from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED,
-                          CollectiveLedger, DistributedRanks,
-                    real_rank_block)
+from tpattn.block.sgd import sgd_step
+from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED, CollectiveLedger,
+                    DistributedRanks, real_rank_block)
 from tpattn.bugs.zoo import (REPLICATED as REPLICATED_PARAMS, Injection, clip_coef,
-                  dense_step, check_needs, get_mode, make_params, rank_batches, shard, unshard)
+                             dense_step, check_needs, get_mode, make_params, rank_batches, shard,
+                             unshard)
 
 __all__ = ["planned_collectives", "zoo_rank_check", "GRAD_NORM_ALL_REDUCE"]
 
@@ -66,8 +67,7 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
                      if k not in REPLICATED_PARAMS or rank == 0 or inj.norm == "per_rank")
         total = DistributedRanks(cfg, ledger, rank).reduce_scalar(square, GRAD_NORM_ALL_REDUCE)
         coef = clip_coef(total.sqrt(), inj)
-    with torch.no_grad():
-        weights = {k: mine_params[k] - LR * coef * grads[k] for k in mine_params}
+    weights = sgd_step(mine_params, grads, LR, float(coef))
     mine = {"output": y.detach(), "input_grad": x.grad,
             **{"grad_" + k: g for k, g in grads.items()},
             **{"weight_" + k: w for k, w in weights.items()}}
