@@ -31,11 +31,7 @@ def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr
     with torch.no_grad():
         out = {}
         for k, p in params.items():
-            master = MASTER_DTYPE.get(p.dtype)
-            if master is None:
-                raise ValueError(f"params[{k!r}].dtype must be one of float64, float32, "
-                                 f"bfloat16 (got {p.dtype})")
-            g = grads[k]
+            master, g = _master_dtype(k, p), grads[k]
             out[k] = (p - step * g if master == p.dtype
                       else p.to(master) - step * g.to(master))
     return out
@@ -46,11 +42,12 @@ def master_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ``MASTER_DTYPE`` (float32/float64: the parameter's own storage, so the step updates it;
     bfloat16: a float32 copy). ``m -= lr * g.to(m.dtype)`` on them is ``sgd_step``'s update,
     for tensors that must be stepped in place (e.g. DTensors, whose placements it keeps)."""
-    out = {}
-    for k, p in params.items():
-        master = MASTER_DTYPE.get(p.dtype)
-        if master is None:
-            raise ValueError(f"params[{k!r}].dtype must be one of float64, float32, "
-                             f"bfloat16 (got {p.dtype})")
-        out[k] = p.detach().to(master)
-    return out
+    return {k: p.detach().to(_master_dtype(k, p)) for k, p in params.items()}
+
+
+def _master_dtype(name: str, p: torch.Tensor) -> torch.dtype:
+    master = MASTER_DTYPE.get(p.dtype)
+    if master is None:
+        raise ValueError(f"params[{name!r}].dtype must be one of float64, float32, "
+                         f"bfloat16 (got {p.dtype})")
+    return master
