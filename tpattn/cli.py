@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
     args = ap.parse_args(argv)
     if args.list_modes:
         from tpattn.bugs.zoo import list_modes
+        from tpattn.diagnosis.diagnose import lowest_tier
 
-        print(json.dumps(list_modes(), indent=2))
+        print(json.dumps([{**m, "lowest_tier": lowest_tier(m["name"])} for m in list_modes()],
+                         indent=2))
         return 0
     try:
         cfg = config_from_args(args)

@@ -372,7 +372,8 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
     ``"heads"``/``"fused"``: ``shard_params`` (a fused checkpoint split by heads is the same
     numbers). ``"fused_naive"``: rank r takes contiguous rows of ``[Wq; Wk; Wv]`` and reads the
     first ``Hq/W * D`` as its query rows, the next ``Hkv/W * D`` as keys, the rest as values.
-    Replicated tensors (``norm``, ``bias``) are shared.
+    Replicated tensors (``norm``, ``bias``) are shared. ``shard_offset`` k: rank r gets
+    rank ``(r + k) mod W``'s shards.
     """
     if inj.shard != "fused_naive":
         shards = shard_params({k: p[k] for k in PARAM_NAMES}, cfg)
@@ -385,6 +386,9 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
             q_cols, _ = rank_head_slices(cfg, rank)
             shards.append({"norm": p["norm"], "wq": rows[:q], "wk": rows[q:q + kv],
                            "wv": rows[q + kv:], "wo": p["wo"][:, q_cols]})
+    if inj.shard_offset:  # rank r loads rank (r + k) mod W's shards
+        k = inj.shard_offset % cfg.world_size
+        shards = shards[k:] + shards[:k]
     if "bias" in p:
         for s in shards:
             s["bias"] = p["bias"]
@@ -394,6 +398,9 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
 def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) -> dict[str, torch.Tensor]:
     """The inverse of ``shard``: full-size tensors from every rank's own tensors (replicated
     ones from rank 0)."""
+    if inj.shard_offset:
+        k = inj.shard_offset % cfg.world_size
+        shards = shards[len(shards) - k:] + shards[:len(shards) - k]
     if inj.shard != "fused_naive":
         full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
     else:

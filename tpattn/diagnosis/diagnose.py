@@ -9,8 +9,15 @@ specific explanation first) and ties are named. When no fingerprint fits, the an
 It also works from the five measures of ``tpattn.run`` (a dense model *was* available): the
 set of measures that fail is matched against each mode's signature on the same shape.
 
+Tiers (``TIERS``): what the diagnosis had. Tier 1 is the live job alone (the ranks' losses as
+logged, checksums, the ledger against the plan); tier 2 adds a known-good run on the same
+checkpoint and data (``observe(..., reference=True)``). A fingerprint condition that compares
+with the good run makes its cause visible only at tier 2 (``lowest_tier``), unless it only
+adds to evidence the live job already shows (then it is skipped at tier 1). At tier 1, when
+nothing fits, the answer lists the causes tier 1 cannot see.
+
 Each candidate: ``{"cause", "score", "evidence": [...], "confirm": "...", "citation",
-"tied_with": [...]}``. Evidence is phrased in classes (``"= 1/W"``, ``"0 where the plan has
+"tied_with": [...], "tier"}`` (``tier``: the tier the diagnosis used). Evidence is phrased in classes (``"= 1/W"``, ``"0 where the plan has
 1"``), never in rounding digits.
 """
 from __future__ import annotations
@@ -18,9 +25,12 @@ from __future__ import annotations
 from typing import Callable
 
 __all__ = ["diagnose", "features", "FINGERPRINTS", "register_fingerprint", "NO_KNOWN_CAUSE",
-           "AGREE_REL"]
+           "AGREE_REL", "TIERS", "lowest_tier", "UNREGISTERED_FORWARD", "FORWARD_ONLY"]
 
 NO_KNOWN_CAUSE = "no known cause"
+#: Named in the tie of a cause whose evidence is only "the forward is wrong and nothing else
+#: is seen": a scale or layout error of the sharded path outside the registry fits it too.
+UNREGISTERED_FORWARD = "another error of the sharded forward (not in the registry)"
 #: Two observables "agree" when within this relative distance: two correct float32
 #: computations of the same sums differ by ~1e-7 relative at these sizes; every bug of the
 #: registry moves the observables its fingerprint tests by more (tests/bugs/test_diagnose.py's
@@ -95,7 +105,20 @@ def _c(text: str, test: Callable[[dict], bool]):
 
 
 def _ref(test):
-    return lambda f: f["has_reference"] and test(f)
+    def needs_good_run(f):
+        return f["has_reference"] and test(f)
+    needs_good_run.tier = 2
+    return needs_good_run
+
+
+def _extra(condition):
+    """A condition on the good run that only adds to a fingerprint already visible without
+    it: skipped (neither held nor failed, not scored) when there is no good run."""
+    text, test = condition
+    def if_good_run(f):
+        return test(f)
+    if_good_run.tier, if_good_run.optional = 2, True
+    return (text, if_good_run)
 
 
 _SHARDS_OK = _c("every rank loaded the checkpoint slices it should hold (shard checksums)",
@@ -131,10 +154,10 @@ FINGERPRINTS: dict[str, tuple[list, str]] = {
            lambda f: not f["norm_replicas_agree_1"]),
     ], "all-reduce dn in backward: the norm replicas stay identical"),
     "input_grad_reduced_twice": ([
-        _W2, _LOSSES_AGREE, _LOSS_OK,
+        _W2, _LOSSES_AGREE, _extra(_LOSS_OK),
         _c("backward ledger: twice the planned all-reduces", lambda f: f["bwd"] == 2 * f["bwd_plan"] > 0),
-        _c("the norm weight's gradient norm is W times the good run's",
-           _ref(lambda f: f["norm_ratio_is"]["W"])),
+        _extra(_c("the norm weight's gradient norm is W times the good run's",
+                  _ref(lambda f: f["norm_ratio_is"]["W"]))),
     ], "drop the second all-reduce: the norm gradient falls by exactly W"),
     "input_grad_reduce_averaged": ([
         _W2, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
@@ -196,10 +219,29 @@ FINGERPRINTS: dict[str, tuple[list, str]] = {
 }
 
 
+#: Causes whose fingerprint, beyond "the forward is wrong and nothing else deviates", only
+#: checks that the setup allows them: the answer names ``UNREGISTERED_FORWARD`` in their tie.
+FORWARD_ONLY = {"repeat_kv_tiled"}
+
+
 def register_fingerprint(cause: str, conditions: list, confirm: str) -> None:
     """Add the fingerprint of a cause another module contributes (``conditions``: ``(text,
     test(features) -> bool)`` pairs)."""
     FINGERPRINTS[cause] = (list(conditions), confirm)
+
+
+#: What a diagnosis can use: tier 1, only what the live job shows (losses as logged, checksums,
+#: the ledger against the plan); tier 2, also a known-good run on the same checkpoint and data.
+TIERS = {1: "the live job alone", 2: "the live job and a known-good run"}
+
+
+def lowest_tier(cause: str) -> int | None:
+    """The lowest tier (``TIERS``) at which ``cause``'s fingerprint can hold: 2 when one of
+    its conditions compares with a known-good run, else 1; ``None`` without a fingerprint."""
+    if cause not in FINGERPRINTS:
+        return None
+    return max((getattr(test, "tier", 1) for _, test in FINGERPRINTS[cause][0]
+                if not getattr(test, "optional", False)), default=1)
 
 
 def _deviations(f: dict) -> list[str]:
@@ -343,18 +385,27 @@ def _diagnose(observations: dict, cfg, signatures: dict | None, forward=None) ->
     from tpattn.bugs.zoo import REGISTRY
 
     f = features(observations)
+    tier = 2 if f["has_reference"] else 1
     found = []
     for cause, (conditions, confirm) in FINGERPRINTS.items():
-        if all(test(f) for _, test in conditions):
-            found.append({"cause": cause, "score": len(conditions),
-                          "evidence": [text for text, _ in conditions],
-                          "confirm": confirm,
+        used = [(text, test) for text, test in conditions
+                if f["has_reference"] or not getattr(test, "optional", False)]
+        if all(test(f) for _, test in used):
+            found.append({"cause": cause, "score": len(used),
+                          "evidence": [text for text, _ in used],
+                          "confirm": confirm, "tier": tier,
                           "citation": REGISTRY[cause].citation if cause in REGISTRY else None})
     if not found:
-        return [{"cause": NO_KNOWN_CAUSE, "score": 0,
-                 "evidence": _deviations(f) or ["nothing deviates from a correct run"],
-                 "confirm": "-", "citation": None, "tied_with": []}]
+        evidence = _deviations(f) or ["nothing deviates from a correct run"]
+        if tier == 1:
+            blind = [c for c in FINGERPRINTS if lowest_tier(c) == 2]
+            evidence.append("tier 1 cannot see: " + ", ".join(blind)
+                            + " (their fingerprints compare with a known-good run)")
+        return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": evidence,
+                 "confirm": "-", "citation": None, "tied_with": [], "tier": tier}]
     found.sort(key=lambda c: -c["score"])
     for c in found:
         c["tied_with"] = [o["cause"] for o in found if o is not c and o["score"] == c["score"]]
+        if c["cause"] in FORWARD_ONLY:
+            c["tied_with"].append(UNREGISTERED_FORWARD)
     return found

@@ -22,6 +22,11 @@ Every mode of the bug registry (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection
            gradients: "sum" (correct) or "none"
     norm_grad  under sequence parallelism, the all-reduce of the norm weight's
            gradient: "sum" (correct), "mean" (averaged), "none" (dropped)
+
+Three knobs are no registry bug; they let a test make up bugs outside the registry:
+``rank_lr_scale`` (one learning-rate factor per rank), ``partial_scale`` (every rank's
+attention partial times a factor before g) and ``shard_offset`` (rank r loads the shards
+of rank ``(r + k) mod W``).
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ class Injection:
     """How the sharded block is built and trained; the defaults are correct TP.
 
     See the module docstring for each knob. ``rank_lr_scale`` (one factor per rank, empty:
-    all 1) is not a registry bug: it lets a test make up a bug outside the registry.
+    all 1), ``partial_scale`` and ``shard_offset`` are not registry bugs: they let a test make
+    up bugs outside the registry.
     """
 
     f: str = "sum"
@@ -49,6 +55,8 @@ class Injection:
     rank_lr_scale: tuple = ()
     kv_grad: str = "sum"
     norm_grad: str = "sum"
+    partial_scale: float = 1.0
+    shard_offset: int = 0
 
     def correct(self) -> "Injection":
         """The bug-free twin: the same setup (bias present, clipping, fused checkpoint), every

@@ -1,0 +1,135 @@
+"""How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
+
+The fingerprints were written on seeds 0-9 of ``tests/diagnosis/test_diagnose.py``'s two
+shapes (and seeds 21, 34 of the layout modes); ``HELD_OUT`` are other shapes, and callers pass
+other seeds. Every case runs at tier 1 (the live job alone: ``observe(...,
+reference=False)``) and tier 2 (with the mode's correct twin as the known-good run).
+
+One answer's class (``classify``): ``right`` (the true bug is the top candidate, alone),
+``tied`` (it is in the top's named tie), ``blind`` ("no known cause", and the answer lists
+the true bug among those the tier cannot see: honest), ``missed`` ("no known cause" without
+saying so), ``wrong`` (another cause named and the true one not in the tie: a confident
+wrong name). Two bugs at once (``pairs``) and bugs outside the registry (``MADE_UP``, built
+with ``Injection``'s test knobs) are counted too.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from tpattn.config import Config
+from tpattn.parallel.injection import Injection
+from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
+from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
+from .observe import observe, observe_injection
+
+__all__ = ["HELD_OUT", "MADE_UP", "CLASSES", "classify", "single_bug_cases", "pairs",
+           "two_bug_cases", "made_up_cases", "summary"]
+
+#: Shapes the fingerprints were not written on: (name, Config, the modes it hosts; None: every
+#: plain-TP mode whose needs it meets).
+HELD_OUT = [
+    ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8), None),
+    ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
+                           world_size=4), None),
+    ("SP W4", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8, world_size=4,
+                     sequence_parallel=True), ("missing_norm_grad_reduce", "norm_grad_averaged")),
+    ("KV W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8, world_size=4),
+     ("missing_kv_grad_reduce",)),
+]
+#: Bugs outside the registry (``Injection``'s test knobs), two ranks.
+MADE_UP = {
+    "attention partial x 1.05": Injection(partial_scale=1.05),
+    "attention partial x 0.5": Injection(partial_scale=0.5),
+    "shards loaded in the wrong rank order": Injection(shard_offset=1),
+    "one rank's learning rate x 1.05": Injection(rank_lr_scale=(1.0, 1.05)),
+    "one rank's learning rate x 0.9": Injection(rank_lr_scale=(0.9, 1.0)),
+    "partial x 1.05 and wrong rank order": Injection(partial_scale=1.05, shard_offset=1),
+}
+CLASSES = ("right", "tied", "blind", "missed", "wrong")
+
+
+def classify(found: list[dict], mode: str) -> str:
+    """The class of ``diagnose``'s answer ``found`` when the true bug is ``mode``."""
+    top = found[0]
+    if top["cause"] == mode:
+        return "right" if not top["tied_with"] else "tied"
+    if mode in top["tied_with"]:
+        return "tied"
+    if top["cause"] == NO_KNOWN_CAUSE:
+        blind = any(mode in e and "cannot see" in e for e in top["evidence"])
+        return "blind" if blind else "missed"
+    return "wrong"
+
+
+def single_bug_cases(seeds) -> dict:
+    """``(tier, mode, shape, seed) -> class`` for every registry bug on ``HELD_OUT``."""
+    out = {}
+    for name, cfg, modes in HELD_OUT:
+        for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
+            try:
+                check_needs(mode, cfg)
+            except ValueError:  # this shape does not host the mode
+                continue
+            for seed in seeds:
+                for tier in (1, 2):
+                    found = diagnose(observe(mode, seed=seed, cfg=cfg, reference=tier == 2))
+                    out[(tier, mode, name, seed)] = classify(found, mode)
+    return out
+
+
+def pairs():
+    """``((mode_a, mode_b), Injection)`` for every two plain-TP registry bugs that can
+    coexist (no knob set by both), their knobs merged."""
+    default = Injection()
+    knobs = {}
+    for mode in runnable_modes():
+        inj = REGISTRY[mode].injection
+        changed = {f.name: getattr(inj, f.name) for f in dataclasses.fields(inj)
+                   if getattr(inj, f.name) != getattr(default, f.name)}
+        if changed:
+            knobs[mode] = changed
+    names = sorted(knobs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if not set(knobs[a]) & set(knobs[b]):
+                yield (a, b), Injection(**knobs[a], **knobs[b])
+
+
+def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
+    """``(tier, pair, seed) -> (how many of the two are candidates, whether a registry cause
+    outside the pair is at the top or in its tie)``."""
+    out = {}
+    for pair, inj in pairs():
+        for seed in seeds:
+            for tier in (1, 2):
+                found = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))
+                top = {found[0]["cause"], *found[0]["tied_with"]}
+                named = {c["cause"] for c in found}
+                out[(tier, pair, seed)] = (len(set(pair) & named),
+                                           bool(top - set(pair) - {NO_KNOWN_CAUSE,
+                                                                   UNREGISTERED_FORWARD}))
+    return out
+
+
+def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
+    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the one registry name given."""
+    out = {}
+    for name, inj in MADE_UP.items():
+        for seed in seeds:
+            for tier in (1, 2):
+                top = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))[0]
+                out[(tier, name, seed)] = (top["cause"] if top["cause"] == NO_KNOWN_CAUSE
+                                           else "tie" if top["tied_with"] else top["cause"])
+    return out
+
+
+def summary(single: dict, tier: int) -> dict:
+    """Counts of ``single_bug_cases``' classes at ``tier``, by mode and in all: ``{mode:
+    Counter, "all": Counter}``."""
+    out = {}
+    for (t, mode, _, _), c in single.items():
+        if t == tier:
+            out.setdefault(mode, Counter())[c] += 1
+            out.setdefault("all", Counter())[c] += 1
+    return out
