@@ -98,16 +98,21 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   **({"sequence_parallel": True} if args.sequence_parallel else {}))
 
 
+def modes_listing() -> list[dict]:
+    """``--list-modes``: ``zoo.list_modes()``, each mode with its ``lowest_tier`` (the lowest
+    diagnosis tier whose observables show it, ``tpattn.diagnosis.diagnose.lowest_tier``)."""
+    from tpattn.bugs.zoo import list_modes
+    from tpattn.diagnosis.diagnose import lowest_tier
+
+    return [{**m, "lowest_tier": lowest_tier(m["name"])} for m in list_modes()]
+
+
 def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
     """Run the CLI; returns the exit code."""
     ap = build_parser(prog)
     args = ap.parse_args(argv)
     if args.list_modes:
-        from tpattn.bugs.zoo import list_modes
-        from tpattn.diagnosis.diagnose import lowest_tier
-
-        print(json.dumps([{**m, "lowest_tier": lowest_tier(m["name"])} for m in list_modes()],
-                         indent=2))
+        print(json.dumps(modes_listing(), indent=2))
         return 0
     try:
         cfg = config_from_args(args)

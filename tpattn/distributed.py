@@ -10,7 +10,7 @@ import os
 import sys
 
 from tpattn.check.core import EQUIVALENCE, inspect_fixture, modes_for
-from tpattn.cli import build_parser, config_from_args
+from tpattn.cli import build_parser, config_from_args, modes_listing
 from tpattn.real.launch import RankFailure, default_backend, describe_error
 from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_distributed,
                                run_under_torchrun, validate_run)
@@ -36,9 +36,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
     ap = build_distributed_parser(prog)
     args = ap.parse_args(argv)
     if args.list_modes:
-        from tpattn.bugs.zoo import list_modes
-
-        print(json.dumps(list_modes(), indent=2))
+        print(json.dumps(modes_listing(), indent=2))
         return 0
     torchrun = launched_by_torchrun()
     rank = int(os.environ["RANK"]) if torchrun else 0
