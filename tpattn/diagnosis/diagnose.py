@@ -132,6 +132,10 @@ _LOSS_OFF = _c("the step-0 loss differs from the good run's (the forward is wron
                _ref(lambda f: not f["loss_matches"]))
 _W2 = _c("world size >= 2", lambda f: f["world_size"] >= 2)
 _SP = _c("the job runs sequence parallelism", lambda f: f["sequence_parallel"])
+_NORM_GRAD_OVER_W = _c("the norm weight's gradient norm is 1/W times the good run's",
+                       _ref(lambda f: f["norm_ratio_is"]["1/W"]))
+_SHARDED_GRADS_MATCH = _c("the sharded weights' gradients equal the good run's",
+                          _ref(lambda f: all(f["grads_match"][k] for k in ("wq", "wk", "wv", "wo"))))
 
 #: cause -> (conditions, the test that would confirm it)
 FINGERPRINTS: dict[str, tuple[list, str]] = {
@@ -161,10 +165,7 @@ FINGERPRINTS: dict[str, tuple[list, str]] = {
     ], "drop the second all-reduce: the norm gradient falls by exactly W"),
     "input_grad_reduce_averaged": ([
         _W2, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
-        _c("the norm weight's gradient norm is 1/W times the good run's",
-           _ref(lambda f: f["norm_ratio_is"]["1/W"])),
-        _c("the sharded weights' gradients equal the good run's",
-           _ref(lambda f: all(f["grads_match"][k] for k in ("wq", "wk", "wv", "wo")))),
+        _NORM_GRAD_OVER_W, _SHARDED_GRADS_MATCH,
     ], "reduce dn with SUM instead of AVG: the norm gradient grows by exactly W"),
     "grad_norm_counts_replicas": ([
         _W2, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
@@ -200,10 +201,7 @@ FINGERPRINTS: dict[str, tuple[list, str]] = {
        "identical"),
     "norm_grad_averaged": ([
         _W2, _SP, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
-        _c("the norm weight's gradient norm is 1/W times the good run's",
-           _ref(lambda f: f["norm_ratio_is"]["1/W"])),
-        _c("the sharded weights' gradients equal the good run's",
-           _ref(lambda f: all(f["grads_match"][k] for k in ("wq", "wk", "wv", "wo")))),
+        _NORM_GRAD_OVER_W, _SHARDED_GRADS_MATCH,
     ], "reduce the norm gradient with SUM, not AVG: it grows by exactly W"),
     "missing_kv_grad_reduce": ([
         _W2, _LOSSES_AGREE,
