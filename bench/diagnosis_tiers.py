@@ -32,6 +32,10 @@ def main() -> None:
         print(f"  all: {n} cases: " + ", ".join(f"{k} {total[k]}" for k in CLASSES)
               + f"; true bug top or tied {total['right'] + total['tied']}/{n}; honest "
               f"(not wrong, not missed) {n - total['wrong'] - total['missed']}/{n}")
+    reduced = single_bug_cases(args.seeds, logged_loss="all_reduced")
+    print("the same cases, the job all-reducing its loss: "
+          + ("the same answers" if reduced == single else
+             f"{sum(reduced[k] != v for k, v in single.items())} answers differ"))
     two = two_bug_cases(args.seeds)
     for tier in (1, 2):
         rows = [v for (t, _, _), v in two.items() if t == tier]

@@ -52,3 +52,17 @@ def test_list_modes_gives_every_bug_its_lowest_tier(capsys):
     assert tiers["equivalence"] is None
     assert all(tiers[m] in (1, 2) for m in REGISTRY if m != "equivalence")
     assert tiers["missing_input_grad_reduce"] == 1 and tiers["norm_grad_averaged"] == 2
+
+
+def test_a_job_that_all_reduces_its_loss_is_diagnosed_as_well(single):
+    # Megatron's vocab-parallel cross entropy logs one loss for the TP group: the ranks'
+    # losses agree by construction, so no fingerprint may need them to disagree.
+    reduced = single_bug_cases(SEEDS, logged_loss="all_reduced")
+    assert reduced == single
+
+
+def test_logged_loss_is_checked():
+    from tpattn import observe
+
+    with pytest.raises(ValueError, match=r"logged_loss must be one of per_rank, all_reduced"):
+        observe("equivalence", logged_loss="mean")

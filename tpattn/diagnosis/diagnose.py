@@ -62,6 +62,7 @@ def features(obs: dict) -> dict:
         "kv_per_rank": setup["kv_heads"] // w if setup["kv_heads"] >= w else 0,
         "gqa": setup["query_heads"] > setup["kv_heads"],
         "losses_agree": not _spread(obs["rank_losses"]),
+        "losses_per_rank": setup.get("logged_loss", "per_rank") == "per_rank",
         "batches_agree": len(set(obs["batch_checksums"])) == 1,
         "shards_ok": {k: all(abs(d) <= 1e-5 * max(obs["shard_scale"][k], 1.0) for d in v)
                       for k, v in obs["shard_checksums"].items()},
@@ -111,14 +112,25 @@ def _ref(test):
     return needs_good_run
 
 
+def _when(condition, applies, tier: int = 1):
+    """``condition`` (``(text, test)``), used only where ``applies(features)``: elsewhere it
+    is skipped (neither held nor failed, not scored)."""
+    text, test = condition
+
+    def where_it_applies(f):
+        return test(f)
+    where_it_applies.applies, where_it_applies.tier = applies, tier
+    return (text, where_it_applies)
+
+
 def _extra(condition):
     """A condition on the good run that only adds to a fingerprint already visible without
-    it: skipped (neither held nor failed, not scored) when there is no good run."""
-    text, test = condition
-    def if_good_run(f):
-        return test(f)
-    if_good_run.tier, if_good_run.optional = 2, True
-    return (text, if_good_run)
+    it: skipped when there is no good run."""
+    return _when(condition, lambda f: f["has_reference"], tier=2)
+
+
+def _applies(test, f: dict) -> bool:
+    return getattr(test, "applies", lambda _: True)(f)
 
 
 _SHARDS_OK = _c("every rank loaded the checkpoint slices it should hold (shard checksums)",
@@ -143,7 +155,8 @@ FINGERPRINTS: dict[str, tuple[list, str]] = {
         _W2,
         _c("forward ledger: fewer all-reduces than the plan (g missing)",
            lambda f: f["fwd"] < f["fwd_plan"]),
-        _c("the ranks' step-0 losses disagree", lambda f: not f["losses_agree"]),
+        _when(_c("the ranks' step-0 losses disagree", lambda f: not f["losses_agree"]),
+              lambda f: f["losses_per_rank"]),
     ], "all-reduce the output partials: every rank's loss should become the same"),
     "output_reduced_twice": ([
         _W2, _LOSSES_AGREE,
@@ -239,7 +252,7 @@ def lowest_tier(cause: str) -> int | None:
     if cause not in FINGERPRINTS:
         return None
     return max((getattr(test, "tier", 1) for _, test in FINGERPRINTS[cause][0]
-                if not getattr(test, "optional", False)), default=1)
+                if not hasattr(test, "applies")), default=1)
 
 
 def _deviations(f: dict) -> list[str]:
@@ -386,8 +399,7 @@ def _diagnose(observations: dict, cfg, signatures: dict | None, forward=None) ->
     tier = 2 if f["has_reference"] else 1
     found = []
     for cause, (conditions, confirm) in FINGERPRINTS.items():
-        used = [(text, test) for text, test in conditions
-                if f["has_reference"] or not getattr(test, "optional", False)]
+        used = [(text, test) for text, test in conditions if _applies(test, f)]
         if all(test(f) for _, test in used):
             found.append({"cause": cause, "score": len(used),
                           "evidence": [text for text, _ in used],

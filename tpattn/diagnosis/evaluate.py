@@ -62,8 +62,9 @@ def classify(found: list[dict], mode: str) -> str:
     return "wrong"
 
 
-def single_bug_cases(seeds) -> dict:
-    """``(tier, mode, shape, seed) -> class`` for every registry bug on ``HELD_OUT``."""
+def single_bug_cases(seeds, logged_loss: str = "per_rank") -> dict:
+    """``(tier, mode, shape, seed) -> class`` for every registry bug on ``HELD_OUT``, the job
+    logging its loss as ``logged_loss`` says (``observe.LOGGED_LOSSES``)."""
     out = {}
     for name, cfg, modes in HELD_OUT:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
@@ -73,7 +74,8 @@ def single_bug_cases(seeds) -> dict:
                 continue
             for seed in seeds:
                 for tier in (1, 2):
-                    found = diagnose(observe(mode, seed=seed, cfg=cfg, reference=tier == 2))
+                    found = diagnose(observe(mode, seed=seed, cfg=cfg, reference=tier == 2,
+                                             logged_loss=logged_loss))
                     out[(tier, mode, name, seed)] = classify(found, mode)
     return out
 

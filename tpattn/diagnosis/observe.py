@@ -5,7 +5,8 @@ collectives, not a dense twin. ``observe(mode, seed, cfg)`` trains the block on 
 (each rank its own tensors, loss and backward, ``simulate="ranks"``) for a few steps and
 returns only such observables, as plain JSON-able numbers:
 
-- ``rank_losses``: every rank's loss at step 0 (do the ranks agree?);
+- ``rank_losses``: every rank's loss at step 0 as the job logs it (do the ranks agree? with
+  ``logged_loss="all_reduced"`` they do by construction);
 - ``batch_checksums``: every rank's sum of the batch it loaded (did they get the same data?
   Under sequence parallelism each rank loads the whole batch and its block takes its own
   ``S/W`` tokens, ``zoo.block_inputs``);
@@ -42,10 +43,15 @@ from tpattn.parallel.simulated import simulated_forward, simulated_step
 from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, rank_batches,
                              shard, unshard)
 
-__all__ = ["observe", "observe_injection", "STEPS"]
+__all__ = ["observe", "observe_injection", "STEPS", "LOGGED_LOSSES"]
 
 #: Training steps of one observation (loss curve length).
 STEPS = 3
+#: How the job logs its loss: every rank its own (``"per_rank"``), or one value all-reduced
+#: over the TP group, the same on every rank (``"all_reduced"``, as Megatron's
+#: vocab-parallel cross entropy and torchtitan's loss_parallel do; simulated here as the
+#: mean of the ranks' losses).
+LOGGED_LOSSES = ("per_rank", "all_reduced")
 
 
 def _checksum(t: torch.Tensor) -> float:
@@ -118,11 +124,19 @@ def _steps(state, step, losses, steps: int, last_update: bool, replica_sums) -> 
     return out
 
 
+def _logged(losses, logged_loss: str) -> list[float]:
+    values = [float(l) for l in losses]
+    return values if logged_loss == "per_rank" else [sum(values) / len(values)] * len(values)
+
+
 def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                       steps: int = STEPS, reference: bool = True,
-                      batched: bool = False) -> dict:
+                      batched: bool = False, logged_loss: str = "per_rank") -> dict:
     """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up)."""
     check_seed(seed)
+    if logged_loss not in LOGGED_LOSSES:
+        raise ValueError(f"logged_loss must be one of {', '.join(LOGGED_LOSSES)} "
+                         f"(got {logged_loss!r})")
     cfg = Config() if cfg is None else cfg
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
@@ -146,8 +160,9 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     first, good_first = run["first"], good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
-                  "kv_heads": cfg.kv_heads, "sequence_parallel": cfg.sequence_parallel},
-        "rank_losses": [float(l) for l in first["losses"]],
+                  "kv_heads": cfg.kv_heads, "sequence_parallel": cfg.sequence_parallel,
+                  "logged_loss": logged_loss},
+        "rank_losses": _logged(first["losses"], logged_loss),
         "batch_checksums": [_checksum(x) + _checksum(t) for x, t in batches],
         "shard_checksums": {name: [_checksum(s[name]) - _checksum(e[name])
                                    for s, e in zip(shards0, expected)]
@@ -164,7 +179,7 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     if reference:
         grads = unshard(first["grads"], cfg, inj)
         good_grads = unshard(good_first["grads"], cfg, good_inj)
-        obs["reference"] = {"rank_losses": [float(l) for l in good_first["losses"]],
+        obs["reference"] = {"rank_losses": _logged(good_first["losses"], logged_loss),
                             "logged_grad_norm": good_first["grad_norm"],
                             "loss_curve": good["curve"]}
         obs["grad_norm_ratio"] = {k: float(grads[k].norm() / good_grads[k].norm())
@@ -177,17 +192,20 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
 
 
 def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
-            reference: bool = True, batched: bool = False) -> dict:
+            reference: bool = True, batched: bool = False,
+            logged_loss: str = "per_rank") -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
     module docstring); ``reference=False`` leaves out what needs a known-good run.
     ``cfg`` must meet the mode's needs (``zoo.check_needs``: e.g. ``sequence_parallel=True``
     for the norm-gradient modes, ``kv_heads < world_size`` for ``missing_kv_grad_reduce``),
     else ``ValueError`` naming the field and the rule.
     ``batched``: accepted for compatibility; there is one simulation, the engine's ranks as
-    a batch dimension (``tpattn.parallel.simulated``), whatever its value."""
+    a batch dimension (``tpattn.parallel.simulated``), whatever its value.
+    ``logged_loss``: how the job logs its loss (``LOGGED_LOSSES``); ``"all_reduced"`` makes
+    ``rank_losses`` agree by construction, as a framework that all-reduces the loss shows."""
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
         raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
                          f"an injection of this block")
-    return observe_injection(entry.injection, seed, cfg, steps, reference, batched)
+    return observe_injection(entry.injection, seed, cfg, steps, reference, batched, logged_loss)
