@@ -15,7 +15,7 @@ from tpattn.block.layers import attention, repeat_kv, rms_norm
 from tpattn.block.params import clone_trainable
 from tpattn.parallel.engine import REPLICATED, ScaleGrad
 from tpattn.parallel.sequence_parallel import rank_tokens
-from tpattn.bugs.zoo import Injection, clip_coef, rank_attend_and_project
+from tpattn.bugs.zoo import Injection, clip_coef, grad_norm, rank_attend_and_project
 
 NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
 
@@ -129,19 +129,6 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
     return [x + o for x, o in zip(xs, outs)]
 
 
-def _grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
-    """The global gradient norm as the TP code computes it: each rank sums the squares of its
-    own gradients (replicated ones on rank 0 only, or on every rank under ``norm="per_rank"``),
-    then one all-reduce (sum) over the ranks."""
-    total = 0.0
-    for rank, g in enumerate(grads):
-        for name, t in g.items():
-            if name in REPLICATED and rank > 0 and inj.norm == "once":
-                continue
-            total = total + t.double().pow(2).sum()
-    return torch.as_tensor(total).sqrt()
-
-
 def ranks_train_step(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
                      inj: Injection) -> dict:
     """One step of every simulated rank: forward, its own MSE loss, backward, the gradient
@@ -159,7 +146,7 @@ def ranks_train_step(shards: list[dict[str, torch.Tensor]], batches, cfg: Config
     sum(losses[1:], losses[0]).backward()
     grads = [{k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
              for p in ps]
-    norm = _grad_norm(grads, inj)
+    norm = grad_norm(grads, inj)
     ledger.append({"collective": "all_reduce", "phase": "step", "group": "tp",
                    "label": "sum of squared gradient norms"})
     coef = clip_coef(norm, inj)

@@ -56,7 +56,8 @@ from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.simulated import rank0_view, simulated_step
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
-           "mode_names", "list_modes", "runnable_modes", "reported_modes", "check_needs", "run",
+           "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
+           "check_needs", "run",
            "make_params", "shard", "unshard", "sides", "forward_fixture", "block_inputs",
            "LAYOUT_NEEDS",
            "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
@@ -504,7 +505,7 @@ def _layout(cfg: Config) -> bool:
     return cfg.sequence_parallel or has_replicas(cfg)
 
 
-def _grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
+def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
     """The global gradient norm as the TP code computes it: each rank sums the squares of its
     own gradients (replicated ones on rank 0 only, or on every rank under ``norm="per_rank"``),
     then one all-reduce (sum) over the ranks."""
@@ -535,7 +536,7 @@ def _fixture_step(x0, target, base, cfg, inj, seed) -> dict:
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
                                           else inj.shard))
-    coef = clip_coef(_grad_norm(per_rank, inj), inj)
+    coef = clip_coef(grad_norm(per_rank, inj), inj)
     weights = sgd_step(p, grads, LR, float(coef))
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": grads, "weights": weights}
