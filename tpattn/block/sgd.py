@@ -40,9 +40,20 @@ def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr
 def master_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors an in-place SGD step updates, by name: each parameter detached, in
     ``MASTER_DTYPE`` (float32/float64: the parameter's own storage, so the step updates it;
-    bfloat16: a float32 copy). ``m -= lr * g.to(m.dtype)`` on them is ``sgd_step``'s update,
-    for tensors that must be stepped in place (e.g. DTensors, whose placements it keeps)."""
+    bfloat16: a float32 copy)."""
     return {k: p.detach().to(_master_dtype(k, p)) for k, p in params.items()}
+
+
+def sgd_step_in_place(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                      lr: float) -> dict[str, torch.Tensor]:
+    """``sgd_step``'s update done in place, ``m -= lr * g`` on ``master_weights(params)``, for
+    tensors that must be stepped where they are (e.g. DTensors, whose placements it keeps);
+    returns the stepped master weights. Float32/float64 parameters are themselves updated."""
+    masters = master_weights(params)
+    with torch.no_grad():
+        for k, m in masters.items():
+            m -= lr * grads[k].to(m.dtype)
+    return masters
 
 
 def _master_dtype(name: str, p: torch.Tensor) -> torch.dtype:

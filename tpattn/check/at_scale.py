@@ -59,8 +59,8 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
     def measure():  # the probe, once: A_m by measure and A_p by parameter
         if not amp:
             step = probe_step(cfg, x0, target, base)
-            amp.update(amplification(cfg, dense, step))
             by_name.update(parameter_amplification(cfg, dense, step))
+            amp.update(amplification(cfg, dense, step, by_name))
     if probe:
         measure()
 

@@ -44,6 +44,20 @@ def backward_magnitudes(x0: torch.Tensor, base: dict[str, torch.Tensor], cfg: Co
     float64 tensors of the parameters' shapes: ``|J_p|^T upstream`` for the Jacobian ``J_p``
     of ``dL/dp`` with respect to ``dL/dy``, so ``|J_p^T e| <= M_p`` for every ``|e| <= upstream``.
     """
+    return _magnitudes(x0, base, cfg, lambda y: upstream.detach().to(torch.float64))
+
+
+def gradient_magnitudes(x0: torch.Tensor, target: torch.Tensor,
+                        base: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+    """The summand magnitude ``M_p >= |dL/dp|`` of every entry of every parameter gradient of
+    the dense step's MSE loss (``backward_magnitudes`` from ``|dL/dy| = 2 |y - target| / N``).
+    x0, target: ``[S, B, hidden]``; returns float64 tensors of the parameters' shapes."""
+    t = target.detach().to(torch.float64)
+    return _magnitudes(x0, base, cfg, lambda y: (y - t).abs() * (2.0 / y.numel()))
+
+
+def _magnitudes(x0, base, cfg: Config, upstream_of) -> dict[str, torch.Tensor]:
+    """The float64 forward once, then ``backward_magnitudes`` from ``upstream_of(y)``."""
     d, D = torch.float64, cfg.head_dim
     x = x0.detach().to(d)
     p = {k: v.detach().to(d) for k, v in base.items()}
@@ -58,7 +72,7 @@ def backward_magnitudes(x0: torch.Tensor, base: dict[str, torch.Tensor], cfg: Co
     kr, vr = repeat_kv(k, groups), repeat_kv(v, groups)
     probs = attention_probs(q, kr)  # [B, H, S, S], >= 0
     ctx = torch.einsum("bhst,tbhd->sbhd", probs, vr)
-    m_y = upstream.detach().to(d)
+    m_y = upstream_of(x + F.linear(ctx.reshape(S, B, -1), p["wo"]))
     tokens = S * B
 
     def weight(m_out, inp):  # |dL/dW| summands of W in out = inp W^T: [out, in]
@@ -79,23 +93,3 @@ def backward_magnitudes(x0: torch.Tensor, base: dict[str, torch.Tensor], cfg: Co
     out["norm"] = (m_n * xh.abs()).sum((0, 1))
     return {name: out[name] for name in base}
 
-
-def gradient_magnitudes(x0: torch.Tensor, target: torch.Tensor,
-                        base: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
-    """The summand magnitude ``M_p >= |dL/dp|`` of every entry of every parameter gradient of
-    the dense step's MSE loss (``backward_magnitudes`` from ``|dL/dy| = 2 |y - target| / N``).
-    x0, target: ``[S, B, hidden]``; returns float64 tensors of the parameters' shapes."""
-    from tpattn.block.dense import dense_forward
-
-    d = torch.float64
-    y = dense_forward(x0.detach().to(d), {k: v.detach().to(d) for k, v in base.items()}, cfg)
-    return backward_magnitudes(x0, base, cfg, (y - target.to(d)).abs() * (2.0 / y.numel()))
-
-
-def forward_difference_effect(x0: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-                              y_dense: torch.Tensor, y_tp: torch.Tensor) -> dict[str, float]:
-    """How far the two sides' forward outputs ``y_dense``, ``y_tp`` ``[S, B, hidden]`` can
-    move each parameter gradient of the MSE loss: ``max backward_magnitudes`` from
-    ``|d(dL/dy)| = 2 |y_dense - y_tp| / N``, by parameter name."""
-    e = (y_dense.to(torch.float64) - y_tp.to(torch.float64)).abs() * (2.0 / y_dense.numel())
-    return {k: m.max().item() for k, m in backward_magnitudes(x0, base, cfg, e).items()}

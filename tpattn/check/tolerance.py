@@ -263,7 +263,8 @@ def perturbed_start(cfg: Config, x0: torch.Tensor, base: dict[str, torch.Tensor]
     return perturb(x0, rho), {k: perturb(v, rho) for k, v in base.items()}
 
 
-def amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
+def amplification(cfg: Config, dense: dict, probe: dict,
+                  by_name: dict[str, float] | None = None) -> dict[str, float]:
     """How much the step amplifies a relative perturbation of its start, per measure.
 
     ``probe`` is the dense step again from ``perturbed_start`` (every input and parameter moved
@@ -275,6 +276,7 @@ def amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
     the TP side's -- comes out that much larger, and how much rounding a CPU's kernels do
     decides whether correct TP passes. The weights' measure has no ``A`` of its own (the probe
     moves the weights themselves); its floor follows the gradients' (``rounding_floors``).
+    ``by_name``: ``parameter_amplification``'s result when the caller has it already.
     """
     from .core import five_measures, max_abs_diff  # check builds on this module
 
@@ -282,7 +284,8 @@ def amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
     scales = auto_bounds(cfg, dense, 0.0)
     amp = {m: _ratio(diff[m], scales[m]) if scales[m] else 0.0
            for m in ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff")}
-    amp["parameter_grad_max_abs_diff"] = max(parameter_amplification(cfg, dense, probe).values())
+    by_name = parameter_amplification(cfg, dense, probe) if by_name is None else by_name
+    amp["parameter_grad_max_abs_diff"] = max(by_name.values())
     return amp
 
 
@@ -335,8 +338,8 @@ def conditioning(cfg: Config, dense: dict, probe: dict, lr: float,
     """``(floors, amp)``: ``rounding_floors`` (for the parameters ``worst`` names, each with
     its own ``parameter_amplification``) and ``amplification`` from the dense step ``dense`` and its probe ``probe`` (the dense step
     from ``perturbed_start``)."""
-    amp = amplification(cfg, dense, probe)
     by_name = parameter_amplification(cfg, dense, probe)
+    amp = amplification(cfg, dense, probe, by_name)
     return rounding_floors(cfg, dense, amp, lr, worst, by_name), amp
 
 

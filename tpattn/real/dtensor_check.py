@@ -32,7 +32,7 @@ from tpattn.config import Config
 from tpattn.check.core import dense_reference, five_measures
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
-from tpattn.block.sgd import master_weights
+from tpattn.block.sgd import sgd_step_in_place
 
 __all__ = ["AttentionBlock", "parallelize_block", "dtensor_check"]
 
@@ -117,10 +117,7 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
 
     params = {"norm": block.norm, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
     grads = {k: _full(params[k].grad) for k in PARAM_NAMES}
-    stepped = master_weights(params)  # the SGD step on the DTensors, in the master dtype
-    with torch.no_grad():
-        for k, m in stepped.items():
-            m -= LR * params[k].grad.to(m.dtype)
+    stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
     tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad, "grads": grads,
           "weights": {k: _full(stepped[k]) for k in PARAM_NAMES}}
     return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), ledger

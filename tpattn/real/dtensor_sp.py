@@ -35,7 +35,7 @@ from tpattn.config import Config
 from .dtensor_check import AttentionBlock
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
-from tpattn.block.sgd import master_weights
+from tpattn.block.sgd import sgd_step_in_place
 from tpattn.parallel.sequence_parallel import rank_tokens
 
 __all__ = ["RMSNorm", "SequenceParallelBlock", "parallelize_sp_block", "dtensor_sp_check",
@@ -133,10 +133,8 @@ def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu")
     placement = norm_grad_placement(block)
     params = {"norm": block.norm.weight, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
     grads = {k: _full(params[k].grad) for k in PARAM_NAMES}  # a Partial grad: summed on reading
-    stepped = master_weights(params)
-    with CommDebugMode() as step_comms, torch.no_grad():  # the SGD step on the DTensors
-        for k, m in stepped.items():
-            m -= LR * params[k].grad.to(m.dtype)  # a Partial grad is all-reduced here
+    with CommDebugMode() as step_comms:  # the SGD step on the DTensors
+        stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
     weights = {k: _full(stepped[k]) for k in PARAM_NAMES}
     pieces = [torch.empty_like(y) for _ in range(w)], [torch.empty_like(x) for _ in range(w)]
     dist.all_gather(pieces[0], y.detach().contiguous())
