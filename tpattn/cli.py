@@ -80,10 +80,10 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap.add_argument("--list-modes", action="store_true",
                     help="print the bug registry (name, description, citation, needs) as "
                          "JSON and exit")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="add to each result a 'diagnosis': candidate causes ranked "
+                         "from observables that need no dense model")
     if simulated:
-        ap.add_argument("--diagnose", action="store_true",
-                        help="add to each result a 'diagnosis': candidate causes ranked "
-                             "from observables that need no dense model")
         ap.add_argument("--typecheck", action="store_true",
                         help="tier 0: type-check --mode's per-rank block with spmd_types on "
                              "a fake process group (nothing runs); print the verdict and the "

@@ -2,6 +2,8 @@
 
 The same flags and JSON as ``python -m tpattn`` (``tpattn.cli``) plus ``--timeout``; the ranks,
 their collectives and the launcher are ``tpattn.real.ranks`` and ``tpattn.real.launch``.
+``--diagnose`` observes every run on the same real ranks and diagnoses it on rank 0
+(``tpattn.diagnosis.observe_real``).
 """
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import sys
 
 from tpattn.check.core import EQUIVALENCE, inspect_fixture, modes_for
 from tpattn.cli import build_parser, config_from_args, modes_listing
-from tpattn.real.launch import RankFailure, default_backend, describe_error
+from tpattn.real.launch import RankFailure, default_backend, describe_error, run_on_ranks
 from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_distributed,
-                               run_under_torchrun, validate_run)
+                               run_rank, run_under_torchrun, validate_run)
 
 __all__ = ["build_distributed_parser", "main"]
 
@@ -62,16 +64,26 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
     except ValueError as e:
         return fail(2, e)
     if args.mode != "inspect":
+        rank_fn = run_rank
+        if args.diagnose:
+            from tpattn.diagnosis.observe_real import diagnose_rank as rank_fn
         try:
             if torchrun:
-                results = run_under_torchrun(plan, default_backend(cfg.world_size)).get("results")
+                report = run_under_torchrun(plan, default_backend(cfg.world_size), rank_fn)
+            elif args.diagnose:
+                report = run_on_ranks(rank_fn, cfg.world_size, plan, timeout=timeout,
+                                      backend=default_backend(cfg.world_size),
+                                      preload=("tpattn.diagnosis.observe_real",))[0][0]
             else:
-                results = run_distributed(cfg.world_size, seeds, modes, cfg, timeout=timeout,
-                                          dtensor=False).results
+                report = {"results": run_distributed(cfg.world_size, seeds, modes, cfg,
+                                                     timeout=timeout, dtensor=False).results}
         except RankFailure as e:  # started by us: the launcher's line names the rank
             return fail(1, e)
         except RuntimeError as e:  # under torchrun: this rank failed (in a collective, or itself)
             return fail(1, f"rank {rank}: {describe_error(e)}")
+        results = report.get("results")
+        for result, diagnosis in zip(results or [], report.get("diagnoses", [])):
+            result["diagnosis"] = diagnosis
         out = results if args.mode == "matrix" else (results[0] if results else None)
     if rank != 0:
         return 0

@@ -43,7 +43,8 @@ from tpattn.parallel.simulated import simulated_forward, simulated_step
 from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, rank_batches,
                              shard, unshard)
 
-__all__ = ["observe", "observe_injection", "STEPS", "LOGGED_LOSSES"]
+__all__ = ["observe", "observe_injection", "simulated_train", "train_loop", "replica_sums",
+           "STEPS", "LOGGED_LOSSES"]
 
 #: Training steps of one observation (loss curve length).
 STEPS = 3
@@ -75,7 +76,7 @@ def _losses(state, batches, cfg: Config, inj: Injection) -> torch.Tensor:
         return torch.stack([F.mse_loss(y, target) for y, (_, target) in zip(ys, batches)])
 
 
-def _replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, list[float]]:
+def replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, list[float]]:
     """The checksums of the tensors that must stay identical across ranks: each replicated
     parameter on every rank, and with replicated KV heads ``wk``/``wv`` on each replica
     group's ranks (``"wk (ranks 0, 1)"``). weights: every rank's dict."""
@@ -89,27 +90,30 @@ def _replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[s
     return sums
 
 
-def _train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config, inj: Injection,
-           steps: int, last_update: bool = True) -> dict:
-    """``steps`` steps of ``simulated_step`` from ``shards`` on ``batches``; with
+def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
+                    inj: Injection, steps: int, last_update: bool = True) -> dict:
+    """``steps`` steps of ``simulated_step`` from ``shards`` (every rank's dict) on
+    ``batches`` (every rank's ``(x, target)``, ``zoo.block_inputs``); with
     ``last_update=False`` the last step stops at its losses (no backward, no update: the
-    good twin's replicas are never looked at)."""
+    good twin's replicas are never looked at). Returns ``train_loop``'s dict."""
     def step(p):
         result = simulated_step(p, batches, cfg, inj, LR)
         per_rank = {**result, "losses": list(result["losses"]),
                     "grads": unstack_ranks(result["grads"])}
         return per_rank, result["weights"], unstack_ranks(result["weights"])
 
-    return _steps(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj), steps,
-                  last_update, lambda weights: _replica_sums(weights, cfg))
+    return train_loop(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj), steps,
+                      last_update, lambda weights: replica_sums(weights, cfg))
 
 
-def _steps(state, step, losses, steps: int, last_update: bool, replica_sums) -> dict:
-    """The training loop of ``_train``: ``step(state)`` is one step,
-    returning ``(result, next state, every rank's weights)``; ``losses(state)`` every rank's
-    loss without a step; ``replica_sums(weights)`` the checksums of what must stay
-    identical. Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per step) and
-    ``replicas`` (``replica_sums`` after step 1 and the last)."""
+def train_loop(state, step, losses, steps: int, last_update: bool, sums) -> dict:
+    """The training loop of an observation: ``step(state)`` is one step, returning
+    ``(result, next state, every rank's weights)`` where ``result`` has every rank's
+    ``losses``, ``grads`` (one dict per rank), the step's ``ledger`` and ``grad_norm``;
+    ``losses(state)`` every rank's loss without a step; ``sums(weights)`` the checksums of
+    what must stay identical (``replica_sums``). Returns ``first`` (step 0's result),
+    ``curve`` (rank 0's loss per step) and ``replicas`` (``sums`` after step 1 and the
+    last)."""
     out = {"curve": [], "replicas": {}}
     for i in range(steps):
         if i == steps - 1 and i > 0 and not last_update:
@@ -120,7 +124,7 @@ def _steps(state, step, losses, steps: int, last_update: bool, replica_sums) -> 
             out["first"] = result
         out["curve"].append(float(result["losses"][0]))
         if i in (0, steps - 1):
-            out["replicas"]["after_1" if i == 0 else "after_k"] = replica_sums(weights)
+            out["replicas"]["after_1" if i == 0 else "after_k"] = sums(weights)
     return out
 
 
@@ -131,8 +135,11 @@ def _logged(losses, logged_loss: str) -> list[float]:
 
 def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                       steps: int = STEPS, reference: bool = True,
-                      batched: bool = False, logged_loss: str = "per_rank") -> dict:
-    """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up)."""
+                      batched: bool = False, logged_loss: str = "per_rank",
+                      train=simulated_train) -> dict:
+    """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up).
+    ``train``: what holds the ranks, ``simulated_train`` (every rank in this process) or
+    ``tpattn.diagnosis.observe_real.DistributedTrain`` (this process is one real rank)."""
     check_seed(seed)
     if logged_loss not in LOGGED_LOSSES:
         raise ValueError(f"logged_loss must be one of {', '.join(LOGGED_LOSSES)} "
@@ -149,14 +156,14 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     shards0 = _detached(shard(base, cfg, inj))
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
-    run = _train(shards0, block_inputs(batches, cfg), cfg, inj, steps)
+    run = train(shards0, block_inputs(batches, cfg), cfg, inj, steps)
     if good_inj == inj:  # no bug: the good run is this run
         good = run
     else:
         good_batches = batches if inj.inputs == good_inj.inputs else \
             rank_batches(cfg, seed, good_inj)
-        good = _train(expected, block_inputs(good_batches, cfg), cfg, good_inj, steps,
-                      last_update=False)
+        good = train(expected, block_inputs(good_batches, cfg), cfg, good_inj, steps,
+                     last_update=False)
     first, good_first = run["first"], good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
@@ -193,9 +200,10 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
 
 def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
             reference: bool = True, batched: bool = False,
-            logged_loss: str = "per_rank") -> dict:
+            logged_loss: str = "per_rank", train=simulated_train) -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
     module docstring); ``reference=False`` leaves out what needs a known-good run.
+    ``train``: as in ``observe_injection`` (real ranks: ``tpattn.diagnosis.observe_real``).
     ``cfg`` must meet the mode's needs (``zoo.check_needs``: e.g. ``sequence_parallel=True``
     for the norm-gradient modes, ``kv_heads < world_size`` for ``missing_kv_grad_reduce``),
     else ``ValueError`` naming the field and the rule.
@@ -208,4 +216,5 @@ def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = S
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
         raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
                          f"an injection of this block")
-    return observe_injection(entry.injection, seed, cfg, steps, reference, batched, logged_loss)
+    return observe_injection(entry.injection, seed, cfg, steps, reference, batched, logged_loss,
+                             train)

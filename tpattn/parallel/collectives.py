@@ -62,7 +62,8 @@ class _Collective(torch.autograd.Function):
 
 
 class _ReplicaReduce(torch.autograd.Function):
-    """Identity forward on ``(wk, wv)``; backward ``reduce_fn`` on each gradient."""
+    """Identity forward on ``(wk, wv)``; backward ``reduce_fn(gk, gv)`` on both gradients at
+    once (one collective, as a real rank all-reduces them in one flat buffer)."""
 
     @staticmethod
     def forward(ctx, wk, wv, reduce_fn):
@@ -71,7 +72,7 @@ class _ReplicaReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gk, gv):
-        return ctx.reduce_fn(gk), ctx.reduce_fn(gv), None
+        return (*ctx.reduce_fn(gk, gv), None)
 
 
 class SimulatedRanks:
@@ -178,14 +179,17 @@ class SimulatedRanks:
         its KV replica group's gradients (rank order)."""
         r = self.cfg.kv_replicas
 
-        def reduce(g):
-            self.record("backward", "all-reduce of wk/wv grads in the replica group",
-                        group="kv_replicas")
+        def group_sum(g):
             groups = g.view(-1, r, *g.shape[1:])
             total = groups[:, 0]
             for i in range(1, r):
                 total = total + groups[:, i]
             return total.unsqueeze(1).expand_as(groups).reshape(g.shape).contiguous()
+
+        def reduce(gk, gv):
+            self.record("backward", "all-reduce of wk/wv grads in the replica group",
+                        group="kv_replicas")
+            return group_sum(gk), group_sum(gv)
         return _ReplicaReduce.apply(wk, wv, reduce)
 
     def reduce_norm_grad(self, grad: torch.Tensor, how: str = "sum") -> torch.Tensor:

@@ -135,6 +135,9 @@ class CollectiveLedger:
     ``traffic``: the block's collectives in the current job, one row each (``label``, ``phase``,
     ``kind``, ``group_size``, ``elements``: see ``tpattn.parallel.kv_heads.kv_collectives``).
     ``replica_group``: this rank's KV replica group (a ``dist.new_group``), when there is one.
+    ``entries``: the block's collectives in the current job in the simulated ledger's form
+    (``tpattn.parallel.collectives``: ``collective``, ``phase``, ``group`` ``"tp"`` or
+    ``"kv_replicas"``, ``label``), what ``tpattn.diagnosis.observe`` reads.
     """
 
     def __init__(self, group=None):
@@ -143,10 +146,12 @@ class CollectiveLedger:
         self.counts = {"forward": 0, "backward": 0}
         self.issued = 0
         self.job, self.planned, self.history, self.traffic = "start-up", [], [], []
+        self.entries = []
 
     def start_job(self, job: str, planned: list[str]) -> None:
         """Begin counting a new job (``job`` names it in errors; ``planned``: its collectives)."""
         self.job, self.planned, self.history, self.traffic = job, list(planned), [], []
+        self.entries = []
         self.counts = {"forward": 0, "backward": 0}
 
     def deviation(self) -> str | None:
@@ -182,6 +187,11 @@ class CollectiveLedger:
         size = dist.get_world_size(self.group if group is None else group)
         self.traffic.append({"label": label, "phase": phase, "kind": kind,
                              "group_size": size, "elements": elements})
+        self.entry(kind, phase, "tp" if group is None else "kv_replicas", label)
+
+    def entry(self, kind: str, phase: str, group: str, label: str) -> None:
+        """Append one collective to ``entries`` (the simulated ledger's form)."""
+        self.entries.append({"collective": kind, "phase": phase, "group": group, "label": label})
 
     def all_reduce(self, tensor: torch.Tensor, phase: str, label: str, group=None) -> None:
         """Sum ``tensor`` over the ranks (of ``group``, default: the ledger's), in place;
@@ -679,8 +689,9 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def run_under_torchrun(plan: RunPlan, backend: str) -> dict:
-    """This process is one of torchrun's ranks: join its group, run the plan, leave."""
+def run_under_torchrun(plan: RunPlan, backend: str, rank_fn=run_rank) -> dict:
+    """This process is one of torchrun's ranks: join its group, run the plan (``rank_fn(rank,
+    plan, device)``, default ``run_rank``), leave."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # --standalone / one host
         pin_gloo_to_loopback()
@@ -690,6 +701,6 @@ def run_under_torchrun(plan: RunPlan, backend: str) -> dict:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=plan.timeout))
     try:
-        return run_rank(rank, plan, device)
+        return rank_fn(rank, plan, device)
     finally:
         dist.destroy_process_group()

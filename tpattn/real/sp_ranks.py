@@ -51,21 +51,22 @@ class SequenceLedger(CollectiveLedger):
         super().start_job(job, planned)
         self.kinds, self.sent = Counter(), 0.0
 
-    def _count(self, kind: str, phase: str, full: torch.Tensor) -> None:
+    def _count(self, kind: str, phase: str, full: torch.Tensor, label: str) -> None:
         self.kinds[kind, phase] += 1
+        self.entry(kind, phase, "tp", label)
         self.sent += ring_bytes(kind, full.numel() * full.element_size(),
                                 dist.get_world_size(self.group))
 
     def all_reduce(self, tensor: torch.Tensor, phase: str, label: str) -> None:
         """Sum ``tensor`` over the ranks, in place."""
-        self._count("all_reduce", phase, tensor)
+        self._count("all_reduce", phase, tensor, label)
         self._issue(label, dist.all_reduce, tensor)
 
     def all_gather_seq(self, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:
         """Every rank's ``local`` ``[S/W, ...]`` concatenated in rank order: ``[S, ...]``."""
         local = local.contiguous()
         full = local.new_empty((local.shape[0] * dist.get_world_size(self.group), *local.shape[1:]))
-        self._count("all_gather", phase, full)
+        self._count("all_gather", phase, full, label)
         self._issue(label, dist.all_gather_single, full, local)
         return full
 
@@ -73,7 +74,7 @@ class SequenceLedger(CollectiveLedger):
         """This rank's ``[S/W, ...]`` tokens of the sum over ranks of ``full`` ``[S, ...]``."""
         full = full.contiguous()
         local = full.new_empty((full.shape[0] // dist.get_world_size(self.group), *full.shape[1:]))
-        self._count("reduce_scatter", phase, full)
+        self._count("reduce_scatter", phase, full, label)
         self._issue(label, dist.reduce_scatter_single, local, full)
         return local
 

@@ -1,0 +1,129 @@
+"""``observe`` and ``diagnose`` on real torch.distributed ranks (``torchrun -m
+tpattn.distributed --diagnose``, or ranks the CLI starts itself).
+
+Every process is one TP rank. It trains its own shard on its own batch with
+``engine.train_step`` through ``tpattn.real.ranks.DistributedRanks`` (R = 1), so every
+collective of the step is a real one, recorded by the rank's ``CollectiveLedger`` as it is
+issued. What a rank cannot see alone (the other ranks' losses, gradients and replica
+checksums) it gets the way a job's logging does: one all-gather after each step. Every rank
+then holds the same observables, ``tpattn.diagnosis.observe``'s dict; rank 0 diagnoses.
+
+A shortcut of this module, not of real jobs: each rank cuts every rank's shard from the
+checkpoint (the shapes are tiny) and keeps its own; the shard checksums compare what rank r
+loaded with the slice rank r should hold, as in the simulation.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tpattn.block.kv_layout import kv_grad_bug_applies, replica_groups
+from tpattn.check.core import LR
+from tpattn.config import Config
+from tpattn.parallel.engine import rank_block, stack_ranks, train_step
+from tpattn.real.ranks import CollectiveLedger, DistributedRanks, run_rank
+
+from .diagnose import diagnose
+from .observe import observe, replica_sums, train_loop
+
+__all__ = ["DistributedTrain", "rank_ledger", "observe_on_rank", "diagnose_rank"]
+
+
+def rank_ledger(cfg: Config, rank: int, timeout: float) -> CollectiveLedger:
+    """This rank's ledger of real collectives: a ``CollectiveLedger`` (under sequence
+    parallelism ``tpattn.real.sp_ranks.SequenceLedger``), with its KV replica group where KV
+    heads are replicated (every rank creates every group, in the same order)."""
+    if cfg.sequence_parallel:
+        from tpattn.real.sp_ranks import SequenceLedger
+
+        ledger = SequenceLedger()
+    else:
+        ledger = CollectiveLedger()
+    if kv_grad_bug_applies(cfg):
+        for group in replica_groups(cfg):
+            handle = dist.new_group(group, timeout=timedelta(seconds=timeout))
+            if rank in group:
+                ledger.replica_group = handle
+    return ledger
+
+
+class DistributedTrain:
+    """``observe_injection``'s ``train`` on one real rank: ``(shards, batches, cfg, inj,
+    steps, last_update) -> train_loop``'s dict, every rank's numbers gathered (the same on
+    every rank). shards: every rank's dict; batches: every rank's ``(x, target)``
+    ``[S_r, B, hidden]``; this rank trains ``shards[rank]`` on ``batches[rank]``."""
+
+    def __init__(self, ledger: CollectiveLedger, rank: int, device="cpu"):
+        self.ledger, self.rank, self.device = ledger, rank, torch.device(device)
+
+    def _gather(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every rank's ``tensors`` (one all-gather), back on the CPU."""
+        return [{k: t.cpu() for k, t in part.items()}
+                for part in self.ledger.gather_tensors(tensors, "gather of the step's logs")]
+
+    def _losses(self, part_losses: list[torch.Tensor], cfg: Config) -> list[torch.Tensor]:
+        """Every rank's logged loss from each rank's own: under sequence parallelism the
+        global MSE (the sum of the ranks' shares) on every rank."""
+        if cfg.sequence_parallel:
+            total = sum(part_losses[1:], part_losses[0])
+            return [total] * len(part_losses)
+        return part_losses
+
+    def __call__(self, shards, batches, cfg: Config, inj, steps: int,
+                 last_update: bool = True) -> dict:
+        r, dev = self.rank, self.device
+        x, target = (t.to(dev).unsqueeze(0) for t in batches[r])
+        numel = target.numel() * cfg.world_size if cfg.sequence_parallel else target.numel()
+
+        def step(p):
+            self.ledger.start_job("observe", [])
+            comm = DistributedRanks(cfg, self.ledger, r)
+            result = train_step(p, x, target, cfg, inj, comm, LR)
+            entries = list(self.ledger.entries)
+            mine = {"loss": result["losses"].reshape(1),
+                    **{"grad_" + k: g[0] for k, g in result["grads"].items()},
+                    **{"weight_" + k: w[0] for k, w in result["weights"].items()}}
+            ranks = self._gather(mine)
+            names = list(result["grads"])
+            out = {"losses": self._losses([d["loss"][0] for d in ranks], cfg),
+                   "grads": [{k: d["grad_" + k] for k in names} for d in ranks],
+                   "ledger": entries, "grad_norm": result["grad_norm"]}
+            weights = [{k: d["weight_" + k] for k in names} for d in ranks]
+            return out, result["weights"], weights
+
+        def losses(p):
+            with torch.no_grad():
+                comm = DistributedRanks(cfg, self.ledger, r)
+                y = rank_block(x, p, cfg, inj, comm)
+                own = ((y - target).pow(2).sum() / numel).reshape(1)
+            return self._losses([d["loss"][0] for d in self._gather({"loss": own})], cfg)
+
+        state = {k: t.to(dev) for k, t in stack_ranks([shards[r]]).items()}
+        return train_loop(state, step, losses, steps, last_update,
+                          lambda weights: replica_sums(weights, cfg))
+
+
+def observe_on_rank(mode: str, seed: int, cfg: Config, ledger: CollectiveLedger, rank: int,
+                    device="cpu", **kwargs) -> dict:
+    """``observe(mode, seed, cfg, **kwargs)`` with this process as real rank ``rank`` (every
+    rank of the group must call it with the same arguments); every rank returns the same
+    dict."""
+    return observe(mode, seed, cfg, train=DistributedTrain(ledger, rank, device), **kwargs)
+
+
+def diagnose_rank(rank: int, plan, device="cpu", on_progress=None) -> dict:
+    """``tpattn.real.ranks.run_rank``'s jobs, then for each (mode, seed) of ``plan.jobs`` the
+    observables on these real ranks and, on rank 0, their diagnosis: rank 0 returns
+    ``run_rank``'s dict plus ``diagnoses`` (one ``diagnose`` list per job, in order) and
+    ``observations``; other ranks return ``run_rank``'s."""
+    out = run_rank(rank, plan, device, on_progress)
+    ledger = rank_ledger(plan.cfg, rank, plan.timeout)
+    observations = [observe_on_rank(mode, seed, plan.cfg, ledger, rank, device)
+                    for mode, seed in plan.jobs]
+    if rank == 0:
+        out["observations"] = observations
+        out["diagnoses"] = [diagnose(obs) for obs in observations]
+    return out
