@@ -31,8 +31,7 @@ plain-TP shapes.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -44,13 +43,13 @@ from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSI
                     check_simulate, dense_reference, five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.block.sgd import sgd_step
-from tpattn.block.dense import dense_forward, project_qkv
-from tpattn.block.layers import attention, repeat_kv, rms_norm
+from tpattn.block.dense import dense_forward
 from tpattn.block.kv_layout import has_replicas
 from tpattn.block.params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
     shard_params, unshard_params
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.engine import ScaleGrad as GradScale
+from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.simulated import rank0_view, simulated_step
@@ -418,61 +417,18 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 # --- the per-rank block ---------------------------------------------------------------------
 
-class _ScaleForward(torch.autograd.Function):
-    """Forward multiplies by ``scale``; backward is the identity (an all-reduce of W equal
-    tensors, as g's forward, whose backward is the identity)."""
-
-    @staticmethod
-    def forward(ctx, t, scale):
-        return t * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def rank_attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
-                        inj: Injection) -> torch.Tensor:
-    """``dense.attend_and_project`` with the injection's ``repeat_kv``: ``"interleave"`` is
-    ``layers.repeat_kv``; ``"tile"`` repeats the whole block of local KV heads."""
-    q, k, v = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
-    groups = cfg.group_size
-    if inj.kv == "tile":
-        k, v = k.repeat(1, 1, groups, 1), v.repeat(1, 1, groups, 1)
-    else:
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    ctx = attention(q, k, v)
-    return F.linear(ctx.reshape(n.shape[0], n.shape[1], -1), p["wo"])
-
-
 def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
                     inj: Injection) -> torch.Tensor:
-    """The ``"fixture"`` view: rank 0's output in one process, the ranks sharing ``p``.
+    """The ``"fixture"`` view: rank 0's output in one process, the ranks sharing ``p`` — the
+    engine's block on ``one_graph.OneGraphRanks`` with the injection's cut (``shard``).
 
-    xs: each rank's input ``[S, B, hidden]`` (the same tensor unless ``inputs="per_rank"``);
-    ``p``: dense parameters (the ranks' shards are views of them, so autograd's sum over the
-    ranks' uses of ``n`` is f's all-reduce). Returns ``[S, B, hidden]``.
+    xs: each rank's input ``[S, B, hidden]`` (the same tensor unless ``inputs="per_rank"``:
+    then ranks >= 1's are constants); ``p``: dense parameters (the ranks' shards are views of
+    them, so autograd's sum over the ranks' uses of ``n`` is f's all-reduce). Returns
+    ``[S, B, hidden]``.
     """
-    w = cfg.world_size
-    outs = []
-    for rank, (x, s) in enumerate(zip(xs, shard(p, cfg, inj))):
-        n = rms_norm(x, s["norm"], cfg.eps)
-        if inj.f == "none" and rank > 0:
-            n = n.detach()
-        elif inj.f == "mean":
-            n = GradScale.apply(n, 1.0 / w)
-        elif inj.f == "twice":
-            n = GradScale.apply(n, float(w))
-        partial = rank_attend_and_project(n, s, cfg, inj)
-        if inj.bias == "every_rank":
-            partial = partial + s["bias"]
-        outs.append(partial)
-    out = outs[0] if inj.g == 0 else sum(outs[1:], outs[0])
-    if inj.g == 2:
-        out = _ScaleForward.apply(out, float(w))
-    if inj.bias == "after_g":
-        out = out + p["bias"]
-    return xs[0] + out
+    others = xs[1:] if inj.inputs == "per_rank" else None
+    return one_graph_forward(xs[0], p, cfg, inj, lambda q, c: shard(q, c, inj), others)
 
 
 # --- one training step ------------------------------------------------------------------
