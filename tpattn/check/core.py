@@ -377,12 +377,3 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
         **extra,
     }
 
-
-def sp_flags(mode: str) -> tuple[bool, bool, str]:
-    """``(reduce_output, reduce_input_grad, norm_grad)`` of an SP ``mode`` (one of ``SP_MODES``)."""
-    if mode not in SP_MODES:
-        raise ValueError(f"mode must be one of {', '.join(SP_MODES)} (got {mode!r})")
-    inj = NATIVE_INJECTIONS[mode]  # the mode's program, looked up once
-    return inj.g == 1, inj.f == "sum", inj.norm_grad
-
-

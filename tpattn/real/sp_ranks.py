@@ -14,7 +14,7 @@ from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, shard
 from tpattn.block.sgd import sgd_step
 from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SP_MODES,
                                check_mode, dense_reference, five_measures, make_inputs,
-                               max_abs_diff, one_step, sp_flags)
+                               max_abs_diff, one_step)
 from tpattn.config import Config
 from tpattn.parallel.sequence_parallel import NORM_GRAD_REDUCTIONS, rank_tokens, ring_bytes
 
@@ -31,14 +31,14 @@ RS_DN = "reduce-scatter of dn (backward of the all-gather)"
 AR_NORM = "all-reduce of the norm weight's gradient (after backward)"
 
 
-def planned_sp_collectives(mode: str) -> list[str]:
-    """The collectives every rank issues, in order, in one SP check of ``mode`` (then the
-    gather of results to rank 0): the all-gather of n, the reduce-scatter of the partials,
-    in backward their all-gather of dy and reduce-scatter of dn, then the norm all-reduce —
-    less the one ``mode`` drops (``norm_grad_averaged`` drops none: it divides afterwards)."""
-    reduce_output, reduce_input_grad, norm_grad = sp_flags(mode)
-    return ([AG_N] + ([RS_OUTPUT, AG_DY] if reduce_output else [])
-            + ([RS_DN] if reduce_input_grad else []) + ([AR_NORM] if norm_grad != "none" else [])
+def planned_sp_collectives(inj: Injection) -> list[str]:
+    """The collectives every rank issues, in order, in one SP check of the program ``inj``
+    (a mode's ``Injection``; then the gather of results to rank 0): the all-gather of n, the
+    reduce-scatter of the partials, in backward their all-gather of dy and reduce-scatter of
+    dn, then the norm all-reduce — less the one ``inj`` drops (``norm_grad="mean"`` drops
+    none: it divides afterwards)."""
+    return ([AG_N] + ([RS_OUTPUT, AG_DY] if inj.g else [])
+            + ([RS_DN] if inj.f != "none" else []) + ([AR_NORM] if inj.norm_grad != "none" else [])
             + [GATHER_RESULTS])
 
 
@@ -221,7 +221,7 @@ def sp_run_rank(rank: int, plan, device: torch.device | str = "cpu", on_progress
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
     counts_by_mode: dict[str, dict] = {}
     for index, (mode, seed) in enumerate(plan.jobs):
-        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(mode))
+        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(NATIVE_INJECTIONS[mode]))
         metrics, disagreement = sp_rank_check(seed, mode, plan.cfg, rank, ledger, device)
         counts = ledger.finish_job()
         if rank == 0:
