@@ -932,7 +932,8 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
     f and g, gathered to rank 0 and compared with dense there (module level: started by
     ``tpattn.real.launch.run_on_ranks``)."""
     from tpattn.check.core import one_step
-    from tpattn.real.ranks import CollectiveLedger, assemble_shards
+    from tpattn.block.params import unshard_params
+    from tpattn.real.ranks import CollectiveLedger, gather_step
 
     cfg, seeds, f, g = plan
     ledger = CollectiveLedger()
@@ -946,12 +947,10 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
             return x + g.apply(attend_and_project(n, shard, cfg))
 
         step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
-        ranks = ledger.gather_tensors({**{"grad_" + k: v for k, v in step["grads"].items()},
-                                       **{"weight_" + k: v for k, v in step["weights"].items()}})
-        if rank == 0:
-            tp = {**step, "grads": assemble_shards(ranks, cfg, "grad_"),
-                  "weights": assemble_shards(ranks, cfg, "weight_")}
-            results.append(five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp))
+        gathered = gather_step(ledger, rank, step, lambda per_rank: unshard_params(per_rank, cfg))
+        if gathered is not None:
+            results.append(five_measures(seed, EQUIVALENCE,
+                                         dense_reference(x0, target, base, cfg), gathered[1]))
         on_progress(index)
     return results if rank == 0 else None
 
