@@ -17,22 +17,20 @@ Both ``simulate`` semantics of ``tpattn.run`` are supported: ``"fixture"`` (one 
 tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every simulated rank its
 own leaf tensors, output, loss and backward, as real ranks run: the engine on
 ``tpattn.parallel.simulated``; ``tpattn.real.ranks`` runs the same injections on real
-processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view.
+processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view (the
+engine on ``tpattn.parallel.one_graph.OneGraphRanks``).
 
 Other modules contribute modes with ``register``. Three entries are injections that need a
 layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
 ``norm_grad_averaged`` (``norm_grad``) need ``sequence_parallel=True``,
 ``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
-``kv_strategy="replicate_weights"``). The engine runs them on simulated ranks (``tpattn.observe``
-watches them there); ``run`` hands them, like every ``check.NATIVE_MODES`` mode on such a
-layout, to ``check.core.run_native`` (whose ``"fixture"`` view has these layouts; this module's
-``forward_fixture`` does not). ``runnable_modes()`` leaves them out: the hunts and tables run on
-plain-TP shapes.
+``kv_strategy="replicate_weights"``). ``run`` runs them in both simulations (``tpattn.observe``
+watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
+tables run on plain-TP shapes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +42,6 @@ from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSI
 from tpattn.config import Config
 from tpattn.block.sgd import sgd_step
 from tpattn.block.dense import dense_forward
-from tpattn.block.kv_layout import has_replicas
 from tpattn.block.params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
     shard_params, unshard_params
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
@@ -74,7 +71,7 @@ OTHER_BATCH_SEED_OFFSET = 7919
 FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 #: The ``needs`` that name a layout of the ``Config`` rather than a setup: the mode's injection
 #: exists only there (``check.core.check_mode`` states the rule) and runs on the engine's
-#: ranks; this module's ``forward_fixture`` (plain TP) has neither layout.
+#: ranks and in the fixture's one-graph view alike.
 LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size")
 
 
@@ -82,8 +79,8 @@ LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size")
 class BugMode:
     """One entry of the registry.
 
-    ``injection``: ``None`` for a mode that is not a knob of this block (``provider``
-    registers a runner). ``needs``: conditions on the setup or the layout (``LAYOUT_NEEDS``),
+    ``injection``: the sharded program (``None``: listed, not runnable). ``needs``:
+    conditions on the setup or the layout (``LAYOUT_NEEDS``),
     as text (checked by ``check_needs``). ``citation``: the public report(s), ``"owner/repo
     issue N"`` style text. ``fidelity``: one of ``FIDELITIES``; ``fidelity_note``: one line
     saying what the cited thread showed and where the reproduction differs (or why there is
@@ -103,15 +100,13 @@ class BugMode:
 
     def as_dict(self) -> dict:
         """What ``--list-modes`` prints for this mode: name, description, citation,
-        fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it:
-        an injection of this block, a mode ``tpattn.run`` computes itself, or a registered
-        runner) and ``observable`` (``tpattn.observe`` can watch it, on a ``Config`` that
-        meets its ``needs``: an injection)."""
+        fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it)
+        and ``observable`` (``tpattn.observe`` can watch it, on a ``Config`` that meets its
+        ``needs``): both mean the entry has an injection."""
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
-                "runnable": (self.injection is not None or self.name in NATIVE_MODES
-                             or self.name in _RUNNERS),
+                "runnable": self.injection is not None,
                 "observable": self.injection is not None}
 
 
@@ -254,12 +249,10 @@ def _entries() -> list[BugMode]:
 REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries()}
 
 
-def register(mode: BugMode, runner: Callable | None = None) -> None:
-    """Add (or complete) a mode contributed by another module.
-
-    ``runner(seed, cfg, simulate) -> run() dict`` runs a mode that is not an ``Injection`` of
-    this block (sequence parallelism, replicated KV heads). Raises ``ValueError`` if the name
-    is taken by a runnable mode of another provider, if ``mode.fidelity`` is not one of
+def register(mode: BugMode) -> None:
+    """Add (or complete) a mode contributed by another module: its ``injection`` is the
+    program ``tpattn.run`` and ``tpattn.observe`` run. Raises ``ValueError`` if the name is
+    taken by a runnable mode of another provider, if ``mode.fidelity`` is not one of
     ``FIDELITIES``, or if it has a citation without a report's fidelity (or one without it).
     """
     if mode.fidelity not in FIDELITIES:
@@ -269,14 +262,9 @@ def register(mode: BugMode, runner: Callable | None = None) -> None:
         raise ValueError(f"citation must be given iff fidelity is 'mechanism' or 'consistent' "
                          f"(got fidelity={mode.fidelity!r}, citation={mode.citation!r})")
     old = REGISTRY.get(mode.name)
-    if old is not None and old.provider != mode.provider and (old.injection or old.name in _RUNNERS):
+    if old is not None and old.provider != mode.provider and old.injection is not None:
         raise ValueError(f"mode {mode.name!r} is already registered by {old.provider}")
     REGISTRY[mode.name] = mode
-    if runner is not None:
-        _RUNNERS[mode.name] = runner
-
-
-_RUNNERS: dict[str, Callable] = {}
 
 
 def mode_names() -> tuple[str, ...]:
@@ -285,14 +273,12 @@ def mode_names() -> tuple[str, ...]:
 
 
 def runnable_modes() -> tuple[str, ...]:
-    """The modes of this block (an injection) or of a registered runner that run on plain-TP
-    shapes: those the hunts, the diagnosis's signatures and the zoo's tables run on the zoo's
+    """The modes with an injection that run on plain-TP shapes: those the hunts, the diagnosis's signatures and the zoo's tables run on the zoo's
     shapes. The modes with a ``LAYOUT_NEEDS`` need (sequence parallelism, replicated KV
     heads) are runnable and observable too (``list_modes``) but need their own ``Config``,
     so they are not in this tuple."""
     return tuple(n for n, m in REGISTRY.items()
-                 if (m.injection is not None or n in _RUNNERS)
-                 and not set(m.needs) & set(LAYOUT_NEEDS))
+                 if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS))
 
 
 def reported_modes() -> tuple[str, ...]:
@@ -323,9 +309,9 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
     ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``); any other mode of
     this block needs a plain-TP ``cfg`` (no ``sequence_parallel``, ``kv_heads >= world_size``)."""
     entry = get_mode(mode)
-    if entry.injection is None and mode not in _RUNNERS:
-        raise ValueError(f"mode {mode!r} has neither an injection of this block nor a runner "
-                         f"registered by {entry.provider} (tpattn.bugs.zoo.register)")
+    if entry.injection is None:
+        raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
+                         f"registered it without one (tpattn.bugs.zoo.register)")
     if mode in NATIVE_MODES:  # tpattn.run's own modes: its rules on cfg and its layouts
         check_mode(mode, cfg)
     elif entry.injection is not None:  # this block: plain TP, every rank its own KV heads
@@ -455,12 +441,6 @@ def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
             for r, (x, t) in enumerate(batches)]
 
 
-def _layout(cfg: Config) -> bool:
-    """Whether ``cfg`` has a layout ``forward_fixture`` does not: sequence parallelism or
-    replicated KV heads (``LAYOUT_NEEDS``)."""
-    return cfg.sequence_parallel or has_replicas(cfg)
-
-
 def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
     """The global gradient norm as the TP code computes it: each rank sums the squares of its
     own gradients (replicated ones on rank 0 only, or on every rank under ``norm="per_rank"``),
@@ -531,15 +511,11 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
 
 def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
     """The TP side of ``run`` in ``check.one_step``'s dict (rank 0's view; full-size
-    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``).
-    ``"fixture"`` needs a plain-TP ``cfg`` (``forward_fixture``): else ``ValueError``."""
+    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``;
+    ``"fixture"``: ``forward_fixture``'s step)."""
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj)
     if check_simulate(simulate) == "fixture":
-        if _layout(cfg):
-            raise ValueError("simulate must be 'ranks' for the zoo's block under "
-                             "sequence_parallel=True or kv_heads < world_size: its fixture view "
-                             "(forward_fixture) is plain TP (tpattn.run's fixture has both)")
         return _fixture_step(x0, target, base, cfg, inj, seed)
     step = simulated_step(shard(base, cfg, inj), block_inputs(rank_batches(cfg, seed, inj), cfg),
                           cfg, inj, LR)
@@ -554,12 +530,6 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     check_simulate(simulate)
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
-    if mode in _RUNNERS:
-        return _RUNNERS[mode](seed, cfg, simulate)
-    if mode in NATIVE_MODES and _layout(cfg):  # forward_fixture has no such layout
-        from tpattn.check.core import run_native
-
-        return run_native(seed, mode, cfg, simulate)
     inj = entry.injection
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj)
