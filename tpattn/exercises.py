@@ -830,13 +830,13 @@ def check_diagnose(diagnose) -> str:
 # --- chapter 11 -----------------------------------------------------------------------------
 
 def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
-    """Rank 0's training step through ``tpattn.real.ranks``'s real ``tp_rank_forward``
-    (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records what each collective
+    """Rank 0's training step of ``mode``'s injection through ``tpattn.real.ranks``'s real
+    ``real_rank_block`` (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records what each collective
     is handed and does not communicate (one process, no process group: rank 0's values stay its
     own; only the counts and sizes are used). Returns ``(counts, carried)``: the ledger's
     all-reduces by phase, and bytes carried per collective label."""
     from tpattn.check.core import one_step
-    from tpattn.real.ranks import CollectiveLedger, tp_rank_forward
+    from tpattn.real.ranks import CollectiveLedger, real_rank_block
 
     class RecordingLedger(CollectiveLedger):
         def __init__(self):
@@ -855,10 +855,9 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
     ledger = RecordingLedger()
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
-    one_step(lambda x, shard: tp_rank_forward(
-        x, shard, cfg, ledger, reduce_output=NATIVE_INJECTIONS[mode].g == 1,
-        reduce_input_grad=NATIVE_INJECTIONS[mode].f == "sum"),
-        x0, target, shard_params(base, cfg)[0])
+    inj = NATIVE_INJECTIONS[mode]
+    one_step(lambda x, shard: real_rank_block(x, shard, cfg, inj, ledger, rank=0),
+             x0, target, shard_params(base, cfg)[0])
     return dict(ledger.counts), ledger.carried
 
 
