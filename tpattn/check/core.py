@@ -79,12 +79,15 @@ def check_mode(mode: str, cfg: Config | None = None) -> str:
     else raise ``ValueError`` naming the choices or the rule (a sequence-parallel-only mode
     without ``cfg.sequence_parallel``, or ``missing_kv_grad_reduce`` without replicated KV heads,
     says so)."""
-    if mode in SP_ONLY_MODES and not (cfg is not None and cfg.sequence_parallel):
+    inj = NATIVE_INJECTIONS.get(mode) if isinstance(mode, str) else None  # its program
+    if inj is not None and inj.norm_grad != "sum" \
+            and not (cfg is not None and cfg.sequence_parallel):
         raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
                          f"only then is the norm weight's gradient a partial sum to all-reduce")
-    if mode == MISSING_KV_GRAD_REDUCE and cfg is not None and not kv_grad_bug_applies(cfg):
+    if inj is not None and inj.kv_grad != "sum" and cfg is not None \
+            and not kv_grad_bug_applies(cfg):
         raise ValueError(
-            f"mode {MISSING_KV_GRAD_REDUCE} needs replicated KV heads: kv_heads < world_size "
+            f"mode {mode} needs replicated KV heads: kv_heads < world_size "
             f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
             f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
     valid = modes_for(cfg) if cfg is not None else ALL_MODES
