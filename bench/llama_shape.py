@@ -7,8 +7,8 @@ on 2 threads (``torch.set_num_threads(2)``).
   SGD update: ``check.one_step``) with ``F.scaled_dot_product_attention`` (the dense side and
   the TP side do the same FLOPs).
 - **check**: ``check.run(..., tolerance="auto")``'s work from the same parameters and inputs:
-  the dense reference step (``check.dense_reference``), the TP step on the rank-batched path
-  (``rank_batched.rank_batched_tp_forward``), the five measures and their bounds. Parameter
+  the dense reference step (``check.dense_reference``), the TP step on the engine's one-graph
+  path (``one_graph.one_graph_forward``: ranks as a batch dimension), the five measures and their bounds. Parameter
   init (``init_params``: 40M normal draws) is the fixture's set-up, not the check, and is
   timed separately (``run()`` end to end = init + check).
   When a measure exceeds its bound the check also runs the conditioning probe (one more
@@ -46,7 +46,8 @@ from tpattn.check.core import (EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_referen
 from tpattn.block.dense import project_qkv
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import init_params
-from tpattn.parallel.rank_batched import rank_batched_tp_forward
+from tpattn.parallel.injection import Injection
+from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.check.tolerance import apply_auto, conditioning, per_parameter, perturbed_start
 from tpattn.parallel.tp import tp_forward
 
@@ -77,7 +78,12 @@ def floor(x0, target, base):
         one_step(sdpa_forward, x0, target, base)
 
 
-def check(x0, target, base, tp=rank_batched_tp_forward):
+def engine(x, p, cfg):
+    """The engine's block on ``OneGraphRanks``, correct TP: x ``[S, B, hidden]``."""
+    return one_graph_forward(x, p, cfg, Injection())
+
+
+def check(x0, target, base, tp=engine):
     """run(tolerance="auto")'s work for one equivalence case, from given parameters."""
     dense = dense_reference(x0, target, base, CFG)
     step = one_step(lambda x, p: tp(x, p, CFG), x0, target, base)

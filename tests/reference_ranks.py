@@ -15,9 +15,24 @@ from tpattn.block.layers import attention, repeat_kv, rms_norm
 from tpattn.block.params import clone_trainable
 from tpattn.parallel.engine import REPLICATED, ScaleGrad
 from tpattn.parallel.sequence_parallel import rank_tokens
-from tpattn.bugs.zoo import Injection, clip_coef, grad_norm, rank_attend_and_project
+from tpattn.bugs.zoo import Injection, clip_coef, grad_norm
 
 NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
+
+
+def rank_attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
+                            inj: Injection) -> torch.Tensor:
+    """``dense.attend_and_project`` with the injection's ``repeat_kv``: ``"interleave"`` is
+    ``layers.repeat_kv``; ``"tile"`` repeats the whole block of local KV heads (the zoo's
+    per-rank block at b42a997)."""
+    q, k, v = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
+    groups = cfg.group_size
+    if inj.kv == "tile":
+        k, v = k.repeat(1, 1, groups, 1), v.repeat(1, 1, groups, 1)
+    else:
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    ctx = attention(q, k, v)
+    return F.linear(ctx.reshape(n.shape[0], n.shape[1], -1), p["wo"])
 
 
 class AllReduceGrads(torch.autograd.Function):

@@ -830,13 +830,13 @@ def check_diagnose(diagnose) -> str:
 # --- chapter 11 -----------------------------------------------------------------------------
 
 def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
-    """Rank 0's training step through ``tpattn.real.ranks``'s real ``tp_rank_forward``
-    (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records what each collective
+    """Rank 0's training step of ``mode``'s injection through ``tpattn.real.ranks``'s real
+    ``real_rank_block`` (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records what each collective
     is handed and does not communicate (one process, no process group: rank 0's values stay its
     own; only the counts and sizes are used). Returns ``(counts, carried)``: the ledger's
     all-reduces by phase, and bytes carried per collective label."""
     from tpattn.check.core import one_step
-    from tpattn.real.ranks import CollectiveLedger, tp_rank_forward
+    from tpattn.real.ranks import CollectiveLedger, real_rank_block
 
     class RecordingLedger(CollectiveLedger):
         def __init__(self):
@@ -855,10 +855,9 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
     ledger = RecordingLedger()
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
-    one_step(lambda x, shard: tp_rank_forward(
-        x, shard, cfg, ledger, reduce_output=NATIVE_INJECTIONS[mode].g == 1,
-        reduce_input_grad=NATIVE_INJECTIONS[mode].f == "sum"),
-        x0, target, shard_params(base, cfg)[0])
+    inj = NATIVE_INJECTIONS[mode]
+    one_step(lambda x, shard: real_rank_block(x, shard, cfg, inj, ledger, rank=0),
+             x0, target, shard_params(base, cfg)[0])
     return dict(ledger.counts), ledger.carried
 
 
@@ -932,7 +931,8 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
     f and g, gathered to rank 0 and compared with dense there (module level: started by
     ``tpattn.real.launch.run_on_ranks``)."""
     from tpattn.check.core import one_step
-    from tpattn.real.ranks import CollectiveLedger, assemble_shards
+    from tpattn.block.params import unshard_params
+    from tpattn.real.ranks import CollectiveLedger, gather_step
 
     cfg, seeds, f, g = plan
     ledger = CollectiveLedger()
@@ -946,12 +946,10 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
             return x + g.apply(attend_and_project(n, shard, cfg))
 
         step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
-        ranks = ledger.gather_tensors({**{"grad_" + k: v for k, v in step["grads"].items()},
-                                       **{"weight_" + k: v for k, v in step["weights"].items()}})
-        if rank == 0:
-            tp = {**step, "grads": assemble_shards(ranks, cfg, "grad_"),
-                  "weights": assemble_shards(ranks, cfg, "weight_")}
-            results.append(five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp))
+        gathered = gather_step(ledger, rank, step, lambda per_rank: unshard_params(per_rank, cfg))
+        if gathered is not None:
+            results.append(five_measures(seed, EQUIVALENCE,
+                                         dense_reference(x0, target, base, cfg), gathered[1]))
         on_progress(index)
     return results if rank == 0 else None
 

@@ -78,8 +78,9 @@ def test_the_layout_modes_run_through_the_registry_and_on_the_engines_ranks():
         # the zoo's sides on the engine's ranks are tpattn.run's two sides, bit for bit
         dense, tp, _ = zoo.sides(mode, 11, cfg, "ranks")
         assert five_measures(11, mode, dense, tp) == tpattn.run(11, mode, cfg, "ranks")
-        with pytest.raises(ValueError, match="simulate must be 'ranks' .*forward_fixture"):
-            zoo.sides(mode, 11, cfg, "fixture")
+        # and in the fixture's one-graph view (the engine on OneGraphRanks) too
+        dense, tp, _ = zoo.sides(mode, 11, cfg, "fixture")
+        assert five_measures(11, mode, dense, tp) == tpattn.run(11, mode, cfg)
     # on a shape the mode does not apply to, the rule that fails is named
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
         tpattn.observe("norm_grad_averaged", 11)
@@ -284,24 +285,35 @@ def test_mode_route_sends_the_packages_modes_to_run_and_the_rest_to_the_registry
 
 
 def test_register_adds_a_runnable_mode_and_refuses_to_steal_a_name():
-    calls = []
-    entry = zoo.BugMode("test_only_mode", "a test's mode", None, provider="tests")
+    """A contributed mode runs through its injection (here a made-up bug: every partial
+    doubled before g); one without an injection is listed but not runnable."""
+    entry = zoo.BugMode("test_only_mode", "a test's mode", None, provider="tests",
+                        injection=zoo.Injection(partial_scale=2.0))
+    listed = zoo.BugMode("test_listed_mode", "listed only", None, provider="tests")
     with pytest.raises(ValueError, match="fidelity must be one of"):
         zoo.register(zoo.BugMode("test_only_mode", "x", None, fidelity="reported"))
     with pytest.raises(ValueError, match="citation must be given iff"):
         zoo.register(zoo.BugMode("test_only_mode", "x", "a/b issue 1"))
     assert "test_only_mode" not in zoo.REGISTRY
     try:
-        zoo.register(entry, runner=lambda seed, cfg, sim: calls.append(seed) or {"seed": seed})
+        zoo.register(entry)
+        zoo.register(listed)
         assert "test_only_mode" in zoo.runnable_modes()
-        assert tpattn.run(5, "test_only_mode") == {"seed": 5} and calls == [5]
-        with pytest.raises(ValueError, match="is run by tests"):
-            tpattn.observe("test_only_mode", 5)
+        assert "test_listed_mode" not in zoo.runnable_modes()
+        for simulate in ("fixture", "ranks"):
+            row = tpattn.run(5, "test_only_mode", simulate=simulate)
+            assert row["mode"] == "test_only_mode" and row["passed"] is False
+            assert row["forward_max_abs_diff"] > 1e-3
+        watched = tpattn.observe("test_only_mode", 5)  # the doubled partials show in the losses
+        assert watched["rank_losses"] != tpattn.observe("equivalence", 5)["rank_losses"]
+        assert [m["runnable"] for m in zoo.list_modes()[-2:]] == [True, False]
+        with pytest.raises(ValueError, match="has no injection of this block: tests"):
+            tpattn.run(5, "test_listed_mode")
         with pytest.raises(ValueError, match="already registered"):
             zoo.register(zoo.BugMode("row_bias_on_every_rank", "x", None, provider="other"))
     finally:
         zoo.REGISTRY.pop("test_only_mode", None)
-        zoo._RUNNERS.pop("test_only_mode", None)
+        zoo.REGISTRY.pop("test_listed_mode", None)
 
 
 def test_cli_lists_the_modes(capsys):

@@ -56,13 +56,12 @@ SP_BUGS = ("missing_norm_grad_reduce", "norm_grad_averaged", "missing_input_grad
 def _old_bf16_weights_ratio(cfg, seed, mode):
     """The measure as it was: both sides update in bfloat16, bound 2 u_bf16 |w'| + lr * one
     gradient bound over all parameters."""
-    from tpattn.parallel.sequence_parallel import sp_forward
-    from tpattn.check.core import sp_flags
+    from tpattn.check.core import tp_step
 
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, "fan_in")
     sides = [dense_reference(x0, target, base, cfg),
-             one_step(lambda x, p: sp_forward(x, p, cfg, *sp_flags(mode)), x0, target, base)]
+             tp_step(x0, target, base, cfg, mode)]
     old = [{k: (base[k] - LR * s["grads"][k]) for k in base} for s in sides]
     diff = max((old[0][k].float() - old[1][k].float()).abs().max().item() for k in base)
     u = UNIT_ROUNDOFF["bfloat16"]

@@ -22,7 +22,8 @@ from tpattn.check.core import (PARAM_SEED_OFFSET, dense_reference, five_measures
                           one_step)
 from tpattn.cli import main
 from tpattn.block.params import init_params
-from tpattn.parallel.rank_batched import rank_batched_tp_forward
+from tpattn.check.core import NATIVE_INJECTIONS
+from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.check.tolerance import UNIT_ROUNDOFF, bug_margin, check_tolerance, fan_in, relative_bound
 from tpattn.parallel.tp import tp_forward
 
@@ -143,13 +144,15 @@ def test_a_bug_below_bfloat16_resolution_is_recognised_as_such():
 @given(cfg=valid_configs(dtypes=("float64",), max_seq=6, max_hidden=32),
        seed=st.integers(0, 999), mode=st.sampled_from(MODES))
 @settings(max_examples=30, deadline=None)
-def test_rank_batched_path_is_the_seed_loop_in_float64(cfg, seed, mode):
+def test_engine_one_graph_path_is_the_seed_loop_in_float64(cfg, seed, mode):
+    """tolerance="auto"'s TP side (the engine on OneGraphRanks) is tp_forward's step."""
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed)
     kw = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
               reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
     a = one_step(lambda x, p: tp_forward(x, p, cfg, **kw), x0, target, base)
-    b = one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg, **kw), x0, target, base)
+    b = one_step(lambda x, p: one_graph_forward(x, p, cfg, NATIVE_INJECTIONS[mode]),
+                 x0, target, base)
     for key in ("output", "loss", "input_grad"):
         torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12)
     for k in a["grads"]:

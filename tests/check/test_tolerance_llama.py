@@ -16,7 +16,8 @@ from tpattn.check.at_scale import compare_world_sizes, llama3_8b_attention, prob
 from tpattn.check.core import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
                           one_step)
 from tpattn.block.params import init_params
-from tpattn.parallel.rank_batched import rank_batched_tp_forward
+from tpattn.parallel.injection import Injection
+from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.check.tolerance import (apply_auto, auto_bounds, per_parameter, perturb,
                               relative_bound, rounding_floors)
 
@@ -66,7 +67,7 @@ def test_sloppier_kernels_make_the_seed_init_inconclusive_not_fail():
     amp = probe_amplification(CFG, x0, target, base, dense)
     rho = relative_bound(CFG)
     sx, sp = perturb(x0, -rho / 2), {k: perturb(v, -rho / 2) for k, v in base.items()}
-    sloppy = one_step(lambda x, p: rank_batched_tp_forward(x, p, CFG), sx, target, sp)
+    sloppy = one_step(lambda x, p: one_graph_forward(x, p, CFG, Injection()), sx, target, sp)
     metrics, bounds = per_parameter(CFG, five_measures(SEED, EQUIVALENCE, dense, sloppy),
                                     dense, sloppy, LR)
     floors = rounding_floors(CFG, dense, amp, LR, metrics["worst_parameter"])

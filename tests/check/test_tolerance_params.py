@@ -10,9 +10,8 @@ gradient is usually the largest.
 import pytest
 
 from tpattn import Config
-from tpattn.check.core import LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs, one_step
+from tpattn.check.core import LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs, tp_step
 from tpattn.block.params import init_params
-from tpattn.parallel.rank_batched import rank_batched_tp_forward
 from tpattn.block.sgd import sgd_step
 from tpattn.check.magnitude import gradient_magnitudes
 from tpattn.check.tolerance import apply_auto, auto_bounds, per_parameter, ratios
@@ -32,7 +31,7 @@ def _judge(cfg, seed, name):
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     dense = dense_reference(x0, target, base, cfg)
     dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)  # as run() does
-    tp = one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg), x0, target, base)
+    tp = tp_step(x0, target, base, cfg, "equivalence")  # as run() does
     grads = dict(tp["grads"], **{name: tp["grads"][name] * 1.05})
     bug = dict(tp, grads=grads, weights=sgd_step(base, grads, LR))
     out = []
@@ -63,7 +62,7 @@ def test_per_parameter_reports_the_worst_parameters_own_measure_and_bound():
     x0, target = make_inputs(cfg, 1)
     base = init_params(cfg, 1 + PARAM_SEED_OFFSET)
     dense = dense_reference(x0, target, base, cfg)
-    tp = one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg), x0, target, base)
+    tp = tp_step(x0, target, base, cfg, "equivalence")  # as run() does
     metrics, bounds = per_parameter(cfg, five_measures(1, "x", dense, tp), dense, tp, LR)
     name = metrics["worst_parameter"][GRAD]
     assert metrics[GRAD] == (dense["grads"][name].double()

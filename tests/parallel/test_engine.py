@@ -120,14 +120,13 @@ def test_engine_equals_the_kv_replica_ranks(mode, strategy, seed):
                                   "norm_grad_averaged"])
 @pytest.mark.parametrize("seed", [11, 5])
 def test_engine_equals_the_sequence_parallel_ranks(mode, seed):
-    from tpattn.check.core import sp_flags
-
     cfg = Config(seq=8, sequence_parallel=True)
+    inj = NATIVE[mode]
     w = cfg.world_size
     x0, target = make_inputs(cfg, seed)
     shards = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)
     steps = ref.sp_ranks_step(list(x0.chunk(w)), list(target.chunk(w)), shards, cfg,
-                          *sp_flags(mode))
+                              inj.g == 1, inj.f == "sum", inj.norm_grad)
     eng = _engine(shards, list(zip(x0.chunk(w), target.chunk(w))), cfg, NATIVE[mode])
     _compare_steps(eng, steps, cfg, shards[0])
 

@@ -17,23 +17,20 @@ Both ``simulate`` semantics of ``tpattn.run`` are supported: ``"fixture"`` (one 
 tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every simulated rank its
 own leaf tensors, output, loss and backward, as real ranks run: the engine on
 ``tpattn.parallel.simulated``; ``tpattn.real.ranks`` runs the same injections on real
-processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view.
+processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view (the
+engine on ``tpattn.parallel.one_graph.OneGraphRanks``).
 
 Other modules contribute modes with ``register``. Three entries are injections that need a
 layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
 ``norm_grad_averaged`` (``norm_grad``) need ``sequence_parallel=True``,
 ``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
-``kv_strategy="replicate_weights"``). The engine runs them on simulated ranks (``tpattn.observe``
-watches them there); ``run`` hands them, like every ``check.NATIVE_MODES`` mode on such a
-layout, to ``check.core.run_native`` (whose ``"fixture"`` view has these layouts; this module's
-``forward_fixture`` does not). ``runnable_modes()`` leaves them out: the hunts and tables run on
-plain-TP shapes.
+``kv_strategy="replicate_weights"``). ``run`` runs them in both simulations (``tpattn.observe``
+watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
+tables run on plain-TP shapes.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +41,12 @@ from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSI
                     check_simulate, dense_reference, five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.block.sgd import sgd_step
-from tpattn.block.dense import dense_forward, project_qkv
-from tpattn.block.layers import attention, repeat_kv, rms_norm
-from tpattn.block.kv_layout import has_replicas
+from tpattn.block.dense import dense_forward
 from tpattn.block.params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
     shard_params, unshard_params
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.engine import ScaleGrad as GradScale
+from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.simulated import rank0_view, simulated_step
@@ -75,7 +71,7 @@ OTHER_BATCH_SEED_OFFSET = 7919
 FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 #: The ``needs`` that name a layout of the ``Config`` rather than a setup: the mode's injection
 #: exists only there (``check.core.check_mode`` states the rule) and runs on the engine's
-#: ranks; this module's ``forward_fixture`` (plain TP) has neither layout.
+#: ranks and in the fixture's one-graph view alike.
 LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size")
 
 
@@ -83,8 +79,8 @@ LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size")
 class BugMode:
     """One entry of the registry.
 
-    ``injection``: ``None`` for a mode that is not a knob of this block (``provider``
-    registers a runner). ``needs``: conditions on the setup or the layout (``LAYOUT_NEEDS``),
+    ``injection``: the sharded program (``None``: listed, not runnable). ``needs``:
+    conditions on the setup or the layout (``LAYOUT_NEEDS``),
     as text (checked by ``check_needs``). ``citation``: the public report(s), ``"owner/repo
     issue N"`` style text. ``fidelity``: one of ``FIDELITIES``; ``fidelity_note``: one line
     saying what the cited thread showed and where the reproduction differs (or why there is
@@ -104,15 +100,13 @@ class BugMode:
 
     def as_dict(self) -> dict:
         """What ``--list-modes`` prints for this mode: name, description, citation,
-        fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it:
-        an injection of this block, a mode ``tpattn.run`` computes itself, or a registered
-        runner) and ``observable`` (``tpattn.observe`` can watch it, on a ``Config`` that
-        meets its ``needs``: an injection)."""
+        fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it)
+        and ``observable`` (``tpattn.observe`` can watch it, on a ``Config`` that meets its
+        ``needs``): both mean the entry has an injection."""
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
-                "runnable": (self.injection is not None or self.name in NATIVE_MODES
-                             or self.name in _RUNNERS),
+                "runnable": self.injection is not None,
                 "observable": self.injection is not None}
 
 
@@ -255,12 +249,10 @@ def _entries() -> list[BugMode]:
 REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries()}
 
 
-def register(mode: BugMode, runner: Callable | None = None) -> None:
-    """Add (or complete) a mode contributed by another module.
-
-    ``runner(seed, cfg, simulate) -> run() dict`` runs a mode that is not an ``Injection`` of
-    this block (sequence parallelism, replicated KV heads). Raises ``ValueError`` if the name
-    is taken by a runnable mode of another provider, if ``mode.fidelity`` is not one of
+def register(mode: BugMode) -> None:
+    """Add (or complete) a mode contributed by another module: its ``injection`` is the
+    program ``tpattn.run`` and ``tpattn.observe`` run. Raises ``ValueError`` if the name is
+    taken by a runnable mode of another provider, if ``mode.fidelity`` is not one of
     ``FIDELITIES``, or if it has a citation without a report's fidelity (or one without it).
     """
     if mode.fidelity not in FIDELITIES:
@@ -270,14 +262,9 @@ def register(mode: BugMode, runner: Callable | None = None) -> None:
         raise ValueError(f"citation must be given iff fidelity is 'mechanism' or 'consistent' "
                          f"(got fidelity={mode.fidelity!r}, citation={mode.citation!r})")
     old = REGISTRY.get(mode.name)
-    if old is not None and old.provider != mode.provider and (old.injection or old.name in _RUNNERS):
+    if old is not None and old.provider != mode.provider and old.injection is not None:
         raise ValueError(f"mode {mode.name!r} is already registered by {old.provider}")
     REGISTRY[mode.name] = mode
-    if runner is not None:
-        _RUNNERS[mode.name] = runner
-
-
-_RUNNERS: dict[str, Callable] = {}
 
 
 def mode_names() -> tuple[str, ...]:
@@ -286,14 +273,12 @@ def mode_names() -> tuple[str, ...]:
 
 
 def runnable_modes() -> tuple[str, ...]:
-    """The modes of this block (an injection) or of a registered runner that run on plain-TP
-    shapes: those the hunts, the diagnosis's signatures and the zoo's tables run on the zoo's
+    """The modes with an injection that run on plain-TP shapes: those the hunts, the diagnosis's signatures and the zoo's tables run on the zoo's
     shapes. The modes with a ``LAYOUT_NEEDS`` need (sequence parallelism, replicated KV
     heads) are runnable and observable too (``list_modes``) but need their own ``Config``,
     so they are not in this tuple."""
     return tuple(n for n, m in REGISTRY.items()
-                 if (m.injection is not None or n in _RUNNERS)
-                 and not set(m.needs) & set(LAYOUT_NEEDS))
+                 if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS))
 
 
 def reported_modes() -> tuple[str, ...]:
@@ -324,9 +309,9 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
     ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``); any other mode of
     this block needs a plain-TP ``cfg`` (no ``sequence_parallel``, ``kv_heads >= world_size``)."""
     entry = get_mode(mode)
-    if entry.injection is None and mode not in _RUNNERS:
-        raise ValueError(f"mode {mode!r} has neither an injection of this block nor a runner "
-                         f"registered by {entry.provider} (tpattn.bugs.zoo.register)")
+    if entry.injection is None:
+        raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
+                         f"registered it without one (tpattn.bugs.zoo.register)")
     if mode in NATIVE_MODES:  # tpattn.run's own modes: its rules on cfg and its layouts
         check_mode(mode, cfg)
     elif entry.injection is not None:  # this block: plain TP, every rank its own KV heads
@@ -418,61 +403,18 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 # --- the per-rank block ---------------------------------------------------------------------
 
-class _ScaleForward(torch.autograd.Function):
-    """Forward multiplies by ``scale``; backward is the identity (an all-reduce of W equal
-    tensors, as g's forward, whose backward is the identity)."""
-
-    @staticmethod
-    def forward(ctx, t, scale):
-        return t * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def rank_attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
-                        inj: Injection) -> torch.Tensor:
-    """``dense.attend_and_project`` with the injection's ``repeat_kv``: ``"interleave"`` is
-    ``layers.repeat_kv``; ``"tile"`` repeats the whole block of local KV heads."""
-    q, k, v = project_qkv(n, p["wq"], p["wk"], p["wv"], cfg.head_dim)
-    groups = cfg.group_size
-    if inj.kv == "tile":
-        k, v = k.repeat(1, 1, groups, 1), v.repeat(1, 1, groups, 1)
-    else:
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    ctx = attention(q, k, v)
-    return F.linear(ctx.reshape(n.shape[0], n.shape[1], -1), p["wo"])
-
-
 def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
                     inj: Injection) -> torch.Tensor:
-    """The ``"fixture"`` view: rank 0's output in one process, the ranks sharing ``p``.
+    """The ``"fixture"`` view: rank 0's output in one process, the ranks sharing ``p`` — the
+    engine's block on ``one_graph.OneGraphRanks`` with the injection's cut (``shard``).
 
-    xs: each rank's input ``[S, B, hidden]`` (the same tensor unless ``inputs="per_rank"``);
-    ``p``: dense parameters (the ranks' shards are views of them, so autograd's sum over the
-    ranks' uses of ``n`` is f's all-reduce). Returns ``[S, B, hidden]``.
+    xs: each rank's input ``[S, B, hidden]`` (the same tensor unless ``inputs="per_rank"``:
+    then ranks >= 1's are constants); ``p``: dense parameters (the ranks' shards are views of
+    them, so autograd's sum over the ranks' uses of ``n`` is f's all-reduce). Returns
+    ``[S, B, hidden]``.
     """
-    w = cfg.world_size
-    outs = []
-    for rank, (x, s) in enumerate(zip(xs, shard(p, cfg, inj))):
-        n = rms_norm(x, s["norm"], cfg.eps)
-        if inj.f == "none" and rank > 0:
-            n = n.detach()
-        elif inj.f == "mean":
-            n = GradScale.apply(n, 1.0 / w)
-        elif inj.f == "twice":
-            n = GradScale.apply(n, float(w))
-        partial = rank_attend_and_project(n, s, cfg, inj)
-        if inj.bias == "every_rank":
-            partial = partial + s["bias"]
-        outs.append(partial)
-    out = outs[0] if inj.g == 0 else sum(outs[1:], outs[0])
-    if inj.g == 2:
-        out = _ScaleForward.apply(out, float(w))
-    if inj.bias == "after_g":
-        out = out + p["bias"]
-    return xs[0] + out
+    others = xs[1:] if inj.inputs == "per_rank" else None
+    return one_graph_forward(xs[0], p, cfg, inj, lambda q, c: shard(q, c, inj), others)
 
 
 # --- one training step ------------------------------------------------------------------
@@ -497,12 +439,6 @@ def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
         return list(batches)
     return [(x[rank_tokens(cfg, r)], t[rank_tokens(cfg, r)])
             for r, (x, t) in enumerate(batches)]
-
-
-def _layout(cfg: Config) -> bool:
-    """Whether ``cfg`` has a layout ``forward_fixture`` does not: sequence parallelism or
-    replicated KV heads (``LAYOUT_NEEDS``)."""
-    return cfg.sequence_parallel or has_replicas(cfg)
 
 
 def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
@@ -575,15 +511,11 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
 
 def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
     """The TP side of ``run`` in ``check.one_step``'s dict (rank 0's view; full-size
-    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``).
-    ``"fixture"`` needs a plain-TP ``cfg`` (``forward_fixture``): else ``ValueError``."""
+    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``;
+    ``"fixture"``: ``forward_fixture``'s step)."""
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj)
     if check_simulate(simulate) == "fixture":
-        if _layout(cfg):
-            raise ValueError("simulate must be 'ranks' for the zoo's block under "
-                             "sequence_parallel=True or kv_heads < world_size: its fixture view "
-                             "(forward_fixture) is plain TP (tpattn.run's fixture has both)")
         return _fixture_step(x0, target, base, cfg, inj, seed)
     step = simulated_step(shard(base, cfg, inj), block_inputs(rank_batches(cfg, seed, inj), cfg),
                           cfg, inj, LR)
@@ -598,12 +530,6 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     check_simulate(simulate)
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
-    if mode in _RUNNERS:
-        return _RUNNERS[mode](seed, cfg, simulate)
-    if mode in NATIVE_MODES and _layout(cfg):  # forward_fixture has no such layout
-        from tpattn.check.core import run_native
-
-        return run_native(seed, mode, cfg, simulate)
     inj = entry.injection
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj)

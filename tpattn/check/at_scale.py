@@ -9,18 +9,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .core import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES,
-                    PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs, one_step)
+from .core import (LR, MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, dense_reference,
+                   five_measures, make_inputs, one_step, tp_step)
 from tpattn.config import Config
 from tpattn.block.params import init_params
-from tpattn.parallel.rank_batched import rank_batched_tp_forward
+from tpattn.parallel.injection import Injection
+from tpattn.parallel.one_graph import one_graph_forward
 from .magnitude import gradient_magnitudes
 from .tolerance import (amplification, apply_auto, parameter_amplification, per_parameter,
                         perturbed_start, ratios, rounding_floors)
-from tpattn.parallel.tp import tp_forward
 
-#: TP implementations by name: the seed's per-rank loop, or ranks as a batch dimension.
-TP_PATHS = {"loop": tp_forward, "batched": rank_batched_tp_forward}
+#: TP implementations by name: the seed's per-rank loop (``tp.tp_forward``), or the engine's
+#: one-graph block, ranks as a batch dimension (``one_graph.one_graph_forward``).
+TP_PATHS = ("loop", "batched")
 
 
 def probe_amplification(cfg: Config, x0, target, base: dict, dense: dict) -> dict:
@@ -74,15 +75,11 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
     for w in world_sizes:
         cfg_w = replace(cfg, world_size=w)
         for mode in modes:
-            if w == 1 and mode in (MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE):
+            if w == 1 and NATIVE_INJECTIONS[mode] != Injection():
                 continue
-
-            def tp(x, p, cfg_w=cfg_w, mode=mode):
-                return TP_PATHS[path](x, p, cfg_w,
-                                      reduce_output=mode != MISSING_OUTPUT_REDUCE,
-                                      reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
-
-            step = one_step(tp, x0, target, base)
+            step = tp_step(x0, target, base, cfg_w, mode) if path == "loop" else one_step(
+                lambda x, p: one_graph_forward(x, p, cfg_w, NATIVE_INJECTIONS[mode]),
+                x0, target, base)
             metrics, bounds = per_parameter(cfg_w, five_measures(seed, mode, dense, step),
                                             dense, step, LR)
             worst = metrics["worst_parameter"]

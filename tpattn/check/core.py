@@ -16,16 +16,15 @@ import torch.nn.functional as F
 
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
-from tpattn.parallel.kv_heads import has_replicas, kv_grad_bug_applies, replica_groups, tp_forward_kv
+from tpattn.block.kv_layout import has_replicas, kv_grad_bug_applies, replica_groups
 from tpattn.block.params import clone_trainable, init_params, shard_params
-from tpattn.parallel.rank_batched import rank_batched_tp_forward
 from tpattn.block.sgd import sgd_step
 from .magnitude import gradient_magnitudes
 from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, conditioning,
                         per_parameter, perturbed_start)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import rank0_view, simulated_step
-from tpattn.parallel.sequence_parallel import sp_forward
+from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.parallel.tp import tp_forward
 
 EQUIVALENCE = "equivalence"
@@ -80,12 +79,15 @@ def check_mode(mode: str, cfg: Config | None = None) -> str:
     else raise ``ValueError`` naming the choices or the rule (a sequence-parallel-only mode
     without ``cfg.sequence_parallel``, or ``missing_kv_grad_reduce`` without replicated KV heads,
     says so)."""
-    if mode in SP_ONLY_MODES and not (cfg is not None and cfg.sequence_parallel):
+    inj = NATIVE_INJECTIONS.get(mode) if isinstance(mode, str) else None  # its program
+    if inj is not None and inj.norm_grad != "sum" \
+            and not (cfg is not None and cfg.sequence_parallel):
         raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
                          f"only then is the norm weight's gradient a partial sum to all-reduce")
-    if mode == MISSING_KV_GRAD_REDUCE and cfg is not None and not kv_grad_bug_applies(cfg):
+    if inj is not None and inj.kv_grad != "sum" and cfg is not None \
+            and not kv_grad_bug_applies(cfg):
         raise ValueError(
-            f"mode {MISSING_KV_GRAD_REDUCE} needs replicated KV heads: kv_heads < world_size "
+            f"mode {mode} needs replicated KV heads: kv_heads < world_size "
             f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
             f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
     valid = modes_for(cfg) if cfg is not None else ALL_MODES
@@ -265,33 +267,29 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
 
 
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-            mode: str, simulate: str = "fixture", shard_fn=shard_params,
-            batched: bool = False) -> dict:
+            mode: str, simulate: str = "fixture", shard_fn=shard_params) -> dict:
     """The TP side of ``run``: one step of the sharded block in ``mode``, simulated as
     ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view).
-    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards. ``batched``: plain
-    TP in the fixture's semantics runs ``rank_batched.rank_batched_tp_forward`` (same math,
-    ranks as a batch dimension: faster, no bit parity with the seed promised)."""
+    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards.
+
+    ``"ranks"``: the engine on ``collectives.SimulatedRanks``. ``"fixture"``: under sequence
+    parallelism or with replicated KV heads the engine on ``one_graph.OneGraphRanks`` (one
+    graph, rank 0's view); plain TP runs the seed's ``tp.tp_forward`` (the same view, the
+    seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
+    normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in
+    bfloat16)."""
+    inj = NATIVE_INJECTIONS[mode]
     if check_simulate(simulate) == "ranks":  # the engine, every rank its own step
         w = cfg.world_size
         batches = list(zip(x0.chunk(w), target.chunk(w))) if cfg.sequence_parallel \
             else [(x0, target)] * w
-        step = simulated_step(shard_fn(base, cfg), batches, cfg, NATIVE_INJECTIONS[mode], LR)
+        step = simulated_step(shard_fn(base, cfg), batches, cfg, inj, LR)
         return rank0_view(step, cfg)
-    inj = NATIVE_INJECTIONS[mode]
-    reduce_output, reduce_input_grad = inj.g == 1, inj.f == "sum"
-    if cfg.sequence_parallel:
-
-        return sp_step(x0, target, base, cfg, mode)
-    if has_replicas(cfg):  # fewer KV heads than ranks: tpattn.parallel.kv_heads
-        flags = (reduce_output, reduce_input_grad, inj.kv_grad == "sum")
-        return one_step(lambda x, p: tp_forward_kv(x, p, cfg, *flags), x0, target, base)
-    if batched and shard_fn is shard_params:
-        return one_step(lambda x, p: rank_batched_tp_forward(x, p, cfg, reduce_output=reduce_output,
-                                                             reduce_input_grad=reduce_input_grad),
+    if cfg.sequence_parallel or has_replicas(cfg):
+        return one_step(lambda x, p: one_graph_forward(x, p, cfg, inj, shard_fn),
                         x0, target, base)
-    return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=reduce_output,
-                                            reduce_input_grad=reduce_input_grad,
+    return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=inj.g == 1,
+                                            reduce_input_grad=inj.f == "sum",
                                             shard_fn=shard_fn),
                     x0, target, base)
 
@@ -316,8 +314,6 @@ def run_native(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = Non
     (``tp.tp_forward``). ``tolerance="auto"``: a rounding bound per measure
     (``tolerance.auto_bounds``, added as ``bounds``; the gradients and weights per parameter,
     reported for the worst one, named in ``worst_parameter``: ``tolerance.per_parameter``)
-    and, for plain TP, the rank-batched path
-    (``rank_batched.rank_batched_tp_forward``: same math, faster, no bit parity promised)
     and a ``verdict``: ``pass``, ``fail``, or ``inconclusive`` where the step amplifies
     rounding as much as the difference (measured by one more dense step from a perturbed
     start, run only when a measure exceeds its bound: ``tolerance.apply_auto``).
@@ -335,7 +331,7 @@ def run_native(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = Non
     dense = dense_reference(x0, target, base, cfg)
     if tolerance == "auto":
         dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)
-    tp = tp_step(x0, target, base, cfg, mode, simulate, shard_fn, batched=tolerance == "auto")
+    tp = tp_step(x0, target, base, cfg, mode, simulate, shard_fn)
     metrics = five_measures(seed, mode, dense, tp)
     if tolerance == "auto":
         metrics, bounds = per_parameter(cfg, metrics, dense, tp, LR)
@@ -384,21 +380,3 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
         **extra,
     }
 
-
-def sp_flags(mode: str) -> tuple[bool, bool, str]:
-    """``(reduce_output, reduce_input_grad, norm_grad)`` of an SP ``mode`` (one of ``SP_MODES``)."""
-    if mode not in SP_MODES:
-        raise ValueError(f"mode must be one of {', '.join(SP_MODES)} (got {mode!r})")
-    inj = NATIVE_INJECTIONS[mode]  # the mode's program, looked up once
-    return inj.g == 1, inj.f == "sum", inj.norm_grad
-
-
-
-def sp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-            mode: str) -> dict:
-    """The TP side of ``run(simulate="fixture")`` under ``cfg.sequence_parallel``: one step of
-    ``sp_forward``, in ``one_step``'s dict (every simulated rank its own step is the engine's,
-    ``tpattn.parallel.simulated``)."""
-    reduce_output, reduce_input_grad, norm_grad = sp_flags(mode)
-    return one_step(lambda x, p: sp_forward(x, p, cfg, reduce_output, reduce_input_grad, norm_grad),
-                    x0, target, base)

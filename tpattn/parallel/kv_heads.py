@@ -24,10 +24,10 @@ Without the replica-group reduce (mode ``missing_kv_grad_reduce``) each copy of 
 learns from its own rank's query heads only: forward, loss, dX, ``norm``, wq and wo stay exact,
 wk/wv gradients are wrong, and the copies of one head drift apart from the first step.
 
-This module holds the layout (``kv_head_of_rank``, ``replica_groups``, ``kv_weight_rows``), the
-block in the fixture's one-graph view (``tp_forward_kv``; every simulated rank its own tensors
-is the engine's, ``tpattn.parallel.engine``, option ``Config.kv_heads < world_size``), the
-autograd Functions for real ranks (``ReplicaGradReduce``,
+This module holds the layout (``kv_head_of_rank``, ``replica_groups``, ``kv_weight_rows``), one
+rank's pieces of the all-gather option (``local_kv``, ``attend_gathered``; the block itself is
+the engine's, ``tpattn.parallel.engine``, option ``Config.kv_heads < world_size``, in every
+simulation), the autograd Functions for real ranks (``ReplicaGradReduce``,
 ``AllGatherKV``, used by ``tpattn.real.ranks``), and the accounting of memory per rank and
 bytes moved per step (``kv_costs``, ``kv_collectives``).
 """
@@ -37,8 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tpattn.config import KV_STRATEGIES, Config
-from tpattn.block.dense import attend_and_project
-from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
+from tpattn.block.layers import apply_rope, attention, repeat_kv
 
 from tpattn.block.kv_layout import (GATHER_ACTIVATIONS, REPLICATE_WEIGHTS, has_replicas,
                                     is_first_kv_copy, kv_grad_bug_applies, kv_head_of_rank,
@@ -49,7 +48,7 @@ __all__ = [
     "has_replicas", "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
     "is_first_kv_copy",
     "kv_grad_bug_applies", "local_kv", "attend_gathered",
-    "tp_forward_kv", "ReplicaGradReduce", "AllGatherKV",
+    "ReplicaGradReduce", "AllGatherKV",
     "kv_collectives", "kv_costs", "ring_bytes",
     "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes",
 ]
@@ -83,45 +82,6 @@ def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: tor
     k, v = apply_rope(k_all[:, :, h:h + 1]), v_all[:, :, h:h + 1]
     ctx = attention(q, repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2]))
     return F.linear(ctx.reshape(s, b, -1), shard["wo"])
-
-
-# --- the block over simulated ranks ----------------------------------------------------------
-
-def _detached_kv(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {**shard, "wk": shard["wk"].detach(), "wv": shard["wv"].detach()}
-
-
-def tp_forward_kv(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
-                  reduce_output: bool = True, reduce_input_grad: bool = True,
-                  reduce_kv_grad: bool = True) -> torch.Tensor:
-    """``tpattn.parallel.tp.tp_forward`` (the fixture's semantics: one output, rank 0's view) for
-    ``kv_heads < world_size``, in either ``cfg.kv_strategy``.
-
-    x: ``[S, B, hidden]``; ``p``: dense parameters (shards are views, gradients land in ``p``).
-    Returns ``[S, B, hidden]``.
-
-    Replicas here are slices of one dense tensor, so autograd already sums the replicas'
-    gradients: that sum IS the replica-group all-reduce. ``reduce_kv_grad=False`` models the
-    missing reduce as the view of each group's first rank: the other replicas use a
-    *detached* copy of the KV rows (same values, so the forward is exact), and the dense wk/wv
-    receive the first replica's gradient only — what rank 0 of the group would hold.
-    """
-    from tpattn.block.params import shard_params
-    from .tp import copy_to_ranks, reduce_output_partials
-
-    n = rms_norm(x, p["norm"], cfg.eps)
-    inputs = copy_to_ranks(n, cfg.world_size, reduce_grad=reduce_input_grad)
-    shards = shard_params(p, cfg)
-    if cfg.kv_strategy == GATHER_ACTIVATIONS:
-        kv_all = torch.cat([local_kv(n_r, s) for n_r, s in zip(inputs, shards)], dim=-1)
-        partials = [attend_gathered(n_r, s, kv_all, cfg, r)
-                    for r, (n_r, s) in enumerate(zip(inputs, shards))]
-    else:
-        if not reduce_kv_grad:
-            shards = [s if replica_index(cfg, r) == 0 else _detached_kv(s)
-                      for r, s in enumerate(shards)]
-        partials = [attend_and_project(n_r, s, cfg) for n_r, s in zip(inputs, shards)]
-    return x + reduce_output_partials(partials, reduce=reduce_output)
 
 
 # --- real ranks (tpattn.real.ranks) ---------------------------------------------------------

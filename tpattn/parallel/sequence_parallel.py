@@ -30,10 +30,12 @@ block's gradient path).
 
 The block under SP, three ways:
 
-- ``sp_forward`` — the fixture's one-graph model (``simulate="fixture"``), see below;
-- every simulated rank its own tensors (``simulate="ranks"``): the engine's block
-  (``tpattn.parallel.engine``) under ``Config.sequence_parallel``, whose simulated
-  collectives (``tpattn.parallel.collectives``) gather and scatter over the rank dimension;
+- the fixture's one-graph model (``simulate="fixture"``), see below: the engine's block
+  (``tpattn.parallel.engine``) under ``Config.sequence_parallel`` on
+  ``tpattn.parallel.one_graph.OneGraphRanks``;
+- every simulated rank its own tensors (``simulate="ranks"``): the same block on
+  ``tpattn.parallel.collectives.SimulatedRanks``, which gather and scatter over the rank
+  dimension;
 - ``sp_rank_forward`` — one real ``torch.distributed`` rank (``tpattn.real.ranks``), the
   collectives ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13's names for
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; gloo has both on CPU).
@@ -52,20 +54,13 @@ own partial and its own ``dn`` on its own tokens; ``simulate="ranks"`` models th
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from tpattn.config import Config
-from tpattn.block.dense import attend_and_project
 from tpattn.block.layers import rms_norm
 from .engine import ScaleGrad
-from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
-from .tp import copy_to_ranks, reduce_output_partials
 
-__all__ = ["NORM_GRAD_REDUCTIONS", "rank_tokens", "ScaleGrad", "sp_forward", "ring_bytes",
+__all__ = ["NORM_GRAD_REDUCTIONS", "rank_tokens", "ScaleGrad", "ring_bytes",
            "communication_ledger", "norm_activation_bytes"]
 
 #: How the ranks' ``norm`` gradients are combined after backward: ``"sum"`` (correct, an
@@ -77,30 +72,6 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
     """The positions of the sequence rank ``rank`` holds under SP: ``[r*S/W, (r+1)*S/W)``."""
     local = cfg.seq // cfg.world_size
     return slice(rank * local, (rank + 1) * local)
-
-
-# --- the fixture's one-graph model ------------------------------------------------------
-
-def sp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
-               reduce_output: bool = True, reduce_input_grad: bool = True,
-               norm_grad: str = "sum") -> torch.Tensor:
-    """The SP block as one graph, rank 0's view of every dropped collective (module docstring).
-
-    x: ``[S, B, hidden]``, whose ``S/W``-token chunks are the ranks' shards (views, so dX lands
-    in ``x``); ``p``: dense parameters (sharded with ``shard_params``). Returns ``[S, B, hidden]``,
-    the ranks' output shards put together.
-    """
-    w = cfg.world_size
-    xs = x.chunk(w, dim=0)  # rank r's tokens
-    if norm_grad == "mean":
-        norms = [ScaleGrad.apply(p["norm"], 1.0 / w) for _ in range(w)]
-    else:  # "none": only rank 0's tokens' contribution reaches the shared weight
-        norms = [p["norm"] if norm_grad == "sum" or r == 0 else p["norm"].detach() for r in range(w)]
-    n = torch.cat([rms_norm(x_r, norm_r, cfg.eps) for x_r, norm_r in zip(xs, norms)])  # all-gather
-    inputs = copy_to_ranks(n, w, reduce_grad=reduce_input_grad)  # its backward: reduce-scatter
-    partials = [attend_and_project(n_r, shard, cfg) for n_r, shard in zip(inputs, shard_params(p, cfg))]
-    summed = reduce_output_partials(partials, reduce=reduce_output)  # reduce-scatter: sum ...
-    return torch.cat([x_r + out_r for x_r, out_r in zip(xs, summed.chunk(w, dim=0))])  # ... keep mine
 
 
 # --- what the collectives cost ----------------------------------------------------------

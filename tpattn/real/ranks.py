@@ -61,11 +61,11 @@ from tpattn.parallel.kv_heads import (GATHER_ACTIVATIONS, KV_ALL_GATHER, KV_GRAD
 from tpattn.parallel.sequence_parallel import rank_tokens
 from .launch import (RankFailure, backend_message, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
-from tpattn.block.params import PARAM_NAMES, init_params, shard_params, unshard_params
+from tpattn.block.params import init_params, shard_params, unshard_params
 
 __all__ = [
     "CollectiveLedger", "CopyToRanks", "ReduceOutputPartials", "DistributedRanks",
-    "real_rank_block", "tp_rank_forward",
+    "real_rank_block", "tp_rank_forward", "gather_step", "rank_disagreement",
     "rank_check", "five_measures", "dense_reference", "planned_collectives", "run_rank",
     "RunPlan", "run_distributed", "RealRankReport", "RankFailure",
     "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS", "validate_run",
@@ -397,16 +397,42 @@ def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
 
 # --- one check on every rank --------------------------------------------------------------
 
-def assemble_shards(per_rank: list[dict[str, torch.Tensor]], cfg: Config,
-              prefix: str) -> dict[str, torch.Tensor]:
-    """Full-size parameters from every rank's gathered shards (``unshard_params`` of the
-    entries named ``prefix + name``)."""
-    return unshard_params([{k: r[prefix + k] for k in PARAM_NAMES} for r in per_rank], cfg)
+def gather_step(ledger: CollectiveLedger, rank: int, step: dict, unshard):
+    """This rank's step gathered to rank 0 in one all-gather (``ledger.gather_tensors``).
+
+    step: this rank's ``check.one_step``-style dict: ``output``, ``input_grad`` and its own
+    ``grads``/``weights`` shards by name (other keys are kept). ``unshard(per_rank_dicts)``
+    puts the ranks' shards together (e.g. ``params.unshard_params`` with its ``cfg``).
+    Returns ``None`` on ranks other than 0; on rank 0 ``(ranks, full)``: every rank's gathered
+    tensors in rank order (``output``, ``input_grad``, ``grad_<name>``, ``weight_<name>``) and
+    ``step`` with full-size ``grads`` and ``weights``.
+    """
+    mine = {"output": step["output"], "input_grad": step["input_grad"],
+            **{"grad_" + k: g for k, g in step["grads"].items()},
+            **{"weight_" + k: w for k, w in step["weights"].items()}}
+    ranks = ledger.gather_tensors(mine)
+    if rank != 0:
+        return None
+    names = list(step["grads"])
+    full = {kind: unshard([{k: r[prefix + k] for k in names} for r in ranks])
+            for kind, prefix in (("grads", "grad_"), ("weights", "weight_"))}
+    return ranks, {**step, **full}
 
 
 #: Replicated tensors whose copies ``rank_check`` compares across ranks: name -> gathered key.
 REPLICATED = {"output": "output", "input_grad": "input_grad", "norm_grad": "grad_norm",
               "norm_after_step": "weight_norm"}
+
+
+def rank_disagreement(seed: int, mode: str, ranks: list[dict[str, torch.Tensor]],
+                      replicated: dict[str, str] = REPLICATED) -> dict:
+    """How far the other ranks' copies of replicated tensors are from rank 0's: ``seed``,
+    ``mode`` and ``<name>_max_rank_diff`` (max abs difference over ranks) for every
+    ``name -> gathered key`` of ``replicated``; ``ranks``: ``gather_step``'s list."""
+    out = {"seed": seed, "mode": mode}
+    for name, key in replicated.items():
+        out[name + "_max_rank_diff"] = max(max_abs_diff(r[key], ranks[0][key]) for r in ranks)
+    return out
 
 
 def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveLedger,
@@ -440,17 +466,12 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
 
     # every rank its own step on its own shard and its own loss, as in real TP training
     step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
-    mine = {"output": step["output"], "input_grad": step["input_grad"],
-            **{"grad_" + k: g for k, g in step["grads"].items()},
-            **{"weight_" + k: w for k, w in step["weights"].items()}}
-    ranks = ledger.gather_tensors(mine)
-    if rank != 0:
+    gathered = gather_step(ledger, rank, step, lambda per_rank: unshard_params(per_rank, cfg))
+    if gathered is None:
         return None, None
-    tp = {**step, "grads": assemble_shards(ranks, cfg, "grad_"), "weights": assemble_shards(ranks, cfg, "weight_")}
+    ranks, tp = gathered
     metrics = five_measures(seed, mode, dense_reference(x0, target, base, cfg), tp)
-    disagreement = {"seed": seed, "mode": mode}
-    for name, key in REPLICATED.items():
-        disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[key], ranks[0][key]) for r in ranks)
+    disagreement = rank_disagreement(seed, mode, ranks)
     if kv_grad_bug_applies(cfg):
         for name, prefix in (("grad", "grad_"), ("after_step", "weight_")):
             disagreement[f"kv_replica_{name}_max_diff"] = max(

@@ -10,17 +10,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
+from tpattn.block.params import clone_trainable, init_params, shard_params, unshard_params
 from tpattn.block.sgd import sgd_step
-from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SP_MODES,
-                               check_mode, dense_reference, five_measures, make_inputs,
-                               max_abs_diff, one_step, sp_flags)
+from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
+                               check_mode, dense_reference, five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.parallel.sequence_parallel import NORM_GRAD_REDUCTIONS, rank_tokens, ring_bytes
 
 from tpattn.parallel.injection import Injection
 
-from .ranks import GATHER_RESULTS, CollectiveLedger, real_rank_block
+from .ranks import GATHER_RESULTS, CollectiveLedger, gather_step, rank_disagreement, real_rank_block
 
 
 #: Labels of the collectives one SP check issues, in the order every rank issues them.
@@ -31,14 +30,14 @@ RS_DN = "reduce-scatter of dn (backward of the all-gather)"
 AR_NORM = "all-reduce of the norm weight's gradient (after backward)"
 
 
-def planned_sp_collectives(mode: str) -> list[str]:
-    """The collectives every rank issues, in order, in one SP check of ``mode`` (then the
-    gather of results to rank 0): the all-gather of n, the reduce-scatter of the partials,
-    in backward their all-gather of dy and reduce-scatter of dn, then the norm all-reduce —
-    less the one ``mode`` drops (``norm_grad_averaged`` drops none: it divides afterwards)."""
-    reduce_output, reduce_input_grad, norm_grad = sp_flags(mode)
-    return ([AG_N] + ([RS_OUTPUT, AG_DY] if reduce_output else [])
-            + ([RS_DN] if reduce_input_grad else []) + ([AR_NORM] if norm_grad != "none" else [])
+def planned_sp_collectives(inj: Injection) -> list[str]:
+    """The collectives every rank issues, in order, in one SP check of the program ``inj``
+    (a mode's ``Injection``; then the gather of results to rank 0): the all-gather of n, the
+    reduce-scatter of the partials, in backward their all-gather of dy and reduce-scatter of
+    dn, then the norm all-reduce — less the one ``inj`` drops (``norm_grad="mean"`` drops
+    none: it divides afterwards)."""
+    return ([AG_N] + ([RS_OUTPUT, AG_DY] if inj.g else [])
+            + ([RS_DN] if inj.f != "none" else []) + ([AR_NORM] if inj.norm_grad != "none" else [])
             + [GATHER_RESULTS])
 
 
@@ -187,25 +186,19 @@ def sp_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Sequence
     (F.mse_loss(y, target[tokens], reduction="sum") / target.numel()).backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     grads["norm"] = finalize_norm_grad(grads["norm"], ledger, inj.norm_grad)
-    weights = sgd_step(p, grads, LR)
-    mine = {"output": y.detach(), "input_grad": x.grad,
-            **{"grad_" + k: g for k, g in grads.items()},
-            **{"weight_" + k: w for k, w in weights.items()}}
-    ranks = ledger.gather_tensors(mine)
-    if rank != 0:
+    step = {"output": y.detach(), "input_grad": x.grad, "grads": grads,
+            "weights": sgd_step(p, grads, LR)}
+    gathered = gather_step(ledger, rank, step, lambda per_rank: unshard_params(per_rank, cfg))
+    if gathered is None:
         return None, None
+    ranks, tp = gathered  # under SP every rank's output and dX are its own tokens
     output = torch.cat([r["output"] for r in ranks])
-    tp = {"output": output, "loss": F.mse_loss(output, target),
-          "input_grad": torch.cat([r["input_grad"] for r in ranks]),
-          "grads": unshard_params([{k: r["grad_" + k] for k in PARAM_NAMES} for r in ranks], cfg),
-          "weights": unshard_params([{k: r["weight_" + k] for k in PARAM_NAMES} for r in ranks], cfg)}
+    tp.update(output=output, loss=F.mse_loss(output, target),
+              input_grad=torch.cat([r["input_grad"] for r in ranks]))
     metrics = five_measures(seed, mode, dense_reference(x0, target, base, cfg), tp)
-    disagreement = {
-        "seed": seed, "mode": mode,
-        "norm_grad_max_rank_diff": max(max_abs_diff(r["grad_norm"], ranks[0]["grad_norm"]) for r in ranks),
-        "norm_after_step_max_rank_diff": max(max_abs_diff(r["weight_norm"], ranks[0]["weight_norm"])
-                                             for r in ranks),
-        "norm_grad_by_rank": [r["grad_norm"].cpu().tolist() for r in ranks]}
+    disagreement = rank_disagreement(seed, mode, ranks, {"norm_grad": "grad_norm",
+                                                         "norm_after_step": "weight_norm"})
+    disagreement["norm_grad_by_rank"] = [r["grad_norm"].cpu().tolist() for r in ranks]
     return metrics, disagreement
 
 
@@ -222,7 +215,7 @@ def sp_run_rank(rank: int, plan, device: torch.device | str = "cpu", on_progress
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
     counts_by_mode: dict[str, dict] = {}
     for index, (mode, seed) in enumerate(plan.jobs):
-        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(mode))
+        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(NATIVE_INJECTIONS[mode]))
         metrics, disagreement = sp_rank_check(seed, mode, plan.cfg, rank, ledger, device)
         counts = ledger.finish_job()
         if rank == 0:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpattn.check.core import LR, check_seed, five_measures, make_inputs, max_abs_diff
+from tpattn.check.core import LR, check_seed, five_measures, make_inputs
 from tpattn.config import Config
 from tpattn.block.sgd import sgd_step
-from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED, CollectiveLedger,
-                    DistributedRanks, real_rank_block)
+from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, CollectiveLedger,
+                    DistributedRanks, gather_step, rank_disagreement, real_rank_block)
 from tpattn.bugs.zoo import (REPLICATED as REPLICATED_PARAMS, Injection, clip_coef,
                              dense_step, check_needs, get_mode, make_params, rank_batches, shard,
                              unshard)
@@ -67,20 +67,12 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
                      if k not in REPLICATED_PARAMS or rank == 0 or inj.norm == "per_rank")
         total = DistributedRanks(cfg, ledger, rank).reduce_scalar(square, GRAD_NORM_ALL_REDUCE)
         coef = clip_coef(total.sqrt(), inj)
-    weights = sgd_step(mine_params, grads, LR, float(coef))
-    mine = {"output": y.detach(), "input_grad": x.grad,
-            **{"grad_" + k: g for k, g in grads.items()},
-            **{"weight_" + k: w for k, w in weights.items()}}
-    ranks = ledger.gather_tensors(mine)
-    if rank != 0:
+    step = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad, "grads": grads,
+            "weights": sgd_step(mine_params, grads, LR, float(coef))}
+    gathered = gather_step(ledger, rank, step, lambda per_rank: unshard(per_rank, cfg, inj))
+    if gathered is None:
         return None, None
-    names = list(mine_params)
-    tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-          "grads": unshard([{k: r["grad_" + k] for k in names} for r in ranks], cfg, inj),
-          "weights": unshard([{k: r["weight_" + k] for k in names} for r in ranks], cfg, inj)}
+    ranks, tp = gathered
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     metrics = five_measures(seed, mode, dense_step(x0, target, base, cfg, inj), tp)
-    disagreement = {"seed": seed, "mode": mode}
-    for name, key in REPLICATED.items():
-        disagreement[name + "_max_rank_diff"] = max(max_abs_diff(r[key], ranks[0][key]) for r in ranks)
-    return metrics, disagreement
+    return metrics, rank_disagreement(seed, mode, ranks)
