@@ -36,6 +36,11 @@ HELD_OUT = [
                      sequence_parallel=True), ("missing_norm_grad_reduce", "norm_grad_averaged")),
     ("KV W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8, world_size=4),
      ("missing_kv_grad_reduce",)),
+    ("SP W4 hq16 kv8", Config(seq=8, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
+                              world_size=4, sequence_parallel=True),
+     ("missing_norm_grad_reduce", "norm_grad_averaged")),
+    ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
+                            world_size=8), None),
 ]
 #: Bugs outside the registry (``Injection``'s test knobs), two ranks.
 MADE_UP = {
@@ -45,6 +50,8 @@ MADE_UP = {
     "one rank's learning rate x 1.05": Injection(rank_lr_scale=(1.0, 1.05)),
     "one rank's learning rate x 0.9": Injection(rank_lr_scale=(0.9, 1.0)),
     "partial x 1.05 and wrong rank order": Injection(partial_scale=1.05, shard_offset=1),
+    "rank 1 keeps its pre-step weights (stale shard)": Injection(rank_lr_scale=(1.0, 0.0)),
+    "rank 1's attention partial x 1.05": Injection(partial_scale=(1.0, 1.05)),
 }
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
 

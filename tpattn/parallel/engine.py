@@ -125,8 +125,10 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
     if inj.f == "mean":
         n = ScaleGrad.apply(n, 1.0 / cfg.world_size)
     out = _attend(n, p, cfg, inj, comm)
-    if inj.partial_scale != 1.0:
-        out = out * inj.partial_scale
+    if inj.partial_scale != 1.0:  # a factor for every rank, or one per rank (a tuple)
+        scale = inj.partial_scale
+        out = out * (out.new_tensor([scale[r] for r in comm.ranks]).view(-1, 1, 1, 1)
+                     if isinstance(scale, tuple) else scale)
     if inj.bias == "every_rank":
         out = out + p["bias"].unsqueeze(1).unsqueeze(1)
     if cfg.sequence_parallel:  # g is the reduce-scatter; without it, each its own tokens
