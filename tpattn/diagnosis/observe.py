@@ -16,8 +16,9 @@ returns only such observables, as plain JSON-able numbers:
   step 1 and after the last step (replicas must stay identical); with replicated KV heads
   (``kv_heads < world_size``, ``kv_strategy="replicate_weights"``) also ``wk`` and ``wv`` per
   replica group, keyed ``"wk (ranks 0, 1)"``: the sums of that group's ranks;
-- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase
-  and group, against those the correct program issues;
+- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase,
+  group and reduce op (``"sum"``, ``"avg"``, ``None`` for a gather: ``LEDGER_KEYS``), against
+  those the correct program issues;
 - ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
 - ``loss_curve``: rank 0's loss at each step;
 - and, *when a known-good run is available* (an earlier commit, TP = 1):
@@ -43,7 +44,11 @@ from tpattn.parallel.simulated import simulated_forward, simulated_step
 from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, rank_batches,
                              shard, unshard)
 
-__all__ = ["observe", "observe_injection", "STEPS", "LOGGED_LOSSES"]
+__all__ = ["observe", "observe_injection", "STEPS", "LOGGED_LOSSES", "LEDGER_KEYS"]
+
+#: What an observed ledger entry keeps of the collective: what it is, when, over which group,
+#: with which reduce op (what the program asked for: an AVG issued as SUM then / W is "avg").
+LEDGER_KEYS = ("collective", "phase", "group", "op")
 
 #: Training steps of one observation (loss curve length).
 STEPS = 3
@@ -170,9 +175,8 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
         "shard_scale": {name: float(base[name].abs().sum())
                         for name in ("wq", "wk", "wv", "wo")},
         "replica_checksums": run["replicas"],
-        "ledger": [{k: e[k] for k in ("collective", "phase", "group")} for e in first["ledger"]],
-        "planned_ledger": [{k: e[k] for k in ("collective", "phase", "group")}
-                           for e in good_first["ledger"]],
+        "ledger": [{k: e[k] for k in LEDGER_KEYS} for e in first["ledger"]],
+        "planned_ledger": [{k: e[k] for k in LEDGER_KEYS} for e in good_first["ledger"]],
         "logged_grad_norm": first["grad_norm"],
         "loss_curve": run["curve"],
     }

@@ -56,10 +56,15 @@ class SequenceLedger(CollectiveLedger):
         self.sent += ring_bytes(kind, full.numel() * full.element_size(),
                                 dist.get_world_size(self.group))
 
-    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str) -> None:
-        """Sum ``tensor`` over the ranks, in place."""
+    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str, op: str = "sum") -> None:
+        """Sum ``tensor`` over the ranks, in place (``op="avg"``: then divided by W; the
+        entry records ``"avg"``, as ``CollectiveLedger.all_reduce``)."""
         self._count("all_reduce", phase, tensor)
+        self.entries.append({"collective": "all_reduce", "phase": phase, "group": "tp",
+                             "label": label, "op": op})
         self._issue(label, dist.all_reduce, tensor)
+        if op == "avg":
+            tensor /= dist.get_world_size(self.group)
 
     def all_gather_seq(self, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:
         """Every rank's ``local`` ``[S/W, ...]`` concatenated in rank order: ``[S, ...]``."""
@@ -159,10 +164,8 @@ def finalize_norm_grad(grad: torch.Tensor, ledger: SequenceLedger, how: str = "s
     if how not in NORM_GRAD_REDUCTIONS:
         raise ValueError(f"how must be one of {', '.join(NORM_GRAD_REDUCTIONS)} (got {how!r})")
     grad = grad.clone()
-    if how != "none":
-        ledger.all_reduce(grad, "after backward", AR_NORM)
-    if how == "mean":
-        grad /= dist.get_world_size(ledger.group)
+    if how != "none":  # "mean" asks for op AVG (issued as SUM, then / W)
+        ledger.all_reduce(grad, "after backward", AR_NORM, op="avg" if how == "mean" else "sum")
     return grad
 
 
