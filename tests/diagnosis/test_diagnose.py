@@ -15,7 +15,7 @@ import tpattn
 from tpattn import Config
 from tpattn.bugs import zoo
 from tpattn.cli import main as cli_main
-from tpattn.diagnosis.diagnose import NO_KNOWN_CAUSE, features
+from tpattn.diagnosis.diagnose import DEVIATIONS, NO_KNOWN_CAUSE, features
 from tpattn.diagnosis.observe import observe_injection
 
 SHAPES = {
@@ -72,7 +72,7 @@ def test_a_made_up_bug_outside_the_registry_has_no_known_cause():
             obs = observe_injection(zoo.Injection(rank_lr_scale=scales), seed, cfg)
             diagnosis = tpattn.diagnose(obs)
             assert top(diagnosis) == [NO_KNOWN_CAUSE]
-            assert "replicated parameters differ across ranks" in diagnosis[0]["evidence"]
+            assert DEVIATIONS["norm_replicas"][0] in diagnosis[0]["evidence"]
 
 
 def test_observables_are_json_and_need_no_dense_model():

@@ -20,11 +20,12 @@ from collections import Counter
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
 from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
-from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
+from .diagnose import NO_KNOWN_CAUSE, diagnose
 from .observe import observe, observe_injection
 
-__all__ = ["HELD_OUT", "MADE_UP", "CLASSES", "classify", "single_bug_cases", "pairs",
-           "two_bug_cases", "made_up_cases", "summary"]
+__all__ = ["HELD_OUT", "TUNING", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", "classify",
+           "pair_class", "single_bug_cases", "pairs", "two_bug_cases", "made_up_cases",
+           "summary"]
 
 #: Shapes the fingerprints were not written on: (name, Config, the modes it hosts; None: every
 #: plain-TP mode whose needs it meets).
@@ -42,6 +43,12 @@ HELD_OUT = [
     ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
                             world_size=8), None),
 ]
+#: The shapes the fingerprints are tuned on (``tests/diagnosis/test_diagnose.py``'s, seeds
+#: 0-9): (name, Config, None: every plain-TP mode whose needs it meets).
+TUNING = [
+    ("W2, 2 KV heads per rank", Config(query_heads=8, kv_heads=4), None),
+    ("W4, 2 KV heads per rank", Config(seq=4, query_heads=16, kv_heads=8, world_size=4), None),
+]
 #: Bugs outside the registry (``Injection``'s test knobs), two ranks.
 MADE_UP = {
     "attention partial x 1.05": Injection(partial_scale=1.05),
@@ -56,24 +63,32 @@ MADE_UP = {
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
 
 
-def classify(found: list[dict], mode: str) -> str:
-    """The class of ``diagnose``'s answer ``found`` when the true bug is ``mode``."""
+def named(found: list[dict]) -> set[str]:
+    """The causes ``diagnose``'s answer ``found`` names at the top: its top candidate, the
+    causes it names with it (``with``) and those in its tie (``tied_with``)."""
     top = found[0]
-    if top["cause"] == mode:
-        return "right" if not top["tied_with"] else "tied"
-    if mode in top["tied_with"]:
-        return "tied"
+    return {top["cause"], *top.get("with", []), *top["tied_with"]}
+
+
+def classify(found: list[dict], mode: str) -> str:
+    """The class of ``diagnose``'s answer ``found`` when the true bug is ``mode`` (a second
+    cause named with it, not in a tie, is ``wrong``: a confident name of a bug not there)."""
+    top = found[0]
     if top["cause"] == NO_KNOWN_CAUSE:
         blind = any(mode in e and "cannot see" in e for e in top["evidence"])
         return "blind" if blind else "missed"
+    if mode in named(found) and top["tied_with"]:
+        return "tied"
+    if top["cause"] == mode and not top.get("with"):
+        return "right"
     return "wrong"
 
 
-def single_bug_cases(seeds, logged_loss: str = "per_rank") -> dict:
-    """``(tier, mode, shape, seed) -> class`` for every registry bug on ``HELD_OUT``, the job
-    logging its loss as ``logged_loss`` says (``observe.LOGGED_LOSSES``)."""
+def single_bug_cases(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> dict:
+    """``(tier, mode, shape, seed) -> class`` for every registry bug on ``shapes`` (``HELD_OUT``,
+    or ``TUNING``), the job logging its loss as ``logged_loss`` says (``observe.LOGGED_LOSSES``)."""
     out = {}
-    for name, cfg, modes in HELD_OUT:
+    for name, cfg, modes in shapes:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
             try:
                 check_needs(mode, cfg)
@@ -105,31 +120,46 @@ def pairs():
                 yield (a, b), Injection(**knobs[a], **knobs[b])
 
 
+#: Pair answers (``pair_class``): ``alone`` (both named, nothing else, no tie), ``tied`` (both
+#: named, in a named tie), ``one``, ``none`` (of the two), ``third`` (a registry cause outside
+#: the pair named confidently: at the top or with it, no tie).
+PAIR_CLASSES = ("alone", "tied", "one", "none", "third")
+
+
+def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
+    """The class (``PAIR_CLASSES``) of ``diagnose``'s answer ``found`` when the true bugs are
+    the two of ``pair``."""
+    top = found[0]
+    confident = {top["cause"], *top.get("with", [])} - {NO_KNOWN_CAUSE}
+    if confident - set(pair) and not top["tied_with"]:
+        return "third"
+    hits = len(set(pair) & named(found))
+    if hits == 2:
+        return "tied" if top["tied_with"] else "alone"
+    return ("none", "one")[hits]
+
+
 def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, pair, seed) -> (how many of the two are candidates, whether a registry cause
-    outside the pair is at the top or in its tie)``."""
+    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs``) on ``cfg``."""
     out = {}
     for pair, inj in pairs():
         for seed in seeds:
             for tier in (1, 2):
                 found = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))
-                top = {found[0]["cause"], *found[0]["tied_with"]}
-                named = {c["cause"] for c in found}
-                out[(tier, pair, seed)] = (len(set(pair) & named),
-                                           bool(top - set(pair) - {NO_KNOWN_CAUSE,
-                                                                   UNREGISTERED_FORWARD}))
+                out[(tier, pair, seed)] = pair_class(found, pair)
     return out
 
 
 def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the one registry name given."""
+    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the registry names given."""
     out = {}
     for name, inj in MADE_UP.items():
         for seed in seeds:
             for tier in (1, 2):
                 top = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))[0]
-                out[(tier, name, seed)] = (top["cause"] if top["cause"] == NO_KNOWN_CAUSE
-                                           else "tie" if top["tied_with"] else top["cause"])
+                out[(tier, name, seed)] = (
+                    top["cause"] if top["cause"] == NO_KNOWN_CAUSE else "tie"
+                    if top["tied_with"] else " + ".join([top["cause"], *top.get("with", [])]))
     return out
 
 

@@ -20,6 +20,8 @@ returns only such observables, as plain JSON-able numbers:
   group and reduce op (``"sum"``, ``"avg"``, ``None`` for a gather: ``LEDGER_KEYS``), against
   those the correct program issues;
 - ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
+- ``rank_grad_norms``: per rank, each of its parameters' gradient norm at step 0 (after the
+  gradient reductions: what a per-rank log of gradient norms shows);
 - ``loss_curve``: rank 0's loss at each step;
 - and, *when a known-good run is available* (an earlier commit, TP = 1):
   ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
@@ -178,6 +180,8 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
         "ledger": [{k: e[k] for k in LEDGER_KEYS} for e in first["ledger"]],
         "planned_ledger": [{k: e[k] for k in LEDGER_KEYS} for e in good_first["ledger"]],
         "logged_grad_norm": first["grad_norm"],
+        "rank_grad_norms": [{k: float(g.double().norm()) for k, g in grads.items()}
+                            for grads in first["grads"]],
         "loss_curve": run["curve"],
     }
     if reference:
