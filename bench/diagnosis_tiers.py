@@ -13,7 +13,7 @@ import argparse
 from collections import Counter
 
 from tpattn.bugs.zoo import REGISTRY
-from tpattn.diagnosis.evaluate import (CLASSES, HELD_OUT, PAIR_CLASSES, TUNING, made_up_cases,
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, PAIR_CLASSES, TUNING, made_up_cases,
                                        single_bug_cases, summary, two_bug_cases)
 
 
@@ -36,7 +36,7 @@ def _pairs(two: dict) -> None:
         rows = Counter(v for (t, _, _), v in two.items() if t == tier)
         n = sum(rows.values())
         print(f"two bugs at once, tier {tier}: {n} cases; both named "
-              f"{rows['alone'] + rows['tied']}/{n} (" + ", ".join(
+              f"{sum(rows[k] for k in BOTH_NAMED)}/{n} (" + ", ".join(
                   f"{k} {rows[k]}" for k in PAIR_CLASSES) + ")")
 
 

@@ -90,10 +90,44 @@ def test_observables_are_json_and_need_no_dense_model():
 def test_each_candidate_carries_its_evidence_confirmation_and_citation():
     diagnosis = tpattn.diagnose(tpattn.observe("row_bias_on_every_rank", 11))
     best = diagnosis[0]
-    assert best["cause"] == "row_bias_on_every_rank"
-    assert "the model has a row-parallel output bias" in best["evidence"]
+    assert best["cause"] == "row_bias_on_every_rank" and best["with"] == []
+    assert DEVIATIONS["bias_shift"][0] in best["evidence"]
     assert "(W-1)*b" in best["confirm"]
     assert best["citation"] == zoo.REGISTRY["row_bias_on_every_rank"].citation
+    assert best["tier"] == 2
+
+
+def test_an_averaged_f_is_an_avg_op_in_the_ledger():
+    obs = tpattn.observe("input_grad_reduce_averaged", 11, reference=False)
+    differ = [(e, p) for e, p in zip(obs["ledger"], obs["planned_ledger"]) if e != p]
+    assert len(obs["ledger"]) == len(obs["planned_ledger"]) and len(differ) == 1
+    (seen, planned), = differ
+    assert (seen["phase"], seen["op"], planned["op"]) == ("backward", "avg", "sum")
+    assert top(tpattn.diagnose(obs)) == ["input_grad_reduce_averaged"]
+
+
+@pytest.mark.parametrize("reference", (False, True), ids=("tier1", "tier2"))
+def test_two_bugs_with_different_evidence_are_named_together(reference):
+    cfg = SHAPES["W2, 2 KV heads per rank"]
+    both = zoo.Injection(g=0, f="mean")  # missing_output_reduce + input_grad_reduce_averaged
+    best = tpattn.diagnose(observe_injection(both, 4, cfg, reference=reference))[0]
+    assert {best["cause"], *best["with"]} == {"missing_output_reduce",
+                                              "input_grad_reduce_averaged"}
+    assert "input_grad_reduce_averaged" not in best["tied_with"]
+    # one of them alone is not named with a second cause
+    one = tpattn.diagnose(tpattn.observe("input_grad_reduce_averaged", 4, cfg,
+                                         reference=reference))[0]
+    assert (one["cause"], one["with"]) == ("input_grad_reduce_averaged", [])
+
+
+def test_a_cause_whose_evidence_is_explained_already_is_named_in_the_tie():
+    # a tiled repeat_kv behind a missing g: the good run sees "the forward is wrong", which
+    # the missing g explains; with or without the tiling the evidence is the same
+    cfg = SHAPES["W2, 2 KV heads per rank"]
+    for inj in (zoo.Injection(g=0), zoo.Injection(g=0, kv="tile")):
+        best = tpattn.diagnose(observe_injection(inj, 4, cfg))[0]
+        assert (best["cause"], best["with"]) == ("missing_output_reduce", [])
+        assert "repeat_kv_tiled" in best["tied_with"]
 
 
 def test_from_the_five_measures_it_names_the_family_with_the_tie():
@@ -152,9 +186,10 @@ def test_the_bug_hunt_explorer_is_live_and_has_a_static_twin():
 
     explorer = bug_hunt_explorer(hunt=2)
     text = explorer.output.outputs[0]["data"]["text/plain"]
-    assert text.startswith("hunt 2: what the run shows")
+    assert text.startswith("hunt 2: what the run shows (tier 2: the live job and a known-good")
     explorer.set(guess="fused_qkv_naive_split")  # hunt 2 hides the naive fused split
-    assert "Right:" in explorer.output.outputs[0]["data"]["text/plain"]
+    text = explorer.output.outputs[0]["data"]["text/plain"]
+    assert "Right:" in text and "tpattn.diagnose at tier 2: fused_qkv_naive_split" in text
     explorer.set(hunt=-3)
     assert "hunt must be an integer >= 0" in explorer.output.outputs[0]["data"]["text/plain"]
     html = explorer.static_html()

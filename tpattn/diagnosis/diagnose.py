@@ -38,7 +38,8 @@ from typing import Callable
 
 __all__ = ["diagnose", "features", "deviations", "DEVIATIONS", "FINGERPRINTS", "Fingerprint",
            "register_fingerprint", "NO_KNOWN_CAUSE", "AGREE_REL", "TIERS", "lowest_tier",
-           "UNREGISTERED_FORWARD", "FORWARD_ONLY", "MAX_CAUSES"]
+           "UNREGISTERED_FORWARD", "FORWARD_ONLY", "MAX_CAUSES", "evidence_of",
+           "explanations", "fits"]
 
 NO_KNOWN_CAUSE = "no known cause"
 #: Named in the tie of a cause whose evidence is only "the forward is wrong": a scale or layout
@@ -310,7 +311,16 @@ def lowest_tier(cause: str) -> int | None:
     return min(DEVIATIONS[d][1] for d in FINGERPRINTS[cause].shows)
 
 
-def _fits(causes: tuple[str, ...], seen: set[str]) -> bool:
+def evidence_of(cause: str) -> list[str]:
+    """What ``cause`` always shows, in words (``DEVIATIONS``' texts of its ``shows``), with
+    the tier of each: ``["tier 1: ...", ...]``; ``[]`` without a fingerprint."""
+    if cause not in FINGERPRINTS:
+        return []
+    fp = FINGERPRINTS[cause]
+    return [f"tier {DEVIATIONS[d][1]}: {DEVIATIONS[d][0]}" for d in (*fp.shows, *fp.alone)]
+
+
+def fits(causes: tuple[str, ...], seen: set[str]) -> bool:
     """Whether every cause of ``causes`` shows what it must in ``seen``."""
     for c in causes:
         fp = FINGERPRINTS[c]
@@ -322,14 +332,14 @@ def _fits(causes: tuple[str, ...], seen: set[str]) -> bool:
     return True
 
 
-def _explanations(seen: set[str], allowed: list[str]) -> list[tuple[str, ...]]:
+def explanations(seen: set[str], allowed: list[str]) -> list[tuple[str, ...]]:
     """The smallest sets of ``allowed`` causes that explain every deviation of ``seen`` and
     each show their own; ``[]`` when none of at most ``MAX_CAUSES`` does."""
     usable = [c for c in allowed if set(FINGERPRINTS[c].shows) <= seen]
     for k in range(1, MAX_CAUSES + 1):
         found = [s for s in combinations(usable, k)
                  if seen <= set().union(*(FINGERPRINTS[c].explains for c in s))
-                 and _fits(s, seen)]
+                 and fits(s, seen)]
         if found:
             return found
     return []
@@ -351,7 +361,7 @@ def _from_observations(obs: dict) -> list[dict]:
     seen = deviations(f)
     allowed = [c for c, fp in FINGERPRINTS.items() if fp.allows(f)]
     cannot_see = [c for c in allowed if lowest_tier(c) > tier]
-    sets = _explanations(set(seen), allowed) if seen else []
+    sets = explanations(set(seen), allowed) if seen else []
     if not sets:
         unexplained = [DEVIATIONS[d][0] for d in seen
                        if not any(d in FINGERPRINTS[c].explains for c in allowed)]
@@ -365,7 +375,7 @@ def _from_observations(obs: dict) -> list[dict]:
     sets.sort(key=lambda s: -sum(len(FINGERPRINTS[c].shows) + len(FINGERPRINTS[c].alone)
                                  for c in s))
     named = {c for s in sets for c in s}
-    hidden = [c for c in allowed if c not in named and _fits(sets[0] + (c,), set(seen))]
+    hidden = [c for c in allowed if c not in named and fits(sets[0] + (c,), set(seen))]
     unregistered = [UNREGISTERED_FORWARD] if (named | set(hidden)) & FORWARD_ONLY else []
     order = list(dict.fromkeys([c for s in sets for c in s] + hidden))
     found = []

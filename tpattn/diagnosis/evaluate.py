@@ -20,11 +20,12 @@ from collections import Counter
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
 from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
-from .diagnose import NO_KNOWN_CAUSE, diagnose
+from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
 __all__ = ["HELD_OUT", "TUNING", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", "classify",
-           "pair_class", "single_bug_cases", "pairs", "two_bug_cases", "made_up_cases",
+           "pair_class", "BOTH_NAMED", "single_bug_answers", "single_bug_cases", "answer_label",
+           "confusion", "pairs", "two_bug_cases", "made_up_cases",
            "summary"]
 
 #: Shapes the fingerprints were not written on: (name, Config, the modes it hosts; None: every
@@ -84,9 +85,10 @@ def classify(found: list[dict], mode: str) -> str:
     return "wrong"
 
 
-def single_bug_cases(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> dict:
-    """``(tier, mode, shape, seed) -> class`` for every registry bug on ``shapes`` (``HELD_OUT``,
-    or ``TUNING``), the job logging its loss as ``logged_loss`` says (``observe.LOGGED_LOSSES``)."""
+def single_bug_answers(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> dict:
+    """``(tier, mode, shape, seed) -> diagnose``'s answer for every registry bug on ``shapes``
+    (``HELD_OUT``, or ``TUNING``), the job logging its loss as ``logged_loss`` says
+    (``observe.LOGGED_LOSSES``)."""
     out = {}
     for name, cfg, modes in shapes:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
@@ -96,9 +98,34 @@ def single_bug_cases(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> d
                 continue
             for seed in seeds:
                 for tier in (1, 2):
-                    found = diagnose(observe(mode, seed=seed, cfg=cfg, reference=tier == 2,
-                                             logged_loss=logged_loss))
-                    out[(tier, mode, name, seed)] = classify(found, mode)
+                    out[(tier, mode, name, seed)] = diagnose(
+                        observe(mode, seed=seed, cfg=cfg, reference=tier == 2,
+                                logged_loss=logged_loss))
+    return out
+
+
+def single_bug_cases(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT,
+                     answers: dict | None = None) -> dict:
+    """``(tier, mode, shape, seed) -> class`` (``classify``) of ``single_bug_answers`` (or of
+    ``answers``, its dict, when given)."""
+    answers = single_bug_answers(seeds, logged_loss, shapes) if answers is None else answers
+    return {key: classify(found, key[1]) for key, found in answers.items()}
+
+
+def answer_label(found: list[dict]) -> str:
+    """``diagnose``'s answer in one line: the causes named as the explanation, then
+    ``"| tie: ..."`` (``UNREGISTERED_FORWARD`` as ``"unregistered"``)."""
+    top = found[0]
+    ties = ["unregistered" if c == UNREGISTERED_FORWARD else c for c in top["tied_with"]]
+    return " + ".join([top["cause"], *top.get("with", [])]) + (
+        " | tie: " + ", ".join(ties) if ties else "")
+
+
+def confusion(answers: dict) -> dict:
+    """``(tier, true mode) -> Counter(answer_label)`` over ``single_bug_answers``' dict."""
+    out = {}
+    for (tier, mode, _, _), found in answers.items():
+        out.setdefault((tier, mode), Counter())[answer_label(found)] += 1
     return out
 
 
@@ -120,10 +147,13 @@ def pairs():
                 yield (a, b), Injection(**knobs[a], **knobs[b])
 
 
-#: Pair answers (``pair_class``): ``alone`` (both named, nothing else, no tie), ``tied`` (both
-#: named, in a named tie), ``one``, ``none`` (of the two), ``third`` (a registry cause outside
-#: the pair named confidently: at the top or with it, no tie).
-PAIR_CLASSES = ("alone", "tied", "one", "none", "third")
+#: Pair answers (``pair_class``): both named as the explanation (the top candidate and its
+#: ``with``), ``alone`` (no tie) or ``plus tie`` (the answer names alternatives too); ``tied``
+#: (both named, one only in the tie); ``one``, ``none`` (of the two named); ``third`` (a
+#: registry cause outside the pair named confidently: at the top or with it, no tie).
+PAIR_CLASSES = ("alone", "plus tie", "tied", "one", "none", "third")
+#: The pair classes that name both bugs.
+BOTH_NAMED = ("alone", "plus tie", "tied")
 
 
 def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
@@ -133,10 +163,9 @@ def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
     confident = {top["cause"], *top.get("with", [])} - {NO_KNOWN_CAUSE}
     if confident - set(pair) and not top["tied_with"]:
         return "third"
-    hits = len(set(pair) & named(found))
-    if hits == 2:
-        return "tied" if top["tied_with"] else "alone"
-    return ("none", "one")[hits]
+    if set(pair) <= confident:
+        return "plus tie" if top["tied_with"] else "alone"
+    return ("none", "one", "tied")[len(set(pair) & named(found))]
 
 
 def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
