@@ -120,13 +120,19 @@ def test_two_bugs_with_different_evidence_are_named_together(reference):
     assert (one["cause"], one["with"]) == ("input_grad_reduce_averaged", [])
 
 
-def test_a_cause_whose_evidence_is_explained_already_is_named_in_the_tie():
-    # a tiled repeat_kv behind a missing g: the good run sees "the forward is wrong", which
-    # the missing g explains; with or without the tiling the evidence is the same
+def test_a_tiled_repeat_kv_is_seen_behind_a_wrong_reduction_and_tied_behind_a_wrong_partial():
     cfg = SHAPES["W2, 2 KV heads per rank"]
-    for inj in (zoo.Injection(g=0), zoo.Injection(g=0, kv="tile")):
+    # a missing g moves the output within the good run's partials; the tiling changes a
+    # partial itself, which the missing g does not explain: both are named
+    alone = tpattn.diagnose(observe_injection(zoo.Injection(g=0), 4, cfg))[0]
+    assert (alone["cause"], alone["with"], alone["tied_with"]) == ("missing_output_reduce", [], [])
+    both = tpattn.diagnose(observe_injection(zoo.Injection(g=0, kv="tile"), 4, cfg))[0]
+    assert {both["cause"], *both["with"]} == {"missing_output_reduce", "repeat_kv_tiled"}
+    # behind naively split fused shards, which change the partials already, the tiling
+    # leaves the same evidence: named in the tie, with or without it
+    for inj in (zoo.Injection(shard="fused_naive"), zoo.Injection(shard="fused_naive", kv="tile")):
         best = tpattn.diagnose(observe_injection(inj, 4, cfg))[0]
-        assert (best["cause"], best["with"]) == ("missing_output_reduce", [])
+        assert (best["cause"], best["with"]) == ("fused_qkv_naive_split", [])
         assert "repeat_kv_tiled" in best["tied_with"]
 
 

@@ -38,12 +38,13 @@ from typing import Callable
 
 __all__ = ["diagnose", "features", "deviations", "DEVIATIONS", "FINGERPRINTS", "Fingerprint",
            "register_fingerprint", "NO_KNOWN_CAUSE", "AGREE_REL", "TIERS", "lowest_tier",
-           "UNREGISTERED_FORWARD", "FORWARD_ONLY", "MAX_CAUSES", "evidence_of",
+           "UNREGISTERED_FORWARD", "FORWARD_ONLY", "MAX_CAUSES", "OUTSIDE_REL", "evidence_of",
            "explanations", "fits"]
 
 NO_KNOWN_CAUSE = "no known cause"
-#: Named in the tie of a cause whose evidence is only "the forward is wrong": a scale or layout
-#: error of the sharded path outside the registry leaves the same evidence.
+#: Named in the tie of a cause whose evidence is only "the forward is wrong, a partial itself
+#: changed": a layout or weight error of the sharded path outside the registry leaves the same
+#: evidence.
 UNREGISTERED_FORWARD = "another error of the sharded forward (not in the registry)"
 #: Two observables "agree" when within this relative distance: two correct float32
 #: computations of the same sums differ by ~1e-7 relative at these sizes; every bug of the
@@ -52,6 +53,11 @@ UNREGISTERED_FORWARD = "another error of the sharded forward (not in the registr
 AGREE_REL = 1e-4
 #: The most causes one explanation may hold.
 MAX_CAUSES = 3
+#: Rank 0's output change "leaves the span" of the good run's partials and bias when more
+#: than this fraction of it is outside (``observe``'s ``output_outside_partials``): float32
+#: rounding leaves ~1e-5 outside, a changed partial (tiled K/V heads, naive fused shards,
+#: another rank's batch) 0.4 or more on the tuning set.
+OUTSIDE_REL = 1e-2
 
 
 def _close(a: float, b: float, rel: float = AGREE_REL) -> bool:
@@ -136,6 +142,7 @@ def features(obs: dict) -> dict:
         f["logged_norm_high"] = logged > ref["logged_grad_norm"] * (1 + AGREE_REL)
         f["logged_norm_matches"] = _close(logged, ref["logged_grad_norm"])
         f["bias_shift_along_bias"] = (obs.get("bias_grad_shift_cosine", 0.0) > 1 - 1e-3)
+        f["output_outside_partials"] = obs.get("output_outside_partials", 0.0) > OUTSIDE_REL
     return f
 
 
@@ -192,6 +199,9 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                      lambda f: f["norm_ratio_is"]["1/W"]),
     "norm_grad_off": ("the norm weight's gradient norm differs from the good run's (not W, "
                       "not 1/W)", 2, lambda f: not any(f["norm_ratio_is"].values())),
+    "outside_partials": ("the output's change from the good run's is no combination of the good "
+                         "run's rank partials and bias (a partial itself changed)", 2,
+                         lambda f: f["output_outside_partials"]),
     "bias_shift": ("the bias gradient moved along the bias itself (an extra copy of b in the "
                    "output)", 2, lambda f: f["bias"] and f["bias_shift_along_bias"]),
     "curve_off": ("the loss curve leaves the good run's while step 0's loss and gradients "
@@ -261,15 +271,16 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         "(W-1)*b", allows=lambda f: f["world_size"] >= 2 and f["bias"], alone=["bias_shift"],
         forward=True),
     "fused_qkv_naive_split": _fp(
-        ["qkv_shards"], [], "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the "
+        ["qkv_shards"], ["outside_partials"], "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the "
         "checkpoint's slices", allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"],
         forward=True),
     "repeat_kv_tiled": _fp(
-        ["loss_off"], [], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv "
+        ["loss_off", "outside_partials"], [], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv "
         "is then exact", allows=lambda f: f["world_size"] >= 2 and f["kv_per_rank"] >= 2
         and f["gqa"], forward=True),
     "inputs_not_replicated": _fp(
-        ["batches"], ["losses_disagree", "norm_replicas", "bias_replicas", "kv_replicas"],
+        ["batches"], ["losses_disagree", "norm_replicas", "bias_replicas", "kv_replicas",
+                      "outside_partials"],
         "broadcast the batch from TP rank 0: the batch checksums and losses agree",
         forward=True),
     "missing_norm_grad_reduce": _fp(
@@ -285,8 +296,8 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         allows=lambda f: f["world_size"] >= 2 and f["kv_replicated"]),
 }
 
-#: Causes whose evidence is only "the forward is wrong": an explanation naming one names
-#: ``UNREGISTERED_FORWARD`` in its tie.
+#: Causes whose evidence is only "the forward is wrong, a partial itself changed": an
+#: explanation naming one names ``UNREGISTERED_FORWARD`` in its tie.
 FORWARD_ONLY = {"repeat_kv_tiled"}
 
 

@@ -83,6 +83,10 @@ def describe(obs: dict) -> list[str]:
                                        else "larger" if f["logged_norm_high"] else "smaller"),
             "gradient norms vs the good run: " + ", ".join(f"{k} {cls(r)}" for k, r in ratio.items()),
         ]
+        if "output_outside_partials" in obs:
+            lines.append("rank 0's output vs the good run: " + (
+                "the same" if f["loss_matches"] else "a partial itself changed"
+                if f["output_outside_partials"] else "moved within its rank partials and bias"))
         if s["bias"]:
             lines.append("bias gradient moved along the bias: "
                          + ("yes" if f["bias_shift_along_bias"] else "no"))

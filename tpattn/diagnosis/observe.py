@@ -27,13 +27,18 @@ returns only such observables, as plain JSON-able numbers:
   ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
   ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
   ``bias_grad_shift_cosine`` (only with a bias): the cosine between the bias gradient's
-  change and the bias itself.
+  change and the bias itself; ``output_outside_partials`` (not under sequence parallelism):
+  the part of rank 0's step-0 output change from the good run's that no combination of the
+  good run's rank partials (its outputs before g) and bias makes, relative (0: a wrong
+  reduction or bias count moved the output; a changed partial leaves a part outside).
 
 The good run here is the mode's correct twin (``Injection.correct``): same setup and layout
 (sequence parallelism, replicated KV heads: the ``Config``), no bug.
 Tensors are float; checksums are sums (float64 accumulation of the float32 values).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +141,25 @@ def _logged(losses, logged_loss: str) -> list[float]:
     return values if logged_loss == "per_rank" else [sum(values) / len(values)] * len(values)
 
 
+def _outside_partials(output: torch.Tensor, good_output: torch.Tensor, shards, xs,
+                      cfg: Config, good_inj: Injection) -> float:
+    """How much of rank 0's step-0 output change from the good run's is not a combination of
+    the good run's rank partials (its outputs before g, from ``shards`` on ``xs``) and its
+    bias: ``|d - proj(d)| / |d|`` (0 when the outputs are equal). output, good_output
+    ``[S, B, hidden]``; least squares in float64."""
+    d = (output - good_output).double().reshape(-1, 1)
+    if float(d.norm()) == 0.0:
+        return 0.0
+    with torch.no_grad():
+        ys = simulated_forward(stack_ranks(shards), xs, cfg, replace(good_inj, g=0, bias=None))
+    columns = [(y - x).double().reshape(-1) for y, x in zip(ys, xs)]
+    if "bias" in shards[0]:
+        columns.append(shards[0]["bias"].double().expand_as(good_output).reshape(-1))
+    a = torch.stack(columns, dim=1)
+    fit = a @ torch.linalg.lstsq(a, d).solution
+    return float((d - fit).norm() / d.norm())
+
+
 def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                       steps: int = STEPS, reference: bool = True,
                       batched: bool = False, logged_loss: str = "per_rank") -> dict:
@@ -157,11 +181,11 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
     run = _train(shards0, block_inputs(batches, cfg), cfg, inj, steps)
+    good_batches = batches if inj.inputs == good_inj.inputs else \
+        rank_batches(cfg, seed, good_inj)
     if good_inj == inj:  # no bug: the good run is this run
         good = run
     else:
-        good_batches = batches if inj.inputs == good_inj.inputs else \
-            rank_batches(cfg, seed, good_inj)
         good = _train(expected, block_inputs(good_batches, cfg), cfg, good_inj, steps,
                       last_update=False)
     first, good_first = run["first"], good["first"]
@@ -192,6 +216,10 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                             "loss_curve": good["curve"]}
         obs["grad_norm_ratio"] = {k: float(grads[k].norm() / good_grads[k].norm())
                                   for k in good_grads}
+        if not cfg.sequence_parallel:
+            good_xs = [x for x, _ in block_inputs(good_batches, cfg)]
+            obs["output_outside_partials"] = _outside_partials(
+                first["outputs"][0], good_first["outputs"][0], expected, good_xs, cfg, good_inj)
         if "bias" in grads:
             shift = (grads["bias"] - good_grads["bias"]).double()
             b = base["bias"].double()
