@@ -1,22 +1,25 @@
-"""``tpattn.observe`` and ``tpattn.diagnose``: naming the bug without a dense model.
+"""``tpattn.observe`` and ``tpattn.diagnose``: naming the bugs without a dense model.
 
-The confusion table: every runnable bug of the registry x 10 seeds x 2 shapes, diagnosed from
-the observables alone; the true bug must be the top candidate (or tied at the top, the tie
-named) in >= 90% of the cases. Open world: a correct run and a made-up bug outside the
-registry give "no known cause".
+The confusion table on the tuning set (``evaluate.TUNING``): every runnable bug of the
+registry x 10 seeds x 2 shapes, diagnosed from the observables alone; the true bug must be the
+top candidate (or tied at the top, the tie named) in >= 90% of the cases. Two bugs with
+different evidence are named together. Open world: a correct run and a made-up bug outside
+the registry give "no known cause".
 """
 import collections
 import json
 import re
 
 import pytest
+import torch
 
 import tpattn
 from tpattn import Config
 from tpattn.bugs import zoo
 from tpattn.cli import main as cli_main
-from tpattn.diagnosis.diagnose import DEVIATIONS, NO_KNOWN_CAUSE, features
+from tpattn.diagnosis.diagnose import DEVIATIONS, NO_KNOWN_CAUSE, features, register_fingerprint
 from tpattn.diagnosis.observe import observe_injection
+from tpattn.parallel.collectives import SimulatedRanks
 
 SHAPES = {
     "W2, 2 KV heads per rank": Config(query_heads=8, kv_heads=4),
@@ -155,6 +158,10 @@ def test_bad_observations_are_a_value_error():
         tpattn.diagnose({"setup": {}, "rank_losses": [1.0]})
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         tpattn.observe("equivalence", 11, steps=0)
+    with pytest.raises(ValueError, match="fingerprint must be a Fingerprint"):
+        register_fingerprint("my_bug", (["a condition"], "a confirmation"))
+    with pytest.raises(ValueError, match="op must be 'sum' or 'avg'"):
+        SimulatedRanks(Config()).copy_to_ranks(torch.zeros(2, 1, 1, 4), op="mean")
 
 
 def test_cli_diagnose_adds_a_diagnosis_to_each_result(capsys):

@@ -64,6 +64,9 @@ def test_list_modes_gives_every_bug_its_lowest_tier(capsys):
                  "norm_grad_averaged", "grad_norm_counts_replicas"):
         assert tiers[mode] == 1, mode
     assert tiers["row_bias_on_every_rank"] == tiers["repeat_kv_tiled"] == 2
+    shows = {m["name"]: m["shows"] for m in modes}
+    assert shows["equivalence"] == [] and all(shows[m] for m in REGISTRY if m != "equivalence")
+    assert "op avg" in shows["input_grad_reduce_averaged"][0]
 
 
 def test_a_job_that_all_reduces_its_loss_is_diagnosed_as_well(single):

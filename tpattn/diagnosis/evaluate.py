@@ -1,16 +1,17 @@
 """How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
 
-The fingerprints were written on seeds 0-9 of ``tests/diagnosis/test_diagnose.py``'s two
-shapes (and seeds 21, 34 of the layout modes); ``HELD_OUT`` are other shapes, and callers pass
-other seeds. Every case runs at tier 1 (the live job alone: ``observe(...,
-reference=False)``) and tier 2 (with the mode's correct twin as the known-good run).
+The fingerprints are tuned on ``TUNING`` (``tests/diagnosis/test_diagnose.py``'s two shapes,
+seeds 0-9; the layout modes on seeds 21, 34 of their own shapes); ``HELD_OUT`` are other
+shapes and world sizes (written before the tuning), and callers pass other seeds (500-504).
+Every case runs at tier 1 (the live job alone: ``observe(..., reference=False)``) and tier 2
+(with the mode's correct twin as the known-good run).
 
 One answer's class (``classify``): ``right`` (the true bug is the top candidate, alone),
-``tied`` (it is in the top's named tie), ``blind`` ("no known cause", and the answer lists
-the true bug among those the tier cannot see: honest), ``missed`` ("no known cause" without
-saying so), ``wrong`` (another cause named and the true one not in the tie: a confident
-wrong name). Two bugs at once (``pairs``) and bugs outside the registry (``MADE_UP``, built
-with ``Injection``'s test knobs) are counted too.
+``tied`` (it is named at the top and the answer names a tie), ``blind`` ("no known cause",
+and the answer lists the true bug among those the tier cannot see: honest), ``missed`` ("no
+known cause" without saying so), ``wrong`` (another cause, or a second one, named without a
+tie: a confident wrong name). Two bugs at once (``pairs``, classed by ``pair_class``) and bugs
+outside the registry (``MADE_UP``, built with ``Injection``'s test knobs) are counted too.
 """
 from __future__ import annotations
 
