@@ -109,16 +109,19 @@ class SimulatedRanks:
         (``op="avg"``: the sum / W, an all-reduce with op AVG)."""
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
-        w = self.world_size if op == "avg" else 1
+        w = self.world_size if op == "avg" else 1  # x / 1 is x, bit for bit
         if self.f is not None:
             out = torch.stack(self.f.apply(*n.unbind(0)))
+
+            def on_backward(grad):
+                self.record("backward", label, op=op)
+                return grad / w
             if out.requires_grad:
-                out.register_hook(lambda grad: (self.record("backward", label, op=op),
-                                                grad / w)[1])
+                out.register_hook(on_backward)
             return out
         return self._apply(n, lambda t: t.view_as(t),
-                           lambda g: (rank_sum(g) / w if w > 1 else rank_sum(g))
-                           .expand_as(g).contiguous(), (label, "all_reduce", "tp", op))
+                           lambda g: (rank_sum(g) / w).expand_as(g).contiguous(),
+                           (label, "all_reduce", "tp", op))
 
     def reduce_output(self, partial: torch.Tensor, label: str = G_LABEL) -> torch.Tensor:
         """g on ``partial`` ``[R, S, B, hidden]``: every rank gets the rank sum; backward
