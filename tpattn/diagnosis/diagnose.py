@@ -20,8 +20,8 @@ Tiers (``TIERS``): what the diagnosis had. Tier 1 is the live job alone (the ran
 logged, checksums, the ledger against the plan with each collective's op, the per-rank
 gradient norms); tier 2 adds a known-good run on the same checkpoint and data
 (``observe(..., reference=True)``). A cause whose every shown deviation compares with the
-good run is visible only at tier 2 (``lowest_tier``); at tier 1 the answer lists those causes
-(``"cannot_see"``, and in the evidence of "no known cause").
+good run is visible only at tier 2 (``lowest_tier``); at tier 1 every answer lists those
+causes (``"cannot_see"``, and a line of its evidence).
 
 Each candidate, best first: ``{"cause", "with": [...], "score", "evidence": [...],
 "confirm", "citation", "tied_with": [...], "tier", "cannot_see": [...]}``. ``with``: the
@@ -422,7 +422,7 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
     failing = tuple(m for m in _FIVE if result[m] >= TOLERANCE)
     if not failing:
         return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": ["all five measures pass"],
-                 "confirm": "-", "citation": None, "tied_with": []}]
+                 "confirm": "-", "citation": None, "tied_with": [], "with": []}]
     if signatures is None:
         signatures = {}
         for mode in runnable_modes():
@@ -442,12 +442,12 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
             return [{"cause": NO_KNOWN_CAUSE, "score": 0,
                      "evidence": ["failing measures: " + ", ".join(failing)]
                      + [f"the signature of {m}, not its numerical fingerprint" for m in ruled_out],
-                     "confirm": "-", "citation": None, "tied_with": []}]
+                     "confirm": "-", "citation": None, "tied_with": [], "with": []}]
     if not matches:
         return [{"cause": NO_KNOWN_CAUSE, "score": 0,
                  "evidence": ["failing measures: " + ", ".join(failing)],
-                 "confirm": "-", "citation": None, "tied_with": []}]
-    found = [{"cause": m, "score": len(failing) + printed.get(m, False),
+                 "confirm": "-", "citation": None, "tied_with": [], "with": []}]
+    found = [{"cause": m, "with": [], "score": len(failing) + printed.get(m, False),
               "evidence": ["failing measures match its signature: " + ", ".join(failing)]
               + (["its numerical fingerprint matches: the error is exactly what it leaves"]
                  if printed.get(m) else []),
