@@ -2,9 +2,10 @@
 
 Runs ``tpattn.diagnosis.evaluate`` (held-out shapes, seeds 500-504 by default, every registry
 bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outside the
-registry) and prints one row per tier and mode, then the totals.
+registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
+fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``).
 
-    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504]
+    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning]
 """
 from __future__ import annotations
 
@@ -12,15 +13,11 @@ import argparse
 from collections import Counter
 
 from tpattn.bugs.zoo import REGISTRY
-from tpattn.diagnosis.evaluate import (CLASSES, made_up_cases, single_bug_cases, summary,
-                                       two_bug_cases)
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, PAIR_CLASSES, TUNING, made_up_cases,
+                                       single_bug_cases, summary, two_bug_cases)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[500, 501, 502, 503, 504])
-    args = ap.parse_args()
-    single = single_bug_cases(args.seeds)
+def _singles(single: dict) -> None:
     for tier in (1, 2):
         rows = summary(single, tier)
         print(f"tier {tier}:")
@@ -32,18 +29,32 @@ def main() -> None:
         print(f"  all: {n} cases: " + ", ".join(f"{k} {total[k]}" for k in CLASSES)
               + f"; true bug top or tied {total['right'] + total['tied']}/{n}; honest "
               f"(not wrong, not missed) {n - total['wrong'] - total['missed']}/{n}")
-    reduced = single_bug_cases(args.seeds, logged_loss="all_reduced")
+
+
+def _pairs(two: dict) -> None:
+    for tier in (1, 2):
+        rows = Counter(v for (t, _, _), v in two.items() if t == tier)
+        n = sum(rows.values())
+        print(f"two bugs at once, tier {tier}: {n} cases; both named "
+              f"{sum(rows[k] for k in BOTH_NAMED)}/{n} (" + ", ".join(
+                  f"{k} {rows[k]}" for k in PAIR_CLASSES) + ")")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[500, 501, 502, 503, 504])
+    ap.add_argument("--tuning", action="store_true",
+                    help="the tuning set instead: TUNING shapes (pass --seeds 0 1 ... 9)")
+    args = ap.parse_args()
+    shapes = TUNING if args.tuning else HELD_OUT
+    single = single_bug_cases(args.seeds, shapes=shapes)
+    _singles(single)
+    reduced = single_bug_cases(args.seeds, logged_loss="all_reduced", shapes=shapes)
     print("the same cases, the job all-reducing its loss: "
           + ("the same answers" if reduced == single else
              f"{sum(reduced[k] != v for k, v in single.items())} answers differ"))
-    two = two_bug_cases(args.seeds)
-    for tier in (1, 2):
-        rows = [v for (t, _, _), v in two.items() if t == tier]
-        print(f"two bugs at once, tier {tier}: {len(rows)} cases; both named "
-              f"{sum(n == 2 for n, _ in rows)}, one {sum(n == 1 for n, _ in rows)}, none "
-              f"{sum(n == 0 for n, _ in rows)}; a registry cause outside the pair at the top "
-              f"{sum(o for _, o in rows)}")
-    made = made_up_cases(args.seeds)
+    _pairs(two_bug_cases(args.seeds, shapes[0][1]))
+    made = made_up_cases(args.seeds, shapes[0][1])
     for tier in (1, 2):
         answers = Counter(v for (t, _, _), v in made.items() if t == tier)
         print(f"made-up bugs, tier {tier}: " + ", ".join(f"{k} {n}" for k, n in answers.items()))

@@ -96,18 +96,18 @@ def tp_forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor
 def ledger_recorders(ledger: list | None):
     """``(record, record_on_backward)`` for a collectives ledger (``None``: record nothing).
 
-    ``record(phase, label)`` appends ``{"collective": "all_reduce", "phase", "group": "tp",
-    "label"}`` now; ``record_on_backward(t, label)`` appends a ``"backward"`` entry when ``t``'s
+    ``record(phase, label, op="sum")`` appends ``{"collective": "all_reduce", "phase", "group":
+    "tp", "label", "op"}`` now; ``record_on_backward(t, label)`` appends a ``"backward"`` entry when ``t``'s
     gradient is computed (a hook), i.e. when backward reaches that all-reduce.
     """
-    def record(phase, label):
+    def record(phase, label, op="sum"):
         if ledger is not None:
             ledger.append({"collective": "all_reduce", "phase": phase, "group": "tp",
-                           "label": label})
+                           "label": label, "op": op})
 
-    def record_on_backward(t, label):
+    def record_on_backward(t, label, op="sum"):
         if ledger is not None and t.requires_grad:
-            t.register_hook(lambda g: record("backward", label))
+            t.register_hook(lambda g: record("backward", label, op))
 
     return record, record_on_backward
 
@@ -118,7 +118,7 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
     ``tp.tp_forward_ranks``, with the injection's knobs).
 
     ``ledger``: if a list, every collective is appended to it as
-    ``{"collective", "phase", "group", "label"}`` when it runs (backward ones during backward).
+    ``{"collective", "phase", "group", "label", "op"}`` when it runs (backward ones during backward).
     Returns one ``[S, B, hidden]`` per rank.
     """
     record, record_on_backward = ledger_recorders(ledger)
@@ -126,7 +126,7 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
     ns = [rms_norm(x, s["norm"], cfg.eps) for x, s in zip(xs, shards)]
     if inj.f != "none":
         ns = list(AllReduceGrads.apply(*ns))
-        record_on_backward(ns[0], "f: all-reduce of dn")
+        record_on_backward(ns[0], "f: all-reduce of dn", "avg" if inj.f == "mean" else "sum")
         if inj.f == "twice":
             ns = list(AllReduceGrads.apply(*ns))
             record_on_backward(ns[0], "all-reduce of dn (again)")
@@ -163,7 +163,7 @@ def ranks_train_step(shards: list[dict[str, torch.Tensor]], batches, cfg: Config
              for p in ps]
     norm = grad_norm(grads, inj)
     ledger.append({"collective": "all_reduce", "phase": "step", "group": "tp",
-                   "label": "sum of squared gradient norms"})
+                   "label": "sum of squared gradient norms", "op": "sum"})
     coef = clip_coef(norm, inj)
     scales = inj.rank_lr_scale or (1.0,) * cfg.world_size
     with torch.no_grad():

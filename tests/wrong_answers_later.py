@@ -148,7 +148,7 @@ WRONG_LATER = [
      "one all-reduce fewer in the backward pass is missing_input_grad_reduce"),
     ("check_ledger_verdict", lambda obs: "missing_f", "your function returned 'missing_f'"),
     ("check_hunts", lambda hunt: {**HUNT_ANSWERS, 3: "output_reduced_twice"}[hunt],
-     "hunt 3: Not output_reduced_twice: its fingerprint needs"),
+     "hunt 3: Not output_reduced_twice: it would show"),
     ("check_hunts", lambda hunt: {**HUNT_ANSWERS, 1: "missing_input_grad_reduce"}[hunt],
      "hunt 1: Not missing_input_grad_reduce"),
     ("check_hunts", lambda hunt: {**HUNT_ANSWERS, 0: "no known cause"}[hunt],

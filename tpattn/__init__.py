@@ -1,7 +1,7 @@
 """tpattn — tensor-parallel attention, built, sharded, checked and broken.
 
 ``tpattn.observe(mode, seed)`` and ``tpattn.diagnose(observations)``: what a run shows
-without a dense model, and which bug of the registry (``tpattn.bugs.zoo``) explains it (the
+without a dense model, and which bugs of the registry (``tpattn.bugs.zoo``) explain it (the
 functions shadow their modules' names; ``from tpattn.diagnosis.diagnose import features`` still works).
 
 ``import tpattn`` loads torch and nothing heavier; plotting (``tpattn.viz``) and widgets

@@ -100,11 +100,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def modes_listing() -> list[dict]:
     """``--list-modes``: ``zoo.list_modes()``, each mode with its ``lowest_tier`` (the lowest
-    diagnosis tier whose observables show it, ``tpattn.diagnosis.diagnose.lowest_tier``)."""
+    diagnosis tier whose observables show it, ``tpattn.diagnosis.diagnose.lowest_tier``) and
+    ``shows`` (what it always shows, with each deviation's tier: ``evidence_of``)."""
     from tpattn.bugs.zoo import list_modes
-    from tpattn.diagnosis.diagnose import lowest_tier
+    from tpattn.diagnosis.diagnose import evidence_of, lowest_tier
 
-    return [{**m, "lowest_tier": lowest_tier(m["name"])} for m in list_modes()]
+    return [{**m, "lowest_tier": lowest_tier(m["name"]), "shows": evidence_of(m["name"])}
+            for m in list_modes()]
 
 
 def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:

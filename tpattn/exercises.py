@@ -1514,7 +1514,7 @@ def check_ledger_verdict(verdict) -> str:
     for mode in modes:
         for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
             if mode not in _LEDGER_BUGS and cfg is not HUNT_SHAPES[0]:
-                continue  # the ledger of these is the plan on every shape
+                continue  # the counts of these are the plan's on every shape
             obs = _observed(mode, seed, cfg, False, 1)
             got = verdict(copy.deepcopy(obs))
             want = mode if mode in _LEDGER_BUGS else None
@@ -1541,7 +1541,8 @@ def check_ledger_verdict(verdict) -> str:
                          f"{'fewer' if fewer else 'more'} in the {phase} pass is {want}.")
     return (f"right on observed runs of all {len(modes)} runnable zoo modes (two shapes for "
             f"the four the ledger shows): a count below the plan is a missing reduce, above "
-            f"it a doubled one, and the other bugs leave the ledger as planned.")
+            f"it a doubled one, and the other bugs leave the counts as planned (an averaged f "
+            f"changes only its op, to avg).")
 
 
 #: The hunts of ``check_hunts`` (``tpattn.diagnosis.hunt.hunt_case``): a clipping bug, a bias bug,

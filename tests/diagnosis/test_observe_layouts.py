@@ -76,9 +76,13 @@ def test_a_dropped_norm_gradient_reduce_shows_in_the_ledger_replicas_and_norm_gr
 
 
 @pytest.mark.parametrize("cfg", [SP, SP_W4], ids=["W2", "W4"])
-def test_an_averaged_norm_gradient_is_one_over_w_with_the_planned_ledger(cfg):
+def test_an_averaged_norm_gradient_is_one_over_w_and_an_avg_in_the_ledger(cfg):
     obs = tpattn.observe("norm_grad_averaged", 11, cfg)
-    assert obs["ledger"] == obs["planned_ledger"]
+    # the same collectives as the plan, but the norm gradient's all-reduce asks for AVG
+    differ = [(e, p) for e, p in zip(obs["ledger"], obs["planned_ledger"]) if e != p]
+    assert len(obs["ledger"]) == len(obs["planned_ledger"]) and len(differ) == 1
+    (seen, planned), = differ
+    assert seen == {**planned, "op": "avg"} and planned["phase"] == "after backward"
     assert rel(obs["grad_norm_ratio"]["norm"], 1 / cfg.world_size) <= 1e-5
     assert sharded_ratios_are_one(obs, ("wq", "wk", "wv", "wo"))
     for when in ("after_1", "after_k"):  # every rank gets the same (wrong) average

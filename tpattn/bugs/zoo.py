@@ -129,7 +129,8 @@ def _entries() -> list[BugMode]:
         BugMode("input_grad_reduce_averaged",
                 "f averages dn over the ranks instead of summing it", None,
                 ("world_size >= 2",), Injection(f="mean"),
-                how="backward all-reduce with op AVG (sum / W)",
+                how="backward all-reduce with op AVG (sum / W): the ledger shows op avg where "
+                    "the plan has sum (real ranks issue SUM, then / W, and record avg)",
                 fix="reduce with SUM: every rank's share of dn is a different term",
                 fidelity_note="no public report of f averaging dn was found; "
                 "EleutherAI/gpt-neox PR 1259 averaged the sequence-parallel LayerNorm "
@@ -226,7 +227,8 @@ def _entries() -> list[BugMode]:
                 "EleutherAI/gpt-neox PR 1259", ("sequence_parallel",),
                 NATIVE_INJECTIONS[NORM_GRAD_AVERAGED],
                 provider="tpattn.parallel.sequence_parallel",
-                how="the norm weight's gradient all-reduced with op AVG (sum / W)",
+                how="the norm weight's gradient all-reduced with op AVG (sum / W): the ledger "
+                    "shows op avg where the plan has sum",
                 fix="reduce with SUM: each rank's gradient covers different tokens",
                 fidelity="mechanism",
                 fidelity_note="the SP LayerNorm gradient hook averaged over the sequence "

@@ -1,41 +1,63 @@
-"""``diagnose(observations)``: which known TP bug explains what a run shows — or none.
+"""``diagnose(observations)``: which known TP bugs explain what a run shows — or none.
 
-Open-world: every cause of the registry has a *fingerprint*, a list of conditions on the
-observables (``tpattn.observe``) that its mechanism implies. A cause is a candidate only when
-all of its conditions hold; candidates are ranked by how many conditions they meet (the more
-specific explanation first) and ties are named. When no fingerprint fits, the answer is
-``"no known cause"``, with the deviations that were seen.
+Open-world and composable. ``deviations`` lists what the run shows that a correct run would
+not (``DEVIATIONS``: a forward ledger short by one all-reduce, an op of ``avg`` where the plan
+says ``sum``, batch checksums that differ, norm replicas that drift apart, a step-0 loss off
+the good run's, ...). Every cause of the registry has a fingerprint (``FINGERPRINTS``): the
+deviations its mechanism always ``shows`` (``alone``: those it shows only when no other
+forward-changing cause is present, which could move them), the ones it ``explains`` (it may
+cause them) and the setups that ``allow`` it. The answer is the smallest set of causes that
+together explain every deviation, each showing its own: one cause, or two at once, or three.
+Several smallest sets are a named tie; a cause that adds to a set nothing the run could show
+(its only evidence is already explained by the set) would leave the same evidence and is
+named in the tie too. A deviation no cause explains gives ``"no known cause"``, with what was
+seen.
 
 It also works from the five measures of ``tpattn.run`` (a dense model *was* available): the
 set of measures that fail is matched against each mode's signature on the same shape.
 
 Tiers (``TIERS``): what the diagnosis had. Tier 1 is the live job alone (the ranks' losses as
-logged, checksums, the ledger against the plan); tier 2 adds a known-good run on the same
-checkpoint and data (``observe(..., reference=True)``). A fingerprint condition that compares
-with the good run makes its cause visible only at tier 2 (``lowest_tier``), unless it only
-adds to evidence the live job already shows (then it is skipped at tier 1). At tier 1, when
-nothing fits, the answer lists the causes tier 1 cannot see.
+logged, checksums, the ledger against the plan with each collective's op, the per-rank
+gradient norms); tier 2 adds a known-good run on the same checkpoint and data
+(``observe(..., reference=True)``). A cause whose every shown deviation compares with the
+good run is visible only at tier 2 (``lowest_tier``); at tier 1 every answer lists those
+causes (``"cannot_see"``, and a line of its evidence).
 
-Each candidate: ``{"cause", "score", "evidence": [...], "confirm": "...", "citation",
-"tied_with": [...], "tier"}`` (``tier``: the tier the diagnosis used). Evidence is phrased in classes (``"= 1/W"``, ``"0 where the plan has
-1"``), never in rounding digits.
+Each candidate, best first: ``{"cause", "with": [...], "score", "evidence": [...],
+"confirm", "citation", "tied_with": [...], "tier", "cannot_see": [...]}``. ``with``: the
+other causes of its explanation (two bugs at once: the top candidate's ``cause`` and
+``with``); ``tied_with``: the causes of the other explanations that fit as well; ``tier``:
+the tier the diagnosis used. Evidence is phrased in classes (``"W times"``, ``"fewer than the
+plan"``), never in rounding digits.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import combinations
 from typing import Callable
 
-__all__ = ["diagnose", "features", "FINGERPRINTS", "register_fingerprint", "NO_KNOWN_CAUSE",
-           "AGREE_REL", "TIERS", "lowest_tier", "UNREGISTERED_FORWARD", "FORWARD_ONLY"]
+__all__ = ["diagnose", "features", "deviations", "DEVIATIONS", "FINGERPRINTS", "Fingerprint",
+           "register_fingerprint", "NO_KNOWN_CAUSE", "AGREE_REL", "TIERS", "lowest_tier",
+           "UNREGISTERED_FORWARD", "FORWARD_ONLY", "MAX_CAUSES", "OUTSIDE_REL", "evidence_of",
+           "explanations", "fits"]
 
 NO_KNOWN_CAUSE = "no known cause"
-#: Named in the tie of a cause whose evidence is only "the forward is wrong and nothing else
-#: is seen": a scale or layout error of the sharded path outside the registry fits it too.
+#: Named in the tie of a cause whose evidence is only "the forward is wrong, a partial itself
+#: changed": a layout or weight error of the sharded path outside the registry leaves the same
+#: evidence.
 UNREGISTERED_FORWARD = "another error of the sharded forward (not in the registry)"
 #: Two observables "agree" when within this relative distance: two correct float32
 #: computations of the same sums differ by ~1e-7 relative at these sizes; every bug of the
-#: registry moves the observables its fingerprint tests by more (tests/bugs/test_diagnose.py's
-#: confusion table would miss a bug that hid under it).
+#: registry moves the observables its fingerprint tests by more (the held-out evaluation,
+#: ``tpattn.diagnosis.evaluate``, would count a bug that hid under it as missed).
 AGREE_REL = 1e-4
+#: The most causes one explanation may hold.
+MAX_CAUSES = 3
+#: Rank 0's output change "leaves the span" of the good run's partials and bias when more
+#: than this fraction of it is outside (``observe``'s ``output_outside_partials``): float32
+#: rounding leaves ~1e-5 outside, a changed partial (tiled K/V heads, naive fused shards,
+#: another rank's batch) 0.4 or more on the tuning set.
+OUTSIDE_REL = 1e-2
 
 
 def _close(a: float, b: float, rel: float = AGREE_REL) -> bool:
@@ -47,14 +69,30 @@ def _spread(values: list[float]) -> bool:
     return any(not _close(v, values[0]) for v in values)
 
 
-def _count(ledger: list[dict], phase: str) -> int:
-    return sum(e["phase"] == phase for e in ledger)
+def _count(ledger: list[dict], phase: str, group: str | None = None, op: str | None = None) -> int:
+    return sum(e["phase"] == phase and (group is None or e["group"] == group)
+               and (op is None or e.get("op", "sum") == op) for e in ledger)
+
+
+def _norm_totals(obs: dict) -> tuple[float, float]:
+    """The global gradient norm from the per-rank gradient norms, ``(once, per_rank)``: the
+    replicated parameters counted on rank 0 only (correct), or on every rank."""
+    from tpattn.parallel.engine import REPLICATED
+
+    once = every = 0.0
+    for rank, norms in enumerate(obs["rank_grad_norms"]):
+        for name, n in norms.items():
+            every += n * n
+            once += n * n if name not in REPLICATED or rank == 0 else 0.0
+    return once ** 0.5, every ** 0.5
 
 
 def features(obs: dict) -> dict:
-    """The yes/no facts and counts the fingerprints test, computed from ``obs``."""
+    """The yes/no facts and counts the deviations are read from, computed from ``obs``."""
     setup = obs["setup"]
     w = setup["world_size"]
+    ledger, plan = obs["ledger"], obs["planned_ledger"]
+    after_1 = obs["replica_checksums"]["after_1"]
     f = {
         "world_size": w,
         "bias": setup.get("bias", False), "fused_qkv": setup.get("fused_qkv", False),
@@ -67,23 +105,31 @@ def features(obs: dict) -> dict:
         "shards_ok": {k: all(abs(d) <= 1e-5 * max(obs["shard_scale"][k], 1.0) for d in v)
                       for k, v in obs["shard_checksums"].items()},
         # replicas get the same all-reduced gradient and the same update: the same bits
-        "replicas_agree_1": all(len(set(v)) == 1 for v in obs["replica_checksums"]["after_1"].values()),
-        "norm_replicas_agree_1": len(set(obs["replica_checksums"]["after_1"]["norm"])) == 1,
-        "kv_replicas_agree_1": all(len(set(v)) == 1 for k, v in
-                                   obs["replica_checksums"]["after_1"].items() if k[:2] in ("wk", "wv")),
+        "replicas_agree_1": all(len(set(v)) == 1 for v in after_1.values()),
+        "norm_replicas_agree_1": len(set(after_1["norm"])) == 1,
+        "bias_replicas_agree_1": len(set(after_1.get("bias", [0.0]))) == 1,
+        "kv_replicas_agree_1": all(len(set(v)) == 1 for k, v in after_1.items()
+                                   if k[:2] in ("wk", "wv")),
         "sequence_parallel": setup.get("sequence_parallel", False),
-        "after_bwd": _count(obs["ledger"], "after backward"),
-        "after_bwd_plan": _count(obs["planned_ledger"], "after backward"),
-        "kv_reduces": sum(e["group"] == "kv_replicas" for e in obs["ledger"]),
-        "kv_reduces_plan": sum(e["group"] == "kv_replicas" for e in obs["planned_ledger"]),
-        "replicas_agree_k": all(len(set(v)) == 1 for v in obs["replica_checksums"]["after_k"].values()),
-        "fwd": _count(obs["ledger"], "forward"), "bwd": _count(obs["ledger"], "backward"),
-        "fwd_plan": _count(obs["planned_ledger"], "forward"),
-        "bwd_plan": _count(obs["planned_ledger"], "backward"),
-        "groups_ok": [e["group"] for e in obs["ledger"]] == [e["group"] for e in obs["planned_ledger"]]
-        if len(obs["ledger"]) == len(obs["planned_ledger"]) else None,
+        "kv_replicated": setup["kv_heads"] < w,
+        "replicas_agree_k": all(len(set(v)) == 1
+                                for v in obs["replica_checksums"]["after_k"].values()),
+        "fwd": _count(ledger, "forward"), "fwd_plan": _count(plan, "forward"),
+        "bwd": _count(ledger, "backward", "tp"), "bwd_plan": _count(plan, "backward", "tp"),
+        "bwd_avg": _count(ledger, "backward", "tp", "avg"),
+        "bwd_avg_plan": _count(plan, "backward", "tp", "avg"),
+        "after_bwd": _count(ledger, "after backward"),
+        "after_bwd_plan": _count(plan, "after backward"),
+        "after_bwd_avg": _count(ledger, "after backward", op="avg"),
+        "after_bwd_avg_plan": _count(plan, "after backward", op="avg"),
+        "kv_reduces": sum(e["group"] == "kv_replicas" for e in ledger),
+        "kv_reduces_plan": sum(e["group"] == "kv_replicas" for e in plan),
     }
-    f["ledger_as_planned"] = obs["ledger"] == obs["planned_ledger"]
+    f["ledger_as_planned"] = ledger == plan
+    once, every = _norm_totals(obs) if "rank_grad_norms" in obs else (None, None)
+    logged = obs["logged_grad_norm"]
+    f["logged_norm_is"] = ("unknown" if once is None else "once" if _close(logged, once)
+                           else "per rank" if _close(logged, every) else "neither")
     ref = obs.get("reference")
     f["has_reference"] = ref is not None
     if ref is not None:
@@ -93,191 +139,272 @@ def features(obs: dict) -> dict:
         f["grads_match"] = {k: _close(r, 1.0) for k, r in ratio.items()}
         f["norm_ratio_is"] = {"1/W": _close(ratio["norm"], 1 / w), "W": _close(ratio["norm"], w),
                               "1": _close(ratio["norm"], 1.0)}
-        f["logged_norm_high"] = obs["logged_grad_norm"] > ref["logged_grad_norm"] * (1 + AGREE_REL)
-        f["logged_norm_matches"] = _close(obs["logged_grad_norm"], ref["logged_grad_norm"])
+        f["logged_norm_high"] = logged > ref["logged_grad_norm"] * (1 + AGREE_REL)
+        f["logged_norm_matches"] = _close(logged, ref["logged_grad_norm"])
         f["bias_shift_along_bias"] = (obs.get("bias_grad_shift_cosine", 0.0) > 1 - 1e-3)
+        f["output_outside_partials"] = obs.get("output_outside_partials", 0.0) > OUTSIDE_REL
     return f
 
 
-# --- fingerprints: (name, test(features) -> bool, evidence text) ---------------------------
-
-def _c(text: str, test: Callable[[dict], bool]):
-    return (text, test)
+def _sharded_grads_off(f: dict) -> bool:
+    return not all(ok for k, ok in f["grads_match"].items() if k not in ("norm", "bias"))
 
 
-def _ref(test):
-    def needs_good_run(f):
-        return f["has_reference"] and test(f)
-    needs_good_run.tier = 2
-    return needs_good_run
-
-
-def _when(condition, applies, tier: int = 1):
-    """``condition`` (``(text, test)``), used only where ``applies(features)``: elsewhere it
-    is skipped (neither held nor failed, not scored)."""
-    text, test = condition
-
-    def where_it_applies(f):
-        return test(f)
-    where_it_applies.applies, where_it_applies.tier = applies, tier
-    return (text, where_it_applies)
-
-
-def _extra(condition):
-    """A condition on the good run that only adds to a fingerprint already visible without
-    it: skipped when there is no good run."""
-    return _when(condition, lambda f: f["has_reference"], tier=2)
-
-
-def _applies(test, f: dict) -> bool:
-    return getattr(test, "applies", lambda _: True)(f)
-
-
-_SHARDS_OK = _c("every rank loaded the checkpoint slices it should hold (shard checksums)",
-                lambda f: all(f["shards_ok"].values()))
-_SAME_DATA = _c("every rank saw the same batch (batch checksums agree)", lambda f: f["batches_agree"])
-_LEDGER = _c("the collectives are the planned ones (count and group)", lambda f: f["ledger_as_planned"])
-_LOSSES_AGREE = _c("the ranks' step-0 losses agree", lambda f: f["losses_agree"])
-_LOSS_OK = _c("the step-0 loss equals the good run's (the forward is right)",
-              _ref(lambda f: f["loss_matches"]))
-_LOSS_OFF = _c("the step-0 loss differs from the good run's (the forward is wrong)",
-               _ref(lambda f: not f["loss_matches"]))
-_W2 = _c("world size >= 2", lambda f: f["world_size"] >= 2)
-_SP = _c("the job runs sequence parallelism", lambda f: f["sequence_parallel"])
-_NORM_GRAD_OVER_W = _c("the norm weight's gradient norm is 1/W times the good run's",
-                       _ref(lambda f: f["norm_ratio_is"]["1/W"]))
-_SHARDED_GRADS_MATCH = _c("the sharded weights' gradients equal the good run's",
-                          _ref(lambda f: all(f["grads_match"][k] for k in ("wq", "wk", "wv", "wo"))))
-
-#: cause -> (conditions, the test that would confirm it)
-FINGERPRINTS: dict[str, tuple[list, str]] = {
-    "missing_output_reduce": ([
-        _W2,
-        _c("forward ledger: fewer all-reduces than the plan (g missing)",
-           lambda f: f["fwd"] < f["fwd_plan"]),
-        _when(_c("the ranks' step-0 losses disagree", lambda f: not f["losses_agree"]),
-              lambda f: f["losses_per_rank"]),
-    ], "all-reduce the output partials: every rank's loss should become the same"),
-    "output_reduced_twice": ([
-        _W2, _LOSSES_AGREE,
-        _c("forward ledger: twice the planned all-reduces (g applied twice)",
-           lambda f: f["fwd"] == 2 * f["fwd_plan"] > 0),
-    ], "remove one all-reduce: the block's output drops by the factor W"),
-    "missing_input_grad_reduce": ([
-        _W2, _LOSSES_AGREE,
-        _c("backward ledger: fewer all-reduces than the plan (f missing)",
-           lambda f: f["bwd"] < f["bwd_plan"]),
-        _c("the replicated norm weight differs across ranks after one step",
-           lambda f: not f["norm_replicas_agree_1"]),
-    ], "all-reduce dn in backward: the norm replicas stay identical"),
-    "input_grad_reduced_twice": ([
-        _W2, _LOSSES_AGREE, _extra(_LOSS_OK),
-        _c("backward ledger: twice the planned all-reduces", lambda f: f["bwd"] == 2 * f["bwd_plan"] > 0),
-        _extra(_c("the norm weight's gradient norm is W times the good run's",
-                  _ref(lambda f: f["norm_ratio_is"]["W"]))),
-    ], "drop the second all-reduce: the norm gradient falls by exactly W"),
-    "input_grad_reduce_averaged": ([
-        _W2, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
-        _NORM_GRAD_OVER_W, _SHARDED_GRADS_MATCH,
-    ], "reduce dn with SUM instead of AVG: the norm gradient grows by exactly W"),
-    "grad_norm_counts_replicas": ([
-        _W2, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
-        _c("every gradient equals the good run's", _ref(lambda f: all(f["grads_match"].values()))),
-        _c("the logged global gradient norm is larger than the good run's",
-           _ref(lambda f: f["logged_norm_high"])),
-    ], "count replicated parameters on one rank: the logged norm equals the TP = 1 norm"),
-    "row_bias_on_every_rank": ([
-        _W2, _LEDGER, _LOSSES_AGREE, _LOSS_OFF, _SAME_DATA, _SHARDS_OK,
-        _c("the model has a row-parallel output bias", lambda f: f["bias"]),
-        _c("the bias gradient moved along the bias itself (an extra copy of b in the output)",
-           _ref(lambda f: f["bias_shift_along_bias"])),
-    ], "add the bias after the all-reduce: the output drops by exactly (W-1)*b"),
-    "fused_qkv_naive_split": ([
-        _W2, _c("the checkpoint stores a fused [Wq; Wk; Wv]", lambda f: f["fused_qkv"]),
-        _c("ranks loaded Q/K/V numbers that are not their slices (shard checksums differ)",
-           lambda f: not (f["shards_ok"]["wq"] and f["shards_ok"]["wk"] and f["shards_ok"]["wv"])),
-        _c("the output projection's shards are right", lambda f: f["shards_ok"]["wo"]),
-    ], "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices"),
-    "repeat_kv_tiled": ([
-        _W2, _LEDGER, _LOSSES_AGREE, _LOSS_OFF, _SAME_DATA, _SHARDS_OK,
-        _c("each rank holds >= 2 KV heads with >= 2 query heads each (tiling differs from "
-           "interleaving)", lambda f: f["kv_per_rank"] >= 2 and f["gqa"]),
-        _c("no extra bias explains the shift", _ref(lambda f: not (f["bias"] and f["bias_shift_along_bias"]))),
-    ], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv is then exact"),
-    "missing_norm_grad_reduce": ([
-        _W2, _SP, _LOSSES_AGREE,
-        _c("after backward: fewer all-reduces than the plan (the norm gradient's)",
-           lambda f: f["after_bwd"] < f["after_bwd_plan"]),
-        _c("the replicated norm weight differs across ranks after one step",
-           lambda f: not f["norm_replicas_agree_1"]),
-    ], "all-reduce the norm weight's gradient over the TP group: the norm replicas stay "
-       "identical"),
-    "norm_grad_averaged": ([
-        _W2, _SP, _LEDGER, _LOSSES_AGREE, _LOSS_OK, _SAME_DATA, _SHARDS_OK,
-        _NORM_GRAD_OVER_W, _SHARDED_GRADS_MATCH,
-    ], "reduce the norm gradient with SUM, not AVG: it grows by exactly W"),
-    "missing_kv_grad_reduce": ([
-        _W2, _LOSSES_AGREE,
-        _c("backward: fewer all-reduces over the KV replica groups than the plan",
-           lambda f: f["kv_reduces"] < f["kv_reduces_plan"]),
-        _c("wk/wv differ across the ranks of a replica group after one step",
-           lambda f: not f["kv_replicas_agree_1"]),
-        _c("the replicated norm weight stays identical", lambda f: f["norm_replicas_agree_1"]),
-    ], "all-reduce wk/wv gradients over each KV replica group: the replicas stay identical"),
-    "inputs_not_replicated": ([
-        _W2, _c("the ranks' batch checksums differ", lambda f: not f["batches_agree"]),
-    ], "broadcast the batch from TP rank 0: the batch checksums and losses agree"),
+#: What a run can show that a correct one would not: name -> (text, tier, test(features)).
+#: A tier-2 deviation compares with the known-good run.
+DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
+    "fwd_short": ("forward ledger: fewer all-reduces than the plan (a g missing)", 1,
+                  lambda f: f["fwd"] < f["fwd_plan"]),
+    "fwd_extra": ("forward ledger: more all-reduces than the plan (an extra g)", 1,
+                  lambda f: f["fwd"] > f["fwd_plan"]),
+    "bwd_short": ("backward ledger: fewer all-reduces than the plan (an f missing)", 1,
+                  lambda f: f["bwd"] < f["bwd_plan"]),
+    "bwd_extra": ("backward ledger: more all-reduces than the plan (an extra f)", 1,
+                  lambda f: f["bwd"] > f["bwd_plan"]),
+    "bwd_avg": ("backward ledger: an all-reduce with op avg where the plan has sum", 1,
+                lambda f: f["bwd_avg"] > f["bwd_avg_plan"]),
+    "after_bwd_short": ("after backward: fewer all-reduces than the plan (the norm "
+                        "gradient's)", 1, lambda f: f["after_bwd"] < f["after_bwd_plan"]),
+    "after_bwd_avg": ("after backward: the norm gradient's all-reduce has op avg where the "
+                      "plan has sum", 1, lambda f: f["after_bwd_avg"] > f["after_bwd_avg_plan"]),
+    "kv_short": ("backward: fewer all-reduces over the KV replica groups than the plan", 1,
+                 lambda f: f["kv_reduces"] < f["kv_reduces_plan"]),
+    "batches": ("the ranks' batch checksums differ", 1, lambda f: not f["batches_agree"]),
+    "qkv_shards": ("ranks hold Q/K/V numbers that are not their checkpoint slices", 1,
+                   lambda f: not all(f["shards_ok"][k] for k in ("wq", "wk", "wv"))),
+    "wo_shards": ("ranks hold output-projection numbers that are not their slices", 1,
+                  lambda f: not f["shards_ok"]["wo"]),
+    "losses_disagree": ("the ranks' step-0 losses disagree", 1,
+                        lambda f: f["losses_per_rank"] and not f["losses_agree"]),
+    "norm_replicas": ("the replicated norm weight differs across ranks after one step", 1,
+                      lambda f: not f["norm_replicas_agree_1"]),
+    "bias_replicas": ("the replicated bias differs across ranks after one step", 1,
+                      lambda f: not f["bias_replicas_agree_1"]),
+    "kv_replicas": ("wk/wv differ across the ranks of a KV replica group after one step", 1,
+                    lambda f: not f["kv_replicas_agree_1"]),
+    "late_drift": ("replicas identical after one step differ after the last", 1,
+                   lambda f: f["replicas_agree_1"] and not f["replicas_agree_k"]),
+    "norm_counts_replicas": ("the logged gradient norm counts the replicated gradients on "
+                             "every rank (from the per-rank gradient norms)", 1,
+                             lambda f: f["logged_norm_is"] == "per rank"),
+    "norm_unexplained": ("the logged gradient norm is not the per-rank gradient norms' total",
+                         1, lambda f: f["logged_norm_is"] == "neither"),
+    "loss_off": ("the step-0 loss differs from the good run's (the forward is wrong)", 2,
+                 lambda f: not f["loss_matches"]),
+    "grads_off": ("the sharded weights' gradient norms differ from the good run's", 2,
+                  _sharded_grads_off),
+    "norm_grad_w": ("the norm weight's gradient norm is W times the good run's", 2,
+                    lambda f: f["norm_ratio_is"]["W"]),
+    "norm_grad_1w": ("the norm weight's gradient norm is 1/W times the good run's", 2,
+                     lambda f: f["norm_ratio_is"]["1/W"]),
+    "norm_grad_off": ("the norm weight's gradient norm differs from the good run's (not W, "
+                      "not 1/W)", 2, lambda f: not any(f["norm_ratio_is"].values())),
+    "outside_partials": ("the output's change from the good run's is no combination of the good "
+                         "run's rank partials and bias (a partial itself changed)", 2,
+                         lambda f: f["output_outside_partials"]),
+    "bias_shift": ("the bias gradient moved along the bias itself (an extra copy of b in the "
+                   "output)", 2, lambda f: f["bias"] and f["bias_shift_along_bias"]),
+    "curve_off": ("the loss curve leaves the good run's while step 0's loss and gradients "
+                  "match it", 2, lambda f: not f["curve_matches"] and f["loss_matches"]
+                  and all(f["grads_match"].values())),
 }
 
 
-#: Causes whose fingerprint, beyond "the forward is wrong and nothing else deviates", only
-#: checks that the setup allows them: the answer names ``UNREGISTERED_FORWARD`` in their tie.
+def deviations(f: dict) -> list[str]:
+    """The names of the ``DEVIATIONS`` that ``features`` ``f`` show (tier-2 ones only with a
+    known-good run), in ``DEVIATIONS`` order."""
+    return [name for name, (_, tier, test) in DEVIATIONS.items()
+            if (tier == 1 or f["has_reference"]) and test(f)]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one cause leaves: ``shows`` (deviations it always shows), ``alone`` (those it
+    shows unless another forward-changing cause moves them too), ``explains`` (every
+    deviation it may cause, ``shows`` and ``alone`` included), ``allows(features)`` (the setup
+    can have it), ``forward`` (it changes the step-0 forward), ``confirm`` (the test that
+    would confirm it)."""
+
+    shows: tuple[str, ...]
+    explains: frozenset
+    confirm: str
+    allows: Callable[[dict], bool] = lambda f: f["world_size"] >= 2
+    alone: tuple[str, ...] = ()
+    forward: bool = False
+
+
+#: What a wrong forward moves downstream: the loss and every gradient.
+_FORWARD_EFFECTS = ("loss_off", "grads_off", "norm_grad_w", "norm_grad_1w", "norm_grad_off")
+#: What a wrong norm-weight gradient (dn, or its reduce) moves at step 0.
+_NORM_GRAD = ("norm_grad_w", "norm_grad_1w", "norm_grad_off")
+
+
+def _fp(shows, explains, confirm, allows=None, alone=(), forward=False) -> Fingerprint:
+    extra = _FORWARD_EFFECTS if forward else ()
+    return Fingerprint(tuple(shows), frozenset((*shows, *alone, *explains, *extra)), confirm,
+                       allows or (lambda f: f["world_size"] >= 2), tuple(alone), forward)
+
+
+FINGERPRINTS: dict[str, Fingerprint] = {
+    "missing_output_reduce": _fp(
+        ["fwd_short"], ["losses_disagree", "norm_replicas", "bias_replicas"],
+        "all-reduce the output partials: every rank's loss should become the same",
+        forward=True),
+    "output_reduced_twice": _fp(
+        ["fwd_extra"], [], "remove one all-reduce: the block's output drops by the factor W",
+        forward=True),
+    "missing_input_grad_reduce": _fp(
+        ["bwd_short"], ["norm_replicas", *_NORM_GRAD],
+        "all-reduce dn in backward: the norm replicas stay identical"),
+    "input_grad_reduced_twice": _fp(
+        ["bwd_extra"], _NORM_GRAD, "drop the second all-reduce: the norm gradient falls by "
+        "exactly W"),
+    "input_grad_reduce_averaged": _fp(
+        ["bwd_avg"], _NORM_GRAD, "reduce dn with SUM instead of AVG: the norm gradient grows "
+        "by exactly W"),
+    "grad_norm_counts_replicas": _fp(
+        ["norm_counts_replicas"], ["curve_off"],
+        "count replicated parameters on one rank: the logged norm equals the TP = 1 norm",
+        allows=lambda f: f["world_size"] >= 2 and f["grad_clip"]),
+    "row_bias_on_every_rank": _fp(
+        ["loss_off"], [], "add the bias after the all-reduce: the output drops by exactly "
+        "(W-1)*b", allows=lambda f: f["world_size"] >= 2 and f["bias"], alone=["bias_shift"],
+        forward=True),
+    "fused_qkv_naive_split": _fp(
+        ["qkv_shards"], ["outside_partials"], "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the "
+        "checkpoint's slices", allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"],
+        forward=True),
+    "repeat_kv_tiled": _fp(
+        ["loss_off", "outside_partials"], [], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv "
+        "is then exact", allows=lambda f: f["world_size"] >= 2 and f["kv_per_rank"] >= 2
+        and f["gqa"], forward=True),
+    "inputs_not_replicated": _fp(
+        ["batches"], ["losses_disagree", "norm_replicas", "bias_replicas", "kv_replicas",
+                      "outside_partials"],
+        "broadcast the batch from TP rank 0: the batch checksums and losses agree",
+        forward=True),
+    "missing_norm_grad_reduce": _fp(
+        ["after_bwd_short"], ["norm_replicas", *_NORM_GRAD],
+        "all-reduce the norm weight's gradient over the TP group: the norm replicas stay "
+        "identical", allows=lambda f: f["world_size"] >= 2 and f["sequence_parallel"]),
+    "norm_grad_averaged": _fp(
+        ["after_bwd_avg"], _NORM_GRAD, "reduce the norm gradient with SUM, not AVG: it grows "
+        "by exactly W", allows=lambda f: f["world_size"] >= 2 and f["sequence_parallel"]),
+    "missing_kv_grad_reduce": _fp(
+        ["kv_short"], ["kv_replicas", "grads_off"],
+        "all-reduce wk/wv gradients over each KV replica group: the replicas stay identical",
+        allows=lambda f: f["world_size"] >= 2 and f["kv_replicated"]),
+}
+
+#: Causes whose evidence is only "the forward is wrong, a partial itself changed": an
+#: explanation naming one names ``UNREGISTERED_FORWARD`` in its tie.
 FORWARD_ONLY = {"repeat_kv_tiled"}
 
 
-def register_fingerprint(cause: str, conditions: list, confirm: str) -> None:
-    """Add the fingerprint of a cause another module contributes (``conditions``: ``(text,
-    test(features) -> bool)`` pairs)."""
-    FINGERPRINTS[cause] = (list(conditions), confirm)
+def register_fingerprint(cause: str, fingerprint: Fingerprint) -> None:
+    """Add the fingerprint of a cause another module contributes."""
+    if not isinstance(fingerprint, Fingerprint):
+        raise ValueError(f"fingerprint must be a Fingerprint (got {type(fingerprint).__name__})")
+    FINGERPRINTS[cause] = fingerprint
 
 
 #: What a diagnosis can use: tier 1, only what the live job shows (losses as logged, checksums,
-#: the ledger against the plan); tier 2, also a known-good run on the same checkpoint and data.
+#: the ledger against the plan, per-rank gradient norms); tier 2, also a known-good run on the
+#: same checkpoint and data.
 TIERS = {1: "the live job alone", 2: "the live job and a known-good run"}
 
 
 def lowest_tier(cause: str) -> int | None:
-    """The lowest tier (``TIERS``) at which ``cause``'s fingerprint can hold: 2 when one of
-    its conditions compares with a known-good run, else 1; ``None`` without a fingerprint."""
+    """The lowest tier (``TIERS``) that sees ``cause``: the lowest tier of a deviation it
+    always shows; ``None`` without a fingerprint."""
     if cause not in FINGERPRINTS:
         return None
-    return max((getattr(test, "tier", 1) for _, test in FINGERPRINTS[cause][0]
-                if not hasattr(test, "applies")), default=1)
+    return min(DEVIATIONS[d][1] for d in FINGERPRINTS[cause].shows)
 
 
-def _deviations(f: dict) -> list[str]:
-    seen = []
-    if not f["losses_agree"]:
-        seen.append("the ranks' step-0 losses disagree")
-    if not f["batches_agree"]:
-        seen.append("the ranks' batches differ")
-    if not f["ledger_as_planned"]:
-        seen.append("the collectives differ from the plan")
-    if not all(f["shards_ok"].values()):
-        seen.append("some shards differ from the checkpoint's slices")
-    if not f["replicas_agree_1"] or not f["replicas_agree_k"]:
-        seen.append("replicated parameters differ across ranks")
-    if f["has_reference"]:
-        if not f["loss_matches"]:
-            seen.append("the step-0 loss differs from the good run's")
-        if not all(f["grads_match"].values()):
-            seen.append("gradient norms differ from the good run's: "
-                        + ", ".join(k for k, ok in f["grads_match"].items() if not ok))
-        if not f["logged_norm_matches"]:
-            seen.append("the logged gradient norm differs from the good run's")
-        if not f["curve_matches"]:
-            seen.append("the loss curve leaves the good run's")
-    return seen
+def evidence_of(cause: str) -> list[str]:
+    """What ``cause`` always shows, in words (``DEVIATIONS``' texts of its ``shows``), with
+    the tier of each: ``["tier 1: ...", ...]``; ``[]`` without a fingerprint."""
+    if cause not in FINGERPRINTS:
+        return []
+    fp = FINGERPRINTS[cause]
+    return [f"tier {DEVIATIONS[d][1]}: {DEVIATIONS[d][0]}" for d in (*fp.shows, *fp.alone)]
+
+
+def fits(causes: tuple[str, ...], seen: set[str]) -> bool:
+    """Whether every cause of ``causes`` shows what it must in ``seen``."""
+    for c in causes:
+        fp = FINGERPRINTS[c]
+        if not set(fp.shows) <= seen:
+            return False
+        masked = any(FINGERPRINTS[o].forward for o in causes if o != c)
+        if not masked and not set(fp.alone) <= seen:
+            return False
+    return True
+
+
+def explanations(seen: set[str], allowed: list[str]) -> list[tuple[str, ...]]:
+    """The smallest sets of ``allowed`` causes that explain every deviation of ``seen`` and
+    each show their own; ``[]`` when none of at most ``MAX_CAUSES`` does."""
+    usable = [c for c in allowed if set(FINGERPRINTS[c].shows) <= seen]
+    for k in range(1, MAX_CAUSES + 1):
+        found = [s for s in combinations(usable, k)
+                 if seen <= set().union(*(FINGERPRINTS[c].explains for c in s))
+                 and fits(s, seen)]
+        if found:
+            return found
+    return []
+
+
+def _blind_line(cannot_see: list[str], tier: int) -> list[str]:
+    if tier != 1 or not cannot_see:
+        return []
+    return [f"tier 1 cannot see: {', '.join(cannot_see)} (their evidence compares with a "
+            f"known-good run)"]
+
+
+def _from_observations(obs: dict) -> list[dict]:
+    """``diagnose`` of ``tpattn.observe``'s dict (module docstring)."""
+    from tpattn.bugs.zoo import REGISTRY
+
+    f = features(obs)
+    tier = 2 if f["has_reference"] else 1
+    seen = deviations(f)
+    allowed = [c for c, fp in FINGERPRINTS.items() if fp.allows(f)]
+    cannot_see = [c for c in allowed if lowest_tier(c) > tier]
+    sets = explanations(set(seen), allowed) if seen else []
+    if not sets:
+        unexplained = [DEVIATIONS[d][0] for d in seen
+                       if not any(d in FINGERPRINTS[c].explains for c in allowed)]
+        evidence = ([DEVIATIONS[d][0] for d in seen] or ["nothing deviates from a correct run"])
+        if unexplained:
+            evidence.append("no registry cause explains: " + "; ".join(unexplained))
+        return [{"cause": NO_KNOWN_CAUSE, "with": [], "score": 0,
+                 "evidence": evidence + _blind_line(cannot_see, tier), "confirm": "-",
+                 "citation": None, "tied_with": [], "tier": tier, "cannot_see": cannot_see}]
+    # the most specific explanation first: the most deviations shown, then registry order
+    sets.sort(key=lambda s: -sum(len(FINGERPRINTS[c].shows) + len(FINGERPRINTS[c].alone)
+                                 for c in s))
+    named = {c for s in sets for c in s}
+    hidden = [c for c in allowed if c not in named and fits(sets[0] + (c,), set(seen))]
+    unregistered = [UNREGISTERED_FORWARD] if (named | set(hidden)) & FORWARD_ONLY else []
+    order = list(dict.fromkeys([c for s in sets for c in s] + hidden))
+    found = []
+    for cause in order:
+        own = next((s for s in sets if cause in s), sets[0] + (cause,))
+        fp = FINGERPRINTS[cause]
+        evidence = [DEVIATIONS[d][0] for d in seen if d in fp.explains]
+        if cause in hidden:
+            evidence = [f"it would leave the same evidence: what it shows ("
+                        + "; ".join(DEVIATIONS[d][0] for d in fp.shows)
+                        + ") is explained already"]
+        found.append({
+            "cause": cause, "with": [c for c in own if c != cause], "score": len(evidence),
+            "evidence": evidence + _blind_line(cannot_see, tier), "confirm": fp.confirm,
+            "citation": REGISTRY[cause].citation if cause in REGISTRY else None,
+            "tied_with": [c for c in order if c not in own] + unregistered,
+            "tier": tier, "cannot_see": cannot_see})
+    return found
 
 
 _FIVE = ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff",
@@ -295,7 +422,7 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
     failing = tuple(m for m in _FIVE if result[m] >= TOLERANCE)
     if not failing:
         return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": ["all five measures pass"],
-                 "confirm": "-", "citation": None, "tied_with": []}]
+                 "confirm": "-", "citation": None, "tied_with": [], "with": []}]
     if signatures is None:
         signatures = {}
         for mode in runnable_modes():
@@ -315,12 +442,12 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
             return [{"cause": NO_KNOWN_CAUSE, "score": 0,
                      "evidence": ["failing measures: " + ", ".join(failing)]
                      + [f"the signature of {m}, not its numerical fingerprint" for m in ruled_out],
-                     "confirm": "-", "citation": None, "tied_with": []}]
+                     "confirm": "-", "citation": None, "tied_with": [], "with": []}]
     if not matches:
         return [{"cause": NO_KNOWN_CAUSE, "score": 0,
                  "evidence": ["failing measures: " + ", ".join(failing)],
-                 "confirm": "-", "citation": None, "tied_with": []}]
-    found = [{"cause": m, "score": len(failing) + printed.get(m, False),
+                 "confirm": "-", "citation": None, "tied_with": [], "with": []}]
+    found = [{"cause": m, "with": [], "score": len(failing) + printed.get(m, False),
               "evidence": ["failing measures match its signature: " + ", ".join(failing)]
               + (["its numerical fingerprint matches: the error is exactly what it leaves"]
                  if printed.get(m) else []),
@@ -393,29 +520,4 @@ def _diagnose(observations: dict, cfg, signatures: dict | None, forward=None) ->
     if missing:
         raise ValueError(f"observations must have the keys of tpattn.observe (missing: "
                          f"{', '.join(missing)})")
-    from tpattn.bugs.zoo import REGISTRY
-
-    f = features(observations)
-    tier = 2 if f["has_reference"] else 1
-    found = []
-    for cause, (conditions, confirm) in FINGERPRINTS.items():
-        used = [(text, test) for text, test in conditions if _applies(test, f)]
-        if all(test(f) for _, test in used):
-            found.append({"cause": cause, "score": len(used),
-                          "evidence": [text for text, _ in used],
-                          "confirm": confirm, "tier": tier,
-                          "citation": REGISTRY[cause].citation if cause in REGISTRY else None})
-    if not found:
-        evidence = _deviations(f) or ["nothing deviates from a correct run"]
-        if tier == 1:
-            blind = [c for c in FINGERPRINTS if lowest_tier(c) == 2]
-            evidence.append("tier 1 cannot see: " + ", ".join(blind)
-                            + " (their fingerprints compare with a known-good run)")
-        return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": evidence,
-                 "confirm": "-", "citation": None, "tied_with": [], "tier": tier}]
-    found.sort(key=lambda c: -c["score"])
-    for c in found:
-        c["tied_with"] = [o["cause"] for o in found if o is not c and o["score"] == c["score"]]
-        if c["cause"] in FORWARD_ONLY:
-            c["tied_with"].append(UNREGISTERED_FORWARD)
-    return found
+    return _from_observations(observations)

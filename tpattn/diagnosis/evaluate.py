@@ -1,16 +1,17 @@
 """How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
 
-The fingerprints were written on seeds 0-9 of ``tests/diagnosis/test_diagnose.py``'s two
-shapes (and seeds 21, 34 of the layout modes); ``HELD_OUT`` are other shapes, and callers pass
-other seeds. Every case runs at tier 1 (the live job alone: ``observe(...,
-reference=False)``) and tier 2 (with the mode's correct twin as the known-good run).
+The fingerprints are tuned on ``TUNING`` (``tests/diagnosis/test_diagnose.py``'s two shapes,
+seeds 0-9; the layout modes on seeds 21, 34 of their own shapes); ``HELD_OUT`` are other
+shapes and world sizes (written before the tuning), and callers pass other seeds (500-504).
+Every case runs at tier 1 (the live job alone: ``observe(..., reference=False)``) and tier 2
+(with the mode's correct twin as the known-good run).
 
 One answer's class (``classify``): ``right`` (the true bug is the top candidate, alone),
-``tied`` (it is in the top's named tie), ``blind`` ("no known cause", and the answer lists
-the true bug among those the tier cannot see: honest), ``missed`` ("no known cause" without
-saying so), ``wrong`` (another cause named and the true one not in the tie: a confident
-wrong name). Two bugs at once (``pairs``) and bugs outside the registry (``MADE_UP``, built
-with ``Injection``'s test knobs) are counted too.
+``tied`` (it is named at the top and the answer names a tie), ``blind`` ("no known cause",
+and the answer lists the true bug among those the tier cannot see: honest), ``missed`` ("no
+known cause" without saying so), ``wrong`` (another cause, or a second one, named without a
+tie: a confident wrong name). Two bugs at once (``pairs``, classed by ``pair_class``) and bugs
+outside the registry (``MADE_UP``, built with ``Injection``'s test knobs) are counted too.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
-__all__ = ["HELD_OUT", "MADE_UP", "CLASSES", "classify", "single_bug_cases", "pairs",
-           "two_bug_cases", "made_up_cases", "summary"]
+__all__ = ["HELD_OUT", "TUNING", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", "classify",
+           "pair_class", "BOTH_NAMED", "single_bug_answers", "single_bug_cases", "answer_label",
+           "confusion", "pairs", "two_bug_cases", "made_up_cases",
+           "summary"]
 
 #: Shapes the fingerprints were not written on: (name, Config, the modes it hosts; None: every
 #: plain-TP mode whose needs it meets).
@@ -36,6 +39,17 @@ HELD_OUT = [
                      sequence_parallel=True), ("missing_norm_grad_reduce", "norm_grad_averaged")),
     ("KV W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8, world_size=4),
      ("missing_kv_grad_reduce",)),
+    ("SP W4 hq16 kv8", Config(seq=8, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
+                              world_size=4, sequence_parallel=True),
+     ("missing_norm_grad_reduce", "norm_grad_averaged")),
+    ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
+                            world_size=8), None),
+]
+#: The shapes the fingerprints are tuned on (``tests/diagnosis/test_diagnose.py``'s, seeds
+#: 0-9): (name, Config, None: every plain-TP mode whose needs it meets).
+TUNING = [
+    ("W2, 2 KV heads per rank", Config(query_heads=8, kv_heads=4), None),
+    ("W4, 2 KV heads per rank", Config(seq=4, query_heads=16, kv_heads=8, world_size=4), None),
 ]
 #: Bugs outside the registry (``Injection``'s test knobs), two ranks.
 MADE_UP = {
@@ -45,28 +59,39 @@ MADE_UP = {
     "one rank's learning rate x 1.05": Injection(rank_lr_scale=(1.0, 1.05)),
     "one rank's learning rate x 0.9": Injection(rank_lr_scale=(0.9, 1.0)),
     "partial x 1.05 and wrong rank order": Injection(partial_scale=1.05, shard_offset=1),
+    "rank 1 keeps its pre-step weights (stale shard)": Injection(rank_lr_scale=(1.0, 0.0)),
+    "rank 1's attention partial x 1.05": Injection(partial_scale=(1.0, 1.05)),
 }
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
 
 
-def classify(found: list[dict], mode: str) -> str:
-    """The class of ``diagnose``'s answer ``found`` when the true bug is ``mode``."""
+def named(found: list[dict]) -> set[str]:
+    """The causes ``diagnose``'s answer ``found`` names at the top: its top candidate, the
+    causes it names with it (``with``) and those in its tie (``tied_with``)."""
     top = found[0]
-    if top["cause"] == mode:
-        return "right" if not top["tied_with"] else "tied"
-    if mode in top["tied_with"]:
-        return "tied"
+    return {top["cause"], *top.get("with", []), *top["tied_with"]}
+
+
+def classify(found: list[dict], mode: str) -> str:
+    """The class of ``diagnose``'s answer ``found`` when the true bug is ``mode`` (a second
+    cause named with it, not in a tie, is ``wrong``: a confident name of a bug not there)."""
+    top = found[0]
     if top["cause"] == NO_KNOWN_CAUSE:
         blind = any(mode in e and "cannot see" in e for e in top["evidence"])
         return "blind" if blind else "missed"
+    if mode in named(found) and top["tied_with"]:
+        return "tied"
+    if top["cause"] == mode and not top.get("with"):
+        return "right"
     return "wrong"
 
 
-def single_bug_cases(seeds, logged_loss: str = "per_rank") -> dict:
-    """``(tier, mode, shape, seed) -> class`` for every registry bug on ``HELD_OUT``, the job
-    logging its loss as ``logged_loss`` says (``observe.LOGGED_LOSSES``)."""
+def single_bug_answers(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> dict:
+    """``(tier, mode, shape, seed) -> diagnose``'s answer for every registry bug on ``shapes``
+    (``HELD_OUT``, or ``TUNING``), the job logging its loss as ``logged_loss`` says
+    (``observe.LOGGED_LOSSES``)."""
     out = {}
-    for name, cfg, modes in HELD_OUT:
+    for name, cfg, modes in shapes:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
             try:
                 check_needs(mode, cfg)
@@ -74,9 +99,34 @@ def single_bug_cases(seeds, logged_loss: str = "per_rank") -> dict:
                 continue
             for seed in seeds:
                 for tier in (1, 2):
-                    found = diagnose(observe(mode, seed=seed, cfg=cfg, reference=tier == 2,
-                                             logged_loss=logged_loss))
-                    out[(tier, mode, name, seed)] = classify(found, mode)
+                    out[(tier, mode, name, seed)] = diagnose(
+                        observe(mode, seed=seed, cfg=cfg, reference=tier == 2,
+                                logged_loss=logged_loss))
+    return out
+
+
+def single_bug_cases(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT,
+                     answers: dict | None = None) -> dict:
+    """``(tier, mode, shape, seed) -> class`` (``classify``) of ``single_bug_answers`` (or of
+    ``answers``, its dict, when given)."""
+    answers = single_bug_answers(seeds, logged_loss, shapes) if answers is None else answers
+    return {key: classify(found, key[1]) for key, found in answers.items()}
+
+
+def answer_label(found: list[dict]) -> str:
+    """``diagnose``'s answer in one line: the causes named as the explanation, then
+    ``"| tie: ..."`` (``UNREGISTERED_FORWARD`` as ``"unregistered"``)."""
+    top = found[0]
+    ties = ["unregistered" if c == UNREGISTERED_FORWARD else c for c in top["tied_with"]]
+    return " + ".join([top["cause"], *top.get("with", [])]) + (
+        " | tie: " + ", ".join(ties) if ties else "")
+
+
+def confusion(answers: dict) -> dict:
+    """``(tier, true mode) -> Counter(answer_label)`` over ``single_bug_answers``' dict."""
+    out = {}
+    for (tier, mode, _, _), found in answers.items():
+        out.setdefault((tier, mode), Counter())[answer_label(found)] += 1
     return out
 
 
@@ -98,31 +148,48 @@ def pairs():
                 yield (a, b), Injection(**knobs[a], **knobs[b])
 
 
+#: Pair answers (``pair_class``): both named as the explanation (the top candidate and its
+#: ``with``), ``alone`` (no tie) or ``plus tie`` (the answer names alternatives too); ``tied``
+#: (both named, one only in the tie); ``one``, ``none`` (of the two named); ``third`` (a
+#: registry cause outside the pair named confidently: at the top or with it, no tie).
+PAIR_CLASSES = ("alone", "plus tie", "tied", "one", "none", "third")
+#: The pair classes that name both bugs.
+BOTH_NAMED = ("alone", "plus tie", "tied")
+
+
+def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
+    """The class (``PAIR_CLASSES``) of ``diagnose``'s answer ``found`` when the true bugs are
+    the two of ``pair``."""
+    top = found[0]
+    confident = {top["cause"], *top.get("with", [])} - {NO_KNOWN_CAUSE}
+    if confident - set(pair) and not top["tied_with"]:
+        return "third"
+    if set(pair) <= confident:
+        return "plus tie" if top["tied_with"] else "alone"
+    return ("none", "one", "tied")[len(set(pair) & named(found))]
+
+
 def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, pair, seed) -> (how many of the two are candidates, whether a registry cause
-    outside the pair is at the top or in its tie)``."""
+    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs``) on ``cfg``."""
     out = {}
     for pair, inj in pairs():
         for seed in seeds:
             for tier in (1, 2):
                 found = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))
-                top = {found[0]["cause"], *found[0]["tied_with"]}
-                named = {c["cause"] for c in found}
-                out[(tier, pair, seed)] = (len(set(pair) & named),
-                                           bool(top - set(pair) - {NO_KNOWN_CAUSE,
-                                                                   UNREGISTERED_FORWARD}))
+                out[(tier, pair, seed)] = pair_class(found, pair)
     return out
 
 
 def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the one registry name given."""
+    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the registry names given."""
     out = {}
     for name, inj in MADE_UP.items():
         for seed in seeds:
             for tier in (1, 2):
                 top = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))[0]
-                out[(tier, name, seed)] = (top["cause"] if top["cause"] == NO_KNOWN_CAUSE
-                                           else "tie" if top["tied_with"] else top["cause"])
+                out[(tier, name, seed)] = (
+                    top["cause"] if top["cause"] == NO_KNOWN_CAUSE else "tie"
+                    if top["tied_with"] else " + ".join([top["cause"], *top.get("with", [])]))
     return out
 
 

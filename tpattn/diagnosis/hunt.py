@@ -3,15 +3,15 @@
 ``hunt_case(n)`` picks hunt ``n``'s hidden mode (a registry bug, or none), seed and shape,
 reproducibly. ``describe(obs)`` states what the run shows in words a reader can check — classes
 ("agree", "= 1/W", "larger"), never rounding digits. ``judge(obs, truth, guess)`` says whether a
-guess is right and why: the fingerprint conditions that pin the true cause, or the first
-condition of the guessed cause's fingerprint that the run does not show.
+guess is right and why: the deviations the true cause explains, or what the guessed cause
+would show that the run does not (or what the run shows that it does not explain).
 """
 from __future__ import annotations
 
 import random
 
 from tpattn.config import Config
-from .diagnose import FINGERPRINTS, NO_KNOWN_CAUSE, features
+from .diagnose import DEVIATIONS, FINGERPRINTS, NO_KNOWN_CAUSE, deviations, features
 
 __all__ = ["hunt_case", "describe", "judge", "choices", "HUNT_SHAPES"]
 
@@ -59,7 +59,11 @@ def describe(obs: dict) -> list[str]:
             "all match" if all(f["shards_ok"].values())
             else ", ".join(k for k, ok in f["shards_ok"].items() if not ok) + " differ"),
         f"ledger: forward {f['fwd']} (plan {f['fwd_plan']}), backward {f['bwd']} "
-        f"(plan {f['bwd_plan']})",
+        f"(plan {f['bwd_plan']}); reduce ops "
+        + ("as planned" if f["bwd_avg"] == f["bwd_avg_plan"] else "avg where the plan has sum"),
+        "logged gradient norm vs the per-rank gradient norms: " + {
+            "once": "replicated ones counted once", "per rank": "replicated ones counted on "
+            "every rank", "neither": "neither total", "unknown": "not logged"}[f["logged_norm_is"]],
         "replicated weights after 1 step: " + _agree(f["replicas_agree_1"], "identical", "differ")
         + "; after the last: " + _agree(f["replicas_agree_k"], "identical", "differ"),
     ]
@@ -79,6 +83,10 @@ def describe(obs: dict) -> list[str]:
                                        else "larger" if f["logged_norm_high"] else "smaller"),
             "gradient norms vs the good run: " + ", ".join(f"{k} {cls(r)}" for k, r in ratio.items()),
         ]
+        if "output_outside_partials" in obs:
+            lines.append("rank 0's output vs the good run: " + (
+                "the same" if f["loss_matches"] else "a partial itself changed"
+                if f["output_outside_partials"] else "moved within its rank partials and bias"))
         if s["bias"]:
             lines.append("bias gradient moved along the bias: "
                          + ("yes" if f["bias_shift_along_bias"] else "no"))
@@ -94,17 +102,25 @@ def judge(obs: dict, truth: str, guess: str) -> tuple[bool, str]:
     if guess not in choices():
         raise ValueError(f"guess must be one of {', '.join(choices())} (got {guess!r})")
     f = features(obs)
+    seen = deviations(f)
     if guess == answer:
         if answer == NO_KNOWN_CAUSE:
             return True, "Right: nothing deviates from a correct run; no fingerprint fits."
-        conditions, confirm = FINGERPRINTS[answer]
-        return True, ("Right: " + "; ".join(text for text, _ in conditions[1:])
-                      + f". To confirm: {confirm}.")
+        fp = FINGERPRINTS[answer]
+        return True, ("Right: " + "; ".join(DEVIATIONS[d][0] for d in seen if d in fp.explains)
+                      + f". To confirm: {fp.confirm}.")
     if guess == NO_KNOWN_CAUSE:
         return False, "Not quite: something here does deviate from a correct run; look again."
-    conditions, _ = FINGERPRINTS[guess]
-    for text, test in conditions:
-        if not test(f):
-            return False, f"Not {guess}: its fingerprint needs \u201c{text}\u201d, which this run does not show."
+    fp = FINGERPRINTS[guess]
+    if not fp.allows(f):
+        return False, f"Not {guess}: this setup cannot have it (see its needs in --list-modes)."
+    missing = [d for d in fp.shows if d not in seen]
+    if missing:
+        return False, (f"Not {guess}: it would show \u201c{DEVIATIONS[missing[0]][0]}\u201d, "
+                       f"which this run does not show.")
+    unexplained = [d for d in seen if d not in fp.explains]
+    if unexplained:
+        return False, (f"Not {guess}: it does not explain \u201c{DEVIATIONS[unexplained[0]][0]}"
+                       f"\u201d, which this run shows.")
     return False, (f"Not {guess}, though this run fits its fingerprint too: a tie "
                    f"the observables cannot break.")

@@ -16,21 +16,29 @@ returns only such observables, as plain JSON-able numbers:
   step 1 and after the last step (replicas must stay identical); with replicated KV heads
   (``kv_heads < world_size``, ``kv_strategy="replicate_weights"``) also ``wk`` and ``wv`` per
   replica group, keyed ``"wk (ranks 0, 1)"``: the sums of that group's ranks;
-- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase
-  and group, against those the correct program issues;
+- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase,
+  group and reduce op (``"sum"``, ``"avg"``, ``None`` for a gather: ``LEDGER_KEYS``), against
+  those the correct program issues;
 - ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
+- ``rank_grad_norms``: per rank, each of its parameters' gradient norm at step 0 (after the
+  gradient reductions: what a per-rank log of gradient norms shows);
 - ``loss_curve``: rank 0's loss at each step;
 - and, *when a known-good run is available* (an earlier commit, TP = 1):
   ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
   ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
   ``bias_grad_shift_cosine`` (only with a bias): the cosine between the bias gradient's
-  change and the bias itself.
+  change and the bias itself; ``output_outside_partials`` (not under sequence parallelism):
+  the part of rank 0's step-0 output change from the good run's that no combination of the
+  good run's rank partials (its outputs before g) and bias makes, relative (0: a wrong
+  reduction or bias count moved the output; a changed partial leaves a part outside).
 
 The good run here is the mode's correct twin (``Injection.correct``): same setup and layout
 (sequence parallelism, replicated KV heads: the ``Config``), no bug.
 Tensors are float; checksums are sums (float64 accumulation of the float32 values).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +52,11 @@ from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, 
                              shard, unshard)
 
 __all__ = ["observe", "observe_injection", "simulated_train", "train_loop", "replica_sums",
-           "STEPS", "LOGGED_LOSSES"]
+           "STEPS", "LOGGED_LOSSES", "LEDGER_KEYS"]
+
+#: What an observed ledger entry keeps of the collective: what it is, when, over which group,
+#: with which reduce op (what the program asked for: an AVG issued as SUM then / W is "avg").
+LEDGER_KEYS = ("collective", "phase", "group", "op")
 
 #: Training steps of one observation (loss curve length).
 STEPS = 3
@@ -133,6 +145,25 @@ def _logged(losses, logged_loss: str) -> list[float]:
     return values if logged_loss == "per_rank" else [sum(values) / len(values)] * len(values)
 
 
+def _outside_partials(output: torch.Tensor, good_output: torch.Tensor, shards, xs,
+                      cfg: Config, good_inj: Injection) -> float:
+    """How much of rank 0's step-0 output change from the good run's is not a combination of
+    the good run's rank partials (its outputs before g, from ``shards`` on ``xs``) and its
+    bias: ``|d - proj(d)| / |d|`` (0 when the outputs are equal). output, good_output
+    ``[S, B, hidden]``; least squares in float64."""
+    d = (output - good_output).double().reshape(-1, 1)
+    if float(d.norm()) == 0.0:
+        return 0.0
+    with torch.no_grad():
+        ys = simulated_forward(stack_ranks(shards), xs, cfg, replace(good_inj, g=0, bias=None))
+    columns = [(y - x).double().reshape(-1) for y, x in zip(ys, xs)]
+    if "bias" in shards[0]:
+        columns.append(shards[0]["bias"].double().expand_as(good_output).reshape(-1))
+    a = torch.stack(columns, dim=1)
+    fit = a @ torch.linalg.lstsq(a, d).solution
+    return float((d - fit).norm() / d.norm())
+
+
 def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                       steps: int = STEPS, reference: bool = True,
                       batched: bool = False, logged_loss: str = "per_rank",
@@ -157,11 +188,11 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
     run = train(shards0, block_inputs(batches, cfg), cfg, inj, steps)
+    good_batches = batches if inj.inputs == good_inj.inputs else \
+        rank_batches(cfg, seed, good_inj)
     if good_inj == inj:  # no bug: the good run is this run
         good = run
     else:
-        good_batches = batches if inj.inputs == good_inj.inputs else \
-            rank_batches(cfg, seed, good_inj)
         good = train(expected, block_inputs(good_batches, cfg), cfg, good_inj, steps,
                      last_update=False)
     first, good_first = run["first"], good["first"]
@@ -177,10 +208,11 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
         "shard_scale": {name: float(base[name].abs().sum())
                         for name in ("wq", "wk", "wv", "wo")},
         "replica_checksums": run["replicas"],
-        "ledger": [{k: e[k] for k in ("collective", "phase", "group")} for e in first["ledger"]],
-        "planned_ledger": [{k: e[k] for k in ("collective", "phase", "group")}
-                           for e in good_first["ledger"]],
+        "ledger": [{k: e[k] for k in LEDGER_KEYS} for e in first["ledger"]],
+        "planned_ledger": [{k: e[k] for k in LEDGER_KEYS} for e in good_first["ledger"]],
         "logged_grad_norm": first["grad_norm"],
+        "rank_grad_norms": [{k: float(g.double().norm()) for k, g in grads.items()}
+                            for grads in first["grads"]],
         "loss_curve": run["curve"],
     }
     if reference:
@@ -191,6 +223,10 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                             "loss_curve": good["curve"]}
         obs["grad_norm_ratio"] = {k: float(grads[k].norm() / good_grads[k].norm())
                                   for k in good_grads}
+        if not cfg.sequence_parallel:
+            good_xs = [x for x, _ in block_inputs(good_batches, cfg)]
+            obs["output_outside_partials"] = _outside_partials(
+                first["outputs"][0], good_first["outputs"][0], expected, good_xs, cfg, good_inj)
         if "bias" in grads:
             shift = (grads["bias"] - good_grads["bias"]).double()
             b = base["bias"].double()

@@ -8,9 +8,11 @@ issued. What a rank cannot see alone (the other ranks' losses, gradients and rep
 checksums) it gets the way a job's logging does: one all-gather after each step. Every rank
 then holds the same observables, ``tpattn.diagnosis.observe``'s dict; rank 0 diagnoses.
 
-A shortcut of this module, not of real jobs: each rank cuts every rank's shard from the
-checkpoint (the shapes are tiny) and keeps its own; the shard checksums compare what rank r
-loaded with the slice rank r should hold, as in the simulation.
+Shortcuts of this module, not of real jobs: each rank cuts every rank's shard from the
+checkpoint (the shapes are tiny) and keeps its own, and the shard checksums compare what rank
+r loaded with the slice rank r should hold, as in the simulation; the tier-2 fit of the output
+change against the good run's partials (``output_outside_partials``) recomputes those
+partials in this process, on simulated ranks.
 """
 from __future__ import annotations
 
@@ -83,14 +85,15 @@ class DistributedTrain:
             comm = DistributedRanks(cfg, self.ledger, r)
             result = train_step(p, x, target, cfg, inj, comm, LR)
             entries = list(self.ledger.entries)
-            mine = {"loss": result["losses"].reshape(1),
+            mine = {"loss": result["losses"].reshape(1), "output": result["outputs"][0],
                     **{"grad_" + k: g[0] for k, g in result["grads"].items()},
                     **{"weight_" + k: w[0] for k, w in result["weights"].items()}}
             ranks = self._gather(mine)
             names = list(result["grads"])
             out = {"losses": self._losses([d["loss"][0] for d in ranks], cfg),
                    "grads": [{k: d["grad_" + k] for k in names} for d in ranks],
-                   "ledger": entries, "grad_norm": result["grad_norm"]}
+                   "ledger": entries, "grad_norm": result["grad_norm"],
+                   "outputs": torch.stack([d["output"] for d in ranks])}
             weights = [{k: d["weight_" + k] for k in names} for d in ranks]
             return out, result["weights"], weights
 

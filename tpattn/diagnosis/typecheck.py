@@ -142,11 +142,14 @@ class TypedCollectives:
         """This process's rank (0: the fake group's only process)."""
         return dist.get_rank(self.tp)
 
-    def copy_to_ranks(self, n: torch.Tensor) -> torch.Tensor:
+    def copy_to_ranks(self, n: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """f: ``convert(n, axis, src=I, dst=R)`` on every axis (no-op forward, all-reduce of
-        the gradient in backward)."""
+        the gradient in backward); ``op="avg"`` divides that gradient by W (types unchanged)."""
         from spmd_types import I, R, convert
+        from tpattn.bugs.zoo import GradScale
 
+        if op == "avg":
+            n = GradScale.apply(n, 1.0 / dist.get_world_size(self.tp))
         for axis in self.axes:
             n = convert(n, axis, src=I, dst=R, backward_options=_in_dtype(n))
         return n

@@ -20,8 +20,9 @@ passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the proce
 ``SimulatedRanks`` holds every rank (``R = world_size``): each collective is a sum or a
 concatenation over dim 0, in rank order (``t[0] + t[1] + ...``, as the all-reduces of a ring of
 real ranks are modelled elsewhere in the package). A ``ledger`` list, when given, records every
-collective as ``{"collective", "phase", "group", "label"}`` when it runs (backward ones during
-backward). ``f`` and ``g`` may be replaced by a reader's own ``torch.autograd.Function``
+collective as ``{"collective", "phase", "group", "label", "op"}`` when it runs (backward
+ones during backward; ``op``: the reduction the program asked for, ``"sum"`` or ``"avg"``,
+``None`` for a gather). ``f`` and ``g`` may be replaced by a reader's own ``torch.autograd.Function``
 subclasses whose ``apply(*tensors)`` maps one tensor per rank to one per rank (the exercises'
 contract). ``tpattn.real.ranks.DistributedRanks`` has the same methods for one real
 torch.distributed rank (``R = 1``; its ``CollectiveLedger`` records the collectives).
@@ -90,11 +91,11 @@ class SimulatedRanks:
         self.ranks = list(range(cfg.world_size))
 
     def record(self, phase: str, label: str, collective: str = "all_reduce",
-               group: str = "tp") -> None:
+               group: str = "tp", op: str | None = "sum") -> None:
         """Append one entry to the ledger (if there is one)."""
         if self.ledger is not None:
             self.ledger.append({"collective": collective, "phase": phase, "group": group,
-                                "label": label})
+                                "label": label, "op": op})
 
     def _apply(self, t, forward_fn, backward_fn, backward_entry=None):
         def backward(grad):
@@ -103,15 +104,25 @@ class SimulatedRanks:
             return backward_fn(grad)
         return _Collective.apply(t, forward_fn, backward)
 
-    def copy_to_ranks(self, n: torch.Tensor, label: str = F_LABEL) -> torch.Tensor:
-        """f on ``n`` ``[R, S, B, hidden]``: identity; backward every rank gets the rank sum."""
+    def copy_to_ranks(self, n: torch.Tensor, label: str = F_LABEL,
+                      op: str = "sum") -> torch.Tensor:
+        """f on ``n`` ``[R, S, B, hidden]``: identity; backward every rank gets the rank sum
+        (``op="avg"``: the sum / W, an all-reduce with op AVG)."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
+        w = self.world_size if op == "avg" else 1  # x / 1 is x, bit for bit
         if self.f is not None:
             out = torch.stack(self.f.apply(*n.unbind(0)))
+
+            def on_backward(grad):
+                self.record("backward", label, op=op)
+                return grad / w
             if out.requires_grad:
-                out.register_hook(lambda grad: self.record("backward", label))
+                out.register_hook(on_backward)
             return out
         return self._apply(n, lambda t: t.view_as(t),
-                           lambda g: rank_sum(g).expand_as(g).contiguous(), (label,))
+                           lambda g: (rank_sum(g) / w).expand_as(g).contiguous(),
+                           (label, "all_reduce", "tp", op))
 
     def reduce_output(self, partial: torch.Tensor, label: str = G_LABEL) -> torch.Tensor:
         """g on ``partial`` ``[R, S, B, hidden]``: every rank gets the rank sum; backward
@@ -131,7 +142,7 @@ class SimulatedRanks:
         """SP's f on ``n`` ``[R, S/W, B, hidden]`` -> ``[R, S, B, hidden]`` (every rank's
         tokens in rank order). Backward: a reduce-scatter (rank r's tokens of the rank sum);
         ``reduce_grad=False``: rank r's tokens of its own gradient."""
-        self.record("forward", "all-gather of n along the sequence", "all_gather")
+        self.record("forward", "all-gather of n along the sequence", "all_gather", op=None)
 
         def forward(t):
             full = torch.cat(t.unbind(0), dim=0)
@@ -150,7 +161,7 @@ class SimulatedRanks:
         self.record("forward", "reduce-scatter of output partials", "reduce_scatter")
 
         def backward(g):
-            self.record("backward", "all-gather of dy", "all_gather")
+            self.record("backward", "all-gather of dy", "all_gather", op=None)
             full = torch.cat(g.unbind(0), dim=0)
             return full.unsqueeze(0).expand(g.shape[0], *full.shape).contiguous()
         return _Collective.apply(
@@ -160,7 +171,7 @@ class SimulatedRanks:
     def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
         """K/V all-gather on ``local`` ``[R, S, B, c]`` -> ``[R, S, B, W*c]`` (rank order on
         the last dim). Backward: reduce-scatter, rank r gets chunk r of the rank sum."""
-        self.record("forward", "all-gather of K/V activations", "all_gather")
+        self.record("forward", "all-gather of K/V activations", "all_gather", op=None)
         c = local.shape[-1]
 
         def forward(t):
@@ -197,7 +208,8 @@ class SimulatedRanks:
         rank gets the rank sum, ``"mean"`` the sum / W, ``"none"`` each keeps its own."""
         if how == "none":
             return grad.clone()
-        self.record("after backward", "all-reduce of the norm weight's gradient")
+        self.record("after backward", "all-reduce of the norm weight's gradient",
+                    op="avg" if how == "mean" else "sum")
         total = rank_sum(grad)
         if how == "mean":
             total = total / self.world_size

@@ -118,15 +118,17 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
     n = rms_norm(x, p["norm"].unsqueeze(1).unsqueeze(1), cfg.eps)
     if cfg.sequence_parallel:  # f is the all-gather along the sequence
         n = comm.gather_sequence(n, reduce_grad=inj.f != "none")
-    elif inj.f != "none":
-        n = comm.copy_to_ranks(n)
+    elif inj.f != "none":  # f = "mean" is an all-reduce with op AVG
+        n = comm.copy_to_ranks(n, op="avg" if inj.f == "mean" else "sum")
         if inj.f == "twice":
             n = comm.copy_to_ranks(n, "all-reduce of dn (again)")
-    if inj.f == "mean":
+    if inj.f == "mean" and cfg.sequence_parallel:
         n = ScaleGrad.apply(n, 1.0 / cfg.world_size)
     out = _attend(n, p, cfg, inj, comm)
-    if inj.partial_scale != 1.0:
-        out = out * inj.partial_scale
+    if inj.partial_scale != 1.0:  # a factor for every rank, or one per rank (a tuple)
+        scale = inj.partial_scale
+        out = out * (out.new_tensor([scale[r] for r in comm.ranks]).view(-1, 1, 1, 1)
+                     if isinstance(scale, tuple) else scale)
     if inj.bias == "every_rank":
         out = out + p["bias"].unsqueeze(1).unsqueeze(1)
     if cfg.sequence_parallel:  # g is the reduce-scatter; without it, each its own tokens

@@ -24,8 +24,9 @@ Every mode of the bug registry (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection
            gradient: "sum" (correct), "mean" (averaged), "none" (dropped)
 
 Three knobs are no registry bug; they let a test make up bugs outside the registry:
-``rank_lr_scale`` (one learning-rate factor per rank), ``partial_scale`` (every rank's
-attention partial times a factor before g) and ``shard_offset`` (rank r loads the shards
+``rank_lr_scale`` (one learning-rate factor per rank; 0 keeps that rank's pre-step weights),
+``partial_scale`` (every rank's attention partial times a factor before g, or a tuple of one
+factor per rank) and ``shard_offset`` (rank r loads the shards
 of rank ``(r + k) mod W``).
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Injection:
     rank_lr_scale: tuple = ()
     kv_grad: str = "sum"
     norm_grad: str = "sum"
-    partial_scale: float = 1.0
+    partial_scale: float | tuple = 1.0
     shard_offset: int = 0
 
     def correct(self) -> "Injection":

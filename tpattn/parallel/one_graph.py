@@ -108,10 +108,16 @@ class OneGraphRanks:
         ``[S, B, hidden]``, or under sequence parallelism every rank's tokens put together."""
         return y.reshape(-1, *y.shape[2:]) if self.cfg.sequence_parallel else y[0]
 
-    def copy_to_ranks(self, n: torch.Tensor, label: str = F_LABEL) -> torch.Tensor:
+    def copy_to_ranks(self, n: torch.Tensor, label: str = F_LABEL,
+                      op: str = "sum") -> torch.Tensor:
         """f on ``n`` ``[W, S, B, hidden]``: the identity (autograd's sum at the shared
-        tensors is the all-reduce); a second f (any other ``label``) scales dn by W."""
-        return n if label == F_LABEL else ScaleGrad.apply(n, float(self.world_size))
+        tensors is the all-reduce); ``op="avg"`` scales every rank's dn by 1/W (their sum
+        is then the average); a second f (any other ``label``) scales dn by W."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
+        if label != F_LABEL:
+            return ScaleGrad.apply(n, float(self.world_size))
+        return ScaleGrad.apply(n, 1.0 / self.world_size) if op == "avg" else n
 
     def reduce_output(self, partial: torch.Tensor, label: str = G_LABEL) -> torch.Tensor:
         """g on ``partial`` ``[W, S, B, hidden]``: every rank gets the rank sum; a second g

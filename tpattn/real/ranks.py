@@ -136,8 +136,10 @@ class CollectiveLedger:
     ``kind``, ``group_size``, ``elements``: see ``tpattn.parallel.kv_heads.kv_collectives``).
     ``replica_group``: this rank's KV replica group (a ``dist.new_group``), when there is one.
     ``entries``: the block's collectives in the current job in the simulated ledger's form
-    (``tpattn.parallel.collectives``: ``collective``, ``phase``, ``group`` ``"tp"`` or
-    ``"kv_replicas"``, ``label``), what ``tpattn.diagnosis.observe`` reads.
+    (``tpattn.parallel.collectives``: ``{"collective", "phase", "group", "label", "op"}``,
+    ``group`` ``"tp"`` or ``"kv_replicas"``, ``op`` the reduction the program asked for, ``None``
+    for a gather: ``"avg"`` is issued as SUM then a division by the group size, gloo having no
+    AVG, and recorded as ``"avg"``); what ``tpattn.diagnosis.observe`` reads.
     """
 
     def __init__(self, group=None):
@@ -183,22 +185,29 @@ class CollectiveLedger:
                 f"{label} (collective #{len(self.history)} of {self.job}) failed: {backend_message(e)}",
                 self.deviation()) from e
 
-    def _record(self, label, phase, kind, group, elements) -> None:
+    def _record(self, label, phase, kind, group, elements, op=None) -> None:
         size = dist.get_world_size(self.group if group is None else group)
         self.traffic.append({"label": label, "phase": phase, "kind": kind,
                              "group_size": size, "elements": elements})
-        self.entry(kind, phase, "tp" if group is None else "kv_replicas", label)
+        self.entry(kind, phase, "tp" if group is None or group is self.group else "kv_replicas",
+                   label, op)
 
-    def entry(self, kind: str, phase: str, group: str, label: str) -> None:
+    def entry(self, kind: str, phase: str, group: str, label: str, op: str | None = None) -> None:
         """Append one collective to ``entries`` (the simulated ledger's form)."""
-        self.entries.append({"collective": kind, "phase": phase, "group": group, "label": label})
+        self.entries.append({"collective": kind, "phase": phase, "group": group, "label": label,
+                             "op": op})
 
-    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str, group=None) -> None:
+    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str, group=None,
+                   op: str = "sum") -> None:
         """Sum ``tensor`` over the ranks (of ``group``, default: the ledger's), in place;
-        counted under ``phase``."""
+        counted under ``phase``. ``op="avg"``: then divided by the group size."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
         self.counts[phase] += 1
-        self._record(label, phase, "all_reduce", group, tensor.numel())
+        self._record(label, phase, "all_reduce", group, tensor.numel(), op)
         self._issue(label, dist.all_reduce, tensor, group=group)
+        if op == "avg":
+            tensor /= dist.get_world_size(self.group if group is None else group)
 
     def all_gather_last_dim(self, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:
         """Every rank's ``local`` ``[..., c]`` concatenated on the last dim, rank order:
@@ -214,7 +223,7 @@ class CollectiveLedger:
         last dim (``dist.reduce_scatter_single``): the backward of ``all_gather_last_dim``."""
         whole = full.movedim(-1, 0).contiguous()
         part = whole.new_empty((whole.shape[0] // dist.get_world_size(self.group), *whole.shape[1:]))
-        self._record(label, phase, "reduce_scatter", None, whole.numel())
+        self._record(label, phase, "reduce_scatter", None, whole.numel(), "sum")
         self._issue(label, dist.reduce_scatter_single, part, whole)
         return part.movedim(0, -1)
 
@@ -226,9 +235,10 @@ class CollectiveLedger:
         """This rank's index in the ledger's group."""
         return dist.get_rank(self.group)
 
-    def copy_to_ranks(self, n: torch.Tensor) -> torch.Tensor:
-        """f (``CopyToRanks``): ``n`` ``[S, B, hidden]`` unchanged; backward all-reduce."""
-        return CopyToRanks.apply(n, self)
+    def copy_to_ranks(self, n: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """f (``CopyToRanks``): ``n`` ``[S, B, hidden]`` unchanged; backward all-reduce
+        (``op``: ``"sum"``, or ``"avg"``, the averaging bug)."""
+        return CopyToRanks.apply(n, self, op)
 
     def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
         """g (``ReduceOutputPartials``): the sum over ranks of ``partial`` ``[S, B, hidden]``."""
@@ -261,19 +271,20 @@ class CopyToRanks(torch.autograd.Function):
     """Megatron's **f** — forward: identity (every rank already holds the same ``n``);
     backward: all-reduce, so each rank's ``dn`` becomes the sum of every rank's contribution.
 
-    n: ``[S, B, hidden]``; ``apply(n, ledger)`` returns ``n``.
+    n: ``[S, B, hidden]``; ``apply(n, ledger, op="sum")`` returns ``n`` (``op="avg"``: the
+    backward averages, ``CollectiveLedger.all_reduce``).
     """
 
     @staticmethod
-    def forward(ctx, n: torch.Tensor, ledger: CollectiveLedger) -> torch.Tensor:
-        ctx.ledger = ledger
+    def forward(ctx, n: torch.Tensor, ledger: CollectiveLedger, op: str = "sum") -> torch.Tensor:
+        ctx.ledger, ctx.op = ledger, op
         return n.view_as(n)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         total = grad.contiguous().clone()
-        ctx.ledger.all_reduce(total, "backward", F_ALL_REDUCE)
-        return total, None
+        ctx.ledger.all_reduce(total, "backward", F_ALL_REDUCE, op=ctx.op)
+        return total, None, None
 
 
 class ReduceOutputPartials(torch.autograd.Function):
@@ -322,9 +333,11 @@ class DistributedRanks:
                group: str = "tp") -> None:
         """Nothing: ``ops`` records each real collective when it is issued."""
 
-    def copy_to_ranks(self, n: torch.Tensor, label: str = F_ALL_REDUCE) -> torch.Tensor:
-        """f on ``n`` ``[1, S, B, hidden]``: identity; backward all-reduce of dn."""
-        return self.ops.copy_to_ranks(n[0]).unsqueeze(0)
+    def copy_to_ranks(self, n: torch.Tensor, label: str = F_ALL_REDUCE,
+                      op: str = "sum") -> torch.Tensor:
+        """f on ``n`` ``[1, S, B, hidden]``: identity; backward all-reduce of dn (``op``:
+        ``"sum"`` or ``"avg"``)."""
+        return self.ops.copy_to_ranks(n[0], op).unsqueeze(0)
 
     def reduce_output(self, partial: torch.Tensor, label: str = G_ALL_REDUCE) -> torch.Tensor:
         """g on ``partial`` ``[1, S, B, hidden]``: all-reduce; backward identity."""

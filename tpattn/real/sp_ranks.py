@@ -50,16 +50,20 @@ class SequenceLedger(CollectiveLedger):
         super().start_job(job, planned)
         self.kinds, self.sent = Counter(), 0.0
 
-    def _count(self, kind: str, phase: str, full: torch.Tensor, label: str) -> None:
+    def _count(self, kind: str, phase: str, full: torch.Tensor, label: str,
+               op: str | None = None) -> None:
         self.kinds[kind, phase] += 1
-        self.entry(kind, phase, "tp", label)
+        self.entry(kind, phase, "tp", label, op)
         self.sent += ring_bytes(kind, full.numel() * full.element_size(),
                                 dist.get_world_size(self.group))
 
-    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str) -> None:
-        """Sum ``tensor`` over the ranks, in place."""
-        self._count("all_reduce", phase, tensor, label)
+    def all_reduce(self, tensor: torch.Tensor, phase: str, label: str, op: str = "sum") -> None:
+        """Sum ``tensor`` over the ranks, in place (``op="avg"``: then divided by W; the
+        entry records ``"avg"``, as ``CollectiveLedger.all_reduce``)."""
+        self._count("all_reduce", phase, tensor, label, op)
         self._issue(label, dist.all_reduce, tensor)
+        if op == "avg":
+            tensor /= dist.get_world_size(self.group)
 
     def all_gather_seq(self, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:
         """Every rank's ``local`` ``[S/W, ...]`` concatenated in rank order: ``[S, ...]``."""
@@ -73,7 +77,7 @@ class SequenceLedger(CollectiveLedger):
         """This rank's ``[S/W, ...]`` tokens of the sum over ranks of ``full`` ``[S, ...]``."""
         full = full.contiguous()
         local = full.new_empty((full.shape[0] // dist.get_world_size(self.group), *full.shape[1:]))
-        self._count("reduce_scatter", phase, full, label)
+        self._count("reduce_scatter", phase, full, label, "sum")
         self._issue(label, dist.reduce_scatter_single, local, full)
         return local
 
@@ -159,10 +163,8 @@ def finalize_norm_grad(grad: torch.Tensor, ledger: SequenceLedger, how: str = "s
     if how not in NORM_GRAD_REDUCTIONS:
         raise ValueError(f"how must be one of {', '.join(NORM_GRAD_REDUCTIONS)} (got {how!r})")
     grad = grad.clone()
-    if how != "none":
-        ledger.all_reduce(grad, "after backward", AR_NORM)
-    if how == "mean":
-        grad /= dist.get_world_size(ledger.group)
+    if how != "none":  # "mean" asks for op AVG (issued as SUM, then / W)
+        ledger.all_reduce(grad, "after backward", AR_NORM, op="avg" if how == "mean" else "sum")
     return grad
 
 

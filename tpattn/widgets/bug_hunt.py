@@ -1,5 +1,7 @@
 """The bug-hunt explorer (chapter 17): pick a hunt and a cause; the panel shows what the run
-shows (``bug_hunt.describe``) and whether the guess is right (``bug_hunt.judge``)."""
+shows (``hunt.describe``) and the diagnosis tier those observables are (``diagnose.TIERS``: a
+hunt observes with a known-good run, tier 2), then whether the guess is right
+(``hunt.judge``) and what ``tpattn.diagnose`` names at that tier."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +9,7 @@ import html
 
 import ipywidgets as widgets
 
+from tpattn.diagnosis.diagnose import TIERS, diagnose
 from tpattn.diagnosis.hunt import choices, describe, hunt_case, judge
 from tpattn.diagnosis.observe import observe
 from .core import Explorer, html_output, single_thread
@@ -31,15 +34,20 @@ def hunt_panel(hunt: int, guess: str) -> tuple[str, str]:
     """``(html, text)`` of hunt ``hunt`` with answer ``guess`` (or ``UNANSWERED``)."""
     mode, obs = _observe(hunt)
     lines = describe(obs)
-    text = [f"hunt {hunt}: what the run shows"] + ["  " + line for line in lines]
+    best = diagnose(obs)[0]
+    title = f"hunt {hunt}: what the run shows (tier {best['tier']}: {TIERS[best['tier']]})"
+    text = [title] + ["  " + line for line in lines]
     items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
-    markup = f"<p><strong>hunt {hunt}: what the run shows</strong></p><ul>{items}</ul>"
+    markup = f"<p><strong>{html.escape(title)}</strong></p><ul>{items}</ul>"
     if guess != UNANSWERED:
         right, why = judge(obs, mode, guess)
         color = "#2ca02c" if right else "#d62728"
+        said = (f"tpattn.diagnose at tier {best['tier']}: "
+                + " + ".join([best["cause"], *best["with"]])
+                + (f"; tied with {', '.join(best['tied_with'])}" if best["tied_with"] else ""))
         markup += (f'<p style="border-left: 4px solid {color}; padding: 0.3em 0.7em">'
-                   f"{html.escape(why)}</p>")
-        text.append(why)
+                   f"{html.escape(why)}</p><p>{html.escape(said)}</p>")
+        text += [why, said]
     return markup, "\n".join(text)
 
 
