@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from tpattn.block.params import clone_trainable, init_params, shard_params, unshard_params
 from tpattn.block.sgd import sgd_step
-from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
-                               check_mode, dense_reference, five_measures, make_inputs)
+from tpattn.bugs.modes import check_mode, resolve
+from tpattn.check.core import (EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference,
+                               five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.parallel.sequence_parallel import NORM_GRAD_REDUCTIONS, rank_tokens, ring_bytes
 
@@ -180,7 +181,7 @@ def sp_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Sequence
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
-    inj = NATIVE_INJECTIONS[check_mode(mode, cfg)]  # under SP: one of SP_MODES
+    inj = resolve(check_mode(mode, cfg), cfg).injection  # under SP: one of SP_MODES
     tokens = rank_tokens(cfg, rank)
     p = clone_trainable(shard_params(base, cfg)[rank])
     x = x0[tokens].clone().requires_grad_(True)
@@ -217,7 +218,7 @@ def sp_run_rank(rank: int, plan, device: torch.device | str = "cpu", on_progress
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
     counts_by_mode: dict[str, dict] = {}
     for index, (mode, seed) in enumerate(plan.jobs):
-        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(NATIVE_INJECTIONS[mode]))
+        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(resolve(mode, plan.cfg).injection))
         metrics, disagreement = sp_rank_check(seed, mode, plan.cfg, rank, ledger, device)
         counts = ledger.finish_job()
         if rank == 0:
