@@ -1273,7 +1273,7 @@ def check_classify(classify) -> str:
     mode in float32, float64 and bfloat16: correct TP is rounding, every bug a bug."""
     cases = [(cfg, dict(r, bounds=dict(r["bounds"]))) for cfg, r in _auto_runs()]
     for cfg, result in cases:
-        want = "rounding" if result["mode"] == EQUIVALENCE else "bug"
+        want = "rounding" if resolve(result["mode"]).is_correct else "bug"
         got = classify({k: v for k, v in result.items()
                         if k not in ("passed", "mode", "verdict", "reason", "floors",
                                      "amplification")})
@@ -1447,9 +1447,9 @@ def _zoo_forward_hits() -> tuple[tuple[str, Config, int, bool], ...]:
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = []
     for mode in zoo.runnable_modes():
-        inj = zoo.get_mode(mode).injection
-        if inj == inj.correct():  # correct TP: no bug to hit
+        if zoo.get_mode(mode).is_correct:  # correct TP: no bug to hit
             continue
+        inj = zoo.get_mode(mode).injection
         for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
             x0, _ = make_inputs(cfg, seed)
             base = zoo.make_params(cfg, seed, inj)
@@ -1470,7 +1470,7 @@ def check_forward_visible(predict) -> str:
     (``forward_max_abs_diff`` fails, rank 0's view). Graded on the zoo's block with each
     bug injected, on both hunt shapes."""
     from tpattn.bugs import zoo
-    names = [m for m in zoo.runnable_modes() if m != EQUIVALENCE]
+    names = [m for m in zoo.runnable_modes() if not zoo.get_mode(m).is_correct]
     predicted = _as_names(predict(), names, "zoo bug")
     runs = _zoo_forward_hits()
     for mode in names:
@@ -1531,8 +1531,7 @@ def check_ledger_verdict(verdict) -> str:
             shown = (f"forward {counts['forward']} (plan {plan['forward']}), backward "
                      f"{counts['backward']} (plan {plan['backward']})")
             if want is None:
-                inj = zoo.get_mode(mode).injection
-                correct = inj == inj.correct()
+                correct = zoo.get_mode(mode).is_correct
                 run_of = "a correct run" if correct else f"a run of {mode}"
                 raise _Wrong(f"for {run_of} the ledger shows {shown} — as planned — but "
                              f"you said {got}: "

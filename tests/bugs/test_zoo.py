@@ -283,6 +283,10 @@ def test_resolve_looks_every_mode_up_once_and_its_injection_says_how_it_runs():
     assert resolve("missing_norm_grad_reduce", sp).injection.reduction_only
     # the seed's check's modes are exactly the registry's reduction-only injections
     assert [n for n, m in zoo.REGISTRY.items() if m.injection.reduction_only] == list(ALL_MODES)
+    # and correct TP is the one entry whose program is its own bug-free twin
+    assert [n for n, m in zoo.REGISTRY.items() if m.is_correct] == ["equivalence"]
+    assert not zoo.Injection(bias="every_rank").reduction_only  # a setup change is no reduction
+    assert not zoo.Injection(g=2).reduction_only and zoo.Injection(f="none", g=0).reduction_only
     bugs = [m for m in zoo.runnable_modes() if not resolve(m).injection.reduction_only]
     assert len(bugs) == len(zoo.runnable_modes()) - len(tpattn.MODES)
     # every caller resolves alike: the distributed plan of a zoo setup is the zoo's plan

@@ -96,6 +96,12 @@ class BugMode:
     fidelity: str = "no report"
     fidelity_note: str = ""
 
+    @property
+    def is_correct(self) -> bool:
+        """True when the entry's program is correct TP: its injection is its own bug-free
+        twin (``Injection.correct``), as ``equivalence``'s is."""
+        return self.injection is not None and self.injection == self.injection.correct()
+
     def as_dict(self) -> dict:
         """What ``--list-modes`` prints for this mode: name, description, citation,
         fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it)

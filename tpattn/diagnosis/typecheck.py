@@ -365,7 +365,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
             message, where = str(e).strip(), _where(e)
     if message is not None:
         verdict = "caught"
-    elif inj == inj.correct() or twin:  # correct TP
+    elif inj == inj.correct() or twin:  # correct TP (zoo.BugMode.is_correct)
         verdict = "type-checks"
     else:
         verdict = "not a type error" if "not a type error" in WHY.get(mode, {}) else "missed"

@@ -142,22 +142,6 @@ class ReduceScatterToSequence(torch.autograd.Function):
         return ctx.ledger.all_gather_seq(grad, "backward", AG_DY), None
 
 
-def sp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
-                    ledger: SequenceLedger, reduce_output: bool = True,
-                    reduce_input_grad: bool = True) -> torch.Tensor:
-    """This real rank's share of the SP block: ``tpattn.real.ranks.real_rank_block`` under
-    ``cfg.sequence_parallel``.
-
-    x: ``[S/W, B, hidden]``, this rank's tokens; ``shard``: its ``norm`` (replicated) and
-    head-group shards. Returns ``[S/W, B, hidden]``. ``reduce_output=False`` drops the
-    reduce-scatter (this rank keeps its tokens of its own partial); ``reduce_input_grad=False``
-    drops the all-gather's backward reduce-scatter. ``ledger``: the collectives
-    (``gather_sequence``, ``reduce_scatter_sequence``).
-    """
-    inj = Injection(g=int(reduce_output), f="sum" if reduce_input_grad else "none")
-    return real_rank_block(x, shard, cfg, inj, ledger)
-
-
 def finalize_norm_grad(grad: torch.Tensor, ledger: SequenceLedger, how: str = "sum") -> torch.Tensor:
     """The ``norm`` gradient after backward on a real rank: all-reduced (``"sum"``), all-reduced
     and divided by W (``"mean"``, the bug of averaging), or left alone (``"none"``)."""
