@@ -408,6 +408,8 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
         raise ValueError(f"inj must be an Injection, the mode's program "
                          f"(tpattn.bugs.modes.resolve(mode).injection) (got {inj!r})")
     batches = [(x0, target)] * cfg.world_size if batches is None else batches
+    # the seed's programs cut with shard_params itself (one_graph_forward then views the dense
+    # tensors rank-major, the seed's digits); the zoo's setups with the injection's loader
     cut = shard_fn or (shard_params if inj.reduction_only else lambda q, c: shard(q, c, inj))
     if check_simulate(simulate) == "ranks":  # the engine, every rank its own step
         gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
