@@ -10,9 +10,8 @@ import argparse
 import json
 import sys
 
-from tpattn.bugs.modes import run, run_matrix
-from tpattn.check.core import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture,
-                               modes_for)
+from tpattn.bugs.modes import modes_for, run, run_matrix
+from tpattn.check.core import ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture
 from tpattn.config import DTYPES, KV_STRATEGIES, Config
 from tpattn.block.params import INITS
 from tpattn.check.tolerance import TOLERANCES

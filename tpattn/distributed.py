@@ -11,7 +11,8 @@ import json
 import os
 import sys
 
-from tpattn.check.core import EQUIVALENCE, inspect_fixture, modes_for
+from tpattn.bugs.modes import modes_for
+from tpattn.check.core import EQUIVALENCE, inspect_fixture
 from tpattn.cli import build_parser, config_from_args, modes_listing
 from tpattn.real.launch import RankFailure, default_backend, describe_error, run_on_ranks
 from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_distributed,

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                    MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
+                    MODES, PARAM_SEED_OFFSET, SIMULATIONS, TOLERANCE, dense_reference,
                     five_measures, make_inputs, max_abs_diff, tp_step)
-from tpattn.bugs.modes import run
+from tpattn.bugs.modes import resolve, run
 from tpattn.config import Config
 from tpattn.block.dense import attend_and_project, dense_forward
 from tpattn.block.layers import rms_norm
@@ -295,7 +295,7 @@ def check_five_measures(measures) -> str:
     for cfg, seed, x0, target, base in _cases(CHECKED_CONFIGS[:2]):
         dense = dense_reference(x0, target, base, cfg)
         for mode in MODES:
-            tp = tp_step(x0, target, base, cfg, mode, "ranks")
+            tp = tp_step(x0, target, base, cfg, resolve(mode, cfg).injection, "ranks")
             want = five_measures(seed, mode, dense, tp)
             got = measures(dense, tp)
             if not isinstance(got, dict):
@@ -606,7 +606,7 @@ def _mode_runs(mode: str) -> tuple[tuple[frozenset, frozenset], ...]:
     for cfg, seed, x0, target, base in _cases():
         dense = dense_reference(x0, target, base, cfg)
         for simulate in SIMULATIONS:
-            tp = tp_step(x0, target, base, cfg, mode, simulate)
+            tp = tp_step(x0, target, base, cfg, resolve(mode, cfg).injection, simulate)
             hit = frozenset(k for k in PARAM_NAMES
                             if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE)
             found.append((frozenset(_failing(five_measures(seed, mode, dense, tp))), hit))
@@ -855,7 +855,7 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
     ledger = RecordingLedger()
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
-    inj = NATIVE_INJECTIONS[mode]
+    inj = resolve(mode, cfg).injection
     one_step(lambda x, shard: real_rank_block(x, shard, cfg, inj, ledger, rank=0),
              x0, target, shard_params(base, cfg)[0])
     return dict(ledger.counts), ledger.carried
@@ -1175,7 +1175,8 @@ def _kv_mode_hits() -> tuple[frozenset, ...]:
     for cfg, seed, x0, target, base in _cases(KV_CONFIGS[:2], EXTRA_SEEDS):
         dense = dense_reference(x0, target, base, cfg)
         for simulate in SIMULATIONS:
-            tp = tp_step(x0, target, base, cfg, MISSING_KV_GRAD_REDUCE, simulate)
+            tp = tp_step(x0, target, base, cfg, resolve(MISSING_KV_GRAD_REDUCE, cfg).injection,
+                         simulate)
             found.append(frozenset(
                 k for k in PARAM_NAMES
                 if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE))
@@ -1272,7 +1273,7 @@ def check_classify(classify) -> str:
     mode in float32, float64 and bfloat16: correct TP is rounding, every bug a bug."""
     cases = [(cfg, dict(r, bounds=dict(r["bounds"]))) for cfg, r in _auto_runs()]
     for cfg, result in cases:
-        want = "rounding" if result["mode"] == EQUIVALENCE else "bug"
+        want = "rounding" if resolve(result["mode"]).is_correct else "bug"
         got = classify({k: v for k, v in result.items()
                         if k not in ("passed", "mode", "verdict", "reason", "floors",
                                      "amplification")})
@@ -1439,14 +1440,14 @@ def check_bias_once(forward) -> str:
 @functools.lru_cache(maxsize=None)
 def _zoo_forward_hits() -> tuple[tuple[str, Config, int, bool], ...]:
     """For every runnable registry bug on both hunt shapes (a seed each): whether rank 0's
-    forward output (``tpattn.bugs.zoo.forward_fixture``, the fixture's view, as ``zoo.run``
-    builds it) differs from the dense block's by ``TOLERANCE`` or more. Forward only: the
+    forward output (``tpattn.bugs.zoo.forward_fixture``, the fixture's view, as ``tpattn.run``
+    runs it) differs from the dense block's by ``TOLERANCE`` or more. Forward only: the
     forward measure needs no backward."""
     from tpattn.bugs import zoo
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = []
     for mode in zoo.runnable_modes():
-        if mode == EQUIVALENCE:
+        if zoo.get_mode(mode).is_correct:  # correct TP: no bug to hit
             continue
         inj = zoo.get_mode(mode).injection
         for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
@@ -1469,7 +1470,7 @@ def check_forward_visible(predict) -> str:
     (``forward_max_abs_diff`` fails, rank 0's view). Graded on the zoo's block with each
     bug injected, on both hunt shapes."""
     from tpattn.bugs import zoo
-    names = [m for m in zoo.runnable_modes() if m != EQUIVALENCE]
+    names = [m for m in zoo.runnable_modes() if not zoo.get_mode(m).is_correct]
     predicted = _as_names(predict(), names, "zoo bug")
     runs = _zoo_forward_hits()
     for mode in names:
@@ -1530,10 +1531,11 @@ def check_ledger_verdict(verdict) -> str:
             shown = (f"forward {counts['forward']} (plan {plan['forward']}), backward "
                      f"{counts['backward']} (plan {plan['backward']})")
             if want is None:
-                run_of = "a correct run" if mode == EQUIVALENCE else f"a run of {mode}"
+                correct = zoo.get_mode(mode).is_correct
+                run_of = "a correct run" if correct else f"a run of {mode}"
                 raise _Wrong(f"for {run_of} the ledger shows {shown} — as planned — but "
                              f"you said {got}: "
-                             + ("" if mode == EQUIVALENCE else "this bug leaves the "
+                             + ("" if correct else "this bug leaves the "
                                 "collectives alone; ") + "answer None.")
             phase = "forward" if counts["forward"] != plan["forward"] else "backward"
             fewer = counts[phase] < plan[phase]

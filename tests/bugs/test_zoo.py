@@ -14,7 +14,8 @@ import torch
 import tpattn
 from tpattn import MEASURES, TOLERANCE, Config
 from tpattn.bugs import zoo
-from tpattn.check.core import LR, NATIVE_INJECTIONS, five_measures, make_inputs
+from tpattn.block.params import shard_params
+from tpattn.check.core import LR, five_measures, fixture_step, make_inputs
 from tpattn.parallel.simulated import simulated_step
 from tpattn.cli import main as cli_main
 
@@ -63,7 +64,7 @@ def test_every_entry_has_a_fidelity_and_a_citation_iff_it_has_a_report():
                        ("missing_kv_grad_reduce", "kv_heads < world_size")]:
         assert need in listed[name]["needs"] and need in zoo.LAYOUT_NEEDS
         assert listed[name]["provider"] != "tpattn.bugs.zoo"
-        assert zoo.REGISTRY[name].injection == NATIVE_INJECTIONS[name]
+        assert zoo.REGISTRY[name].injection.reduction_only  # the seed's check runs it
         assert listed[name]["observable"] is True and name not in zoo.runnable_modes()
     assert all(m["observable"] for m in listed.values())
 
@@ -73,8 +74,7 @@ def test_the_layout_modes_run_through_the_registry_and_on_the_engines_ranks():
     kv = tpattn.Config(query_heads=8, kv_heads=2, world_size=4)
     for mode, cfg in [("missing_norm_grad_reduce", sp), ("norm_grad_averaged", sp),
                       ("missing_kv_grad_reduce", kv), ("equivalence", sp), ("equivalence", kv)]:
-        assert zoo.run(11, mode, cfg, "ranks") == tpattn.run(11, mode, cfg, "ranks")
-        assert zoo.run(11, mode, cfg)["passed"] is (mode == "equivalence")
+        assert tpattn.run(11, mode, cfg)["passed"] is (mode == "equivalence")
         # the zoo's sides on the engine's ranks are tpattn.run's two sides, bit for bit
         dense, tp, _ = zoo.sides(mode, 11, cfg, "ranks")
         assert five_measures(11, mode, dense, tp) == tpattn.run(11, mode, cfg, "ranks")
@@ -131,11 +131,17 @@ def test_every_bug_fails_equivalence(mode, simulate):
 @pytest.mark.parametrize("simulate", ["fixture", "ranks"])
 @pytest.mark.parametrize("mode", tpattn.MODES)
 def test_the_zoo_block_is_the_packages_block_on_the_seeds_modes(mode, simulate):
-    """Rebuilt from the package's pieces, the zoo's injections of the seed's three modes give
-    check.run's numbers (both semantics)."""
+    """The engine's block wired as the registry's injections of the seed's three modes (in
+    the fixture's view on OneGraphRanks, not the seed's tp_forward) gives check.run's numbers
+    (both semantics)."""
+    inj = zoo.get_mode(mode).injection
     for cfg in (CFG, CFG_W4):
         for seed in SEEDS:
-            ours = zoo.run(seed, mode, cfg, simulate)
+            x0, target = make_inputs(cfg, seed)
+            base = zoo.make_params(cfg, seed, inj)
+            engine = fixture_step(x0, target, base, cfg, inj, shard_params) \
+                if simulate == "fixture" else zoo.tp_step(seed, cfg, inj, "ranks")
+            ours = five_measures(seed, mode, zoo.dense_step(x0, target, base, cfg, inj), engine)
             seeds = tpattn.run(seed, mode, cfg, simulate=simulate)
             assert ours["passed"] is seeds["passed"]
             for m in MEASURES:
@@ -265,23 +271,30 @@ def test_modes_other_modules_provide_run_in_check_run():
         tpattn.run(11, "nope")
 
 
-def test_mode_route_sends_the_packages_modes_to_run_and_the_rest_to_the_registry():
-    from tpattn.bugs.modes import mode_route
-    from tpattn.check.core import NATIVE_MODES
+def test_resolve_looks_every_mode_up_once_and_its_injection_says_how_it_runs():
+    from tpattn.bugs.modes import resolve
+    from tpattn.check.core import ALL_MODES
     from tpattn.real.ranks import planned_collectives
     from tpattn.real.zoo_real import planned_collectives as registry_plan
 
-    assert mode_route("equivalence") == "native"
-    assert mode_route("missing_norm_grad_reduce", tpattn.Config(seq=8, sequence_parallel=True)) \
-        == "native"
-    bugs = [m for m in zoo.runnable_modes() if m not in NATIVE_MODES]
-    assert bugs and all(mode_route(m) == "registry" for m in bugs)
-    # every caller routes alike: the distributed plan of a registry mode is the zoo's plan
+    assert resolve("equivalence") is zoo.REGISTRY["equivalence"]
+    assert resolve("equivalence").injection == zoo.Injection()
+    sp = tpattn.Config(seq=8, sequence_parallel=True)
+    assert resolve("missing_norm_grad_reduce", sp).injection.reduction_only
+    # the seed's check's modes are exactly the registry's reduction-only injections
+    assert [n for n, m in zoo.REGISTRY.items() if m.injection.reduction_only] == list(ALL_MODES)
+    # and correct TP is the one entry whose program is its own bug-free twin
+    assert [n for n, m in zoo.REGISTRY.items() if m.is_correct] == ["equivalence"]
+    assert not zoo.Injection(bias="every_rank").reduction_only  # a setup change is no reduction
+    assert not zoo.Injection(g=2).reduction_only and zoo.Injection(f="none", g=0).reduction_only
+    bugs = [m for m in zoo.runnable_modes() if not resolve(m).injection.reduction_only]
+    assert len(bugs) == len(zoo.runnable_modes()) - len(tpattn.MODES)
+    # every caller resolves alike: the distributed plan of a zoo setup is the zoo's plan
     assert all(planned_collectives(m) == registry_plan(m) for m in bugs)
     with pytest.raises(ValueError, match="needs replicated KV heads"):  # validated first
-        mode_route("missing_kv_grad_reduce", tpattn.Config())
+        resolve("missing_kv_grad_reduce", tpattn.Config())
     with pytest.raises(ValueError, match="mode must be one of .* registry mode"):
-        mode_route("nope")
+        resolve("nope")
 
 
 def test_register_adds_a_runnable_mode_and_refuses_to_steal_a_name():

@@ -3,6 +3,7 @@ bfloat16; and the bfloat16 weights-after-step measure that master weights make s
 import pytest
 import torch
 
+from tpattn.bugs.zoo import REGISTRY
 import tpattn
 from tpattn import Config
 from tpattn.check.core import LR, PARAM_SEED_OFFSET, dense_reference, make_inputs, one_step
@@ -61,7 +62,7 @@ def _old_bf16_weights_ratio(cfg, seed, mode):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, "fan_in")
     sides = [dense_reference(x0, target, base, cfg),
-             tp_step(x0, target, base, cfg, mode)]
+             tp_step(x0, target, base, cfg, REGISTRY[mode].injection)]
     old = [{k: (base[k] - LR * s["grads"][k]) for k in base} for s in sides]
     diff = max((old[0][k].float() - old[1][k].float()).abs().max().item() for k in base)
     u = UNIT_ROUNDOFF["bfloat16"]

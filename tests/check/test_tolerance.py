@@ -15,6 +15,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tpattn.bugs.modes import resolve_all
+from tpattn.bugs.zoo import REGISTRY
 import tpattn
 from tpattn import EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES, Config
 from tpattn.check.at_scale import against_float64, compare_world_sizes
@@ -22,7 +24,6 @@ from tpattn.check.core import (PARAM_SEED_OFFSET, dense_reference, five_measures
                           one_step)
 from tpattn.cli import main
 from tpattn.block.params import init_params
-from tpattn.check.core import NATIVE_INJECTIONS
 from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.check.tolerance import UNIT_ROUNDOFF, bug_margin, check_tolerance, fan_in, relative_bound
 from tpattn.parallel.tp import tp_forward
@@ -114,7 +115,7 @@ def test_each_bug_fails_auto_by_the_margin(cfg, seed, mode):
 def test_the_seed_loop_also_passes_the_auto_bounds(cfg, seed):
     # The example: hidden 1 makes every token's normalized input +-norm, so wk's gradient
     # cancels to ~1e-8 of its summands; against |dL/dwk| correct TP "failed" by 1e5x.
-    for row in compare_world_sizes(cfg, seed, world_sizes=(cfg.world_size,), init="seed",
+    for row in compare_world_sizes(cfg, seed, resolve_all(tpattn.MODES), world_sizes=(cfg.world_size,), init="seed",
                                    path="loop"):
         if row["mode"] == EQUIVALENCE:
             if row["verdict"] == "inconclusive":
@@ -151,7 +152,7 @@ def test_engine_one_graph_path_is_the_seed_loop_in_float64(cfg, seed, mode):
     kw = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
               reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
     a = one_step(lambda x, p: tp_forward(x, p, cfg, **kw), x0, target, base)
-    b = one_step(lambda x, p: one_graph_forward(x, p, cfg, NATIVE_INJECTIONS[mode]),
+    b = one_step(lambda x, p: one_graph_forward(x, p, cfg, REGISTRY[mode].injection),
                  x0, target, base)
     for key in ("output", "loss", "input_grad"):
         torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12)

@@ -11,7 +11,9 @@ from dataclasses import replace
 
 import pytest
 
+import tpattn
 from tpattn import EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE
+from tpattn.bugs.modes import resolve_all
 from tpattn.check.at_scale import compare_world_sizes, llama3_8b_attention, probe_amplification
 from tpattn.check.core import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
                           one_step)
@@ -27,7 +29,7 @@ SEED = 2
 
 @pytest.fixture(scope="module", params=("seed", "fan_in"))
 def rows(request):
-    return request.param, compare_world_sizes(CFG, SEED, world_sizes=(8,), init=request.param,
+    return request.param, compare_world_sizes(CFG, SEED, resolve_all(tpattn.MODES), world_sizes=(8,), init=request.param,
                                               probe=True)
 
 

@@ -10,6 +10,7 @@ gradient is usually the largest.
 import pytest
 
 from tpattn import Config
+from tpattn.parallel.injection import Injection
 from tpattn.check.core import LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs, tp_step
 from tpattn.block.params import init_params
 from tpattn.block.sgd import sgd_step
@@ -31,7 +32,7 @@ def _judge(cfg, seed, name):
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     dense = dense_reference(x0, target, base, cfg)
     dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)  # as run() does
-    tp = tp_step(x0, target, base, cfg, "equivalence")  # as run() does
+    tp = tp_step(x0, target, base, cfg, Injection())  # as run() does
     grads = dict(tp["grads"], **{name: tp["grads"][name] * 1.05})
     bug = dict(tp, grads=grads, weights=sgd_step(base, grads, LR))
     out = []
@@ -62,7 +63,7 @@ def test_per_parameter_reports_the_worst_parameters_own_measure_and_bound():
     x0, target = make_inputs(cfg, 1)
     base = init_params(cfg, 1 + PARAM_SEED_OFFSET)
     dense = dense_reference(x0, target, base, cfg)
-    tp = tp_step(x0, target, base, cfg, "equivalence")  # as run() does
+    tp = tp_step(x0, target, base, cfg, Injection())  # as run() does
     metrics, bounds = per_parameter(cfg, five_measures(1, "x", dense, tp), dense, tp, LR)
     name = metrics["worst_parameter"][GRAD]
     assert metrics[GRAD] == (dense["grads"][name].double()

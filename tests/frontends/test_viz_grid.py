@@ -2,6 +2,7 @@
 import pytest
 
 import tpattn
+from tpattn.bugs.modes import resolve
 from tpattn.check.stack import run_stack
 
 
@@ -9,7 +10,7 @@ def test_grid_marks_the_wrong_gradients_top_block_first():
     pytest.importorskip("matplotlib")
     from tpattn.viz.grid import stack_grid, stack_grid_figure
 
-    stacked = run_stack(5, tpattn.MISSING_INPUT_GRAD_REDUCE, layers=3)   # seed 5: held out
+    stacked = run_stack(5, resolve(tpattn.MISSING_INPUT_GRAD_REDUCE), layers=3)   # seed 5: held out
     labels, names, wrong = stack_grid(stacked["grad_diffs"], tpattn.TOLERANCE)
     assert labels == ["block 2 (top)", "block 1", "block 0"]
     assert wrong[0] == [n == "norm" for n in names]          # top: only norm

@@ -11,6 +11,7 @@ Cases: seeds 11 and 23 (shapes of the tests below), held-out seed 5 at another s
 import pytest
 import torch
 
+import tpattn
 from tpattn import Config
 from tpattn.bugs import zoo
 from tpattn.parallel.collectives import SimulatedRanks
@@ -100,7 +101,7 @@ def _compare_steps(eng, steps, cfg, names):
                                   "missing_input_grad_reduce", "missing_kv_grad_reduce"])
 @pytest.mark.parametrize("seed", [11, 5])
 def test_engine_equals_the_kv_replica_ranks(mode, strategy, seed):
-    from tpattn.check.core import modes_for
+    from tpattn.bugs.modes import modes_for
 
     cfg = Config(query_heads=8, kv_heads=2, world_size=4, kv_strategy=strategy)
     if mode not in modes_for(cfg):
@@ -156,7 +157,7 @@ def test_the_seed_one_graph_block_is_the_engine_under_correct_tp(seed):
     cfg = Config()
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    seed_view = tp_step(x0, target, base, cfg, "equivalence")
+    seed_view = tp_step(x0, target, base, cfg, zoo.Injection())
     engine = rank0_view(simulated_step(shard_params(base, cfg), [(x0, target)] * 2, cfg,
                                        Injection(), LR), cfg)
     for key in ("output", "loss", "input_grad"):
@@ -170,9 +171,11 @@ def test_the_seed_one_graph_block_is_the_engine_under_correct_tp(seed):
 
 
 def test_the_registry_and_run_share_one_injection_per_seed_mode():
-    """One vocabulary: the registry's entries of the seed's three modes are the very
-    injections ``run`` simulates them with."""
-    from tpattn.check.core import MODES, NATIVE_INJECTIONS
+    """One vocabulary: ``run`` simulates each of the seed's three modes with its registry
+    entry's injection, on both semantics."""
+    from tpattn.check.core import MODES, check_injection
 
     for mode in MODES:
-        assert zoo.get_mode(mode).injection is NATIVE_INJECTIONS[mode]
+        for simulate in ("fixture", "ranks"):
+            assert tpattn.run(11, mode, simulate=simulate) == check_injection(
+                11, mode, zoo.get_mode(mode).injection, simulate=simulate)

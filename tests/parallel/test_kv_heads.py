@@ -12,10 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tpattn.bugs.zoo import REGISTRY
 import tpattn
 from tpattn import EQUIVALENCE, MEASURES, TOLERANCE, Config
-from tpattn.check.core import (LR, MISSING_KV_GRAD_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
-                          check_mode, dense_reference, make_inputs, modes_for, tp_step)
+from tpattn.bugs.modes import check_mode, modes_for, resolve
+from tpattn.check.core import (LR, MISSING_KV_GRAD_REDUCE, PARAM_SEED_OFFSET,
+                          dense_reference, make_inputs, tp_step)
 from tpattn.parallel.kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, REPLICATE_WEIGHTS, kv_collectives,
                              kv_costs, kv_head_of_rank, replica_groups, ring_bytes)
 from tpattn.check.kv_steps import train_steps
@@ -109,7 +111,7 @@ def _per_param(cfg: Config, seed: int, simulate: str) -> dict[str, float]:
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     dense = dense_reference(x0, target, base, cfg)
-    tp = tp_step(x0, target, base, cfg, MISSING_KV_GRAD_REDUCE, simulate)
+    tp = tp_step(x0, target, base, cfg, REGISTRY[MISSING_KV_GRAD_REDUCE].injection, simulate)
     out = {k: (dense["grads"][k] - tp["grads"][k]).abs().max().item() for k in dense["grads"]}
     for key in ("output", "loss", "input_grad"):
         out[key] = (dense[key] - tp[key]).abs().max().item()
@@ -140,7 +142,7 @@ def _replicas(mode: str, cfg: Config = CFG, seed: int = 11):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     return rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size,
-                                     cfg, NATIVE_INJECTIONS[mode], LR))
+                                     cfg, REGISTRY[mode].injection, LR))
 
 
 def test_replicas_stay_bit_identical_with_the_reduce_and_split_without():
@@ -153,8 +155,8 @@ def test_replicas_stay_bit_identical_with_the_reduce_and_split_without():
 
 
 def test_from_step_two_everything_drifts():
-    ok = train_steps(CFG, 11, EQUIVALENCE, steps=2)
-    bug = train_steps(CFG, 11, MISSING_KV_GRAD_REDUCE, steps=2)
+    ok = train_steps(CFG, 11, resolve(EQUIVALENCE, CFG), steps=2)
+    bug = train_steps(CFG, 11, resolve(MISSING_KV_GRAD_REDUCE, CFG), steps=2)
     assert all(row["passed"] and row["kv_replica_max_diff"] == 0 for row in ok)
     assert all(bug[0][m] < TOLERANCE for m in MEASURES[:3])  # step 1: forward, loss, dX exact
     assert all(bug[1][m] > 1e-4 for m in MEASURES)  # step 2: nothing is

@@ -14,7 +14,8 @@ import torch
 
 from tpattn import Config
 from tpattn.bugs import zoo
-from tpattn.check.core import (NATIVE_INJECTIONS, SP_MODES, LR, MODES, MISSING_KV_GRAD_REDUCE,
+from tpattn.bugs.zoo import REGISTRY
+from tpattn.check.core import (SP_MODES, LR, MODES, MISSING_KV_GRAD_REDUCE,
                                PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
                                one_step, tp_step)
 from tpattn.block.params import init_params
@@ -51,7 +52,7 @@ def _native_case(cfg, seed, mode, old_forward):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     dense = dense_reference(x0, target, base, cfg)
-    new = one_step(lambda x, p: one_graph_forward(x, p, cfg, NATIVE_INJECTIONS[mode]),
+    new = one_step(lambda x, p: one_graph_forward(x, p, cfg, REGISTRY[mode].injection),
                    x0, target, base)
     old = one_step(old_forward, x0, target, base)
     _same_step(new, old, cfg)
@@ -67,8 +68,8 @@ def test_run_fixture_is_the_engine(cfg):
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
     for mode in ("equivalence", "missing_input_grad_reduce"):
-        a = tp_step(x0, target, base, cfg, mode)
-        b = one_step(lambda x, p: one_graph_forward(x, p, cfg, NATIVE_INJECTIONS[mode]),
+        a = tp_step(x0, target, base, cfg, REGISTRY[mode].injection)
+        b = one_step(lambda x, p: one_graph_forward(x, p, cfg, REGISTRY[mode].injection),
                      x0, target, base)
         assert torch.equal(a["output"], b["output"]) and torch.equal(a["input_grad"],
                                                                      b["input_grad"])
@@ -83,7 +84,7 @@ SP_HELD_OUT = Config(seq=6, batch=1, hidden=12, query_heads=6, kv_heads=3, head_
 @pytest.mark.parametrize("cfg,seed", [(SP, 11), (SP, 23), (SP_HELD_OUT, 5)])
 @pytest.mark.parametrize("mode", SP_MODES)
 def test_sequence_parallel_fixture_is_the_engine(cfg, seed, mode):
-    inj = NATIVE_INJECTIONS[mode]
+    inj = REGISTRY[mode].injection
     row = _native_case(cfg, seed, mode, lambda x, p: ref.sp_forward(
         x, p, cfg, inj.g == 1, inj.f == "sum", inj.norm_grad))
     assert row["passed"] == (mode == "equivalence")  # every SP bug shows in rank 0's view
@@ -100,7 +101,7 @@ KV = [Config(query_heads=8, kv_heads=2, world_size=4),
 def test_fewer_kv_heads_fixture_is_the_engine(cfg, mode):
     if mode == MISSING_KV_GRAD_REDUCE and cfg.kv_strategy == "gather_activations":
         pytest.skip("no replica-group reduce to drop under gather_activations")
-    inj = NATIVE_INJECTIONS[mode]
+    inj = REGISTRY[mode].injection
     for seed in (11, 23):
         row = _native_case(cfg, seed, mode, lambda x, p: ref.tp_forward_kv(
             x, p, cfg, inj.g == 1, inj.f == "sum", inj.kv_grad == "sum"))
@@ -113,7 +114,7 @@ def test_fewer_kv_heads_fixture_is_the_engine(cfg, mode):
 def test_plain_tp_engine_path_is_the_rank_batched_block(cfg, mode):
     if cfg.world_size == 1 and mode != "equivalence":
         pytest.skip("one rank: nothing to drop")
-    inj = NATIVE_INJECTIONS[mode]
+    inj = REGISTRY[mode].injection
     _native_case(cfg, 11, mode, lambda x, p: ref.rank_batched_tp_forward(
         x, p, cfg, inj.g == 1, inj.f == "sum"))
 
@@ -160,7 +161,7 @@ def test_zoo_fixture_is_the_engine(mode, seed):
 def test_tp_forward_is_the_engine_in_the_fixture_configuration(cfg, mode):
     """The book's short ``tp_forward`` (chapters 6-9) is the engine's block on
     ``OneGraphRanks`` with the mode's injection, in float32, within rounding."""
-    inj = NATIVE_INJECTIONS[mode]
+    inj = REGISTRY[mode].injection
     x0, target = make_inputs(cfg, 11)
     base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
     short = one_step(lambda x, p: tp_forward(x, p, cfg, inj.g == 1, inj.f == "sum"),

@@ -18,9 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tpattn.bugs.zoo import REGISTRY
 import tpattn
 from tpattn import MEASURES, TOLERANCE, Config
-from tpattn.check.core import (LR, NATIVE_INJECTIONS, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
+from tpattn.check.core import (LR, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                           MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED, PARAM_SEED_OFFSET,
                           SP_MODES, SP_ONLY_MODES, dense_reference, make_inputs)
 from tpattn.cli import main as cli_main
@@ -84,8 +85,8 @@ def test_default_inspect_has_no_sequence_parallel_key():
 
 
 def test_matrix_modes():
-    assert tpattn.check.core.modes_for(Config()) == MODES  # the seed's three
-    assert tpattn.check.core.modes_for(SP2) == SP_MODES == MODES + SP_ONLY_MODES
+    assert tpattn.bugs.modes.modes_for(Config()) == MODES  # the seed's three
+    assert tpattn.bugs.modes.modes_for(SP2) == SP_MODES == MODES + SP_ONLY_MODES
 
 
 # --- equivalence ----------------------------------------------------------------------------
@@ -148,7 +149,7 @@ def _sp_steps(cfg, seed, mode):
     w = cfg.world_size
     steps = rank_steps(simulated_step(shard_params(base, cfg),
                                       list(zip(x0.chunk(w), target.chunk(w))), cfg,
-                                      NATIVE_INJECTIONS[mode], LR))
+                                      REGISTRY[mode].injection, LR))
     return steps, dense_reference(x0, target, base, cfg)
 
 

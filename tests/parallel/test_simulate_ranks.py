@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tpattn.bugs.zoo import REGISTRY
 import tpattn
 from tpattn import (EQUIVALENCE, MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
                     MODES, TOLERANCE, Config)
-from tpattn.check.core import (LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, dense_reference,
+from tpattn.check.core import (LR, PARAM_SEED_OFFSET, dense_reference,
                           five_measures, make_inputs)
 from tpattn.cli import main as cli_main
 from tpattn.block.dense import attend_and_project
@@ -81,7 +82,7 @@ def _steps(mode: str, cfg: Config, seed: int = 11):
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET)
     steps = rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size,
-                                      cfg, NATIVE_INJECTIONS[mode], LR))
+                                      cfg, REGISTRY[mode].injection, LR))
     return x0, base, steps
 
 

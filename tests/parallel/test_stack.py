@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import tpattn
+from tpattn.bugs.modes import resolve
 from tpattn.check import stack
 from tpattn.block.params import PARAM_NAMES
 
@@ -13,7 +14,7 @@ SHARDED = ("wq", "wk", "wv", "wo")
 @pytest.mark.parametrize("mode", tpattn.MODES)
 @pytest.mark.parametrize("seed", tpattn.SEEDS)
 def test_a_stack_of_one_block_is_the_fixture(seed, mode, simulate):
-    one = stack.run_stack(seed, mode, layers=1, simulate=simulate)
+    one = stack.run_stack(seed, resolve(mode), layers=1, simulate=simulate)
     fixture = tpattn.run(seed, mode, simulate=simulate)
     for m in ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff"):
         assert one[m] == fixture[m]  # the same computation, so the same floats
@@ -24,7 +25,7 @@ def test_a_stack_of_one_block_is_the_fixture(seed, mode, simulate):
 @pytest.mark.parametrize("simulate", ["fixture", "ranks"])
 @pytest.mark.parametrize("seed", tpattn.SEEDS)
 def test_correct_tp_stack_equals_the_dense_stack(seed, simulate):
-    r = stack.run_stack(seed, tpattn.EQUIVALENCE, layers=3, simulate=simulate)
+    r = stack.run_stack(seed, resolve(tpattn.EQUIVALENCE), layers=3, simulate=simulate)
     assert r["forward_max_abs_diff"] < tpattn.TOLERANCE and r["loss_abs_diff"] < tpattn.TOLERANCE
     assert r["input_grad_max_abs_diff"] < tpattn.TOLERANCE
     for diffs in (*r["grad_diffs"], *r["weight_diffs"]):
@@ -35,7 +36,7 @@ def test_correct_tp_stack_equals_the_dense_stack(seed, simulate):
 @pytest.mark.parametrize("layers", [2, 3, 4])
 @pytest.mark.parametrize("seed", tpattn.SEEDS)
 def test_missing_f_in_a_stack_corrupts_every_lower_block(seed, layers, simulate):
-    r = stack.run_stack(seed, tpattn.MISSING_INPUT_GRAD_REDUCE, layers=layers, simulate=simulate)
+    r = stack.run_stack(seed, resolve(tpattn.MISSING_INPUT_GRAD_REDUCE), layers=layers, simulate=simulate)
     # forward and loss untouched, as in one block
     assert r["forward_max_abs_diff"] < tpattn.TOLERANCE and r["loss_abs_diff"] < tpattn.TOLERANCE
     top, lower = r["grad_diffs"][-1], r["grad_diffs"][:-1]
@@ -50,7 +51,7 @@ def test_missing_f_in_a_stack_corrupts_every_lower_block(seed, layers, simulate)
 
 @pytest.mark.parametrize("simulate", ["fixture", "ranks"])
 def test_missing_g_in_a_stack_fails_everywhere(simulate):
-    r = stack.run_stack(11, tpattn.MISSING_OUTPUT_REDUCE, layers=3, simulate=simulate)
+    r = stack.run_stack(11, resolve(tpattn.MISSING_OUTPUT_REDUCE), layers=3, simulate=simulate)
     assert r["forward_max_abs_diff"] > 1e-2
     assert all(min(block.values()) > 1e-4 for block in r["grad_diffs"])
 
@@ -69,23 +70,25 @@ def test_blocks_are_the_flat_tensors_and_block_zero_is_the_fixture():
 @pytest.mark.parametrize("layers", [0, -1, 1.5, True, "2"])
 def test_bad_layers_is_a_value_error_naming_the_field(layers):
     with pytest.raises(ValueError, match="layers must be an integer >= 1"):
-        stack.run_stack(11, tpattn.EQUIVALENCE, layers=layers)
+        stack.run_stack(11, resolve(tpattn.EQUIVALENCE), layers=layers)
 
 
 def test_bad_mode_and_seed_are_value_errors():
-    with pytest.raises(ValueError, match="mode must be one of"):
-        stack.run_stack(11, "nope")
+    with pytest.raises(ValueError, match="program must be a registry entry of the seed's check"):
+        stack.run_stack(11, "nope")  # a name, not its entry
+    with pytest.raises(ValueError, match="program must be a registry entry of the seed's check"):
+        stack.run_stack(11, resolve("output_reduced_twice"))  # not tp_forward's program
     with pytest.raises(ValueError, match="seed must be"):
-        stack.run_stack(-1)
+        stack.run_stack(-1, resolve(tpattn.EQUIVALENCE))
     with pytest.raises(ValueError, match="simulate must be one of"):
-        stack.run_stack(11, simulate="real")
+        stack.run_stack(11, resolve(tpattn.EQUIVALENCE), simulate="real")
 
 
 def test_ranks_and_fixture_agree_where_rank_0_sees_everything():
     """Without f, rank 0's own chain of upstream gradients is the fixture's: the stack's dX and
     the top block agree; below it rank 1's shards differ (they follow rank 1's own dX)."""
-    fixture = stack.run_stack(11, tpattn.MISSING_INPUT_GRAD_REDUCE, layers=3)
-    ranks = stack.run_stack(11, tpattn.MISSING_INPUT_GRAD_REDUCE, layers=3, simulate="ranks")
+    fixture = stack.run_stack(11, resolve(tpattn.MISSING_INPUT_GRAD_REDUCE), layers=3)
+    ranks = stack.run_stack(11, resolve(tpattn.MISSING_INPUT_GRAD_REDUCE), layers=3, simulate="ranks")
     assert abs(fixture["input_grad_max_abs_diff"] - ranks["input_grad_max_abs_diff"]) < 1e-6
     assert all(abs(fixture["grad_diffs"][-1][k] - ranks["grad_diffs"][-1][k]) < 1e-6
                for k in PARAM_NAMES)
@@ -97,9 +100,9 @@ def test_train_stack_depth_turns_a_quiet_loss_curve_into_a_visible_gap():
     from tpattn.check.stack import train_stack
 
     def gap(layers, simulate, steps=20):
-        bug = train_stack(11, "missing_input_grad_reduce", layers=layers, steps=steps,
+        bug = train_stack(11, resolve("missing_input_grad_reduce"), layers=layers, steps=steps,
                           simulate=simulate)
-        good = train_stack(11, "equivalence", layers=layers, steps=steps, simulate=simulate)
+        good = train_stack(11, resolve("equivalence"), layers=layers, steps=steps, simulate=simulate)
         assert bug["losses"][0] == good["losses"][0]          # the forward is untouched
         return abs(bug["losses"][-1] - good["losses"][-1]) / good["losses"][-1], bug, good
 

@@ -1,60 +1,78 @@
-"""The front door: a mode is resolved once, here, then runs where it lives.
+"""The front door: a mode is resolved once, here, to its registry entry, then checked.
 
 ``run(seed, mode, cfg)`` accepts every mode of the bug registry (``python -m tpattn
---list-modes``): the package's own (``check.core.NATIVE_MODES``: the seed's three, sequence
-parallelism's, fewer KV heads') run in ``tpattn.check.core.run_native``; the others are
-injections of the zoo's block (``tpattn.bugs.zoo.run``).
+--list-modes``): ``resolve`` looks the name up in ``tpattn.bugs.zoo.REGISTRY`` once, and the
+entry's ``Injection`` is the whole sharded program ``tpattn.check.core.check_injection``
+runs. Below this module nothing compares mode names.
 """
 from __future__ import annotations
 
 from tpattn.block.params import shard_params
-from tpattn.check.core import (EQUIVALENCE, MODES, NATIVE_MODES, SEEDS, check_mode, check_seed,
-                               check_simulate, modes_for, run_native)
+from tpattn.check.core import EQUIVALENCE, MODES, SEEDS, check_injection, check_seed, check_simulate
 from tpattn.check.tolerance import check_tolerance
 from tpattn.config import Config
 
-from .zoo import REGISTRY
-from .zoo import run as run_registry_mode
+from .zoo import REGISTRY, BugMode, check_mode, check_needs, modes_for
 
-__all__ = ["check_any_mode", "mode_route", "run", "run_matrix"]
+__all__ = ["check_mode", "check_any_mode", "modes_for", "resolve", "resolve_all", "run",
+           "run_matrix"]
+
+
+def resolve(mode: str, cfg: Config | None = None) -> BugMode:
+    """The registry entry of ``mode``, looked up once. A ``reduction_only`` injection (the
+    seed's check's modes) must apply to ``cfg`` (``check_mode``); a name the registry does
+    not hold raises ``ValueError`` naming ``modes_for(cfg)`` and ``--list-modes``. Whether
+    another entry can run on ``cfg`` is ``zoo.check_needs``'s question."""
+    entry = REGISTRY.get(mode) if isinstance(mode, str) else None
+    if entry is None:
+        raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
+                         f"(python -m tpattn --list-modes) (got {mode!r})")
+    if entry.injection is not None and entry.injection.reduction_only:
+        check_mode(mode, cfg)
+    return entry
+
+
+def resolve_all(modes, cfg: Config | None = None) -> list[BugMode]:
+    """``resolve`` of every name of ``modes``, in order: the programs (``.name``,
+    ``.injection``) the check's helpers take (``check.stack``, ``check.kv_steps``,
+    ``check.at_scale``)."""
+    return [resolve(m, cfg) for m in modes]
 
 
 def check_any_mode(mode: str, cfg: Config | None = None) -> str:
-    """Return ``mode`` if ``run`` can run it for ``cfg``: one of ``modes_for(cfg)`` (checked by
-    ``check_mode``) or a mode of the bug registry (``tpattn.bugs.zoo.REGISTRY``, ``python -m tpattn
-    --list-modes``); else raise ``ValueError``."""
-    if mode in NATIVE_MODES:
-        return check_mode(mode, cfg)
-    if isinstance(mode, str) and mode in REGISTRY:
-        return mode
-    raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
-                     f"(python -m tpattn --list-modes) (got {mode!r})")
-
-
-def mode_route(mode: str, cfg: Config | None = None) -> str:
-    """Where ``mode`` runs, once ``check_any_mode`` has accepted it for ``cfg`` (else its
-    ``ValueError``): ``"native"`` for ``NATIVE_MODES``, computed by ``run_native`` (on real
-    ranks by ``tpattn.real.ranks``), ``"registry"`` for the other modes of the bug registry,
-    run by ``tpattn.bugs.zoo`` (on real ranks by ``tpattn.real.zoo_real``)."""
-    return "native" if check_any_mode(mode, cfg) in NATIVE_MODES else "registry"
+    """Return ``mode`` if ``run`` accepts it for ``cfg`` (``resolve``), else raise its
+    ``ValueError``."""
+    return resolve(mode, cfg).name
 
 
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
         simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed",
         init: str = "seed") -> dict:
-    """Dense vs TP on the five measures for any mode (``check.core.run_native``'s arguments
-    and result; a registry mode takes only ``tolerance="seed"`` and ``init="seed"``)."""
+    """Dense vs TP on the five measures for any mode of the registry: ``resolve`` it once,
+    then ``check.core.check_injection`` of its injection (its arguments and result).
+
+    ``shard_fn`` replaces the injection's cut (default ``shard_params``: the cut each mode's
+    injection describes). ``tolerance="auto"`` and ``init="fan_in"`` cover the
+    ``reduction_only`` injections (the seed's check's modes); any other mode takes only
+    ``"seed"``."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
-    if mode_route(mode, cfg) == "registry":
+    entry = resolve(mode, cfg)
+    inj = entry.injection
+    if inj is None or not inj.reduction_only:
         if tolerance != "seed":
+            covered = [n for n, m in REGISTRY.items() if m.injection is not None
+                       and m.injection.reduction_only]
             raise ValueError(f"tolerance must be 'seed' for a bug-registry mode such as {mode} "
-                             f"(the auto bound covers {', '.join(NATIVE_MODES)})")
+                             f"(the auto bound covers {', '.join(covered)})")
         if init != "seed":
             raise ValueError(f"init must be 'seed' for a bug-registry mode such as {mode} "
                              f"(got {init!r})")
-        return run_registry_mode(seed, mode, cfg, simulate)
-    return run_native(seed, mode, cfg, simulate, shard_fn, tolerance, init)
+        check_seed(seed)
+        check_simulate(simulate)
+        inj = check_needs(mode, cfg).injection
+    return check_injection(seed, mode, inj, cfg, simulate,
+                           None if shard_fn is shard_params else shard_fn, tolerance, init)
 
 
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
@@ -62,7 +80,7 @@ def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                init: str = "seed") -> list[dict]:
     """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
     cfg = Config() if cfg is None else cfg
-    modes = [check_any_mode(m, cfg) for m in modes]
+    modes = [resolve(m, cfg).name for m in modes]
     seeds = [check_seed(s) for s in seeds]
     check_simulate(simulate)
     check_tolerance(tolerance)

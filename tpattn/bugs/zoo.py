@@ -5,9 +5,11 @@ Every entry of ``REGISTRY`` is a ``BugMode``: a name (a valid ``--mode``), a one
 description, how it is injected (an ``Injection``: which knob of the sharded block it turns),
 the public report it is compared with (repository + issue/PR number), its ``fidelity`` to that
 report (one of ``FIDELITIES``, with a one-line ``fidelity_note``) and what the setup ``needs``
-(``bias``, ``world_size >= 2``, ...). ``run(seed, mode, cfg, simulate)`` runs one of them in
-``tpattn.run``'s dict; ``tpattn.run`` hands every registry mode it does not know to here.
-Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
+(``bias``, ``world_size >= 2``, ...). Every mode ``tpattn.run`` accepts is an entry here,
+the seed's three, sequence parallelism's and replicated KV heads' included: ``tpattn.run``
+(``tpattn.bugs.modes``) looks the name up once and checks the entry's injection
+(``tpattn.check.core.check_injection``). ``check_mode`` and ``modes_for`` state the rules of
+the seed's check's modes (the ``reduction_only`` injections). Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
 
 Each mode's ``Injection`` (``tpattn.parallel.injection``, whose docstring lists the knobs:
 f, g, bias, shard, kv, inputs, norm, clip, kv_grad, norm_grad) says how the sharded block is
@@ -18,51 +20,47 @@ tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every si
 own leaf tensors, output, loss and backward, as real ranks run: the engine on
 ``tpattn.parallel.simulated``; ``tpattn.real.ranks`` runs the same injections on real
 processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view (the
-engine on ``tpattn.parallel.one_graph.OneGraphRanks``).
+engine on ``tpattn.parallel.one_graph.OneGraphRanks``; the seed's ``tp.tp_forward`` for the
+seed's three modes). The parameters, cut and batches of an injection (``make_params``,
+``shard``, ``unshard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
+``clip_coef``) live in ``tpattn.check.core`` and are re-exported here.
 
 Other modules contribute modes with ``register``. Three entries are injections that need a
 layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
 ``norm_grad_averaged`` (``norm_grad``) need ``sequence_parallel=True``,
 ``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
-``kv_strategy="replicate_weights"``). ``run`` runs them in both simulations (``tpattn.observe``
+``kv_strategy="replicate_weights"``). ``tpattn.run`` runs them in both simulations (``tpattn.observe``
 watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
 tables run on plain-TP shapes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                    MISSING_NORM_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, NATIVE_INJECTIONS,
-                    NATIVE_MODES, NORM_GRAD_AVERAGED, PARAM_SEED_OFFSET, check_mode, check_seed,
-                    check_simulate, dense_reference, five_measures, make_inputs)
+from tpattn.block.kv_layout import kv_grad_bug_applies
+from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE,
+                               MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
+                               MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
+                               OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
+                               clip_coef, dense_step, grad_norm, make_inputs, make_params,
+                               rank_batches, shard, unshard)
+from tpattn.check.core import tp_step as check_tp_step
 from tpattn.config import Config
-from tpattn.block.sgd import sgd_step
-from tpattn.block.dense import dense_forward
-from tpattn.block.params import INIT_STD, PARAM_NAMES, clone_trainable, init_params, rank_head_slices, \
-    shard_params, unshard_params
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.engine import ScaleGrad as GradScale
-from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.parallel.injection import Injection
-from tpattn.parallel.sequence_parallel import rank_tokens
-from tpattn.parallel.simulated import rank0_view, simulated_step
+from tpattn.parallel.one_graph import one_graph_forward
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
            "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
-           "check_needs", "run",
+           "check_needs", "check_mode", "modes_for", "tp_step",
            "make_params", "shard", "unshard", "sides", "forward_fixture", "block_inputs",
            "LAYOUT_NEEDS",
-           "GradScale", "MAX_GRAD_NORM", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET"]
+           "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
+           "rank_batches", "dense_step", "clip_coef"]
 
-#: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
-#: seed's parameters and their init order never change.
-BIAS_SEED_OFFSET = 200
-#: Under ``inputs="per_rank"`` rank ``r >= 1`` draws its batch from ``seed + this * r``.
-OTHER_BATCH_SEED_OFFSET = 7919
 #: How faithfully an entry reproduces its public report. ``"mechanism"``: the report's
 #: mechanism, at its place; ``"consistent"``: the simplest mechanism consistent with a report
 #: whose thread establishes no root cause; ``"no report"``: no public report found (a plausible
@@ -98,6 +96,12 @@ class BugMode:
     fidelity: str = "no report"
     fidelity_note: str = ""
 
+    @property
+    def is_correct(self) -> bool:
+        """True when the entry's program is correct TP: its injection is its own bug-free
+        twin (``Injection.correct``), as ``equivalence``'s is."""
+        return self.injection is not None and self.injection == self.injection.correct()
+
     def as_dict(self) -> dict:
         """What ``--list-modes`` prints for this mode: name, description, citation,
         fidelity, fidelity_note, needs, provider, ``runnable`` (``tpattn.run`` can run it)
@@ -113,16 +117,16 @@ class BugMode:
 def _entries() -> list[BugMode]:
     return [
         BugMode(EQUIVALENCE, "correct TP: g sums the output partials, f sums dn", None,
-                injection=NATIVE_INJECTIONS[EQUIVALENCE], how="both reductions", fix="-",
+                injection=Injection(), how="both reductions", fix="-",
                 fidelity="correct",
                 fidelity_note="not a bug: the correct program every other mode is compared with"),
         BugMode(MISSING_OUTPUT_REDUCE, "g dropped: each rank's output is its own partial", None,
-                ("world_size >= 2",), NATIVE_INJECTIONS[MISSING_OUTPUT_REDUCE],
+                ("world_size >= 2",), Injection(g=0),
                 how="no forward all-reduce of partials",
                 fix="all-reduce the row-parallel output (g) before the residual",
                 fidelity_note="the book's own bug (chapter 8); no public report is cited"),
         BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution", None,
-                ("world_size >= 2",), NATIVE_INJECTIONS[MISSING_INPUT_GRAD_REDUCE],
+                ("world_size >= 2",), Injection(f="none"),
                 how="no backward all-reduce of dn",
                 fix="all-reduce dn in backward (f, copy_to_tensor_model_parallel_region)",
                 fidelity_note="the book's own bug (chapter 9); no public report is cited"),
@@ -210,10 +214,10 @@ def _entries() -> list[BugMode]:
                 "and the torch RNG state desynced (the loader's seed consumed RNG on tp_rank 0 "
                 "only), so nn.Dropout masks differed across TP ranks (not reproduced: no "
                 "dropout here)"),
-        BugMode("missing_norm_grad_reduce",
+        BugMode(MISSING_NORM_GRAD_REDUCE,
                 "sequence parallelism without the all-reduce of the norm weight's gradient",
                 "NVIDIA-NeMo/Speech PR 7184; hpcaitech/ColossalAI PR 4915",
-                ("sequence_parallel",), NATIVE_INJECTIONS[MISSING_NORM_GRAD_REDUCE],
+                ("sequence_parallel",), Injection(norm_grad="none"),
                 provider="tpattn.parallel.sequence_parallel",
                 how="no all-reduce of the norm weight's gradient after backward",
                 fix="all-reduce the norm weight's gradient over the TP group",
@@ -222,10 +226,10 @@ def _entries() -> list[BugMode]:
                 "gradients looked for a 'sequence_parallel' attribute that apex's LayerNorm "
                 "names 'sequence_parallel_enabled', so it was skipped; ColossalAI PR 4915 adds "
                 "the missing all-reduce; tpattn.parallel.sequence_parallel drops it at that place"),
-        BugMode("norm_grad_averaged",
+        BugMode(NORM_GRAD_AVERAGED,
                 "sequence parallelism: the norm weight's gradient averaged instead of summed",
                 "EleutherAI/gpt-neox PR 1259", ("sequence_parallel",),
-                NATIVE_INJECTIONS[NORM_GRAD_AVERAGED],
+                Injection(norm_grad="mean"),
                 provider="tpattn.parallel.sequence_parallel",
                 how="the norm weight's gradient all-reduced with op AVG (sum / W): the ledger "
                     "shows op avg where the plan has sum",
@@ -235,9 +239,9 @@ def _entries() -> list[BugMode]:
                 "shards instead of summing (and was registered before deepspeed.initialize); "
                 "the PR sums, and says it does not fix the run's convergence issue, whose "
                 "slowly changing LayerNorm weights it reports as still open"),
-        BugMode("missing_kv_grad_reduce",
+        BugMode(MISSING_KV_GRAD_REDUCE,
                 "replicated KV heads without the all-reduce of their gradients", None,
-                ("kv_heads < world_size",), NATIVE_INJECTIONS[MISSING_KV_GRAD_REDUCE],
+                ("kv_heads < world_size",), Injection(kv_grad="none"),
                 provider="tpattn.parallel.kv_heads",
                 how="no all-reduce of the wk/wv gradients in the KV replica group",
                 fix="all-reduce wk/wv gradients over each replica group",
@@ -303,20 +307,53 @@ def get_mode(mode: str) -> BugMode:
     return REGISTRY[mode]
 
 
+def modes_for(cfg: Config | None) -> tuple[str, ...]:
+    """The modes of ``cfg``'s matrix: ``SP_MODES`` under ``sequence_parallel``; ``MODES`` plus
+    ``missing_kv_grad_reduce`` where KV heads are replicated; else the seed's ``MODES``."""
+    if cfg is not None and cfg.sequence_parallel:
+        return SP_MODES
+    if cfg is not None and kv_grad_bug_applies(cfg):
+        return MODES + (MISSING_KV_GRAD_REDUCE,)
+    return MODES
+
+
+def check_mode(mode: str, cfg: Config | None = None) -> str:
+    """Return ``mode`` if it is one of ``ALL_MODES`` (the seed's check's modes) and applies to
+    ``cfg`` (``modes_for``), else raise ``ValueError`` naming the choices or the rule read
+    from its injection (a ``norm_grad`` bug without ``cfg.sequence_parallel``, a ``kv_grad``
+    bug without replicated KV heads, says so)."""
+    entry = REGISTRY.get(mode) if isinstance(mode, str) and mode in ALL_MODES else None
+    inj = entry.injection if entry is not None else None
+    if inj is not None and inj.norm_grad != "sum" \
+            and not (cfg is not None and cfg.sequence_parallel):
+        raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
+                         f"only then is the norm weight's gradient a partial sum to all-reduce")
+    if inj is not None and inj.kv_grad != "sum" and cfg is not None \
+            and not kv_grad_bug_applies(cfg):
+        raise ValueError(
+            f"mode {mode} needs replicated KV heads: kv_heads < world_size "
+            f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
+            f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
+    valid = modes_for(cfg) if cfg is not None else ALL_MODES
+    if mode not in valid:
+        raise ValueError(f"mode must be one of {', '.join(valid)} (got {mode!r})")
+    return mode
+
+
 def check_needs(mode: str, cfg: Config) -> BugMode:
     """The entry of ``mode`` if this build can run it on ``cfg``, else ``ValueError`` naming
     the unmet need (setup needs such as ``bias`` are met by the mode itself). A mode
-    ``tpattn.run`` computes itself (``check.NATIVE_MODES``) is checked by
-    ``check.check_mode``, which also says the rule of a layout need (``sequence_parallel=True``;
+    whose injection is ``reduction_only`` (the seed's check's modes) is checked by
+    ``check_mode``, which also says the rule of a layout need (``sequence_parallel=True``;
     ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``); any other mode of
     this block needs a plain-TP ``cfg`` (no ``sequence_parallel``, ``kv_heads >= world_size``)."""
     entry = get_mode(mode)
     if entry.injection is None:
         raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
                          f"registered it without one (tpattn.bugs.zoo.register)")
-    if mode in NATIVE_MODES:  # tpattn.run's own modes: its rules on cfg and its layouts
+    if entry.injection.reduction_only:  # the seed's check's modes: its rules and layouts
         check_mode(mode, cfg)
-    elif entry.injection is not None:  # this block: plain TP, every rank its own KV heads
+    else:  # the zoo's other injections: plain TP, every rank its own KV heads
         if cfg.sequence_parallel:
             raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
                              f"no sequence parallelism: sequence_parallel must be False")
@@ -335,76 +372,6 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
     return entry
 
 
-# --- parameters and their layout -----------------------------------------------------------
-
-def make_params(cfg: Config, seed: int, inj: Injection) -> dict[str, torch.Tensor]:
-    """``init_params(cfg, seed + PARAM_SEED_OFFSET)`` plus, when the setup has one, the output
-    bias ``[hidden]`` from its own generator (``seed + BIAS_SEED_OFFSET``): the seed's
-    parameters are the same numbers with or without it."""
-    base = init_params(cfg, seed + PARAM_SEED_OFFSET)
-    if inj.bias is not None:
-        g = torch.Generator().manual_seed(seed + BIAS_SEED_OFFSET)
-        base["bias"] = (torch.randn(cfg.hidden, generator=g) * INIT_STD).to(cfg.torch_dtype)
-    return base
-
-
-def _fused_rows(cfg: Config, rank: int) -> slice:
-    rows = (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim // cfg.world_size
-    return slice(rank * rows, (rank + 1) * rows)
-
-
-def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[str, torch.Tensor]]:
-    """Every rank's parameters, as the injection's loader cuts them (differentiable views or
-    slices of ``p``, so gradients flow back to ``p``).
-
-    ``"heads"``/``"fused"``: ``shard_params`` (a fused checkpoint split by heads is the same
-    numbers). ``"fused_naive"``: rank r takes contiguous rows of ``[Wq; Wk; Wv]`` and reads the
-    first ``Hq/W * D`` as its query rows, the next ``Hkv/W * D`` as keys, the rest as values.
-    Replicated tensors (``norm``, ``bias``) are shared. ``shard_offset`` k: rank r gets
-    rank ``(r + k) mod W``'s shards.
-    """
-    if inj.shard != "fused_naive":
-        shards = shard_params({k: p[k] for k in PARAM_NAMES}, cfg)
-    else:
-        fused = torch.cat([p["wq"], p["wk"], p["wv"]])
-        q, kv = cfg.local_query_heads * cfg.head_dim, cfg.local_kv_heads * cfg.head_dim
-        shards = []
-        for rank in range(cfg.world_size):
-            rows = fused[_fused_rows(cfg, rank)]
-            q_cols, _ = rank_head_slices(cfg, rank)
-            shards.append({"norm": p["norm"], "wq": rows[:q], "wk": rows[q:q + kv],
-                           "wv": rows[q + kv:], "wo": p["wo"][:, q_cols]})
-    if inj.shard_offset:  # rank r loads rank (r + k) mod W's shards
-        k = inj.shard_offset % cfg.world_size
-        shards = shards[k:] + shards[:k]
-    if "bias" in p:
-        for s in shards:
-            s["bias"] = p["bias"]
-    return shards
-
-
-def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) -> dict[str, torch.Tensor]:
-    """The inverse of ``shard``: full-size tensors from every rank's own tensors (replicated
-    ones from rank 0)."""
-    if inj.shard_offset:
-        k = inj.shard_offset % cfg.world_size
-        shards = shards[len(shards) - k:] + shards[:len(shards) - k]
-    if inj.shard != "fused_naive":
-        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
-    else:
-        fused = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
-        q, kv = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        full = {"norm": shards[0]["norm"].detach().clone(), "wq": fused[:q].clone(),
-                "wk": fused[q:q + kv].clone(), "wv": fused[q + kv:].clone(),
-                "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
-        full = {k: full[k] for k in PARAM_NAMES}
-    if "bias" in shards[0]:
-        full["bias"] = shards[0]["bias"].detach().clone()
-    return full
-
-
-# --- the per-rank block ---------------------------------------------------------------------
-
 def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
                     inj: Injection) -> torch.Tensor:
     """The ``"fixture"`` view: rank 0's output in one process, the ranks sharing ``p`` — the
@@ -417,83 +384,6 @@ def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Con
     """
     others = xs[1:] if inj.inputs == "per_rank" else None
     return one_graph_forward(xs[0], p, cfg, inj, lambda q, c: shard(q, c, inj), others)
-
-
-# --- one training step ------------------------------------------------------------------
-
-def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the seed's
-    batch on every rank, or under ``inputs="per_rank"`` rank ``r >= 1``'s own from
-    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes)."""
-    first = make_inputs(cfg, seed)
-    if inj.inputs != "per_rank":
-        return [first] * cfg.world_size
-    return [first] + [make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r)
-                      for r in range(1, cfg.world_size)]
-
-
-def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The part of every rank's loaded ``(x, target)`` ``[S, B, hidden]`` that enters its
-    block: under ``cfg.sequence_parallel`` rank r's own tokens ``[S/W, B, hidden]``
-    (``sequence_parallel.rank_tokens``: the scatter along the sequence), else the batch."""
-    if not cfg.sequence_parallel:
-        return list(batches)
-    return [(x[rank_tokens(cfg, r)], t[rank_tokens(cfg, r)])
-            for r, (x, t) in enumerate(batches)]
-
-
-def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
-    """The global gradient norm as the TP code computes it: each rank sums the squares of its
-    own gradients (replicated ones on rank 0 only, or on every rank under ``norm="per_rank"``),
-    then one all-reduce (sum) over the ranks."""
-    total = 0.0
-    for rank, g in enumerate(grads):
-        for name, t in g.items():
-            if name in REPLICATED and rank > 0 and inj.norm == "once":
-                continue
-            total = total + t.double().pow(2).sum()
-    return torch.as_tensor(total).sqrt()
-
-
-def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
-    return min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
-
-
-def _fixture_step(x0, target, base, cfg, inj, seed) -> dict:
-    """``check.one_step`` of ``forward_fixture`` (rank 0's loss), with the injection's
-    gradient norm and clipping."""
-    p = clone_trainable(base)
-    x = x0.clone().requires_grad_(True)
-    xs = [x] * cfg.world_size
-    if inj.inputs == "per_rank":  # ranks 1.. train on batches of their own (constants here)
-        xs = [x] + [b[0] for b in rank_batches(cfg, seed, inj)[1:]]
-    y = forward_fixture(xs, p, cfg, inj)
-    loss = F.mse_loss(y, target)
-    loss.backward()
-    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-    per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
-                                          else inj.shard))
-    coef = clip_coef(grad_norm(per_rank, inj), inj)
-    weights = sgd_step(p, grads, LR, float(coef))
-    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": grads, "weights": weights}
-
-
-def dense_step(x0, target, base, cfg, inj) -> dict:
-    """The dense reference of the injection's setup (bias, clipping)."""
-    if "bias" not in base and not inj.clip:
-        return dense_reference(x0, target, base, cfg)
-    p = clone_trainable(base)
-    x = x0.clone().requires_grad_(True)
-    y = dense_forward(x, p, cfg) + (p["bias"] if "bias" in p else 0)
-    loss = F.mse_loss(y, target)
-    loss.backward()
-    norm = torch.sqrt(sum(t.grad.double().pow(2).sum() for t in p.values()))
-    coef = clip_coef(norm, inj)
-    weights = sgd_step(p, {k: t.grad for k, t in p.items()}, LR, float(coef))
-    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": {k: t.grad for k, t in p.items()}, "weights": weights}
 
 
 def sides(mode: str, seed: int = 11, cfg: Config | None = None,
@@ -512,28 +402,8 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
 
 
 def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
-    """The TP side of ``run`` in ``check.one_step``'s dict (rank 0's view; full-size
-    ``grads``/``weights`` put together from every rank's own tensors under ``"ranks"``;
-    ``"fixture"``: ``forward_fixture``'s step)."""
+    """``check.core.tp_step`` of the injection from seed ``seed``'s start (``make_params``,
+    ``rank_batches``): the TP side ``run`` compares, in ``check.one_step``'s dict."""
     x0, target = make_inputs(cfg, seed)
-    base = make_params(cfg, seed, inj)
-    if check_simulate(simulate) == "fixture":
-        return _fixture_step(x0, target, base, cfg, inj, seed)
-    step = simulated_step(shard(base, cfg, inj), block_inputs(rank_batches(cfg, seed, inj), cfg),
-                          cfg, inj, LR)
-    return rank0_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, inj))
-
-
-def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
-        simulate: str = "fixture") -> dict:
-    """``tpattn.run`` for any registry mode: the dense block (with the mode's setup: bias,
-    clipping) against the sharded block with the mode's injection, on the five measures."""
-    check_seed(seed)
-    check_simulate(simulate)
-    cfg = Config() if cfg is None else cfg
-    entry = check_needs(mode, cfg)
-    inj = entry.injection
-    x0, target = make_inputs(cfg, seed)
-    base = make_params(cfg, seed, inj)
-    return five_measures(seed, mode, dense_step(x0, target, base, cfg, inj),
-                         tp_step(seed, cfg, inj, simulate))
+    return check_tp_step(x0, target, make_params(cfg, seed, inj), cfg, inj, simulate,
+                         batches=rank_batches(cfg, seed, inj))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .core import (LR, MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, dense_reference,
+from .core import (LR, PARAM_SEED_OFFSET, dense_reference,
                    five_measures, make_inputs, one_step, tp_step)
 from tpattn.config import Config
 from tpattn.block.params import init_params
@@ -37,10 +37,13 @@ def probe_step(cfg: Config, x0, target, base: dict) -> dict:
     return dense_reference(px, target, pbase, cfg)
 
 
-def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=MODES,
+def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 8),
                         init: str = "fan_in", path: str = "batched",
                         probe: bool = False) -> list[dict]:
     """One dense step of ``cfg``'s block, then a TP step for every world size x mode.
+
+    ``programs``: the modes' registry entries (``tpattn.bugs.modes.resolve_all(tpattn.MODES)``),
+    each one's ``injection`` the program the ranks run, its ``name`` the row's ``mode``.
 
     Bug modes are skipped at world size 1 (with one rank there is nothing to reduce).
     The conditioning probe (``probe_amplification``, one more dense step) runs once, when a
@@ -74,13 +77,13 @@ def compare_world_sizes(cfg: Config, seed: int, world_sizes=(1, 2, 4, 8), modes=
     rows = []
     for w in world_sizes:
         cfg_w = replace(cfg, world_size=w)
-        for mode in modes:
-            if w == 1 and NATIVE_INJECTIONS[mode] != Injection():
+        for program in programs:
+            inj = program.injection
+            if w == 1 and inj != Injection():
                 continue
-            step = tp_step(x0, target, base, cfg_w, mode) if path == "loop" else one_step(
-                lambda x, p: one_graph_forward(x, p, cfg_w, NATIVE_INJECTIONS[mode]),
-                x0, target, base)
-            metrics, bounds = per_parameter(cfg_w, five_measures(seed, mode, dense, step),
+            step = tp_step(x0, target, base, cfg_w, inj) if path == "loop" else one_step(
+                lambda x, p: one_graph_forward(x, p, cfg_w, inj), x0, target, base)
+            metrics, bounds = per_parameter(cfg_w, five_measures(seed, program.name, dense, step),
                                             dense, step, LR)
             worst = metrics["worst_parameter"]
             row = apply_auto(metrics, bounds, floors_of(cfg_w, worst))

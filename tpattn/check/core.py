@@ -1,6 +1,8 @@
 """The check: one dense step and one TP step from the same start, compared on five measures.
 
-``run(seed, mode)`` returns the seed fixture's dict — same keys, same order, same floats::
+``check_injection(seed, mode, inj)`` checks the program ``inj`` (an ``Injection``; the bug
+registry looks a mode's up, ``tpattn.run`` = ``tpattn.bugs.modes.run``) and returns the seed
+fixture's dict — same keys, same order, same floats::
 
     seed, mode,
     forward_max_abs_diff, loss_abs_diff, input_grad_max_abs_diff,
@@ -10,21 +12,25 @@
 from __future__ import annotations
 
 import platform
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
-from tpattn.block.kv_layout import has_replicas, kv_grad_bug_applies, replica_groups
-from tpattn.block.params import clone_trainable, init_params, shard_params
+from tpattn.block.kv_layout import has_replicas, replica_groups
+from tpattn.block.params import (INIT_STD, PARAM_NAMES, clone_trainable, init_params,
+                                 rank_head_slices, shard_params, unshard_params)
 from tpattn.block.sgd import sgd_step
 from .magnitude import gradient_magnitudes
 from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, conditioning,
                         per_parameter, perturbed_start)
+from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.injection import Injection
-from tpattn.parallel.simulated import rank0_view, simulated_step
 from tpattn.parallel.one_graph import one_graph_forward
+from tpattn.parallel.sequence_parallel import rank_tokens
+from tpattn.parallel.simulated import rank0_view, simulated_step
 from tpattn.parallel.tp import tp_forward
 
 EQUIVALENCE = "equivalence"
@@ -42,15 +48,9 @@ SP_MODES = MODES + SP_ONLY_MODES
 #: The replica-group reduce of wk/wv dropped (only where KV heads are replicated:
 #: ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``; see ``tpattn.parallel.kv_heads``).
 MISSING_KV_GRAD_REDUCE = "missing_kv_grad_reduce"
-#: Every mode ``run`` knows itself; ``modes_for(cfg)`` says which apply to a Config.
+#: Every mode the seed's own check covers (``tpattn.bugs.modes.modes_for`` says which apply
+#: to a Config); the bug registry (``tpattn.bugs.zoo.REGISTRY``) holds each one's ``Injection``.
 ALL_MODES = MODES + SP_ONLY_MODES + (MISSING_KV_GRAD_REDUCE,)
-#: Each mode ``run`` knows itself as an ``Injection`` of the engine's block
-#: (``tpattn.parallel.engine``): what its ranks simulation runs.
-NATIVE_INJECTIONS = {EQUIVALENCE: Injection(), MISSING_OUTPUT_REDUCE: Injection(g=0),
-                     MISSING_INPUT_GRAD_REDUCE: Injection(f="none"),
-                     MISSING_NORM_GRAD_REDUCE: Injection(norm_grad="none"),
-                     NORM_GRAD_AVERAGED: Injection(norm_grad="mean"),
-                     MISSING_KV_GRAD_REDUCE: Injection(kv_grad="none")}
 #: The seeds of the seed fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
 #: The five measures, in the order they are reported.
@@ -73,41 +73,6 @@ _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
 #: simulated rank computes its own output, loss and backward, as real ranks do.
 SIMULATIONS = ("fixture", "ranks")
 
-
-def check_mode(mode: str, cfg: Config | None = None) -> str:
-    """Return ``mode`` if it is one of ``ALL_MODES`` and applies to ``cfg`` (``modes_for``),
-    else raise ``ValueError`` naming the choices or the rule (a sequence-parallel-only mode
-    without ``cfg.sequence_parallel``, or ``missing_kv_grad_reduce`` without replicated KV heads,
-    says so)."""
-    inj = NATIVE_INJECTIONS.get(mode) if isinstance(mode, str) else None  # its program
-    if inj is not None and inj.norm_grad != "sum" \
-            and not (cfg is not None and cfg.sequence_parallel):
-        raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
-                         f"only then is the norm weight's gradient a partial sum to all-reduce")
-    if inj is not None and inj.kv_grad != "sum" and cfg is not None \
-            and not kv_grad_bug_applies(cfg):
-        raise ValueError(
-            f"mode {mode} needs replicated KV heads: kv_heads < world_size "
-            f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
-            f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
-    valid = modes_for(cfg) if cfg is not None else ALL_MODES
-    if mode not in valid:
-        raise ValueError(f"mode must be one of {', '.join(valid)} (got {mode!r})")
-    return mode
-
-
-def modes_for(cfg: Config | None) -> tuple[str, ...]:
-    """The modes of ``cfg``'s matrix: ``SP_MODES`` under ``sequence_parallel``; ``MODES`` plus
-    ``missing_kv_grad_reduce`` where KV heads are replicated; else the seed's ``MODES``."""
-    if cfg is not None and cfg.sequence_parallel:
-        return SP_MODES
-    if cfg is not None and kv_grad_bug_applies(cfg):
-        return MODES + (MISSING_KV_GRAD_REDUCE,)
-    return MODES
-
-
-#: Variants ``run`` computes itself; every other mode of the bug registry runs in ``tpattn.bugs.zoo``.
-NATIVE_MODES = ALL_MODES
 
 def check_seed(seed: int) -> int:
     """Return ``seed`` if it is an integer in ``[0, 2**63 - 101]``, else raise ``ValueError``."""
@@ -266,72 +231,237 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
     return metrics
 
 
+# --- an injection's program: its parameters, its ranks' inputs, its cut --------------------
+
+#: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
+#: seed's parameters and their init order never change.
+BIAS_SEED_OFFSET = 200
+#: Under ``inputs="per_rank"`` rank ``r >= 1`` draws its batch from ``seed + this * r``.
+OTHER_BATCH_SEED_OFFSET = 7919
+
+
+def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> dict[str, torch.Tensor]:
+    """``init_params(cfg, seed + PARAM_SEED_OFFSET, init)`` plus, when the setup has one, the
+    output bias ``[hidden]`` from its own generator (``seed + BIAS_SEED_OFFSET``): the seed's
+    parameters are the same numbers with or without it."""
+    base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
+    if inj.bias is not None:
+        g = torch.Generator().manual_seed(seed + BIAS_SEED_OFFSET)
+        base["bias"] = (torch.randn(cfg.hidden, generator=g) * INIT_STD).to(cfg.torch_dtype)
+    return base
+
+
+def fused_rows(cfg: Config, rank: int) -> slice:
+    """The rows of the fused ``[Wq; Wk; Wv]`` ``[(Hq + 2*Hkv)*D, hidden]`` that rank ``rank``
+    takes when it is cut into ``cfg.world_size`` contiguous slices (``shard="fused_naive"``)."""
+    rows = (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim // cfg.world_size
+    return slice(rank * rows, (rank + 1) * rows)
+
+
+def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[str, torch.Tensor]]:
+    """Every rank's parameters, as the injection's loader cuts them (differentiable views or
+    slices of ``p``, so gradients flow back to ``p``).
+
+    ``"heads"``/``"fused"``: ``shard_params`` (a fused checkpoint split by heads is the same
+    numbers). ``"fused_naive"``: rank r takes contiguous rows of ``[Wq; Wk; Wv]`` and reads the
+    first ``Hq/W * D`` as its query rows, the next ``Hkv/W * D`` as keys, the rest as values.
+    Replicated tensors (``norm``, ``bias``) are shared. ``shard_offset`` k: rank r gets
+    rank ``(r + k) mod W``'s shards.
+    """
+    if inj.shard != "fused_naive":
+        shards = shard_params({k: p[k] for k in PARAM_NAMES}, cfg)
+    else:
+        fused = torch.cat([p["wq"], p["wk"], p["wv"]])
+        q, kv = cfg.local_query_heads * cfg.head_dim, cfg.local_kv_heads * cfg.head_dim
+        shards = []
+        for rank in range(cfg.world_size):
+            rows = fused[fused_rows(cfg, rank)]
+            q_cols, _ = rank_head_slices(cfg, rank)
+            shards.append({"norm": p["norm"], "wq": rows[:q], "wk": rows[q:q + kv],
+                           "wv": rows[q + kv:], "wo": p["wo"][:, q_cols]})
+    if inj.shard_offset:  # rank r loads rank (r + k) mod W's shards
+        k = inj.shard_offset % cfg.world_size
+        shards = shards[k:] + shards[:k]
+    if "bias" in p:
+        for s in shards:
+            s["bias"] = p["bias"]
+    return shards
+
+
+def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard``: full-size tensors from every rank's own tensors (replicated
+    ones from rank 0)."""
+    if inj.shard_offset:
+        k = inj.shard_offset % cfg.world_size
+        shards = shards[len(shards) - k:] + shards[:len(shards) - k]
+    if inj.shard != "fused_naive":
+        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
+    else:
+        fused = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
+        q, kv = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        full = {"norm": shards[0]["norm"].detach().clone(), "wq": fused[:q].clone(),
+                "wk": fused[q:q + kv].clone(), "wv": fused[q + kv:].clone(),
+                "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
+        full = {k: full[k] for k in PARAM_NAMES}
+    if "bias" in shards[0]:
+        full["bias"] = shards[0]["bias"].detach().clone()
+    return full
+
+
+def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the seed's
+    batch on every rank, or under ``inputs="per_rank"`` rank ``r >= 1``'s own from
+    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes)."""
+    first = make_inputs(cfg, seed)
+    if inj.inputs != "per_rank":
+        return [first] * cfg.world_size
+    return [first] + [make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r)
+                      for r in range(1, cfg.world_size)]
+
+
+def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The part of every rank's loaded ``(x, target)`` ``[S, B, hidden]`` that enters its
+    block: under ``cfg.sequence_parallel`` rank r's own tokens ``[S/W, B, hidden]``
+    (``sequence_parallel.rank_tokens``: the scatter along the sequence), else the batch."""
+    if not cfg.sequence_parallel:
+        return list(batches)
+    return [(x[rank_tokens(cfg, r)], t[rank_tokens(cfg, r)])
+            for r, (x, t) in enumerate(batches)]
+
+
+def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
+    """The global gradient norm as the TP code computes it: each rank sums the squares of its
+    own gradients (replicated ones on rank 0 only, or on every rank under ``norm="per_rank"``),
+    then one all-reduce (sum) over the ranks."""
+    total = 0.0
+    for rank, g in enumerate(grads):
+        for name, t in g.items():
+            if name in REPLICATED and rank > 0 and inj.norm == "once":
+                continue
+            total = total + t.double().pow(2).sum()
+    return torch.as_tensor(total).sqrt()
+
+
+def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
+    """The factor clipping puts on every gradient: ``min(1, MAX_GRAD_NORM / (norm + 1e-6))``
+    under ``inj.clip``, else 1."""
+    return min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
+
+
+def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
+               cfg: Config, inj: Injection) -> dict:
+    """The dense reference of the injection's setup (bias, clipping), in ``one_step``'s dict:
+    ``dense_reference`` itself when the setup has neither."""
+    if "bias" not in base and not inj.clip:
+        return dense_reference(x0, target, base, cfg)
+    p = clone_trainable(base)
+    x = x0.clone().requires_grad_(True)
+    y = dense_forward(x, p, cfg) + (p["bias"] if "bias" in p else 0)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    norm = torch.sqrt(sum(t.grad.double().pow(2).sum() for t in p.values()))
+    coef = clip_coef(norm, inj)
+    weights = sgd_step(p, {k: t.grad for k, t in p.items()}, LR, float(coef))
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": {k: t.grad for k, t in p.items()}, "weights": weights}
+
+
+def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
+                 cfg: Config, inj: Injection, shard_fn, others=None) -> dict:
+    """``one_step`` of the engine's block on ``one_graph.OneGraphRanks`` (rank 0's view, the
+    ranks' shards ``shard_fn(p, cfg)``, views of ``p``), with the injection's gradient norm
+    and clipping. ``others``: ranks >= 1's own inputs ``[S, B, hidden]`` (constants;
+    ``inputs="per_rank"``)."""
+    p = clone_trainable(base)
+    x = x0.clone().requires_grad_(True)
+    y = one_graph_forward(x, p, cfg, inj, shard_fn, others)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
+    per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
+                                         else inj.shard))
+    coef = clip_coef(grad_norm(per_rank, inj), inj)
+    weights = sgd_step(p, grads, LR, float(coef))
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": grads, "weights": weights}
+
+
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-            mode: str, simulate: str = "fixture", shard_fn=shard_params) -> dict:
-    """The TP side of ``run``: one step of the sharded block in ``mode``, simulated as
-    ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view).
-    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards.
+            inj: Injection, simulate: str = "fixture", shard_fn=None, batches=None) -> dict:
+    """The TP side of the check: one step of the sharded block wired as ``inj``, simulated as
+    ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view; full-size
+    ``grads``/``weights``).
 
-    ``"ranks"``: the engine on ``collectives.SimulatedRanks``. ``"fixture"``: under sequence
-    parallelism or with replicated KV heads the engine on ``one_graph.OneGraphRanks`` (one
-    graph, rank 0's view); plain TP runs the seed's ``tp.tp_forward`` (the same view, the
-    seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
-    normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in
-    bfloat16)."""
-    inj = NATIVE_INJECTIONS[mode]
+    x0, target: ``[S, B, hidden]``; ``base``: the starting parameters (``make_params``).
+    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards (default: the
+    injection's cut, ``shard``). ``batches``: every rank's ``(x, target)`` as loaded
+    (``rank_batches``; default ``(x0, target)`` on every rank).
+
+    ``"ranks"``: the engine on ``collectives.SimulatedRanks``, every rank its own step.
+    ``"fixture"``: the engine on ``one_graph.OneGraphRanks`` (one graph, rank 0's view); a
+    ``reduction_only`` injection on plain TP runs the seed's ``tp.tp_forward`` (the same view,
+    the seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
+    normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in bfloat16).
+    """
+    if not isinstance(inj, Injection):
+        raise ValueError(f"inj must be an Injection, the mode's program "
+                         f"(tpattn.bugs.modes.resolve(mode).injection) (got {inj!r})")
+    batches = [(x0, target)] * cfg.world_size if batches is None else batches
+    # the seed's programs cut with shard_params itself (one_graph_forward then views the dense
+    # tensors rank-major, the seed's digits); the zoo's setups with the injection's loader
+    cut = shard_fn or (shard_params if inj.reduction_only else lambda q, c: shard(q, c, inj))
     if check_simulate(simulate) == "ranks":  # the engine, every rank its own step
-        w = cfg.world_size
-        batches = list(zip(x0.chunk(w), target.chunk(w))) if cfg.sequence_parallel \
-            else [(x0, target)] * w
-        step = simulated_step(shard_fn(base, cfg), batches, cfg, inj, LR)
-        return rank0_view(step, cfg)
-    if cfg.sequence_parallel or has_replicas(cfg):
-        return one_step(lambda x, p: one_graph_forward(x, p, cfg, inj, shard_fn),
+        gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
+        step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR)
+        return rank0_view(step, cfg, gather)
+    if inj.reduction_only and not cfg.sequence_parallel and not has_replicas(cfg):
+        return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=inj.g == 1,
+                                                reduce_input_grad=inj.f == "sum",
+                                                shard_fn=cut),
                         x0, target, base)
-    return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=inj.g == 1,
-                                            reduce_input_grad=inj.f == "sum",
-                                            shard_fn=shard_fn),
-                    x0, target, base)
+    others = [b[0] for b in batches[1:]] if inj.inputs == "per_rank" else None
+    return fixture_step(x0, target, base, cfg, inj, cut, others)
 
 
-def run_native(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
-        simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed",
-        init: str = "seed") -> dict:
+def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = None,
+                    simulate: str = "fixture", shard_fn=None, tolerance: str = "seed",
+                    init: str = "seed") -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
-    ``mode`` picks the TP variant: ``equivalence`` (both reductions), ``missing_output_reduce``
-    (no g), ``missing_input_grad_reduce`` (no f); under ``cfg.sequence_parallel`` also
-    ``SP_ONLY_MODES`` (see ``tpattn.parallel.sequence_parallel``); ``missing_kv_grad_reduce`` (no
-    replica-group reduce of wk/wv; only where KV heads are replicated, see ``modes_for``).
-    ``simulate``: ``"fixture"`` (the seed's
-    rank-0 model, bit for bit) or ``"ranks"`` (every rank its own output, loss and backward,
-    as ``tpattn.real.ranks`` measures on real processes). ``shard_fn(params, cfg)``: how the
-    dense parameters are cut into rank shards (default ``shard_params``; chapter 6 passes a
-    layout that splits a query/KV group). Returns the five measures and
-    ``passed``. Any other mode of the bug registry runs in ``tpattn.bugs.zoo.run``.
+    ``inj`` is the sharded program (``tpattn.parallel.injection.Injection``, looked up from
+    the bug registry by ``tpattn.bugs.modes.run``); ``mode`` is only its name, reported as
+    ``"mode"``. The dense side has the injection's setup (bias, clipping: ``dense_step``).
+    ``simulate``: ``"fixture"`` (the seed's rank-0 model, bit for bit) or ``"ranks"`` (every
+    rank its own output, loss and backward, as ``tpattn.real.ranks`` measures on real
+    processes). ``shard_fn(params, cfg)``: how the dense parameters are cut into rank shards
+    (default: the injection's cut; chapter 6 passes a layout that splits a query/KV group).
+    Returns the five measures and ``passed``.
 
     ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
-    (``tp.tp_forward``). ``tolerance="auto"``: a rounding bound per measure
-    (``tolerance.auto_bounds``, added as ``bounds``; the gradients and weights per parameter,
-    reported for the worst one, named in ``worst_parameter``: ``tolerance.per_parameter``)
-    and a ``verdict``: ``pass``, ``fail``, or ``inconclusive`` where the step amplifies
-    rounding as much as the difference (measured by one more dense step from a perturbed
-    start, run only when a measure exceeds its bound: ``tolerance.apply_auto``).
-    ``init``: ``init_params``'s ``"seed"`` (0.15) or ``"fan_in"`` (``1/sqrt(fan_in)``).
+    (``tp.tp_forward``). ``tolerance="auto"`` (a ``reduction_only`` injection): a rounding
+    bound per measure (``tolerance.auto_bounds``, added as ``bounds``; the gradients and
+    weights per parameter, reported for the worst one, named in ``worst_parameter``:
+    ``tolerance.per_parameter``) and a ``verdict``: ``pass``, ``fail``, or ``inconclusive``
+    where the step amplifies rounding as much as the difference (measured by one more dense
+    step from a perturbed start, run only when a measure exceeds its bound:
+    ``tolerance.apply_auto``). ``init``: ``init_params``'s ``"seed"`` (0.15) or ``"fan_in"``
+    (``1/sqrt(fan_in)``). Arguments are checked by the caller (``tpattn.bugs.modes.run``)
+    except ``seed``, ``simulate`` and the kernel precision ``"auto"`` needs.
     """
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
-    check_mode(mode, cfg)
     check_seed(seed)
     check_simulate(simulate)
     if tolerance == "auto":
         check_kernel_precision(cfg)
     x0, target = make_inputs(cfg, seed)
-    base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
-    dense = dense_reference(x0, target, base, cfg)
+    base = make_params(cfg, seed, inj, init)
+    dense = dense_step(x0, target, base, cfg, inj)
     if tolerance == "auto":
         dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)
-    tp = tp_step(x0, target, base, cfg, mode, simulate, shard_fn)
+    batches = rank_batches(cfg, seed, inj) if inj.inputs == "per_rank" else None
+    tp = tp_step(x0, target, base, cfg, inj, simulate, shard_fn, batches)
     metrics = five_measures(seed, mode, dense, tp)
     if tolerance == "auto":
         metrics, bounds = per_parameter(cfg, metrics, dense, tp, LR)
@@ -343,7 +473,6 @@ def run_native(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = Non
 
         metrics = apply_auto(metrics, bounds, probe)
     return metrics
-
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:

@@ -7,16 +7,18 @@ from tpattn.config import Config
 from tpattn.parallel.engine import stack_ranks
 from tpattn.parallel.simulated import rank0_view, simulated_step
 
-from .core import (LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, check_mode, dense_reference,
-                   five_measures, make_inputs, max_abs_diff)
+from .core import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
+                   max_abs_diff)
 
 __all__ = ["train_steps"]
 
 
-def train_steps(cfg: Config, seed: int, mode: str, steps: int = 2) -> list[dict]:
+def train_steps(cfg: Config, seed: int, program, steps: int = 2) -> list[dict]:
     """``steps`` SGD steps of the dense block and of simulated ranks (``simulate="ranks"``:
     every rank its own leaves, loss and step, carrying its own weights to the next step), from
-    the same start as ``tpattn.run(seed, mode, cfg)``.
+    the same start as ``tpattn.run(seed, mode, cfg)``. ``program``: the mode's registry entry
+    (``tpattn.bugs.modes.resolve(mode, cfg)``): its ``injection`` is what the ranks run, its
+    ``name`` labels the rows.
 
     Returns one dict per step: ``run()``'s five measures at that step (each side's forward and
     gradients computed from ITS OWN current weights; rank 0's view, replicated heads from each
@@ -24,7 +26,6 @@ def train_steps(cfg: Config, seed: int, mode: str, steps: int = 2) -> list[dict]
     how far the copies are apart after the step) and the two losses (``dense_loss``,
     ``tp_loss``). Step 1 is ``run(seed, mode, cfg, "ranks")``.
     """
-    check_mode(mode, cfg)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
     x0, target = make_inputs(cfg, seed)
@@ -34,8 +35,8 @@ def train_steps(cfg: Config, seed: int, mode: str, steps: int = 2) -> list[dict]
     for _ in range(steps):
         dense = dense_reference(x0, target, dense_weights, cfg)
         step = simulated_step(state, [(x0, target)] * cfg.world_size, cfg,
-                              NATIVE_INJECTIONS[mode], LR)
-        row = five_measures(seed, mode, dense, rank0_view(step, cfg))
+                              program.injection, LR)
+        row = five_measures(seed, program.name, dense, rank0_view(step, cfg))
         row["kv_replica_max_diff"] = max(
             max_abs_diff(step["weights"][w][r], step["weights"][w][group[0]])
             for group in replica_groups(cfg) for r in group for w in ("wk", "wv"))

@@ -11,7 +11,8 @@ In the backward pass the order reverses: block ``l``'s input gradient ``dX_l`` *
 upstream gradient to every block below it, and their weight gradients are all wrong after one
 step. ``run_stack`` measures that, block by block.
 
-The TP stack has the same two reduce flags in every block. ``simulate="fixture"`` runs
+The TP stack has the same program in every block: a ``reduction_only`` ``Injection`` (g and
+f kept or dropped), given as the mode's registry entry (``tpattn.bugs.modes.resolve``). ``simulate="fixture"`` runs
 ``tp_forward`` (the fixture's model, rank 0's view) in every block and ``check.one_step`` takes
 the step; ``simulate="ranks"`` runs the engine's block (every rank its own copies, output,
 loss and backward, as real ranks do) and ``check.ranks_step`` takes it. The dense stack is
@@ -24,9 +25,8 @@ import torch
 
 import torch.nn.functional as F
 
-from .core import (LR, MISSING_INPUT_GRAD_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
-                    check_mode, check_seed, check_simulate, make_inputs, max_abs_diff,
-                    one_step, ranks_step)
+from .core import (LR, PARAM_SEED_OFFSET, check_seed, check_simulate, make_inputs,
+                   max_abs_diff, one_step, ranks_step)
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
 from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
@@ -78,24 +78,23 @@ def dense_stack_forward(x: torch.Tensor, flat: dict[str, torch.Tensor], cfg: Con
 
 
 def tp_stack_forward(x: torch.Tensor, flat: dict[str, torch.Tensor], cfg: Config,
-                     reduce_output: bool = True, reduce_input_grad: bool = True) -> torch.Tensor:
-    """``tp_forward`` of every block in turn, each with the same reduce flags (a bug in the
-    code is in every block). x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
+                     inj: Injection = Injection()) -> torch.Tensor:
+    """``tp_forward`` of every block in turn, each wired as ``inj`` (g kept or dropped, f
+    kept or dropped: a bug in the code is in every block). x: ``[S, B, hidden]``; returns
+    ``[S, B, hidden]``."""
     for block in blocks_of(flat):
-        x = tp_forward(x, block, cfg, reduce_output=reduce_output,
-                       reduce_input_grad=reduce_input_grad)
+        x = tp_forward(x, block, cfg, reduce_output=inj.g == 1,
+                       reduce_input_grad=inj.f == "sum")
     return x
 
 
 def tp_stack_forward_ranks(xs: list[torch.Tensor], rank_flats: list[dict[str, torch.Tensor]],
-                           cfg: Config, reduce_output: bool = True,
-                           reduce_input_grad: bool = True) -> list[torch.Tensor]:
+                           cfg: Config, inj: Injection = Injection()) -> list[torch.Tensor]:
     """The engine's block (``forward_rank_list``) of every block in turn: every simulated rank's own stack.
 
     xs: one ``[S, B, hidden]`` per rank; ``rank_flats``: each rank's own flat dict of its
     shards of every block (``"<block>.<name>"``). Returns one ``[S, B, hidden]`` per rank.
     """
-    inj = Injection(g=int(reduce_output), f="sum" if reduce_input_grad else "none")
     per_rank = [blocks_of(flat) for flat in rank_flats]
     for layer in range(len(per_rank[0])):
         xs = forward_rank_list(xs, [blocks[layer] for blocks in per_rank], cfg, inj)
@@ -121,26 +120,28 @@ def _unshard_stack(rank_flats: list[dict[str, torch.Tensor]], cfg: Config) -> di
     return flat
 
 
-def _stack_start(seed: int, mode: str, cfg: Config | None, layers: int, simulate: str):
+def _stack_start(seed: int, program, cfg: Config | None, layers: int, simulate: str):
     """The validated start both ``run_stack`` and ``train_stack`` take: ``(cfg, x0, target,
-    base, flags)`` — the fixture's batch ``[S, B, hidden]``, the stack's parameters and
-    ``mode``'s two reduce flags for every block."""
-    check_mode(mode)
+    base, inj)`` — the fixture's batch ``[S, B, hidden]``, the stack's parameters and the
+    program of every block (``program.injection``: one of the seed's, ``reduction_only``)."""
+    inj = getattr(program, "injection", None)
+    if not isinstance(inj, Injection) or not inj.reduction_only:
+        raise ValueError(f"program must be a registry entry of the seed's check "
+                         f"(tpattn.bugs.modes.resolve(mode)) (got {program!r})")
     check_seed(seed)
     check_layers(layers)
     check_simulate(simulate)
     cfg = Config() if cfg is None else cfg
     x0, target = make_inputs(cfg, seed)
     base = init_stack(cfg, layers, seed + PARAM_SEED_OFFSET)
-    inj = NATIVE_INJECTIONS[mode]
-    flags = dict(reduce_output=inj.g == 1, reduce_input_grad=inj.f == "sum")
-    return cfg, x0, target, base, flags
+    return cfg, x0, target, base, inj
 
 
-def run_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config | None = None,
-              layers: int = 3, simulate: str = "fixture") -> dict:
-    """One step of a dense stack and of a TP stack (``mode``'s reduce flags in every block)
-    from the same inputs and weights, compared block by block.
+def run_stack(seed: int, program, cfg: Config | None = None, layers: int = 3,
+              simulate: str = "fixture") -> dict:
+    """One step of a dense stack and of a TP stack (``program.injection`` in every block)
+    from the same inputs and weights, compared block by block. ``program``: the mode's
+    registry entry (``tpattn.bugs.modes.resolve(mode)``), one of the seed's check's.
 
     Inputs are the fixture's (``make_inputs(cfg, seed)``), block 0's weights the fixture's.
     ``simulate``: ``"fixture"`` (rank 0's view, as ``tpattn.run``'s default) or ``"ranks"``
@@ -152,16 +153,16 @@ def run_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config
     the bottom, nearest ``x``), parameter name → ``max |dense − TP|`` of its gradient / of its
     value after the SGD step.
     """
-    cfg, x0, target, base, flags = _stack_start(seed, mode, cfg, layers, simulate)
+    cfg, x0, target, base, inj = _stack_start(seed, program, cfg, layers, simulate)
 
     dense = one_step(lambda x, p: dense_stack_forward(x, p, cfg), x0, target, base)
     if simulate == "ranks":
-        steps = ranks_step(lambda xs, ps: tp_stack_forward_ranks(xs, ps, cfg, **flags),
+        steps = ranks_step(lambda xs, ps: tp_stack_forward_ranks(xs, ps, cfg, inj),
                            x0, target, _shard_stack(base, cfg))
         sharded = {**steps[0], "grads": _unshard_stack([s["grads"] for s in steps], cfg),
                    "weights": _unshard_stack([s["weights"] for s in steps], cfg)}
     else:
-        sharded = one_step(lambda x, p: tp_stack_forward(x, p, cfg, **flags), x0, target, base)
+        sharded = one_step(lambda x, p: tp_stack_forward(x, p, cfg, inj), x0, target, base)
 
     def per_block(key):
         return [{name: max_abs_diff(dense[key][f"{layer}.{name}"], sharded[key][f"{layer}.{name}"])
@@ -169,7 +170,7 @@ def run_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config
 
     return {
         "seed": seed,
-        "mode": mode,
+        "mode": program.name,
         "layers": layers,
         "simulate": simulate,
         "forward_max_abs_diff": max_abs_diff(dense["output"], sharded["output"]),
@@ -180,9 +181,9 @@ def run_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config
     }
 
 
-def train_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Config | None = None,
-                layers: int = 1, steps: int = 20, simulate: str = "fixture") -> dict:
-    """``steps`` SGD steps (learning rate ``LR``) of the TP stack with ``mode``'s reduce flags
+def train_stack(seed: int, program, cfg: Config | None = None, layers: int = 1,
+                steps: int = 20, simulate: str = "fixture") -> dict:
+    """``steps`` SGD steps (learning rate ``LR``) of the TP stack with ``program.injection``
     in every block, on the fixture's batch, from ``run_stack``'s start.
 
     ``simulate="fixture"``: rank 0's view (``tp_stack_forward``); ``"ranks"``: every rank its
@@ -193,16 +194,16 @@ def train_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Conf
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
-    cfg, x0, target, base, flags = _stack_start(seed, mode, cfg, layers, simulate)
+    cfg, x0, target, base, inj = _stack_start(seed, program, cfg, layers, simulate)
     ranks = simulate == "ranks"
     per_rank = [clone_trainable(flat) for flat in _shard_stack(base, cfg)] if ranks \
         else [clone_trainable(base)]
     losses, spread = [], []
     for _ in range(steps):
         if ranks:
-            ys = tp_stack_forward_ranks([x0.clone() for _ in per_rank], per_rank, cfg, **flags)
+            ys = tp_stack_forward_ranks([x0.clone() for _ in per_rank], per_rank, cfg, inj)
         else:
-            ys = [tp_stack_forward(x0, per_rank[0], cfg, **flags)]
+            ys = [tp_stack_forward(x0, per_rank[0], cfg, inj)]
         rank_losses = [F.mse_loss(y, target) for y in ys]
         leaves = [t for flat in per_rank for t in flat.values()]
         grads = torch.autograd.grad(sum(rank_losses), leaves)
@@ -212,5 +213,5 @@ def train_stack(seed: int = 11, mode: str = MISSING_INPUT_GRAD_REDUCE, cfg: Conf
         losses.append(rank_losses[0].item())
         spread.append(max((flat[f"{layer}.norm"] - per_rank[0][f"{layer}.norm"]).abs().max().item()
                           for flat in per_rank for layer in range(layers)))
-    return {"seed": seed, "mode": mode, "layers": layers, "steps": steps, "simulate": simulate,
+    return {"seed": seed, "mode": program.name, "layers": layers, "steps": steps, "simulate": simulate,
             "losses": losses, "norm_spread": spread}

@@ -424,8 +424,8 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
     from tpattn.config import Config
 
     cfg = cfg or Config()
-    from tpattn.bugs.zoo import REGISTRY, runnable_modes
-    from tpattn.bugs.zoo import run as zoo_run
+    from tpattn.bugs.modes import run
+    from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
 
     failing = tuple(m for m in _FIVE if result[m] >= TOLERANCE)
     if not failing:
@@ -435,7 +435,8 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
         signatures = {}
         for mode in runnable_modes():
             try:
-                r = zoo_run(11, mode, cfg, "ranks")
+                check_needs(mode, cfg)
+                r = run(11, mode, cfg, "ranks")
             except ValueError:  # the shape does not meet the mode's needs
                 continue
             signatures[mode] = tuple(m for m in _FIVE if r[m] >= TOLERANCE)

@@ -28,9 +28,9 @@ def _hidden_modes() -> list[str]:
 
 def choices() -> list[str]:
     """The answers a hunt offers: ``NO_KNOWN_CAUSE`` and every runnable registry bug."""
-    from tpattn.check.core import EQUIVALENCE
+    from tpattn.bugs.zoo import REGISTRY
 
-    return [NO_KNOWN_CAUSE] + [m for m in _hidden_modes() if m != EQUIVALENCE]
+    return [NO_KNOWN_CAUSE] + [m for m in _hidden_modes() if not REGISTRY[m].is_correct]
 
 
 def hunt_case(n: int) -> tuple[str, int, Config]:
@@ -96,9 +96,10 @@ def describe(obs: dict) -> list[str]:
 def judge(obs: dict, truth: str, guess: str) -> tuple[bool, str]:
     """``(right, why)`` for a reader's ``guess`` when the hidden mode was ``truth``
     (``"equivalence"``: no bug, the right answer is ``NO_KNOWN_CAUSE``)."""
-    from tpattn.check.core import EQUIVALENCE
+    from tpattn.bugs.zoo import REGISTRY
 
-    answer = NO_KNOWN_CAUSE if truth == EQUIVALENCE else truth
+    entry = REGISTRY.get(truth)
+    answer = NO_KNOWN_CAUSE if entry is not None and entry.is_correct else truth
     if guess not in choices():
         raise ValueError(f"guess must be one of {', '.join(choices())} (got {guess!r})")
     f = features(obs)

@@ -40,10 +40,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                    MISSING_OUTPUT_REDUCE, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, check_seed,
+                    MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_seed,
                     make_inputs)
 from tpattn.config import Config
-from tpattn.bugs.modes import mode_route
+from tpattn.bugs.modes import resolve
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
 from tpattn.block.params import init_params, shard_params
 from tpattn.real.ranks import real_rank_block
@@ -237,12 +237,11 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
     thunk that runs forward, the loss and backward."""
     from spmd_types import I, R, V
 
-    route = mode_route(mode, cfg)
+    inj = resolve(mode, cfg).injection  # the mode's program, looked up once
     x0, target = make_inputs(cfg, seed)
-    if route == "registry":
-        from tpattn.bugs.zoo import check_needs, make_params, rank_batches, shard
+    if not inj.reduction_only:  # the zoo's setups: every rank its own cut and batch
+        from tpattn.bugs.zoo import make_params, rank_batches, shard
 
-        inj = check_needs(mode, cfg).injection
         inj = inj.correct() if twin else inj
         params = {k: t.detach().clone().requires_grad_(True)
                   for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
@@ -250,7 +249,6 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
         types = {name: (I if name in ("norm", "bias") else V,) for name in params}
         x_type = (I,)
     else:
-        inj = NATIVE_INJECTIONS[mode]
         params = {k: t.detach().clone().requires_grad_(True)
                   for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
         if cfg.sequence_parallel:
@@ -306,19 +304,17 @@ def _where(error: BaseException) -> str:
 
 
 def _validate(mode, cfg, seed):
-    from tpattn.check.core import check_mode
-
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a tpattn.Config (got {type(cfg).__name__})")
     check_seed(seed)
     if not isinstance(mode, str):
         raise ValueError(f"mode must be a mode name (got {mode!r})")
-    if mode_route(mode, cfg) == "registry":
+    inj = resolve(mode, cfg).injection  # a seed's-check mode: check_mode's rules on cfg
+    if inj is None or not inj.reduction_only:
         from tpattn.bugs.zoo import check_needs
 
         check_needs(mode, cfg)  # ValueError naming the mode and what it needs (plain TP)
-    else:
-        check_mode(mode, cfg)
+    return inj
     if cfg.sequence_parallel and has_replicas(cfg):
         raise ValueError("typecheck: sequence_parallel with kv_heads < world_size has no "
                          "per-rank block to check")
@@ -349,10 +345,10 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
         register_local_autograd_function(function)
 
     cfg = Config() if cfg is None else cfg
-    _validate(mode, cfg, seed)
+    inj = _validate(mode, cfg, seed)
     message = where = None
     with fake_process_group(cfg) as ops:
-        if twin and mode_route(mode, cfg) != "registry":  # the native modes' twin
+        if twin and inj.reduction_only:  # the seed's check's modes: their twin is correct TP
             mode_run = EQUIVALENCE
         else:
             mode_run = mode
@@ -369,7 +365,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
             message, where = str(e).strip(), _where(e)
     if message is not None:
         verdict = "caught"
-    elif mode == EQUIVALENCE or twin:
+    elif inj == inj.correct() or twin:  # correct TP (zoo.BugMode.is_correct)
         verdict = "type-checks"
     else:
         verdict = "not a type error" if "not a type error" in WHY.get(mode, {}) else "missed"

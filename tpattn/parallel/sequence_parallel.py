@@ -36,7 +36,7 @@ The block under SP, three ways:
 - every simulated rank its own tensors (``simulate="ranks"``): the same block on
   ``tpattn.parallel.collectives.SimulatedRanks``, which gather and scatter over the rank
   dimension;
-- ``sp_rank_forward`` — one real ``torch.distributed`` rank (``tpattn.real.ranks``), the
+- ``tpattn.real.ranks.real_rank_block`` — one real ``torch.distributed`` rank, the
   collectives ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13's names for
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; gloo has both on CPU).
 

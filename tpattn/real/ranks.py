@@ -48,10 +48,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpattn.check.core import (EQUIVALENCE, MODES, NATIVE_INJECTIONS, PARAM_SEED_OFFSET, SEEDS, check_mode,
-                    check_seed, dense_reference, five_measures, inspect_fixture, make_inputs,
-                    max_abs_diff, modes_for, one_step)
-from tpattn.bugs.modes import mode_route
+from tpattn.check.core import (EQUIVALENCE, MODES, PARAM_SEED_OFFSET, SEEDS, check_seed,
+                    dense_reference, five_measures, inspect_fixture, make_inputs,
+                    max_abs_diff, one_step)
+from tpattn.bugs.modes import resolve
 from tpattn.config import Config
 from tpattn.parallel.engine import rank_block
 from tpattn.parallel.injection import Injection
@@ -65,7 +65,7 @@ from tpattn.block.params import init_params, shard_params, unshard_params
 
 __all__ = [
     "CollectiveLedger", "CopyToRanks", "ReduceOutputPartials", "DistributedRanks",
-    "real_rank_block", "tp_rank_forward", "gather_step", "rank_disagreement",
+    "real_rank_block", "gather_step", "rank_disagreement",
     "rank_check", "five_measures", "dense_reference", "planned_collectives", "run_rank",
     "RunPlan", "run_distributed", "RealRankReport", "RankFailure",
     "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS", "validate_run",
@@ -96,11 +96,11 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
     before f (unless ``missing_kv_grad_reduce``); ``gather_activations`` all-gathers K/V in
     forward, before g, and reduce-scatters their gradient in backward, before f.
     """
-    if mode_route(mode, cfg) == "registry":
+    inj = resolve(mode, cfg).injection  # the mode's program, looked up once
+    if inj is None or not inj.reduction_only:
         from .zoo_real import planned_collectives as registry_plan
 
         return registry_plan(mode)
-    inj = NATIVE_INJECTIONS[mode]
     g = [G_ALL_REDUCE] if inj.g == 1 else []
     f = [F_ALL_REDUCE] if inj.f == "sum" else []
     if cfg is not None and has_replicas(cfg):
@@ -391,23 +391,6 @@ def real_rank_block(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
     return rank_block(x.unsqueeze(0), p, cfg, inj, DistributedRanks(cfg, ops, rank))[0]
 
 
-def tp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
-                    ledger: CollectiveLedger, reduce_output: bool = True,
-                    reduce_input_grad: bool = True, reduce_kv_grad: bool = True,
-                    rank: int | None = None) -> torch.Tensor:
-    """This rank's share of ``dense_forward``: ``real_rank_block`` of plain TP.
-
-    x: ``[S, B, hidden]`` (the same on every rank); ``shard``: this rank's ``norm`` and
-    ``wq, wk, wv, wo`` shards. Returns ``[S, B, hidden]``. ``ledger``: the collectives (f is
-    ``ledger.copy_to_ranks``, g ``ledger.reduce_output``). ``reduce_output=False`` drops g,
-    ``reduce_input_grad=False`` f, ``reduce_kv_grad=False`` the KV replica-group reduce;
-    ``rank``: this rank (default ``ledger.rank()``).
-    """
-    inj = Injection(g=int(reduce_output), f="sum" if reduce_input_grad else "none",
-                    kv_grad="sum" if reduce_kv_grad else "none")
-    return real_rank_block(x, shard, cfg, inj, ledger, rank)
-
-
 # --- one check on every rank --------------------------------------------------------------
 
 def gather_step(ledger: CollectiveLedger, rank: int, step: dict, unshard):
@@ -462,7 +445,8 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     head are apart (``kv_replica_grad_max_diff``, ``kv_replica_after_step_max_diff``: max over
     replica groups and wk/wv of the max abs difference from the group's first rank).
     """
-    if mode_route(mode, cfg) == "registry":
+    inj = resolve(mode, cfg).injection  # the mode's program, looked up once
+    if inj is None or not inj.reduction_only:  # the zoo's setups: tpattn.real.zoo_real
         from .zoo_real import zoo_rank_check
 
         return zoo_rank_check(seed, mode, cfg, rank, ledger, device)
@@ -470,7 +454,6 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
 
-    inj = NATIVE_INJECTIONS[mode]
     if skip_output_reduce:
         inj = replace(inj, g=0)
 
@@ -653,7 +636,8 @@ def validate_run(world_size, seeds, modes, config, timeout, fault):
         raise ValueError("seeds and modes must be sequences (e.g. seeds=[11], modes=['equivalence'])")
     seeds = tuple(check_seed(s) for s in seeds)
     modes = tuple(modes)
-    if "registry" in [mode_route(m, cfg) for m in modes]:  # each mode checked, in order
+    entries = [resolve(m, cfg) for m in modes]  # each mode checked, in order
+    if any(e.injection is None or not e.injection.reduction_only for e in entries):
         from tpattn.bugs.zoo import check_needs
 
         for m in modes:
@@ -703,10 +687,12 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
                    dtensor_seeds=dtensor_seeds, timeout=timeout,
                    fault=dict(fault) if fault else None)
     backend = backend or default_backend(world_size)
+    programs = [resolve(m, cfg).injection for m in modes]
     preload = ("tpattn.real.ranks",) + (("tpattn.parallel.sequence_parallel",) if cfg.sequence_parallel else ()) \
         + ((("tpattn.real.dtensor_sp",) if cfg.sequence_parallel else ("tpattn.real.dtensor_check",))
            if dtensor_seeds else ()) \
-        + (("tpattn.real.zoo_real",) if any(mode_route(m, cfg) == "registry" for m in modes) else ())
+        + (("tpattn.real.zoo_real",) if not all(inj is not None and inj.reduction_only
+                                                for inj in programs) else ())
     results, timings = run_on_ranks(run_rank, world_size, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]

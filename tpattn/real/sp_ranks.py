@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from tpattn.block.params import clone_trainable, init_params, shard_params, unshard_params
 from tpattn.block.sgd import sgd_step
-from tpattn.check.core import (EQUIVALENCE, LR, NATIVE_INJECTIONS, PARAM_SEED_OFFSET,
-                               check_mode, dense_reference, five_measures, make_inputs)
+from tpattn.bugs.modes import check_mode, resolve
+from tpattn.check.core import (EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference,
+                               five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.parallel.sequence_parallel import NORM_GRAD_REDUCTIONS, rank_tokens, ring_bytes
 
@@ -141,22 +142,6 @@ class ReduceScatterToSequence(torch.autograd.Function):
         return ctx.ledger.all_gather_seq(grad, "backward", AG_DY), None
 
 
-def sp_rank_forward(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config,
-                    ledger: SequenceLedger, reduce_output: bool = True,
-                    reduce_input_grad: bool = True) -> torch.Tensor:
-    """This real rank's share of the SP block: ``tpattn.real.ranks.real_rank_block`` under
-    ``cfg.sequence_parallel``.
-
-    x: ``[S/W, B, hidden]``, this rank's tokens; ``shard``: its ``norm`` (replicated) and
-    head-group shards. Returns ``[S/W, B, hidden]``. ``reduce_output=False`` drops the
-    reduce-scatter (this rank keeps its tokens of its own partial); ``reduce_input_grad=False``
-    drops the all-gather's backward reduce-scatter. ``ledger``: the collectives
-    (``gather_sequence``, ``reduce_scatter_sequence``).
-    """
-    inj = Injection(g=int(reduce_output), f="sum" if reduce_input_grad else "none")
-    return real_rank_block(x, shard, cfg, inj, ledger)
-
-
 def finalize_norm_grad(grad: torch.Tensor, ledger: SequenceLedger, how: str = "sum") -> torch.Tensor:
     """The ``norm`` gradient after backward on a real rank: all-reduced (``"sum"``), all-reduced
     and divided by W (``"mean"``, the bug of averaging), or left alone (``"none"``)."""
@@ -180,7 +165,7 @@ def sp_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Sequence
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
-    inj = NATIVE_INJECTIONS[check_mode(mode, cfg)]  # under SP: one of SP_MODES
+    inj = resolve(check_mode(mode, cfg), cfg).injection  # under SP: one of SP_MODES
     tokens = rank_tokens(cfg, rank)
     p = clone_trainable(shard_params(base, cfg)[rank])
     x = x0[tokens].clone().requires_grad_(True)
@@ -217,7 +202,7 @@ def sp_run_rank(rank: int, plan, device: torch.device | str = "cpu", on_progress
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": []}
     counts_by_mode: dict[str, dict] = {}
     for index, (mode, seed) in enumerate(plan.jobs):
-        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(NATIVE_INJECTIONS[mode]))
+        ledger.start_job(f"seed {seed} {mode} (SP)", planned_sp_collectives(resolve(mode, plan.cfg).injection))
         metrics, disagreement = sp_rank_check(seed, mode, plan.cfg, rank, ledger, device)
         counts = ledger.finish_job()
         if rank == 0:

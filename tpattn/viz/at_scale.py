@@ -6,7 +6,10 @@ from .style import FAIL_COLOR, PASS_COLOR, new_figure
 __all__ = ["bound_ratio_figure"]
 
 _DTYPES = ("float64", "float32", "bfloat16")
-_MARKERS = {"equivalence": "o", "missing_output_reduce": "^", "missing_input_grad_reduce": "s"}
+#: Each mode's marker, colour and face (None: filled) in ``bound_ratio_figure``.
+_STYLES = {"equivalence": ("o", PASS_COLOR, None),
+           "missing_output_reduce": ("^", FAIL_COLOR, None),
+           "missing_input_grad_reduce": ("s", FAIL_COLOR, "none")}
 
 
 def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest of the five"):
@@ -17,7 +20,7 @@ def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest 
     groups = sorted({(r["dtype"], r["world_size"]) for r in rows},
                     key=lambda g: (_DTYPES.index(g[0]), g[1]))
     xpos = {g: i for i, g in enumerate(groups)}
-    for mode, marker in _MARKERS.items():
+    for mode, (marker, color, face) in _STYLES.items():
         pts = [(xpos[(r["dtype"], r["world_size"])], max(r["ratios"].values()))
                for r in rows if r["mode"] == mode]
         if not pts:
@@ -25,8 +28,7 @@ def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest 
         xs, ys = zip(*pts)
         ys = [max(y, 1e-6) for y in ys]  # an exact 0 is drawn on the floor of the axis
         ax.scatter(xs, ys, marker=marker, s=28, alpha=0.8, label=mode,
-                   color=PASS_COLOR if mode == "equivalence" else FAIL_COLOR,
-                   facecolors="none" if mode == "missing_input_grad_reduce" else None)
+                   color=color, facecolors=face)
     ax.axhline(1.0, color="#444444", lw=1)
     ax.axhline(100.0, color="#444444", lw=1, ls=":")
     ax.set_yscale("log")
