@@ -36,6 +36,16 @@ def longest_sum(cfg: Config) -> int:
     return max(cfg.hidden, cfg.query_heads * cfg.head_dim, cfg.seq)
 
 
+def assert_within_sum_bound(a: torch.Tensor, b: torch.Tensor, cfg: Config, what: str) -> None:
+    """Assert ``max |a - b| <= 2 * longest_sum(cfg) * eps * max(|a|, |b|, 1)``: two ways of
+    computing the same sums differ by at most a rounding per term of the longest one."""
+    eps = torch.finfo(a.dtype).eps
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1.0)
+    bound = 2 * longest_sum(cfg) * eps * scale
+    diff = (a - b).abs().max().item()
+    assert diff <= bound, f"{what}: {diff:.3e} > {bound:.3e}"
+
+
 def _max_abs(*tensors) -> float:
     return max(t.detach().abs().max().item() for t in tensors)
 

@@ -23,26 +23,18 @@ from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import OneGraphRanks, one_graph_forward
 from tpattn.parallel.tp import tp_forward
 from tests import reference_one_graph as ref
-from tests.rounding import longest_sum
+from tests.rounding import assert_within_sum_bound
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, cfg: Config, what: str) -> None:
-    eps = torch.finfo(a.dtype).eps
-    scale = max(a.abs().max().item(), b.abs().max().item(), 1.0)
-    bound = 2 * longest_sum(cfg) * eps * scale
-    diff = (a - b).abs().max().item()
-    assert diff <= bound, f"{what}: {diff:.3e} > {bound:.3e}"
-
-
 def _same_step(new: dict, old: dict, cfg: Config) -> None:
     for key in ("output", "loss", "input_grad"):
-        _close(new[key], old[key], cfg, key)
+        assert_within_sum_bound(new[key], old[key], cfg, key)
     assert new["grads"].keys() == old["grads"].keys()
     for k in old["grads"]:
-        _close(new["grads"][k], old["grads"][k], cfg, f"grad {k}")
-        _close(new["weights"][k], old["weights"][k], cfg, f"weight {k}")
+        assert_within_sum_bound(new["grads"][k], old["grads"][k], cfg, f"grad {k}")
+        assert_within_sum_bound(new["weights"][k], old["weights"][k], cfg, f"weight {k}")
 
 
 def _native_case(cfg, seed, mode, old_forward):
