@@ -52,8 +52,10 @@ def test_engine_equals_the_zoo_rank_loop(mode, seed):
         assert_within_sum_bound(eng["losses"][r], loop["losses"][r], cfg, f"loss rank {r}")
         assert_within_sum_bound(eng["input_grads"][r], loop["input_grads"][r], cfg, f"dX rank {r}")
         for k in shards[0]:
-            assert_within_sum_bound(eng["grads"][k][r], loop["grads"][r][k], cfg, f"grad {k} rank {r}")
-            assert_within_sum_bound(eng["weights"][k][r], loop["weights"][r][k], cfg, f"weight {k} rank {r}")
+            assert_within_sum_bound(eng["grads"][k][r], loop["grads"][r][k], cfg,
+                                    f"grad {k} rank {r}")
+            assert_within_sum_bound(eng["weights"][k][r], loop["weights"][r][k], cfg,
+                                    f"weight {k} rank {r}")
     assert eng["grad_norm"] == pytest.approx(loop["grad_norm"], rel=1e-6)
 
 
@@ -84,8 +86,10 @@ def _compare_steps(eng, steps, cfg, names):
         assert_within_sum_bound(eng["losses"][r], step["loss"], cfg, f"loss rank {r}")
         assert_within_sum_bound(eng["input_grads"][r], step["input_grad"], cfg, f"dX rank {r}")
         for k in names:
-            assert_within_sum_bound(eng["grads"][k][r], step["grads"][k], cfg, f"grad {k} rank {r}")
-            assert_within_sum_bound(eng["weights"][k][r], step["weights"][k], cfg, f"weight {k} rank {r}")
+            assert_within_sum_bound(eng["grads"][k][r], step["grads"][k], cfg,
+                                    f"grad {k} rank {r}")
+            assert_within_sum_bound(eng["weights"][k][r], step["weights"][k], cfg,
+                                    f"weight {k} rank {r}")
 
 
 @pytest.mark.parametrize("strategy", ["replicate_weights", "gather_activations"])
