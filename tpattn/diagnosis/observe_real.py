@@ -16,40 +16,17 @@ partials in this process, on simulated ranks.
 """
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from tpattn.block.kv_layout import kv_grad_bug_applies, replica_groups
 from tpattn.check.core import LR
 from tpattn.config import Config
 from tpattn.parallel.engine import rank_block, stack_ranks, train_step
-from tpattn.real.ranks import CollectiveLedger, DistributedRanks, run_rank
+from tpattn.real.ranks import CollectiveLedger, DistributedRanks, rank_ledger, run_rank
 
 from .diagnose import diagnose
 from .observe import observe, replica_sums, train_loop
 
-__all__ = ["DistributedTrain", "rank_ledger", "observe_on_rank", "diagnose_rank"]
-
-
-def rank_ledger(cfg: Config, rank: int, timeout: float) -> CollectiveLedger:
-    """This rank's ledger of real collectives: a ``CollectiveLedger`` (under sequence
-    parallelism ``tpattn.real.sp_ranks.SequenceLedger``), with its KV replica group where KV
-    heads are replicated (every rank creates every group, in the same order)."""
-    if cfg.sequence_parallel:
-        from tpattn.real.sp_ranks import SequenceLedger
-
-        ledger = SequenceLedger()
-    else:
-        ledger = CollectiveLedger()
-    if kv_grad_bug_applies(cfg):
-        for group in replica_groups(cfg):
-            handle = dist.new_group(group, timeout=timedelta(seconds=timeout))
-            if rank in group:
-                ledger.replica_group = handle
-    return ledger
+__all__ = ["DistributedTrain", "observe_on_rank", "diagnose_rank"]
 
 
 class DistributedTrain:

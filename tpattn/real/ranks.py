@@ -515,6 +515,25 @@ def _ledger_row(variant: str, mode: str, expected: dict, actual: dict) -> dict:
             "backward_expected": expected["backward"], "backward_actual": actual["backward"]}
 
 
+def rank_ledger(cfg: Config, rank: int, timeout: float) -> CollectiveLedger:
+    """This rank's ledger of real collectives, inside an initialized default process group: a
+    ``CollectiveLedger`` (under sequence parallelism ``tpattn.real.sp_ranks.SequenceLedger``),
+    with its KV replica group where KV heads are replicated (every rank creates every group,
+    in the same order: ``new_group`` is collective)."""
+    if cfg.sequence_parallel:
+        from tpattn.real.sp_ranks import SequenceLedger
+
+        ledger = SequenceLedger()
+    else:
+        ledger = CollectiveLedger()
+    if kv_grad_bug_applies(cfg):
+        for group in replica_groups(cfg):
+            handle = dist.new_group(group, timeout=timedelta(seconds=timeout))
+            if rank in group:
+                ledger.replica_group = handle
+    return ledger
+
+
 def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_progress=None) -> dict:
     """Every job of ``plan`` on this rank, inside an initialized default process group
     (``on_progress(index)`` is called after each job).
@@ -528,13 +547,7 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
 
         return sp_run_rank(rank, plan, device, on_progress)
     start = time.monotonic()
-    ledger = CollectiveLedger()
-    if kv_grad_bug_applies(plan.cfg):
-        # every rank creates every replica group, in the same order (new_group is collective)
-        for group in replica_groups(plan.cfg):
-            handle = dist.new_group(group, timeout=timedelta(seconds=plan.timeout))
-            if rank in group:
-                ledger.replica_group = handle
+    ledger = rank_ledger(plan.cfg, rank, plan.timeout)
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": [], "traffic": []}
     counts_by_mode: dict[str, dict] = {}
     fault = plan.fault if plan.fault and plan.fault["rank"] == rank else None
