@@ -50,6 +50,23 @@ class Config:
     - ``sequence_parallel`` is a bool; when ``True``, ``seq % world_size == 0`` (each rank holds
       ``seq // world_size`` consecutive tokens of the residual stream, see
       ``tpattn.parallel.sequence_parallel``).
+
+    Three fields describe what surrounds the block (off by default, so the seed's fixture is
+    unchanged; see chapter "Around the block"):
+
+    - ``data_parallel`` is an integer ≥ 1: the data-parallel degree of a TP × DP mesh. The job
+      has ``world_size * data_parallel`` ranks; ``world_size`` stays the TP degree. Each DP
+      replica trains on its own ``batch`` samples (the global batch is ``batch *
+      data_parallel``); gradients are all-reduced over the DP group and the logged loss over
+      the DP group;
+    - ``dropout`` is a number in ``[0, 1)``: the probability of attention dropout (inside the
+      sharded region: a different random stream on every TP rank) and residual dropout (outside
+      it: the same stream on every TP rank), as Megatron's model-parallel RNG tracker draws them;
+    - ``qk_norm`` is a bool: RMSNorm on every query and key head before RoPE (weights
+      ``[head_dim]``, replicated on every TP rank, as Qwen3, OLMo 2 and Gemma 3 do).
+
+    ``dropout > 0`` and ``qk_norm`` need plain TP layouts: no ``sequence_parallel``, and
+    ``kv_heads >= world_size``.
     """
 
     seq: int = 5
@@ -64,6 +81,9 @@ class Config:
     #: ``omit_default``: left out of ``repr`` at its default value (the seed's repr stays).
     sequence_parallel: bool = field(default=False, metadata={"omit_default": True})
     kv_strategy: str = field(default="replicate_weights", metadata={"omit_default": True})
+    data_parallel: int = field(default=1, metadata={"omit_default": True})
+    dropout: float = field(default=0.0, metadata={"omit_default": True})
+    qk_norm: bool = field(default=False, metadata={"omit_default": True})
 
     def __repr__(self) -> str:
         """The dataclass repr, without the fields added after the seed while at their
@@ -105,6 +125,7 @@ class Config:
                 f"sequence_parallel needs kv_heads >= world_size: sequence parallelism with "
                 f"replicated or gathered KV heads is not built (got kv_heads={self.kv_heads}, "
                 f"world_size={self.world_size})")
+        problems += _surrounding_problems(self)
         dtype = self.dtype
         if isinstance(dtype, torch.dtype):
             names = {v: k for k, v in DTYPES.items()}
@@ -145,6 +166,11 @@ class Config:
         """Ranks that share one KV head: ``world_size / kv_heads`` when ``kv_heads <
         world_size``, else 1."""
         return max(1, self.world_size // self.kv_heads)
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the whole job: ``world_size * data_parallel`` (TP × DP)."""
+        return self.world_size * self.data_parallel
 
     @property
     def local_seq(self) -> int:
@@ -189,4 +215,26 @@ def _kv_layout_problems(cfg: Config) -> list[str]:
             f"kv_strategy='gather_activations' needs kv_heads*head_dim to be a multiple of "
             f"world_size, so each rank projects an equal slice of K/V "
             f"(got kv_heads={kv}, head_dim={cfg.head_dim}, world_size={w})")
+    return problems
+
+
+def _surrounding_problems(cfg: Config) -> list[str]:
+    """The rules of ``data_parallel``, ``dropout`` and ``qk_norm`` that ``cfg`` breaks."""
+    problems = []
+    dp = cfg.data_parallel
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        problems.append(f"data_parallel must be an integer >= 1 (got {dp!r})")
+    p = cfg.dropout
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        problems.append(f"dropout must be a number in [0, 1) (got {p!r})")
+    if not isinstance(cfg.qk_norm, bool):
+        problems.append(f"qk_norm must be True or False (got {cfg.qk_norm!r})")
+    plain = not cfg.sequence_parallel and cfg.kv_heads >= cfg.world_size
+    for name, on in (("dropout > 0", isinstance(p, (int, float)) and not isinstance(p, bool)
+                      and p > 0), ("qk_norm", cfg.qk_norm is True)):
+        if on and not plain:
+            problems.append(
+                f"{name} needs plain TP: sequence_parallel=False and kv_heads >= world_size "
+                f"(got sequence_parallel={cfg.sequence_parallel}, kv_heads={cfg.kv_heads}, "
+                f"world_size={cfg.world_size})")
     return problems

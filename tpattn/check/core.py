@@ -489,6 +489,9 @@ def inspect_fixture(cfg: Config | None = None) -> dict:
         del config["sequence_parallel"]  # nor a sequence_parallel field
     if config["kv_strategy"] == Config.kv_strategy:
         del config["kv_strategy"]  # nor kv_strategy
+    for name in ("data_parallel", "dropout", "qk_norm"):  # nor what surrounds the block
+        if config[name] == getattr(Config, name):
+            del config[name]
     extra = {}
     if has_replicas(cfg):  # fewer KV heads than ranks (tpattn.parallel.kv_heads)
         extra = {"kv_replica_groups": replica_groups(cfg), "kv_rule": (

@@ -23,6 +23,28 @@ Every mode of the bug registry (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection
     norm_grad  under sequence parallelism, the all-reduce of the norm weight's
            gradient: "sum" (correct), "mean" (averaged), "none" (dropped)
 
+Around the block (``Config.data_parallel``, ``dropout``, ``qk_norm``; chapter "Around the
+block"):
+
+    shard      also "fused_rank0" (every rank narrows rank 0's rows of a fused
+           [Wq; Wk; Wv]), "grouped" (a checkpoint fused per KV group,
+           [q_g; k_g; v_g] for each group g, read as such: correct) and
+           "grouped_as_plain" (that checkpoint read as plain [Q; K; V])
+    loss_group the group the logged loss is all-reduced over (SUM of every
+           rank's share of the global mean): "dp" (correct), "world" (every
+           rank of the mesh), "tp" (the loss's own TP mesh only, as a
+           Replicate DTensor's full_tensor() does: no reduction at all)
+    dp_grad    the group of the data-parallel gradient all-reduce: "dp"
+           (correct) or "self" (a group of one rank: a silent no-op)
+    sp_group   under sequence parallelism on a TP x DP mesh, the group of the
+           all-gather/reduce-scatter along the sequence: "tp" (correct) or
+           "dp" (the other mesh dimension's group, of the same size)
+    rng        the default torch RNG of the TP ranks: "synced" (correct) or
+           "rank0_drift" (tp_rank 0 draws once more before the step, as a
+           data loader drawing its workers' base seed does)
+    qk_norm_grad  with ``Config.qk_norm``, the TP all-reduce of the q/k-norm
+           weights' gradients: "sum" (correct) or "none"
+
 Three knobs are no registry bug; they let a test make up bugs outside the registry:
 ``rank_lr_scale`` (one learning-rate factor per rank; 0 keeps that rank's pre-step weights),
 ``partial_scale`` (every rank's attention partial times a factor before g, or a tuple of one
@@ -58,12 +80,18 @@ class Injection:
     norm_grad: str = "sum"
     partial_scale: float | tuple = 1.0
     shard_offset: int = 0
+    loss_group: str = "dp"
+    dp_grad: str = "dp"
+    sp_group: str = "tp"
+    rng: str = "synced"
+    qk_norm_grad: str = "sum"
 
     def correct(self) -> "Injection":
         """The bug-free twin: the same setup (bias present, clipping, fused checkpoint), every
         collective and layout right."""
-        return Injection(bias="after_g" if self.bias else None, clip=self.clip,
-                         shard="fused" if self.shard == "fused_naive" else "heads")
+        shard = {"fused_naive": "fused", "fused_rank0": "fused", "fused": "fused",
+                 "grouped": "grouped", "grouped_as_plain": "grouped"}.get(self.shard, "heads")
+        return Injection(bias="after_g" if self.bias else None, clip=self.clip, shard=shard)
 
     @property
     def reduction_only(self) -> bool:
@@ -80,4 +108,5 @@ class Injection:
     def setup(self) -> dict:
         """What the engineer knows about the model and the training setup (not the bug)."""
         return {"bias": self.bias is not None, "grad_clip": self.clip,
-                "fused_qkv": self.shard in ("fused", "fused_naive")}
+                "fused_qkv": self.shard in ("fused", "fused_naive", "fused_rank0", "grouped",
+                                            "grouped_as_plain")}
