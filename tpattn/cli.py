@@ -61,6 +61,12 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
                          "needs seq %% world-size == 0); --mode matrix then runs every SP mode")
     ap.add_argument("--kv-strategy", choices=KV_STRATEGIES, default=defaults.kv_strategy,
                     help="Config.kv_strategy, when kv_heads < world_size (default: %(default)s)")
+    ap.add_argument("--dropout", type=float, default=defaults.dropout, metavar="P",
+                    help="Config.dropout: attention and residual dropout probability in "
+                         "[0, 1), drawn as Megatron's RNG tracker does (default: %(default)s)")
+    ap.add_argument("--qk-norm", action="store_true",
+                    help="Config.qk_norm: RMSNorm on every query and key head before RoPE, "
+                         "weights replicated on every TP rank")
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
                         help="fixture: the seed's model (rank 0's view, the default JSON); "
@@ -94,7 +100,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
     return Config(**{name: getattr(args, name) for name in _CONFIG_FLAGS},
                   eps=args.eps, dtype=args.dtype, kv_strategy=args.kv_strategy,
-                  **({"sequence_parallel": True} if args.sequence_parallel else {}))
+                  **({"sequence_parallel": True} if args.sequence_parallel else {}),
+                  **({"dropout": args.dropout} if args.dropout else {}),
+                  **({"qk_norm": True} if args.qk_norm else {}))
 
 
 def modes_listing() -> list[dict]:

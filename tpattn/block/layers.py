@@ -78,10 +78,15 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return scores.softmax(-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              drop: torch.Tensor | None = None) -> torch.Tensor:
     """Causal scaled dot-product attention.
 
-    q, k, v: ``[S, B, H, D]`` (K/V already repeated to the query head count);
-    returns the context ``[S, B, H, D]``.
+    q, k, v: ``[S, B, H, D]`` (K/V already repeated to the query head count); ``drop``: an
+    attention-dropout mask ``[B, H, S, S]`` (kept elements ``1/(1-p)``, dropped 0) multiplied
+    into the probabilities, or ``None``. Returns the context ``[S, B, H, D]``.
     """
-    return torch.einsum("bhst,tbhd->sbhd", attention_probs(q, k), v)
+    probs = attention_probs(q, k)
+    if drop is not None:
+        probs = probs * drop
+    return torch.einsum("bhst,tbhd->sbhd", probs, v)

@@ -7,6 +7,10 @@ Weight layouts follow ``torch.nn.functional.linear`` (``y = x @ w.T``)::
     wk    [kv_heads * head_dim, hidden]     rows grouped by KV head
     wv    [kv_heads * head_dim, hidden]
     wo    [hidden, query_heads * head_dim]  columns grouped by query head
+
+With ``Config.qk_norm`` two more, replicated like ``norm`` (``QK_NORM_NAMES``)::
+
+    q_norm, k_norm  [head_dim]              RMSNorm scale of every query / key head
 """
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ INIT_STD = 0.15
 
 #: Parameter names, in the order the block uses them.
 PARAM_NAMES = ("norm", "wq", "wk", "wv", "wo")
+
+
+#: The q/k-norm weights (``Config.qk_norm``): replicated on every TP rank, as ``norm``.
+QK_NORM_NAMES = ("q_norm", "k_norm")
 
 
 #: ``init_params``'s choices: the seed's fixed 0.15, or ``1/sqrt(fan_in)`` per weight.
@@ -79,7 +87,8 @@ def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str,
 
     - ``wq``, ``wk``, ``wv``: column-parallel — each rank takes the *rows* of its heads;
     - ``wo``: row-parallel — each rank takes the *columns* of its query heads;
-    - ``norm``: replicated — every rank uses the same tensor.
+    - ``norm`` (and ``q_norm``/``k_norm`` when ``params`` has them): replicated — every rank
+      uses the same tensor.
 
     Slicing is differentiable, so the gradients of the shards land in the dense tensors of
     ``params`` (a copying slice would do the same); that the shards are views only saves memory.
@@ -94,6 +103,7 @@ def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str,
             "wk": params["wk"][kv_rows],
             "wv": params["wv"][kv_rows],
             "wo": params["wo"][:, q_rows],
+            **{k: params[k] for k in QK_NORM_NAMES if k in params},
         })
     return shards
 
@@ -106,8 +116,9 @@ def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[s
     agree is a separate question: see ``tpattn.real.ranks.RealRankReport.rank_disagreement``).
     Likewise a replicated KV head (``kv_heads < world_size``) is taken from the first rank of
     its replica group.
-    shards: ``world_size`` dicts with the keys of ``PARAM_NAMES``. Returns new tensors
-    (detached), keyed by ``PARAM_NAMES``.
+    shards: ``world_size`` dicts with the keys of ``PARAM_NAMES`` (and ``QK_NORM_NAMES``,
+    replicated: rank 0's copy). Returns new tensors (detached), keyed by ``PARAM_NAMES``
+    (then the q/k-norm weights when the shards have them).
     """
     first = shards[0]
     width = cfg.query_heads * cfg.head_dim
@@ -124,4 +135,7 @@ def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[s
                 full["wk"][kv_rows] = mine["wk"]
                 full["wv"][kv_rows] = mine["wv"]
             full["wo"][:, q_rows] = mine["wo"]
-    return {k: full[k] for k in PARAM_NAMES}
+    for k in QK_NORM_NAMES:
+        if k in first:
+            full[k] = first[k].detach().clone()
+    return {k: full[k] for k in PARAM_NAMES + QK_NORM_NAMES if k in full}

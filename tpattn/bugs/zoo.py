@@ -44,7 +44,8 @@ from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING
                                MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
                                OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
-                               clip_coef, dense_step, grad_norm, make_inputs, make_params,
+                               clip_coef, dense_step, dropout_masks, grad_norm, make_inputs,
+                               make_params,
                                rank_batches, shard, unshard)
 from tpattn.check.core import tp_step as check_tp_step
 from tpattn.config import Config
@@ -70,7 +71,7 @@ FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 #: The ``needs`` that name a layout of the ``Config`` rather than a setup: the mode's injection
 #: exists only there (``check.core.check_mode`` states the rule) and runs on the engine's
 #: ranks and in the fixture's one-graph view alike.
-LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size")
+LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size", "dropout > 0", "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,8 @@ def _entries() -> list[BugMode]:
                 "inconsistency within the TP group'; the thread gives no root cause. Not "
                 "bigscience-workshop/Megatron-DeepSpeed PR 276: there the data were identical "
                 "and the torch RNG state desynced (the loader's seed consumed RNG on tp_rank 0 "
-                "only), so nn.Dropout masks differed across TP ranks (not reproduced: no "
-                "dropout here)"),
+                "only), so nn.Dropout masks differed across TP ranks: that one is "
+                "dropout_rng_desync"),
         BugMode(MISSING_NORM_GRAD_REDUCE,
                 "sequence parallelism without the all-reduce of the norm weight's gradient",
                 "NVIDIA-NeMo/Speech PR 7184; hpcaitech/ColossalAI PR 4915",
@@ -248,6 +249,37 @@ def _entries() -> list[BugMode]:
                 fidelity_note="no public report of this bug was found; the related "
                 "bigcode-project/Megatron-LM issue 35 (MQA + TP > 1: loss explodes, weights in "
                 "sync) is the other half, the shared K/V's activation gradients (chapter 13)"),
+        BugMode("dropout_rng_desync",
+                "the default torch RNG drifts on tp_rank 0 alone (its data loader draws the "
+                "workers' base seed): residual-dropout masks differ across TP ranks",
+                "bigscience-workshop/Megatron-DeepSpeed PR 276 (merged); "
+                "NVIDIA/Megatron-LM PR 206 (not merged)", ("dropout > 0", "world_size >= 2"),
+                Injection(rng="rank0_drift"),
+                how="tp_rank 0 alone creates a DataLoader iterator, which draws its workers' "
+                    "base_seed from the default generator, before the residual dropout draws "
+                    "its mask from that generator",
+                fix="give the loader its own generator (or re-sync the default RNG state "
+                    "across the TP group before the step)",
+                fidelity="mechanism",
+                fidelity_note="PR 276: the loader, built on tp_rank 0 only, drew the workers' "
+                "base_seed from the torch RNG, so torch_rng_state differed across TP ranks "
+                "and nn.Dropout masks with it, the data identical; the zoo consumes tp_rank "
+                "0's default generator with a real DataLoader iterator before its residual "
+                "dropout (one block, one step; attention dropout uses the tracker's stream)"),
+        BugMode("qk_norm_grad_not_reduced",
+                "qk-norm weights replicated over TP without the all-reduce of their "
+                "gradients: each rank steps on its own heads' part and the replicas drift",
+                "NVIDIA-NeMo/RL issue 3716 (open)", ("qk_norm", "world_size >= 2"),
+                Injection(qk_norm_grad="none"),
+                how="no after-backward all-reduce of the q_norm/k_norm gradients over the TP "
+                    "group: each rank's gradient sums only its local heads",
+                fix="all-reduce the replicated q/k-norm gradients over TP after backward "
+                    "(Megatron's finalize_model_grads)",
+                fidelity="mechanism",
+                fidelity_note="the issue: the split-API train step bypassed finalize_model_grads "
+                "and its TP SUM for replicated params, so qk-layernorm replicas ([head_dim], "
+                "local heads' partial grads) drift, no crash; the zoo skips that all-reduce "
+                "in its train step (one block, plain SGD; not the SP layernorm half)"),
     ]
 
 
@@ -365,7 +397,12 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
              "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
              "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
              "kv_heads < world_size": cfg.kv_heads < cfg.world_size}
+    options = {"dropout > 0": cfg.dropout > 0, "qk_norm": cfg.qk_norm}
     for need in entry.needs:
+        if need in options and not options[need]:
+            raise ValueError(f"mode {mode!r} needs {need}: the model option its bug lives in "
+                             f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
+                             f"--dropout P, --qk-norm)")
         if not rules.get(need, True):
             raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
                              f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads})")
@@ -398,7 +435,8 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
                          f"{get_mode(mode).provider}")
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
-    return dense_step(x0, target, base, cfg, inj), tp_step(seed, cfg, inj, simulate), base
+    return (dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed)),
+            tp_step(seed, cfg, inj, simulate), base)
 
 
 def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
@@ -406,4 +444,4 @@ def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -
     ``rank_batches``): the TP side ``run`` compares, in ``check.one_step``'s dict."""
     x0, target = make_inputs(cfg, seed)
     return check_tp_step(x0, target, make_params(cfg, seed, inj), cfg, inj, simulate,
-                         batches=rank_batches(cfg, seed, inj))
+                         batches=rank_batches(cfg, seed, inj), rng_seed=seed)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
 from tpattn.block.kv_layout import has_replicas, replica_groups
-from tpattn.block.params import (INIT_STD, PARAM_NAMES, clone_trainable, init_params,
-                                 rank_head_slices, shard_params, unshard_params)
+from tpattn.block.params import (INIT_STD, PARAM_NAMES, QK_NORM_NAMES, clone_trainable,
+                                 init_params, rank_head_slices, shard_params, unshard_params)
 from tpattn.block.sgd import sgd_step
 from .magnitude import gradient_magnitudes
 from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, conditioning,
@@ -29,6 +29,7 @@ from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, con
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
+from tpattn.parallel.rng import replica_masks, simulated_streams
 from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.simulated import rank0_view, simulated_step
 from tpattn.parallel.tp import tp_forward
@@ -208,9 +209,10 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
 
 
 def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
-                    cfg: Config) -> dict:
-    """``one_step`` of the dense block: the side every TP variant is compared against."""
-    return one_step(lambda x, p: dense_forward(x, p, cfg), x0, target, base)
+                    cfg: Config, masks: dict[str, torch.Tensor] | None = None) -> dict:
+    """``one_step`` of the dense block: the side every TP variant is compared against
+    (``masks``: the dropout masks of ``dense_forward``, with ``cfg.dropout > 0``)."""
+    return one_step(lambda x, p: dense_forward(x, p, cfg, masks), x0, target, base)
 
 
 def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
@@ -238,16 +240,39 @@ def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
 BIAS_SEED_OFFSET = 200
 #: Under ``inputs="per_rank"`` rank ``r >= 1`` draws its batch from ``seed + this * r``.
 OTHER_BATCH_SEED_OFFSET = 7919
+#: With ``Config.qk_norm`` the q/k-norm weights are drawn from their own generator,
+#: ``seed + this``, so the seed's parameters are the same numbers with or without them.
+QK_NORM_SEED_OFFSET = 300
+
+
+def model_options(cfg: Config) -> bool:
+    """True when ``cfg`` turns on a model option of chapter "Around the block" (``dropout >
+    0`` or ``qk_norm``): the check then runs the engine's ranks with their random streams."""
+    return cfg.dropout > 0 or cfg.qk_norm
+
+
+def dropout_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor] | None:
+    """The dropout masks the correct program draws in seed ``seed``'s step
+    (``rng.replica_masks``: one DP replica, assembled over the TP ranks), or ``None`` when
+    ``cfg.dropout == 0``: what the dense reference applies."""
+    return replica_masks(cfg, seed) if cfg.dropout > 0 else None
 
 
 def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> dict[str, torch.Tensor]:
     """``init_params(cfg, seed + PARAM_SEED_OFFSET, init)`` plus, when the setup has one, the
     output bias ``[hidden]`` from its own generator (``seed + BIAS_SEED_OFFSET``): the seed's
-    parameters are the same numbers with or without it."""
+    parameters are the same numbers with or without it. With ``cfg.qk_norm``, ``q_norm`` and
+    ``k_norm`` ``[head_dim]`` = ``1 + INIT_STD * randn`` from ``seed + QK_NORM_SEED_OFFSET``
+    (not ones, so a gradient that misses heads changes the numbers)."""
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     if inj.bias is not None:
         g = torch.Generator().manual_seed(seed + BIAS_SEED_OFFSET)
         base["bias"] = (torch.randn(cfg.hidden, generator=g) * INIT_STD).to(cfg.torch_dtype)
+    if cfg.qk_norm:
+        g = torch.Generator().manual_seed(seed + QK_NORM_SEED_OFFSET)
+        for name in QK_NORM_NAMES:
+            w = 1.0 + torch.randn(cfg.head_dim, generator=g) * INIT_STD
+            base[name] = w.to(cfg.torch_dtype)
     return base
 
 
@@ -282,9 +307,10 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
     if inj.shard_offset:  # rank r loads rank (r + k) mod W's shards
         k = inj.shard_offset % cfg.world_size
         shards = shards[k:] + shards[:k]
-    if "bias" in p:
-        for s in shards:
-            s["bias"] = p["bias"]
+    for name in ("bias",) + QK_NORM_NAMES:  # replicated on every rank
+        if name in p:
+            for s in shards:
+                s[name] = p[name]
     return shards
 
 
@@ -303,8 +329,9 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
                 "wk": fused[q:q + kv].clone(), "wv": fused[q + kv:].clone(),
                 "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
         full = {k: full[k] for k in PARAM_NAMES}
-    if "bias" in shards[0]:
-        full["bias"] = shards[0]["bias"].detach().clone()
+    for name in ("bias",) + QK_NORM_NAMES:  # replicated: rank 0's copy
+        if name in shards[0]:
+            full[name] = shards[0][name].detach().clone()
     return full
 
 
@@ -350,14 +377,16 @@ def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
 
 
 def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
-               cfg: Config, inj: Injection) -> dict:
+               cfg: Config, inj: Injection,
+               masks: dict[str, torch.Tensor] | None = None) -> dict:
     """The dense reference of the injection's setup (bias, clipping), in ``one_step``'s dict:
-    ``dense_reference`` itself when the setup has neither."""
+    ``dense_reference`` itself when the setup has neither. ``masks``: the dropout masks the
+    correct program draws (``dropout_masks``), with ``cfg.dropout > 0``."""
     if "bias" not in base and not inj.clip:
-        return dense_reference(x0, target, base, cfg)
+        return dense_reference(x0, target, base, cfg, masks)
     p = clone_trainable(base)
     x = x0.clone().requires_grad_(True)
-    y = dense_forward(x, p, cfg) + (p["bias"] if "bias" in p else 0)
+    y = dense_forward(x, p, cfg, masks) + (p["bias"] if "bias" in p else 0)
     loss = F.mse_loss(y, target)
     loss.backward()
     norm = torch.sqrt(sum(t.grad.double().pow(2).sum() for t in p.values()))
@@ -388,7 +417,8 @@ def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.T
 
 
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
-            inj: Injection, simulate: str = "fixture", shard_fn=None, batches=None) -> dict:
+            inj: Injection, simulate: str = "fixture", shard_fn=None, batches=None,
+            rng_seed: int | None = None) -> dict:
     """The TP side of the check: one step of the sharded block wired as ``inj``, simulated as
     ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view; full-size
     ``grads``/``weights``).
@@ -403,6 +433,13 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     ``reduction_only`` injection on plain TP runs the seed's ``tp.tp_forward`` (the same view,
     the seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
     normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in bfloat16).
+
+    With a model option on (``model_options``: ``cfg.dropout > 0`` or ``cfg.qk_norm``) both
+    simulations run the engine on ``SimulatedRanks`` with the ranks' random streams
+    (``rng.simulated_streams(cfg, rng_seed, inj)``; ``rng_seed`` is required with dropout):
+    a simulation's shortcut for ``"fixture"``, whose one graph has no random streams or
+    replicated gradient reduce to model; it reports rank 0's view (``rank0_view``), as
+    ``"ranks"`` does.
     """
     if not isinstance(inj, Injection):
         raise ValueError(f"inj must be an Injection, the mode's program "
@@ -410,10 +447,16 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     batches = [(x0, target)] * cfg.world_size if batches is None else batches
     # the seed's programs cut with shard_params itself (one_graph_forward then views the dense
     # tensors rank-major, the seed's digits); the zoo's setups with the injection's loader
-    cut = shard_fn or (shard_params if inj.reduction_only else lambda q, c: shard(q, c, inj))
-    if check_simulate(simulate) == "ranks":  # the engine, every rank its own step
+    cut = shard_fn or (shard_params if inj.reduction_only and not model_options(cfg)
+                       else lambda q, c: shard(q, c, inj))
+    if check_simulate(simulate) == "ranks" or model_options(cfg):  # every rank its own step
+        if cfg.dropout > 0 and rng_seed is None:
+            raise ValueError("rng_seed must be the run's seed when dropout > 0: the ranks' "
+                             "random streams are seeded with it")
+        rng = simulated_streams(cfg, rng_seed, inj) if cfg.dropout > 0 else None
         gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
-        step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR)
+        step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR,
+                              rng=rng)
         return rank0_view(step, cfg, gather)
     if inj.reduction_only and not cfg.sequence_parallel and not has_replicas(cfg):
         return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=inj.g == 1,
@@ -457,11 +500,11 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
         check_kernel_precision(cfg)
     x0, target = make_inputs(cfg, seed)
     base = make_params(cfg, seed, inj, init)
-    dense = dense_step(x0, target, base, cfg, inj)
+    dense = dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed))
     if tolerance == "auto":
         dense["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)
     batches = rank_batches(cfg, seed, inj) if inj.inputs == "per_rank" else None
-    tp = tp_step(x0, target, base, cfg, inj, simulate, shard_fn, batches)
+    tp = tp_step(x0, target, base, cfg, inj, simulate, shard_fn, batches, rng_seed=seed)
     metrics = five_measures(seed, mode, dense, tp)
     if tolerance == "auto":
         metrics, bounds = per_parameter(cfg, metrics, dense, tp, LR)

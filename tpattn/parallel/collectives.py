@@ -16,6 +16,8 @@ passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the proce
   reduce_replica_grads(k, v)  identity; backward all-reduce of the wk/wv
                               gradients within each KV replica group
   reduce_norm_grad(g, how)    after backward: SP's norm-gradient all-reduce
+  reduce_qk_norm_grads(q, k)  after backward: the q/k-norm weights' gradient
+                              all-reduce (one collective for both)
 
 ``SimulatedRanks`` holds every rank (``R = world_size``): each collective is a sum or a
 concatenation over dim 0, in rank order (``t[0] + t[1] + ...``, as the all-reduces of a ring of
@@ -35,6 +37,8 @@ from tpattn.config import Config
 
 __all__ = ["SimulatedRanks", "rank_sum", "F_LABEL", "G_LABEL"]
 
+#: Ledger label of the after-backward all-reduce of the q/k-norm weights' gradients.
+QK_NORM_GRAD_LABEL = "all-reduce of the q/k-norm weights' gradients"
 #: Ledger labels of f's and g's all-reduces (a second one adds " (again)").
 F_LABEL = "f: all-reduce of dn"
 G_LABEL = "g: all-reduce of output partials"
@@ -214,6 +218,14 @@ class SimulatedRanks:
         if how == "mean":
             total = total / self.world_size
         return total.expand_as(grad).clone()
+
+    def reduce_qk_norm_grads(self, gq: torch.Tensor, gk: torch.Tensor):
+        """The q/k-norm weights' gradients ``[R, head_dim]`` each after backward: every rank
+        gets the rank sum of both (one all-reduce of the two, concatenated)."""
+        self.record("after backward", QK_NORM_GRAD_LABEL)
+        both = torch.cat([gq, gk], dim=1)
+        total = rank_sum(both).expand_as(both).clone()
+        return total[:, :gq.shape[1]].clone(), total[:, gq.shape[1]:].clone()
 
     def reduce_scalar(self, value: torch.Tensor, label: str) -> torch.Tensor:
         """The sum over ranks of ``value`` ``[R]`` (a step-phase all-reduce): a scalar."""

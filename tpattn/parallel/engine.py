@@ -15,7 +15,15 @@ fields) says how the program is wired: f's backward (``"sum"``, ``"none"``, ``"m
 replicated KV heads, whether the replica-group reduce runs (``kv_grad``). ``cfg`` says the
 layout: ``sequence_parallel`` (f becomes an all-gather along the sequence, g a
 reduce-scatter), ``kv_heads < world_size`` with ``kv_strategy`` (each rank a replica of its KV
-head, or the K/V all-gather). ``train_step`` is one training step of it.
+head, or the K/V all-gather), ``qk_norm`` (RMSNorm on every query and key head before RoPE,
+weights ``q_norm``, ``k_norm`` ``[R, head_dim]`` replicated on every rank) and ``dropout``
+(attention dropout on each rank's attention probabilities, masks from its model-parallel
+stream; residual dropout on the block's output before the residual add, masks from its
+default stream: ``rng``, a ``tpattn.parallel.rng.RankStreams`` for the ranks ``comm``
+holds). ``train_step`` is one training step of it; with ``qk_norm`` it all-reduces the
+q/k-norm weights' gradients over the TP group after backward (``reduce_qk_norm_grads``, as
+Megatron's ``finalize_model_grads`` does for such parameters) unless
+``inj.qk_norm_grad == "none"``.
 
 The ranks' heads go through ``layers.attention`` together, rank-major, and each rank's
 matmuls are one entry of a batched matmul; digits differ from a loop over ranks at rounding
@@ -29,13 +37,15 @@ import torch.nn.functional as F
 from tpattn.config import KV_STRATEGIES, Config
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.sgd import sgd_step
-from .collectives import G_LABEL
+from .collectives import G_LABEL, QK_NORM_GRAD_LABEL
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
-           "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad"]
+           "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad", "reduce_qk_norm_grads",
+           "QK_NORM_GRAD_LABEL"]
 
 #: Parameters every rank holds whole (counted once in the gradient norm).
-REPLICATED = ("norm", "bias")
+REPLICATED = ("norm", "bias", "q_norm", "k_norm")
+
 #: Ledger label of the gradient norm's all-reduce.
 GRAD_NORM_LABEL = "sum of squared gradient norms"
 #: Gradient clipping threshold of the modes that clip.
@@ -79,12 +89,19 @@ def _project(n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(n.reshape(r, s * b, -1), w.transpose(1, 2)).view(r, s, b, -1)
 
 
-def _attend(n: torch.Tensor, p: dict, cfg: Config, inj, comm) -> torch.Tensor:
+def _head_norm(t: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """qk-norm of every rank's heads: t ``[S, B, R*H, D]`` (rank-major), w each rank's
+    weight ``[R, D]``: RMSNorm over ``D`` with rank r's weight on rank r's heads."""
+    return rms_norm(t, w.repeat_interleave(t.shape[2] // w.shape[0], dim=0), cfg.eps)
+
+
+def _attend(n: torch.Tensor, p: dict, cfg: Config, inj, comm, rng=None) -> torch.Tensor:
     """Every rank's attention and its columns of wo: n ``[R, S, B, hidden]`` (the whole
     sequence) -> the partials ``[R, S, B, hidden]``."""
     r, s, b, _ = n.shape
     d = cfg.head_dim
-    q = apply_rope(_heads(_project(n, p["wq"]), d))
+    q = _heads(_project(n, p["wq"]), d)
+    q = apply_rope(_head_norm(q, p["q_norm"], cfg) if cfg.qk_norm else q)
     wk, wv = p["wk"], p["wv"]
     gathered = cfg.kv_heads < cfg.world_size and cfg.kv_strategy == KV_STRATEGIES[1]
     if gathered:  # every rank's slice of K/V, all-gathered; each rank picks its KV head
@@ -100,21 +117,28 @@ def _attend(n: torch.Tensor, p: dict, cfg: Config, inj, comm) -> torch.Tensor:
         if cfg.kv_heads < cfg.world_size and inj.kv_grad == "sum" and cfg.kv_replicas > 1:
             wk, wv = comm.reduce_replica_grads(wk, wv)
         k, v = _project(n, wk), _project(n, wv)
-    k, v = apply_rope(_heads(k, d)), _heads(v, d)
+    k, v = _heads(k, d), _heads(v, d)
+    k = apply_rope(_head_norm(k, p["k_norm"], cfg) if cfg.qk_norm else k)
     groups = q.shape[2] // k.shape[2]
     if inj.kv == "tile":  # each rank tiles its own block of KV heads
         k, v = (t.view(s, b, r, -1, d).repeat(1, 1, 1, groups, 1).reshape(s, b, -1, d)
                 for t in (k, v))
     else:  # rank-major heads: the global repeat_interleave is every rank's own
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    ctx = attention(q, k, v).reshape(s, b, r, -1).permute(2, 0, 1, 3)
+    drop = rng.attention_masks(cfg) if cfg.dropout > 0 else None  # [B, R*H, S, S]
+    ctx = attention(q, k, v, drop).reshape(s, b, r, -1).permute(2, 0, 1, 3)
     return _project(ctx.contiguous(), p["wo"])
 
 
 def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
-               comm) -> torch.Tensor:
+               comm, rng=None) -> torch.Tensor:
     """The block on the ranks ``comm`` holds: x ``[R, S_r, B, hidden]``, ``p`` their
-    parameters (module docstring); returns every rank's output ``[R, S_r, B, hidden]``."""
+    parameters (module docstring); returns every rank's output ``[R, S_r, B, hidden]``.
+    ``rng``: the ranks' random streams (``tpattn.parallel.rng.RankStreams``), needed when
+    ``cfg.dropout > 0`` (each call draws new masks)."""
+    if cfg.dropout > 0 and rng is None:
+        raise ValueError(f"rng must be the ranks' random streams (tpattn.parallel.rng."
+                         f"RankStreams) when dropout > 0 (got dropout={cfg.dropout})")
     n = rms_norm(x, p["norm"].unsqueeze(1).unsqueeze(1), cfg.eps)
     if cfg.sequence_parallel:  # f is the all-gather along the sequence
         n = comm.gather_sequence(n, reduce_grad=inj.f != "none")
@@ -124,7 +148,7 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
             n = comm.copy_to_ranks(n, "all-reduce of dn (again)")
     if inj.f == "mean" and cfg.sequence_parallel:
         n = ScaleGrad.apply(n, 1.0 / cfg.world_size)
-    out = _attend(n, p, cfg, inj, comm)
+    out = _attend(n, p, cfg, inj, comm, rng)
     if inj.partial_scale != 1.0:  # a factor for every rank, or one per rank (a tuple)
         scale = inj.partial_scale
         out = out * (out.new_tensor([scale[r] for r in comm.ranks]).view(-1, 1, 1, 1)
@@ -136,15 +160,29 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
     else:
         for i in range(inj.g):
             out = comm.reduce_output(out, G_LABEL + (" (again)" if i else ""))
+    if cfg.dropout > 0:  # residual dropout, outside the sharded region: the default stream
+        out = out * rng.residual_masks(cfg)
     if inj.bias == "after_g":
         out = out + p["bias"].unsqueeze(1).unsqueeze(1)
     return x + out
 
 
+def reduce_qk_norm_grads(grads: dict[str, torch.Tensor], cfg: Config, inj, comm) -> None:
+    """With ``cfg.qk_norm``, after backward: every rank's ``q_norm``/``k_norm`` gradient
+    ``[R, head_dim]`` (its own heads' part) all-reduced over the TP group in one collective
+    (``comm.reduce_qk_norm_grads``), in place in ``grads``; skipped under
+    ``inj.qk_norm_grad == "none"`` (each rank keeps its partial)."""
+    if cfg.qk_norm and inj.qk_norm_grad == "sum":
+        grads["q_norm"], grads["k_norm"] = comm.reduce_qk_norm_grads(grads["q_norm"],
+                                                                     grads["k_norm"])
+
+
 def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
-               cfg: Config, inj, comm, lr: float) -> dict:
+               cfg: Config, inj, comm, lr: float, rng=None) -> dict:
     """One step on the ranks ``comm`` holds: forward, every rank's loss, backward, the norm
-    gradient's reduce (sequence parallel), the logged gradient norm, clipping if on, SGD.
+    gradient's reduce (sequence parallel), the q/k-norm gradients' reduce (``qk_norm``), the
+    logged gradient norm, clipping if on, SGD. ``rng``: the ranks' random streams
+    (``rank_block``; needed when ``cfg.dropout > 0``).
 
     p: stacked parameters (not modified); x, target ``[R, S_r, B, hidden]``. Rank r's loss is
     its MSE, or under sequence parallelism its share of the global MSE (``sum / numel``:
@@ -155,7 +193,7 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
     r = x.shape[0]
     ps = {k: t.detach().clone().requires_grad_(True) for k, t in p.items()}
     xs = x.detach().clone().requires_grad_(True)
-    y = rank_block(xs, ps, cfg, inj, comm)
+    y = rank_block(xs, ps, cfg, inj, comm, rng)
     sq = (y - target).pow(2)
     if cfg.sequence_parallel:
         numel = target.numel() * cfg.world_size // r
@@ -167,6 +205,7 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in ps.items()}
     if cfg.sequence_parallel:
         grads["norm"] = comm.reduce_norm_grad(grads["norm"], inj.norm_grad)
+    reduce_qk_norm_grads(grads, cfg, inj, comm)
     squares = 0.0
     for name, g in grads.items():  # replicated ones on rank 0 only unless norm="per_rank"
         s = g.double().pow(2).flatten(1).sum(1)

@@ -21,22 +21,26 @@ def _stacked(per_rank):
     return per_rank if isinstance(per_rank, dict) else stack_ranks(per_rank)
 
 
-def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None) -> dict:
+def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
+                   rng=None) -> dict:
     """``engine.train_step`` on every rank of ``cfg.world_size``.
 
     shards: every rank's parameters (a list of per-rank dicts, or one stacked dict
     ``[W, ...]``); batches: every rank's ``(x, target)`` (``[S_r, B, hidden]`` each).
-    ``f``, ``g``: optional reader's collectives (``collectives.SimulatedRanks``). Returns
+    ``f``, ``g``: optional reader's collectives (``collectives.SimulatedRanks``); ``rng``:
+    the ranks' random streams (``rng.RankStreams``, needed with dropout). Returns
     ``train_step``'s dict (stacked tensors; ``ledger`` the collectives, in order)."""
     x = torch.stack([b[0] for b in batches])
     target = torch.stack([b[1] for b in batches])
     comm = SimulatedRanks(cfg, [], f=f, g=g)
-    return train_step(_stacked(shards), x, target, cfg, inj, comm, lr)
+    return train_step(_stacked(shards), x, target, cfg, inj, comm, lr, rng)
 
 
-def simulated_forward(shards, xs, cfg: Config, inj) -> torch.Tensor:
-    """Every rank's output ``[W, S_r, B, hidden]`` of ``xs`` (one per rank), no step."""
-    return rank_block(torch.stack(list(xs)), _stacked(shards), cfg, inj, SimulatedRanks(cfg))
+def simulated_forward(shards, xs, cfg: Config, inj, rng=None) -> torch.Tensor:
+    """Every rank's output ``[W, S_r, B, hidden]`` of ``xs`` (one per rank), no step
+    (``rng``: the ranks' random streams, needed with dropout)."""
+    return rank_block(torch.stack(list(xs)), _stacked(shards), cfg, inj, SimulatedRanks(cfg),
+                      rng)
 
 
 def rank_steps(step: dict) -> list[dict]:
