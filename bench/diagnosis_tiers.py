@@ -3,9 +3,11 @@
 Runs ``tpattn.diagnosis.evaluate`` (held-out shapes, seeds 500-504 by default, every registry
 bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outside the
 registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
-fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``).
+fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``); ``--model``
+the held-out shapes with dropout and qk-norm (``MODEL_HELD_OUT``: their bugs and the seed's
+two, single bugs only).
 
-    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning]
+    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning | --model]
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import argparse
 from collections import Counter
 
 from tpattn.bugs.zoo import REGISTRY
-from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, PAIR_CLASSES, TUNING, made_up_cases,
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, MODEL_HELD_OUT,
+                                       PAIR_CLASSES, TUNING, made_up_cases,
                                        single_bug_cases, summary, two_bug_cases)
 
 
@@ -45,7 +48,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[500, 501, 502, 503, 504])
     ap.add_argument("--tuning", action="store_true",
                     help="the tuning set instead: TUNING shapes (pass --seeds 0 1 ... 9)")
+    ap.add_argument("--model", action="store_true",
+                    help="the held-out shapes with dropout and qk-norm (MODEL_HELD_OUT), "
+                         "single bugs only")
     args = ap.parse_args()
+    if args.model:
+        _singles(single_bug_cases(args.seeds, shapes=MODEL_HELD_OUT))
+        return
     shapes = TUNING if args.tuning else HELD_OUT
     single = single_bug_cases(args.seeds, shapes=shapes)
     _singles(single)

@@ -30,6 +30,7 @@ import torch
 from tpattn.config import Config
 
 __all__ = ["RankStreams", "MODEL_PARALLEL_SEED_OFFSET", "keep_mask", "simulated_streams",
+           "process_streams",
            "replica_masks", "tile_masks", "drift_by_loader", "state_checksum"]
 
 #: Megatron's offset of the model-parallel seed: ``seed + 2718 + tp_rank``.
@@ -107,6 +108,19 @@ def simulated_streams(cfg: Config, seed: int, inj=None, tp_ranks=None) -> RankSt
             if r == 0:
                 drift_by_loader(g)
     return RankStreams(defaults, parallel)
+
+
+def process_streams(cfg: Config, seed: int, tp_rank: int, inj=None) -> RankStreams:
+    """The streams of one real rank (this process, TP rank ``tp_rank``): torch's global RNG
+    seeded with ``seed`` (``torch.manual_seed``, as every rank does) is the default stream,
+    the one ``nn.Dropout`` reads, and a ``seed + 2718 + tp_rank`` generator the
+    model-parallel one. Under ``inj.rng == "rank0_drift"`` tp_rank 0 alone then creates a
+    ``DataLoader`` iterator with the default generator (``drift_by_loader(None)``)."""
+    torch.manual_seed(seed)
+    parallel = torch.Generator().manual_seed(seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+    if inj is not None and inj.rng == "rank0_drift" and tp_rank == 0:
+        drift_by_loader(None)
+    return RankStreams([torch.default_generator], [parallel])
 
 
 def replica_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor]:

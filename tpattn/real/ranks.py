@@ -53,6 +53,7 @@ from tpattn.check.core import (EQUIVALENCE, MODES, PARAM_SEED_OFFSET, SEEDS, che
                     max_abs_diff, one_step)
 from tpattn.bugs.modes import resolve
 from tpattn.config import Config
+from tpattn.parallel.collectives import QK_NORM_GRAD_LABEL
 from tpattn.parallel.engine import rank_block
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.kv_heads import (GATHER_ACTIVATIONS, KV_ALL_GATHER, KV_GRAD_ALL_REDUCE, KV_REDUCE_SCATTER,
@@ -97,10 +98,10 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
     forward, before g, and reduce-scatters their gradient in backward, before f.
     """
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
-    if inj is None or not inj.reduction_only:
+    if inj is None or not inj.reduction_only or _model_options(cfg):
         from .zoo_real import planned_collectives as registry_plan
 
-        return registry_plan(mode)
+        return registry_plan(mode, cfg)
     g = [G_ALL_REDUCE] if inj.g == 1 else []
     f = [F_ALL_REDUCE] if inj.f == "sum" else []
     if cfg is not None and has_replicas(cfg):
@@ -109,6 +110,11 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
         kv = [KV_GRAD_ALL_REDUCE] if inj.kv_grad == "sum" else []
         return g + kv + f + [GATHER_RESULTS]
     return g + f + [GATHER_RESULTS]
+
+
+def _model_options(cfg: Config | None) -> bool:
+    """``cfg`` has dropout or qk-norm on: the check runs ``zoo_real`` (the zoo's program)."""
+    return cfg is not None and (cfg.dropout > 0 or cfg.qk_norm)
 
 
 class CollectiveError(RuntimeError):
@@ -372,6 +378,15 @@ class DistributedRanks:
         all-reduced and divided by W (``"mean"``) or kept (``"none"``)."""
         return self.ops.reduce_norm_grad(grad[0], how).unsqueeze(0)
 
+    def reduce_qk_norm_grads(self, gq: torch.Tensor, gk: torch.Tensor):
+        """The q/k-norm weights' gradients ``[1, head_dim]`` each after backward: one
+        all-reduce (sum over the TP group) of the two, concatenated."""
+        both = torch.cat([gq[0], gk[0]]).detach().clone()
+        self.ops.counts.setdefault("after backward", 0)
+        self.ops.all_reduce(both, "after backward", QK_NORM_GRAD_LABEL)
+        d = gq.shape[1]
+        return both[:d].unsqueeze(0), both[d:].unsqueeze(0)
+
     def reduce_scalar(self, value: torch.Tensor, label: str) -> torch.Tensor:
         """The sum over ranks of ``value`` ``[1]`` (a step-phase all-reduce): a scalar."""
         total = value.detach().reshape(1).clone()
@@ -381,14 +396,15 @@ class DistributedRanks:
 
 
 def real_rank_block(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config, inj, ops,
-                    rank: int | None = None) -> torch.Tensor:
+                    rank: int | None = None, rng=None) -> torch.Tensor:
     """This real rank's output of ``tpattn.parallel.engine.rank_block`` wired as ``inj`` says
     (``tpattn.parallel.injection.Injection``), its collectives issued by ``ops`` (see
     ``DistributedRanks``). x: ``[S_r, B, hidden]`` (S/W tokens under sequence parallelism);
     ``shard``: this rank's parameters; returns ``[S_r, B, hidden]`` (differentiable: gradients
-    reach ``x`` and ``shard``)."""
+    reach ``x`` and ``shard``). ``rng``: this rank's random streams
+    (``tpattn.parallel.rng.process_streams``), needed when ``cfg.dropout > 0``."""
     p = {k: t.unsqueeze(0) for k, t in shard.items()}
-    return rank_block(x.unsqueeze(0), p, cfg, inj, DistributedRanks(cfg, ops, rank))[0]
+    return rank_block(x.unsqueeze(0), p, cfg, inj, DistributedRanks(cfg, ops, rank), rng)[0]
 
 
 # --- one check on every rank --------------------------------------------------------------
@@ -446,7 +462,7 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     replica groups and wk/wv of the max abs difference from the group's first rank).
     """
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
-    if inj is None or not inj.reduction_only:  # the zoo's setups: tpattn.real.zoo_real
+    if inj is None or not inj.reduction_only or _model_options(cfg):  # tpattn.real.zoo_real
         from .zoo_real import zoo_rank_check
 
         return zoo_rank_check(seed, mode, cfg, rank, ledger, device)

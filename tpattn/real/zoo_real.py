@@ -14,11 +14,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpattn.check.core import LR, check_seed, five_measures, make_inputs
+from tpattn.check.core import LR, check_seed, dropout_masks, five_measures, make_inputs
 from tpattn.config import Config
+from tpattn.block.params import QK_NORM_NAMES
 from tpattn.block.sgd import sgd_step
-from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, CollectiveLedger,
-                    DistributedRanks, gather_step, rank_disagreement, real_rank_block)
+from tpattn.parallel.collectives import QK_NORM_GRAD_LABEL
+from tpattn.parallel.engine import reduce_qk_norm_grads
+from tpattn.parallel.rng import process_streams
+from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED as REPLICATED_TENSORS,
+                    CollectiveLedger, DistributedRanks, gather_step, rank_disagreement,
+                    real_rank_block)
 from tpattn.bugs.zoo import (REPLICATED as REPLICATED_PARAMS, Injection, clip_coef,
                              dense_step, check_needs, get_mode, make_params, rank_batches, shard,
                              unshard)
@@ -35,12 +40,15 @@ def _f_count(inj: Injection) -> int:
 
 def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
     """The collectives every rank issues, in order, in one check of registry ``mode``: g as
-    many times as the bug applies it, f likewise, the gradient-norm all-reduce if it clips,
-    then the gather of results to rank 0."""
+    many times as the bug applies it, f likewise, with ``cfg.qk_norm`` the after-backward
+    all-reduce of the q/k-norm gradients (unless the bug skips it), the gradient-norm
+    all-reduce if it clips, then the gather of results to rank 0."""
     inj = (get_mode(mode) if cfg is None else check_needs(mode, cfg)).injection
     if inj is None:
         raise ValueError(f"mode {mode!r} has no injection in tpattn.bugs.zoo")
-    return ([G_ALL_REDUCE] * inj.g + [F_ALL_REDUCE] * _f_count(inj)
+    qk = [QK_NORM_GRAD_LABEL] if cfg is not None and cfg.qk_norm \
+        and inj.qk_norm_grad == "sum" else []
+    return ([G_ALL_REDUCE] * inj.g + [F_ALL_REDUCE] * _f_count(inj) + qk
             + ([GRAD_NORM_ALL_REDUCE] if inj.clip else []) + [GATHER_RESULTS])
 
 
@@ -55,12 +63,18 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
     mine_params = {k: t.detach().clone().requires_grad_(True)
                    for k, t in shard(base, cfg, inj)[rank].items()}
     x_r, target_r = (t.to(device) for t in rank_batches(cfg, seed, inj)[rank])
+    # with dropout: torch's global RNG seeded on every rank, the tracker's own generator
+    rng = process_streams(cfg, seed, rank, inj) if cfg.dropout > 0 else None
     x = x_r.clone().requires_grad_(True)
-    y = real_rank_block(x, mine_params, cfg, inj, ledger, rank)
+    y = real_rank_block(x, mine_params, cfg, inj, ledger, rank, rng)
     loss = F.mse_loss(y, target_r)
     loss.backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t)
              for k, t in mine_params.items()}
+    if cfg.qk_norm:  # after backward: the replicated q/k-norm gradients' TP all-reduce
+        stacked = {k: grads[k].unsqueeze(0) for k in QK_NORM_NAMES}
+        reduce_qk_norm_grads(stacked, cfg, inj, DistributedRanks(cfg, ledger, rank))
+        grads.update({k: g[0] for k, g in stacked.items()})
     coef = 1.0
     if inj.clip:  # each rank's share of the squared norm, summed over the ranks
         square = sum(g.double().pow(2).sum() for k, g in grads.items()
@@ -74,5 +88,9 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
         return None, None
     ranks, tp = gathered
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
-    metrics = five_measures(seed, mode, dense_step(x0, target, base, cfg, inj), tp)
-    return metrics, rank_disagreement(seed, mode, ranks)
+    dense = dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed))
+    metrics = five_measures(seed, mode, dense, tp)
+    replicated = dict(REPLICATED_TENSORS)
+    if cfg.qk_norm:
+        replicated.update({f"{k}_after_step": f"weight_{k}" for k in QK_NORM_NAMES})
+    return metrics, rank_disagreement(seed, mode, ranks, replicated)
