@@ -404,7 +404,9 @@ def real_rank_block(x: torch.Tensor, shard: dict[str, torch.Tensor], cfg: Config
     reach ``x`` and ``shard``). ``rng``: this rank's random streams
     (``tpattn.parallel.rng.process_streams``), needed when ``cfg.dropout > 0``."""
     p = {k: t.unsqueeze(0) for k, t in shard.items()}
-    return rank_block(x.unsqueeze(0), p, cfg, inj, DistributedRanks(cfg, ops, rank), rng)[0]
+    streams = {} if rng is None else {"rng": rng}  # without dropout: the five-argument call
+    return rank_block(x.unsqueeze(0), p, cfg, inj, DistributedRanks(cfg, ops, rank),
+                      **streams)[0]
 
 
 # --- one check on every rank --------------------------------------------------------------
