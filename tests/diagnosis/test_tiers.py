@@ -9,15 +9,17 @@ import pytest
 from tpattn.bugs.zoo import REGISTRY
 from tpattn.cli import main
 from tpattn.diagnosis.diagnose import FINGERPRINTS, NO_KNOWN_CAUSE, lowest_tier
-from tpattn.diagnosis.evaluate import (BOTH_NAMED, HELD_OUT, MADE_UP, TUNING, made_up_cases, pairs,
-                                       single_bug_cases, summary, two_bug_cases)
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, HELD_OUT, MADE_UP, MODEL_HELD_OUT, TUNING,
+                                       made_up_cases, pairs, single_bug_cases, summary,
+                                       two_bug_cases)
 
 SEEDS = (500,)
 
 
 @pytest.fixture(scope="module")
 def single():
-    return single_bug_cases(SEEDS)
+    """The held-out shapes and those with the model options (dropout, qk-norm)."""
+    return {**single_bug_cases(SEEDS), **single_bug_cases(SEEDS, shapes=MODEL_HELD_OUT)}
 
 
 def test_tier_1_is_honest_on_every_held_out_single_bug(single):
@@ -72,7 +74,8 @@ def test_list_modes_gives_every_bug_its_lowest_tier(capsys):
 def test_a_job_that_all_reduces_its_loss_is_diagnosed_as_well(single):
     # Megatron's vocab-parallel cross entropy logs one loss for the TP group: the ranks'
     # losses agree by construction, so no fingerprint may need them to disagree.
-    reduced = single_bug_cases(SEEDS, logged_loss="all_reduced")
+    reduced = {**single_bug_cases(SEEDS, logged_loss="all_reduced"),
+               **single_bug_cases(SEEDS, logged_loss="all_reduced", shapes=MODEL_HELD_OUT)}
     assert reduced == single
 
 

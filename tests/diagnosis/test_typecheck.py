@@ -50,6 +50,8 @@ EXPECTED = {
     "missing_norm_grad_reduce": "caught",
     "norm_grad_averaged": "not a type error",
     MISSING_KV_GRAD_REDUCE: "caught",
+    "dropout_rng_desync": "not a type error",
+    "qk_norm_grad_not_reduced": "caught",
 }
 
 #: The block's line each caught mode is raised at (it names the tensors that do not mix).
@@ -62,6 +64,7 @@ WHERE = {
     "row_bias_on_every_rank": 'engine.rank_block: out = out + p["bias"]',
     "missing_norm_grad_reduce": "rms_norm: return x * torch.rsqrt(",
     MISSING_KV_GRAD_REDUCE: "engine._attend: k, v = _project(n, wk), _project(n, wv)",
+    "qk_norm_grad_not_reduced": "engine._head_norm: return rms_norm(",
 }
 
 

@@ -49,3 +49,41 @@ def test_the_plan_has_the_after_backward_reduce_unless_the_bug_skips_it():
     assert QK_NORM_GRAD_LABEL not in planned_collectives("qk_norm_grad_not_reduced", CFG)
     assert QK_NORM_GRAD_LABEL not in planned_collectives("equivalence", Config(dropout=0.1))
     assert planned_collectives("equivalence", CFG)[-1] == GATHER_RESULTS
+
+
+# --- observables and diagnosis on real ranks ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def observed():
+    from tpattn.diagnosis.observe_real import diagnose_rank
+    from tpattn.real.launch import run_on_ranks
+    from tpattn.real.ranks import RunPlan
+
+    plan = RunPlan(cfg=CFG, jobs=tuple((m, 5) for m in MODES), timeout=60)
+    results, _ = run_on_ranks(diagnose_rank, 2, plan, timeout=240, backend="gloo")
+    return plan, results[0]
+
+
+def test_real_observables_equal_the_simulated_ones(observed):
+    from tests.real.test_observe_real import assert_same_observables
+    from tpattn.diagnosis.diagnose import diagnose
+    from tpattn.diagnosis.observe import observe
+
+    plan, rank0 = observed
+    for (mode, seed), real, found in zip(plan.jobs, rank0["observations"], rank0["diagnoses"]):
+        simulated = observe(mode, seed, CFG)
+        assert_same_observables(real, simulated, mode)  # ledgers identical, numbers 1e-6
+        assert found == diagnose(simulated)
+        assert found[0]["cause"] == (mode if mode != "equivalence" else "no known cause")
+
+
+def test_real_observables_show_each_bug(observed):
+    plan, rank0 = observed
+    obs = dict(zip((m for m, _ in plan.jobs), rank0["observations"]))
+    assert len(set(obs["equivalence"]["rng_state_checksums"])) == 1
+    drift = obs["dropout_rng_desync"]
+    assert len(set(drift["rng_state_checksums"])) == 2  # tp_rank 0's state moved
+    assert len(set(drift["batch_checksums"])) == 1  # the data are identical
+    qk = obs["qk_norm_grad_not_reduced"]
+    assert len(set(qk["replica_checksums"]["after_1"]["q_norm"])) == 2
+    assert len(qk["ledger"]) == len(qk["planned_ledger"]) - 1

@@ -130,6 +130,11 @@ def features(obs: dict) -> dict:
         "after_bwd_plan": _count(plan, "after backward"),
         "after_bwd_avg": _count(ledger, "after backward", op="avg"),
         "after_bwd_avg_plan": _count(plan, "after backward", op="avg"),
+        "dropout": setup.get("dropout", 0.0) > 0, "qk_norm": setup.get("qk_norm", False),
+        # the ranks' default RNG states when the step starts (observed with dropout only)
+        "rng_states_agree": len(set(obs.get("rng_state_checksums", [0.0]))) == 1,
+        "qk_replicas_agree_1": all(len(set(after_1[k])) == 1 for k in ("q_norm", "k_norm")
+                                   if k in after_1),
         "kv_reduces": sum(e["group"] == "kv_replicas" for e in ledger),
         "kv_reduces_plan": sum(e["group"] == "kv_replicas" for e in plan),
     }
@@ -190,6 +195,11 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                       lambda f: not f["bias_replicas_agree_1"]),
     "kv_replicas": ("wk/wv differ across the ranks of a KV replica group after one step", 1,
                     lambda f: not f["kv_replicas_agree_1"]),
+    "rng_states": ("the ranks' default random-generator states differ when the step starts "
+                   "(dropout masks outside the sharded region differ)", 1,
+                   lambda f: not f["rng_states_agree"]),
+    "qk_norm_replicas": ("the replicated q/k-norm weights differ across ranks after one step",
+                         1, lambda f: not f["qk_replicas_agree_1"]),
     "late_drift": ("replicas identical after one step differ after the last", 1,
                    lambda f: f["replicas_agree_1"] and not f["replicas_agree_k"]),
     "norm_counts_replicas": ("the logged gradient norm counts the replicated gradients on "
@@ -302,6 +312,15 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         ["kv_short"], ["kv_replicas", "grads_off"],
         "all-reduce wk/wv gradients over each KV replica group: the replicas stay identical",
         allows=lambda f: f["world_size"] >= 2 and f["kv_replicated"]),
+    "dropout_rng_desync": _fp(
+        ["rng_states"], ["losses_disagree", "outside_partials"],
+        "re-sync the default RNG state over the TP group before the step (or give the data "
+        "loader its own generator): the RNG checksums and the ranks' losses agree",
+        allows=lambda f: f["world_size"] >= 2 and f["dropout"], forward=True),
+    "qk_norm_grad_not_reduced": _fp(
+        ["after_bwd_short", "qk_norm_replicas"], ["grads_off"],
+        "all-reduce the q/k-norm weights' gradients over the TP group after backward: their "
+        "replicas stay identical", allows=lambda f: f["world_size"] >= 2 and f["qk_norm"]),
 }
 
 #: Causes whose evidence is only "the forward is wrong, a partial itself changed": an

@@ -23,6 +23,12 @@ returns only such observables, as plain JSON-able numbers:
 - ``rank_grad_norms``: per rank, each of its parameters' gradient norm at step 0 (after the
   gradient reductions: what a per-rank log of gradient norms shows);
 - ``loss_curve``: rank 0's loss at each step;
+- with ``Config.dropout > 0`` only: ``rng_state_checksums``, every rank's checksum of its
+  default random generator's state when the step starts (after loading its batch; what
+  Megatron-DeepSpeed PR 276 compared: ``torch_rng_state`` across TP ranks). With
+  ``Config.qk_norm``, ``replica_checksums`` also holds ``q_norm`` and ``k_norm``, and the
+  ledger their after-backward all-reduce. ``setup`` then names the options (``dropout``,
+  ``qk_norm``);
 - and, *when a known-good run is available* (an earlier commit, TP = 1):
   ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
   ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
@@ -47,6 +53,7 @@ from tpattn.block.kv_layout import kv_grad_bug_applies, replica_groups
 from tpattn.check.core import LR, check_seed
 from tpattn.config import Config
 from tpattn.parallel.engine import REPLICATED, stack_ranks, unstack_ranks
+from tpattn.parallel.rng import simulated_streams
 from tpattn.parallel.simulated import simulated_forward, simulated_step
 from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, rank_batches,
                              shard, unshard)
@@ -75,12 +82,13 @@ def _detached(shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Ten
     return [{k: t.detach() for k, t in s.items()} for s in shards]
 
 
-def _losses(state, batches, cfg: Config, inj: Injection) -> torch.Tensor:
+def _losses(state, batches, cfg: Config, inj: Injection, rng=None) -> torch.Tensor:
     """Every rank's loss ``[W]`` of ``state`` (stacked parameters; forward only: what a step
     logs before its backward; the same numbers as ``simulated_step``'s ``losses``: under
-    sequence parallelism the global MSE on every rank). batches: ``block_inputs``."""
+    sequence parallelism the global MSE on every rank). batches: ``block_inputs``; ``rng``:
+    the ranks' random streams (with dropout)."""
     with torch.no_grad():
-        ys = simulated_forward(state, [x for x, _ in batches], cfg, inj)
+        ys = simulated_forward(state, [x for x, _ in batches], cfg, inj, rng)
         if cfg.sequence_parallel:
             targets = torch.stack([t for _, t in batches])
             total = F.mse_loss(ys, targets, reduction="sum").div(targets.numel())
@@ -103,19 +111,29 @@ def replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[st
 
 
 def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
-                    inj: Injection, steps: int, last_update: bool = True) -> dict:
+                    inj: Injection, steps: int, last_update: bool = True,
+                    seed: int | None = None) -> dict:
     """``steps`` steps of ``simulated_step`` from ``shards`` (every rank's dict) on
     ``batches`` (every rank's ``(x, target)``, ``zoo.block_inputs``); with
     ``last_update=False`` the last step stops at its losses (no backward, no update: the
-    good twin's replicas are never looked at). Returns ``train_loop``'s dict."""
+    good twin's replicas are never looked at). Returns ``train_loop``'s dict. With
+    ``cfg.dropout > 0`` the ranks' random streams are seeded with ``seed``
+    (``rng.simulated_streams``, the injection's drift included) and the dict also holds
+    ``rng_checksums`` (every rank's default generator before step 0)."""
+    rng = simulated_streams(cfg, seed, inj) if cfg.dropout > 0 else None
+
     def step(p):
-        result = simulated_step(p, batches, cfg, inj, LR)
+        result = simulated_step(p, batches, cfg, inj, LR, rng=rng)
         per_rank = {**result, "losses": list(result["losses"]),
                     "grads": unstack_ranks(result["grads"])}
         return per_rank, result["weights"], unstack_ranks(result["weights"])
 
-    return train_loop(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj), steps,
-                      last_update, lambda weights: replica_sums(weights, cfg))
+    checksums = rng.default_checksums() if rng is not None else None
+    out = train_loop(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj, rng),
+                     steps, last_update, lambda weights: replica_sums(weights, cfg))
+    if checksums is not None:
+        out["rng_checksums"] = checksums
+    return out
 
 
 def train_loop(state, step, losses, steps: int, last_update: bool, sums) -> dict:
@@ -146,16 +164,18 @@ def _logged(losses, logged_loss: str) -> list[float]:
 
 
 def _outside_partials(output: torch.Tensor, good_output: torch.Tensor, shards, xs,
-                      cfg: Config, good_inj: Injection) -> float:
+                      cfg: Config, good_inj: Injection, rng=None) -> float:
     """How much of rank 0's step-0 output change from the good run's is not a combination of
     the good run's rank partials (its outputs before g, from ``shards`` on ``xs``) and its
     bias: ``|d - proj(d)| / |d|`` (0 when the outputs are equal). output, good_output
-    ``[S, B, hidden]``; least squares in float64."""
+    ``[S, B, hidden]``; least squares in float64. ``rng``: fresh streams of the good run
+    (with dropout: its step-0 masks, the partials then carry the residual mask)."""
     d = (output - good_output).double().reshape(-1, 1)
     if float(d.norm()) == 0.0:
         return 0.0
     with torch.no_grad():
-        ys = simulated_forward(stack_ranks(shards), xs, cfg, replace(good_inj, g=0, bias=None))
+        ys = simulated_forward(stack_ranks(shards), xs, cfg, replace(good_inj, g=0, bias=None),
+                               rng)
     columns = [(y - x).double().reshape(-1) for y, x in zip(ys, xs)]
     if "bias" in shards[0]:
         columns.append(shards[0]["bias"].double().expand_as(good_output).reshape(-1))
@@ -187,14 +207,15 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     shards0 = _detached(shard(base, cfg, inj))
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
-    run = train(shards0, block_inputs(batches, cfg), cfg, inj, steps)
+    seeded = {"seed": seed} if cfg.dropout > 0 else {}  # the ranks' random streams
+    run = train(shards0, block_inputs(batches, cfg), cfg, inj, steps, **seeded)
     good_batches = batches if inj.inputs == good_inj.inputs else \
         rank_batches(cfg, seed, good_inj)
     if good_inj == inj:  # no bug: the good run is this run
         good = run
     else:
         good = train(expected, block_inputs(good_batches, cfg), cfg, good_inj, steps,
-                     last_update=False)
+                     last_update=False, **seeded)
     first, good_first = run["first"], good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
@@ -215,6 +236,11 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                             for grads in first["grads"]],
         "loss_curve": run["curve"],
     }
+    if cfg.dropout > 0:
+        obs["setup"]["dropout"] = cfg.dropout
+        obs["rng_state_checksums"] = run["rng_checksums"]
+    if cfg.qk_norm:
+        obs["setup"]["qk_norm"] = True
     if reference:
         grads = unshard(first["grads"], cfg, inj)
         good_grads = unshard(good_first["grads"], cfg, good_inj)
@@ -225,8 +251,10 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                                   for k in good_grads}
         if not cfg.sequence_parallel:
             good_xs = [x for x, _ in block_inputs(good_batches, cfg)]
+            rng = simulated_streams(cfg, seed, good_inj) if cfg.dropout > 0 else None
             obs["output_outside_partials"] = _outside_partials(
-                first["outputs"][0], good_first["outputs"][0], expected, good_xs, cfg, good_inj)
+                first["outputs"][0], good_first["outputs"][0], expected, good_xs, cfg, good_inj,
+                rng)
         if "bias" in grads:
             shift = (grads["bias"] - good_grads["bias"]).double()
             b = base["bias"].double()

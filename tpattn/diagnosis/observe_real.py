@@ -21,6 +21,7 @@ import torch
 from tpattn.check.core import LR
 from tpattn.config import Config
 from tpattn.parallel.engine import rank_block, stack_ranks, train_step
+from tpattn.parallel.rng import process_streams, state_checksum
 from tpattn.real.ranks import CollectiveLedger, DistributedRanks, rank_ledger, run_rank
 
 from .diagnose import diagnose
@@ -52,15 +53,24 @@ class DistributedTrain:
         return part_losses
 
     def __call__(self, shards, batches, cfg: Config, inj, steps: int,
-                 last_update: bool = True) -> dict:
+                 last_update: bool = True, seed: int | None = None) -> dict:
         r, dev = self.rank, self.device
+        # with dropout: torch's global RNG seeded with ``seed`` (the default stream), the
+        # tracker's generator, tp_rank 0's loader drift under the injection
+        rng = process_streams(cfg, seed, r, inj) if cfg.dropout > 0 else None
+        checksums = None
+        if rng is not None:
+            mine = torch.tensor([state_checksum(torch.default_generator)], dtype=torch.float64)
+            checksums = [float(d["rng"][0])
+                         for d in self._gather({"rng": mine})]
+        streams = {} if rng is None else {"rng": rng}
         x, target = (t.to(dev).unsqueeze(0) for t in batches[r])
         numel = target.numel() * cfg.world_size if cfg.sequence_parallel else target.numel()
 
         def step(p):
             self.ledger.start_job("observe", [])
             comm = DistributedRanks(cfg, self.ledger, r)
-            result = train_step(p, x, target, cfg, inj, comm, LR)
+            result = train_step(p, x, target, cfg, inj, comm, LR, **streams)
             entries = list(self.ledger.entries)
             mine = {"loss": result["losses"].reshape(1), "output": result["outputs"][0],
                     **{"grad_" + k: g[0] for k, g in result["grads"].items()},
@@ -77,13 +87,16 @@ class DistributedTrain:
         def losses(p):
             with torch.no_grad():
                 comm = DistributedRanks(cfg, self.ledger, r)
-                y = rank_block(x, p, cfg, inj, comm)
+                y = rank_block(x, p, cfg, inj, comm, **streams)
                 own = ((y - target).pow(2).sum() / numel).reshape(1)
             return self._losses([d["loss"][0] for d in self._gather({"loss": own})], cfg)
 
         state = {k: t.to(dev) for k, t in stack_ranks([shards[r]]).items()}
-        return train_loop(state, step, losses, steps, last_update,
-                          lambda weights: replica_sums(weights, cfg))
+        out = train_loop(state, step, losses, steps, last_update,
+                         lambda weights: replica_sums(weights, cfg))
+        if checksums is not None:
+            out["rng_checksums"] = checksums
+        return out
 
 
 def observe_on_rank(mode: str, seed: int, cfg: Config, ledger: CollectiveLedger, rank: int,

@@ -97,6 +97,13 @@ WHY = {
     "missing_norm_grad_reduce": {
         "caught": "without the sum of its gradient the norm weight is I, and it meets the "
                   "varying tokens in RMSNorm"},
+    "dropout_rng_desync": {
+        "not a type error": "the residual-dropout mask is declared invariant and the checker "
+                            "trusts declarations: tp_rank 0 drawing another mask from a "
+                            "drifted RNG is a value fact one fake rank cannot see"},
+    "qk_norm_grad_not_reduced": {
+        "caught": "without the sum of their gradients the q/k-norm weights are I, and they "
+                  "meet the varying heads of this rank in their RMSNorm"},
     "norm_grad_averaged": {
         "not a type error": "the norm weight's gradient is all-reduced (R); dividing by W is a "
                             "scale, a value no type records"},
@@ -239,7 +246,7 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
 
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
     x0, target = make_inputs(cfg, seed)
-    if not inj.reduction_only:  # the zoo's setups: every rank its own cut and batch
+    if not inj.reduction_only or cfg.dropout > 0 or cfg.qk_norm:  # the zoo's setups
         from tpattn.bugs.zoo import make_params, rank_batches, shard
 
         inj = inj.correct() if twin else inj
@@ -247,6 +254,9 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
                   for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
         x0, target = rank_batches(cfg, seed, inj)[0]
         types = {name: (I if name in ("norm", "bias") else V,) for name in params}
+        for name in ("q_norm", "k_norm"):  # summed after backward (R) unless the bug skips it
+            if name in params:
+                types[name] = (R if inj.qk_norm_grad == "sum" else I,)
         x_type = (I,)
     else:
         params = {k: t.detach().clone().requires_grad_(True)
@@ -265,13 +275,23 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
                      else (V,) for name in params}
             x_type = (I,)
 
+    streams, masks = {}, {}
+    if cfg.dropout > 0:  # rank 0's masks, drawn before the checker runs, then declared
+        from tpattn.parallel.rng import simulated_streams
+
+        drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
+        masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
+                 "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
+        streams = {"rng": _DrawnMasks(masks["attention"][0], masks["residual"][0])}
+
     def forward(x):
-        return real_rank_block(x, params, cfg, inj, ops, rank=0)
+        return real_rank_block(x, params, cfg, inj, ops, rank=0, **streams)
 
     numel = cfg.seq * cfg.batch * cfg.hidden
     x, target = x0.clone().requires_grad_(True), target.clone()
     declared = {**{name: (t, types[name]) for name, t in params.items()},
-                "x": (x, x_type), "target": (target, x_type)}
+                "x": (x, x_type), "target": (target, x_type),
+                **{"mask_" + k: m for k, m in masks.items()}}
 
     def run():
         for t, typ in declared.values():
@@ -285,6 +305,20 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
             loss = F.mse_loss(forward(x), target)
         loss.backward()
     return run
+
+
+class _DrawnMasks:
+    """``rng.RankStreams``' mask methods returning masks drawn (and declared) beforehand:
+    the checker sees typed tensors, not a draw of untyped ones."""
+
+    def __init__(self, attention: torch.Tensor, residual: torch.Tensor):
+        self.attention, self.residual = attention, residual
+
+    def attention_masks(self, cfg: Config) -> torch.Tensor:
+        return self.attention
+
+    def residual_masks(self, cfg: Config) -> torch.Tensor:
+        return self.residual
 
 
 def _where(error: BaseException) -> str:
@@ -387,6 +421,8 @@ TABLE_SETUPS = {
     "norm_grad_averaged": Config(seq=8, sequence_parallel=True),
     MISSING_KV_GRAD_REDUCE: Config(query_heads=8, kv_heads=2, world_size=4),
     "repeat_kv_tiled": Config(query_heads=8, kv_heads=4),
+    "dropout_rng_desync": Config(dropout=0.1),
+    "qk_norm_grad_not_reduced": Config(qk_norm=True),
 }
 
 

@@ -100,8 +100,10 @@ def _attend(n: torch.Tensor, p: dict, cfg: Config, inj, comm, rng=None) -> torch
     sequence) -> the partials ``[R, S, B, hidden]``."""
     r, s, b, _ = n.shape
     d = cfg.head_dim
-    q = _heads(_project(n, p["wq"]), d)
-    q = apply_rope(_head_norm(q, p["q_norm"], cfg) if cfg.qk_norm else q)
+    if cfg.qk_norm:  # RMSNorm on every query head, then RoPE (Qwen3's order)
+        q = apply_rope(_head_norm(_heads(_project(n, p["wq"]), d), p["q_norm"], cfg))
+    else:
+        q = apply_rope(_heads(_project(n, p["wq"]), d))
     wk, wv = p["wk"], p["wv"]
     gathered = cfg.kv_heads < cfg.world_size and cfg.kv_strategy == KV_STRATEGIES[1]
     if gathered:  # every rank's slice of K/V, all-gathered; each rank picks its KV head
