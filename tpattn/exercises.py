@@ -1577,3 +1577,234 @@ def hunt_evidence(hunt: int) -> list[str]:
     from tpattn.diagnosis.hunt import describe, hunt_case
     mode, seed, cfg = hunt_case(hunt)
     return describe(_observed(mode, seed, cfg, True))
+
+
+# =============================================================================================
+# --- chapter "Around the block": dropout (Megatron's RNG discipline) and qk-norm -------------
+# =============================================================================================
+
+CHAPTERS.setdefault(18, "chapter 18 (around the block)")
+__all__ += ["check_dropout_streams", "check_rng_resync", "check_qk_norm_grad_reduce",
+            "check_qk_norm_hits"]
+
+#: Shapes the dropout exercises are graded on: the seed's with p = 0.1; 4 ranks with 2 query
+#: heads each, p = 0.2; a small odd one (3 tokens, batch 1, hidden 8, heads of 2), p = 0.3.
+DROPOUT_CONFIGS = (
+    Config(dropout=0.1),
+    Config(query_heads=8, kv_heads=4, world_size=4, dropout=0.2),
+    Config(seq=3, batch=1, hidden=8, query_heads=6, kv_heads=2, head_dim=2, dropout=0.3),
+)
+#: The same shapes with qk-norm on (no dropout).
+QK_NORM_CONFIGS = tuple(Config(**{**c.as_dict(), "dropout": 0.0, "qk_norm": True})
+                        for c in DROPOUT_CONFIGS)
+
+
+def _model_cases(configs, seeds=EXTRA_SEEDS):
+    """``(cfg, seed, x0, target, base)`` with the option's parameters (``make_params``)."""
+    from tpattn.check.core import make_params
+    for cfg in configs:
+        for seed in seeds:
+            x0, target = make_inputs(cfg, seed)
+            yield cfg, seed, x0, target, make_params(cfg, seed, Injection())
+
+
+def _stream_seed(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Wrong(f"the {what} seed should be an int, but it is {type(value).__name__}.")
+    return value
+
+
+@_exercise("dropout's two random streams", 18)
+def check_dropout_streams(seeds) -> str:
+    """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: the seeds of the
+    generators TP rank ``tp_rank`` draws its residual-dropout mask (outside the sharded region)
+    and its attention-dropout masks (its own heads) from. The ranks' steps run on the engine's
+    simulated ranks with those generators; graded on the five measures against the dense block
+    with the masks they draw, and on whether each rank's heads get their own stream."""
+    from tpattn.parallel.rng import RankStreams
+    count = 0
+    for cfg, seed, x0, target, base in _model_cases(DROPOUT_CONFIGS):
+        w = cfg.world_size
+        where = f"for seed {seed}, {_shape(cfg)}"
+        drawn = []
+        for r in range(w):
+            got = seeds(seed, r)
+            if not isinstance(got, dict) or set(got) != {"residual", "attention"}:
+                raise _Wrong("your function should return a dict with the keys 'residual' "
+                             "and 'attention'.")
+            drawn.append({k: _stream_seed(v, k) for k, v in got.items()})
+        residual = [d["residual"] for d in drawn]
+        attention = [d["attention"] for d in drawn]
+        if len(set(attention)) < w:
+            raise _Wrong(f"{where}, two ranks draw their attention masks from the same seed: "
+                         f"their heads are different heads, so each rank needs its own "
+                         f"stream inside the sharded region (Megatron: seed + 2718 + "
+                         f"tp_rank).")
+        if set(attention) & set(residual):
+            raise _Wrong(f"{where}, an attention stream has the residual stream's seed: the "
+                         f"two draw different masks and must not replay each other.")
+
+        def streams():
+            return RankStreams([torch.Generator().manual_seed(s) for s in residual],
+                               [torch.Generator().manual_seed(s) for s in attention])
+        reference = streams()  # the masks the ranks draw, assembled for the dense block
+        masks = {"attention": reference.attention_masks(cfg),
+                 "residual": reference.residual_masks(cfg)[0]}
+        step = simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg, Injection(),
+                              LR, rng=streams())
+        metrics = five_measures(seed, EQUIVALENCE,
+                                dense_reference(x0, target, base, cfg, masks),
+                                rank0_view(step, cfg))
+        failing = _failing(metrics)
+        if failing:
+            if len(set(residual)) > 1:
+                raise _Wrong(f"{where}, the ranks draw their residual masks from different "
+                             f"seeds: every rank holds the whole output after g, so the "
+                             f"ranks drop different elements of one replicated tensor and "
+                             f"the step fails {', '.join(failing)}.")
+            raise _Wrong(f"{where}, the step fails {', '.join(failing)}.")
+        count += 1
+    return (f"the residual stream is the same on every rank and each rank's heads have their "
+            f"own: the step equals dense on all five measures for {count} cases "
+            f"({len(EXTRA_SEEDS)} seeds × {len(DROPOUT_CONFIGS)} shapes, 2 and 4 ranks).")
+
+
+def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
+    if not isinstance(value, (list, tuple)) or len(value) != len(states):
+        raise _Wrong(f"your function should return a list of {len(states)} generator "
+                     f"states, one per rank.")
+    for r, t in enumerate(value):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 \
+                or t.shape != states[0].shape:
+            raise _Wrong(f"rank {r}'s state should be a generator state like the ones you "
+                         f"got (a uint8 tensor of {states[0].numel()} bytes).")
+    return list(value)
+
+
+@_exercise("re-sync the drifted RNG", 18)
+def check_rng_resync(resync) -> str:
+    """Check ``resync(states) -> list``: given every TP rank's default-generator state
+    (``torch.Generator.get_state()``, a uint8 tensor) after tp_rank 0's data loader drew its
+    workers' base seed from it, the state each rank must continue with. Graded by running the
+    step with those states: every rank's output, loss and norm weight must agree."""
+    from tpattn.parallel.rng import simulated_streams
+    count = 0
+    for cfg, seed, x0, target, base in _model_cases(DROPOUT_CONFIGS):
+        w = cfg.world_size
+        where = f"for seed {seed}, {_shape(cfg)}"
+        streams = simulated_streams(cfg, seed, Injection(rng="rank0_drift"))
+        states = [g.get_state() for g in streams.defaults]
+        got = _state_list(resync([s.clone() for s in states]), states)
+        if not any(torch.equal(got[0], s) for s in states):
+            raise _Wrong(f"{where}, rank 0's state is none the ranks had: keep one rank's "
+                         f"stream (broadcast it), do not make up a new one.")
+        for g, s in zip(streams.defaults, got):
+            g.set_state(s.clone())
+        step = simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg, Injection(),
+                              LR, rng=streams)
+        apart = max(max_abs_diff(step["outputs"][r], step["outputs"][0]) for r in range(w))
+        if apart > 0:
+            same = all(torch.equal(a, b) for a, b in zip(got, states))
+            raise _Wrong(f"{where}, the ranks' outputs still differ by {apart:.2g}"
+                         + (": the states are the drifted ones, unchanged" if same else
+                            ": the ranks continue from different states")
+                         + "; every TP rank must draw the residual mask from one state.")
+        if len(set(step["losses"].tolist())) != 1:
+            raise _Wrong(f"{where}, the ranks' losses differ.")
+        count += 1
+    return (f"every TP rank continues from one state: the residual masks, the outputs and "
+            f"the losses agree on all ranks for {count} cases ({len(EXTRA_SEEDS)} seeds × "
+            f"{len(DROPOUT_CONFIGS)} shapes). Megatron-DeepSpeed PR 276 removed the drift "
+            f"instead: the loader got its own generator.")
+
+
+@_exercise("reduce the q/k-norm gradients", 18)
+def check_qk_norm_grad_reduce(reduce) -> str:
+    """Check ``reduce(grads) -> list``: given every TP rank's gradient of its copy of
+    ``q_norm`` (or ``k_norm``) after backward (one ``[head_dim]`` per rank: the part of its
+    own heads), the gradient each rank must step with. Run in the engine's train step on
+    simulated ranks; graded on the five measures against dense and on whether the replicas
+    stay identical."""
+    from tpattn.parallel.collectives import SimulatedRanks
+    from tpattn.parallel.engine import train_step
+
+    class ReaderReduce(SimulatedRanks):
+        def reduce_qk_norm_grads(self, gq, gk):
+            out = []
+            for name, g in (("q_norm", gq), ("k_norm", gk)):
+                own = [t.clone() for t in g.unbind(0)]
+                got = _tensor_list(reduce([t.clone() for t in own]), g.shape[0],
+                                   [g.shape[1]], f"{name} gradient")
+                self.seen.append((name, own, got))
+                out.append(torch.stack([t.detach() for t in got]))
+            return tuple(out)
+
+    count = 0
+    for cfg, seed, x0, target, base in _model_cases(QK_NORM_CONFIGS):
+        w = cfg.world_size
+        where = f"for seed {seed}, {_shape(cfg)}"
+        comm = ReaderReduce(cfg, [])
+        comm.seen = []
+        shards = shard_params(base, cfg)
+        stacked = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
+        x = torch.stack([x0] * w)
+        step = train_step(stacked, x, torch.stack([target] * w), cfg, Injection(), comm, LR)
+        for name, own, got in comm.seen:
+            total = sum(own[1:], own[0])
+            for r in range(w):
+                if _near(got[r], total, w):
+                    continue
+                if _near(got[r], total / w, w):
+                    raise _Wrong(f"{where}, rank {r}'s {name} gradient is the ranks' average: "
+                                 f"each rank's part covers different heads, so they add up.")
+                if _near(got[r], own[r], 1):
+                    raise _Wrong(f"{where}, rank {r} keeps only its own heads' part of the "
+                                 f"{name} gradient: the weight is replicated, its gradient "
+                                 f"needs the TP all-reduce (sum) after backward.")
+                raise _Wrong(f"{where}, rank {r}'s {name} gradient is not the sum of the "
+                             f"ranks' parts.")
+        apart = max(max_abs_diff(step["weights"][k][r], step["weights"][k][0])
+                    for k in ("q_norm", "k_norm") for r in range(w))
+        if apart > 0:
+            raise _Wrong(f"{where}, the q/k-norm replicas differ by {apart:.2g} after the step.")
+        metrics = five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg),
+                                rank0_view(step, cfg))
+        failing = _failing(metrics)
+        if failing:
+            raise _Wrong(f"{where}, the step fails {', '.join(failing)}.")
+        count += 1
+    return (f"every rank steps with the sum of the ranks' parts: the q/k-norm replicas stay "
+            f"identical and the step equals dense on all five measures for {count} cases "
+            f"({len(EXTRA_SEEDS)} seeds × {len(QK_NORM_CONFIGS)} shapes, 2 and 4 ranks).")
+
+
+@functools.lru_cache(maxsize=None)
+def _qk_norm_mode_hits() -> tuple[frozenset, ...]:
+    """For every qk-norm shape × seed × simulation of ``qk_norm_grad_not_reduced``: the
+    parameters whose gradients (as rank 0 reports them) are wrong."""
+    from tpattn.block.params import QK_NORM_NAMES
+    found = []
+    inj = resolve("qk_norm_grad_not_reduced", QK_NORM_CONFIGS[0]).injection
+    for cfg, seed, x0, target, base in _model_cases(QK_NORM_CONFIGS[:2]):
+        dense = dense_reference(x0, target, base, cfg)
+        for simulate in SIMULATIONS:
+            tp = tp_step(x0, target, base, cfg, inj, simulate, rng_seed=seed)
+            found.append(frozenset(
+                k for k in PARAM_NAMES + QK_NORM_NAMES
+                if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE))
+    return tuple(found)
+
+
+@_exercise("which parameters the missing q/k-norm reduce hits", 18)
+def check_qk_norm_hits(predict) -> str:
+    """Check ``predict() -> set``: the names (``PARAM_NAMES`` and ``q_norm``, ``k_norm``) of
+    the parameters whose gradients, as rank 0 reports them, are wrong when the TP all-reduce
+    of the q/k-norm gradients is skipped. Graded against runs of
+    ``qk_norm_grad_not_reduced``, parameter by parameter."""
+    from tpattn.block.params import QK_NORM_NAMES
+    names = PARAM_NAMES + QK_NORM_NAMES
+    predicted = _as_names(predict(), names, "parameter")
+    found = [set(hit) for hit in _qk_norm_mode_hits()]
+    return _grade_prediction(predicted, found, "parameter gradients",
+                             "qk_norm_grad_not_reduced", names, shapes=2,
+                             seeds=len(EXTRA_SEEDS))

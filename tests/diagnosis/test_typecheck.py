@@ -64,7 +64,7 @@ WHERE = {
     "row_bias_on_every_rank": 'engine.rank_block: out = out + p["bias"]',
     "missing_norm_grad_reduce": "rms_norm: return x * torch.rsqrt(",
     MISSING_KV_GRAD_REDUCE: "engine._attend: k, v = _project(n, wk), _project(n, wv)",
-    "qk_norm_grad_not_reduced": "engine._head_norm: return rms_norm(",
+    "qk_norm_grad_not_reduced": "engine.head_norm: return rms_norm(",
 }
 
 

@@ -48,6 +48,27 @@ def exercise_cells():
 EXERCISES = exercise_cells()
 
 
+def draft_exercise_cells():
+    """The same tuples from the percent-format drafts of chapter "Around the block"
+    (``book/_drafts/around_*.py``; a cell header ``# %% tags=[...]`` carries its tags)."""
+    found = []
+    for path in sorted((BOOK / "_drafts").glob("around_*.py")):
+        src = path.read_text()
+        heads = re.findall(r"^# %%.*$", src, flags=re.M)
+        bodies = re.split(r"^# %%.*$", src, flags=re.M)[1:]
+        cells = list(zip(heads, (b.strip("\n") for b in bodies)))
+        for i, (head, body) in enumerate(cells):
+            if "exercise-solution" in head:
+                match = CHECK_CALL.match(cells[i + 1][1].strip())
+                assert match and "hide-input" in head, path.name
+                assert CHECK_CALL.match(cells[i - 2][1].strip()).groups() == match.groups()
+                found.append((f"_drafts/{path.name}", *match.groups(), cells[i - 3][1], body))
+    return found
+
+
+DRAFT_EXERCISES = draft_exercise_cells()
+
+
 def load(code: str, answer: str, where: str):
     """Run a notebook cell's code; return the value of ``answer`` (the checker's argument)."""
     namespace = {"__name__": "reader"}
@@ -68,12 +89,13 @@ def test_every_chapter_from_5_on_has_two_exercises_and_every_checker_is_used():
         per_chapter.setdefault(nb[:2], []).append(check)
     assert sorted(per_chapter) == [f"{n:02d}" for n in range(5, 18)]
     assert all(len(checks) >= 2 for checks in per_chapter.values())
-    used = [check for _, check, *_ in EXERCISES]
+    assert len(DRAFT_EXERCISES) == 4  # two per draft of chapter "Around the block"
+    used = [check for _, check, *_ in EXERCISES + DRAFT_EXERCISES]
     assert sorted(used) == sorted(n for n in ex.__all__ if n.startswith("check_"))
 
 
-@pytest.mark.parametrize("nb, checker, name, stub, code", EXERCISES,
-                         ids=[f"{e[0][:2]}-{e[1]}" for e in EXERCISES])
+@pytest.mark.parametrize("nb, checker, name, stub, code", EXERCISES + DRAFT_EXERCISES,
+                         ids=[f"{e[0][:2]}-{e[1]}" for e in EXERCISES + DRAFT_EXERCISES])
 def test_checker_accepts_the_reference_solution_and_reports_the_stub(nb, checker, name, stub, code):
     result = getattr(ex, checker)(load(code, name, f"<{nb}>"))
     assert result.passed, result.message
@@ -297,7 +319,40 @@ WRONG = [
 ]
 
 
-ALL_WRONG = WRONG + WRONG_LATER
+def streams_with(residual=lambda seed, r: seed, attention=lambda seed, r: seed + 2718 + r):
+    def seeds(seed, tp_rank):
+        return {"residual": residual(seed, tp_rank), "attention": attention(seed, tp_rank)}
+    return seeds
+
+
+def qk_sum_on_rank0(grads):  # the sum, but only rank 0 steps with it
+    return [sum(grads)] + [g.clone() for g in grads[1:]]
+
+
+#: Known-wrong answers to the exercises of chapter "Around the block" (dropout, qk-norm).
+WRONG_AROUND_MODEL = [
+    ("check_dropout_streams", streams_with(residual=lambda seed, r: seed + r),
+     "the ranks draw their residual masks from different seeds"),
+    ("check_dropout_streams", streams_with(attention=lambda seed, r: seed + 2718),
+     "two ranks draw their attention masks from the same seed"),
+    ("check_dropout_streams", streams_with(attention=lambda seed, r: seed - r),
+     "an attention stream has the residual stream's seed"),
+    ("check_rng_resync", lambda states: states, "the states are the drifted ones, unchanged"),
+    ("check_rng_resync", lambda states: states[::-1],
+     "the ranks continue from different states"),
+    ("check_rng_resync", lambda states: [torch.Generator().get_state() for _ in states],
+     "rank 0's state is none the ranks had"),
+    ("check_qk_norm_grad_reduce", lambda grads: [sum(grads) / len(grads)] * len(grads),
+     "gradient is the ranks' average"),
+    ("check_qk_norm_grad_reduce", lambda grads: [g.clone() for g in grads],
+     "keeps only its own heads' part"),
+    ("check_qk_norm_grad_reduce", qk_sum_on_rank0, "rank 1 keeps only its own heads' part"),
+    ("check_qk_norm_hits", lambda: {"q_norm"}, "you left out k_norm"),
+    ("check_qk_norm_hits", lambda: {"q_norm", "k_norm", "norm"}, "you named norm"),
+]
+
+
+ALL_WRONG = WRONG + WRONG_LATER + WRONG_AROUND_MODEL
 
 
 @pytest.mark.parametrize("checker, answer, expected", ALL_WRONG,
@@ -314,7 +369,7 @@ def test_every_checker_has_at_least_two_known_wrong_answers():
     for checker, *_ in ALL_WRONG:
         counts[checker] = counts.get(checker, 0) + 1
     checkers = [n for n in ex.__all__ if n.startswith("check_")]
-    assert sum(getattr(ex, n).chapter >= 12 for n in checkers) == 12  # chapters 12-17: 2 each
+    assert sum(12 <= getattr(ex, n).chapter <= 17 for n in checkers) == 12  # 12-17: 2 each
     assert all(counts.get(n, 0) >= 2 for n in checkers), counts
 
 

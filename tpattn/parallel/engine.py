@@ -41,7 +41,7 @@ from .collectives import G_LABEL, QK_NORM_GRAD_LABEL
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
            "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad", "reduce_qk_norm_grads",
-           "QK_NORM_GRAD_LABEL"]
+           "QK_NORM_GRAD_LABEL", "head_norm"]
 
 #: Parameters every rank holds whole (counted once in the gradient norm).
 REPLICATED = ("norm", "bias", "q_norm", "k_norm")
@@ -89,7 +89,7 @@ def _project(n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(n.reshape(r, s * b, -1), w.transpose(1, 2)).view(r, s, b, -1)
 
 
-def _head_norm(t: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
+def head_norm(t: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
     """qk-norm of every rank's heads: t ``[S, B, R*H, D]`` (rank-major), w each rank's
     weight ``[R, D]``: RMSNorm over ``D`` with rank r's weight on rank r's heads."""
     return rms_norm(t, w.repeat_interleave(t.shape[2] // w.shape[0], dim=0), cfg.eps)
@@ -101,7 +101,7 @@ def _attend(n: torch.Tensor, p: dict, cfg: Config, inj, comm, rng=None) -> torch
     r, s, b, _ = n.shape
     d = cfg.head_dim
     if cfg.qk_norm:  # RMSNorm on every query head, then RoPE (Qwen3's order)
-        q = apply_rope(_head_norm(_heads(_project(n, p["wq"]), d), p["q_norm"], cfg))
+        q = apply_rope(head_norm(_heads(_project(n, p["wq"]), d), p["q_norm"], cfg))
     else:
         q = apply_rope(_heads(_project(n, p["wq"]), d))
     wk, wv = p["wk"], p["wv"]
@@ -120,7 +120,7 @@ def _attend(n: torch.Tensor, p: dict, cfg: Config, inj, comm, rng=None) -> torch
             wk, wv = comm.reduce_replica_grads(wk, wv)
         k, v = _project(n, wk), _project(n, wv)
     k, v = _heads(k, d), _heads(v, d)
-    k = apply_rope(_head_norm(k, p["k_norm"], cfg) if cfg.qk_norm else k)
+    k = apply_rope(head_norm(k, p["k_norm"], cfg) if cfg.qk_norm else k)
     groups = q.shape[2] // k.shape[2]
     if inj.kv == "tile":  # each rank tiles its own block of KV heads
         k, v = (t.view(s, b, r, -1, d).repeat(1, 1, 1, groups, 1).reshape(s, b, -1, d)

@@ -1,0 +1,80 @@
+"""Figures of chapter "Around the block", the model options: the residual-dropout masks of
+the TP ranks (synced, and with tp_rank 0's RNG drifted by its data loader), and the drift of
+the q/k-norm replicas when their gradient all-reduce is skipped."""
+from __future__ import annotations
+
+from tpattn.check.core import LR, make_inputs, make_params, shard
+from tpattn.config import Config
+from tpattn.parallel.injection import Injection
+from tpattn.parallel.rng import simulated_streams
+from tpattn.parallel.simulated import simulated_step
+from .style import FAIL_COLOR, PASS_COLOR, new_figure
+
+__all__ = ["residual_masks_by_rank", "dropout_masks_figure", "qk_norm_replica_drift",
+           "qk_norm_drift_figure"]
+
+
+def residual_masks_by_rank(cfg: Config, seed: int, inj: Injection):
+    """Every TP rank's first residual-dropout mask of a step (``rng.simulated_streams`` with
+    ``inj``'s RNG), batch element 0: ``[W, S, hidden]`` (kept elements ``1/(1-p)``, 0
+    dropped)."""
+    return simulated_streams(cfg, seed, inj).residual_masks(cfg)[:, :, 0]
+
+
+def dropout_masks_figure(cfg: Config, seed: int = 11):
+    """Rows: the correct RNG (every TP rank seeded alike) and ``rank0_drift`` (tp_rank 0's
+    default generator consumed by a DataLoader iterator); columns: the ranks' residual masks
+    (batch element 0, tokens × hidden; dark = dropped), each titled by whether it equals rank
+    1's. Returns the figure."""
+    w = cfg.world_size
+    fig, axes = new_figure(w, 2, figsize=(min(2.2 * w + 1.0, 10.0), 3.6), squeeze=False)
+    rows = (("synced", Injection()), ("rank 0 drifted", Injection(rng="rank0_drift")))
+    for i, (label, inj) in enumerate(rows):
+        masks = residual_masks_by_rank(cfg, seed, inj)
+        for r in range(w):
+            ax = axes[i][r]
+            ax.imshow((masks[r] > 0).numpy(), cmap="gray", vmin=0, vmax=1, aspect="auto")
+            same = bool((masks[r] == masks[1 if w > 1 else 0]).all())
+            ax.set_title(f"rank {r}: " + ("= rank 1" if same else "≠ rank 1"), fontsize=9,
+                         color=PASS_COLOR if same else FAIL_COLOR)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_ylabel(f"{label}\ntokens", fontsize=9)
+    fig.suptitle(f"residual dropout masks (p = {cfg.dropout}), batch element 0", fontsize=10)
+    return fig
+
+
+def qk_norm_replica_drift(cfg: Config, seed: int, inj: Injection, steps: int) -> list[float]:
+    """Train ``steps`` SGD steps of the engine on simulated ranks (the same batch each step)
+    wired as ``inj``; after each, the largest difference between any rank's ``q_norm`` or
+    ``k_norm`` and rank 0's (0: the replicas are identical). ``cfg.qk_norm`` must be on."""
+    if not cfg.qk_norm:
+        raise ValueError("cfg.qk_norm must be True: the drift is the q/k-norm replicas'")
+    x, t = make_inputs(cfg, seed)
+    state = shard(make_params(cfg, seed, inj), cfg, inj)
+    rng = simulated_streams(cfg, seed, inj) if cfg.dropout > 0 else None
+    out = []
+    for _ in range(steps):
+        step = simulated_step(state, [(x, t)] * cfg.world_size, cfg, inj, LR, rng=rng)
+        state = step["weights"]
+        out.append(max(float((state[k] - state[k][0]).abs().max())
+                       for k in ("q_norm", "k_norm")))
+    return out
+
+
+def qk_norm_drift_figure(cfg: Config, seed: int = 11, steps: int = 20):
+    """The q/k-norm replicas' largest difference across ranks after each step: correct TP
+    (all-reduced gradients: 0 at every step) and ``qk_norm_grad="none"`` (each rank steps on
+    its own heads' part). Returns the figure."""
+    fig, ax = new_figure(figsize=(6.0, 3.0))
+    bug = qk_norm_replica_drift(cfg, seed, Injection(qk_norm_grad="none"), steps)
+    good = qk_norm_replica_drift(cfg, seed, Injection(), steps)
+    x = list(range(1, steps + 1))
+    ax.plot(x, bug, color=FAIL_COLOR, marker="o", ms=3, label="gradient all-reduce skipped")
+    ax.plot(x, good, color=PASS_COLOR, marker="s", ms=3, label="all-reduced (always 0)")
+    ax.set_xlabel("SGD step")
+    ax.set_ylabel("max |replica − rank 0's|")
+    ax.set_title("q/k-norm replicas across TP ranks", fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    return fig
