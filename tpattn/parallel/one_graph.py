@@ -171,8 +171,14 @@ def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, 
 
     x: ``[S, B, hidden]``; ``p``: dense parameters (the ranks' shards are ``shard_fn(p, cfg)``,
     views, so gradients land in ``p``); ``inj``: the program (``Injection``); ``others``:
-    ranks >= 1's own inputs (``inputs="per_rank"``).
+    ranks >= 1's own inputs (``inputs="per_rank"``). The one graph has no random streams
+    and no replicated q/k-norm gradient reduce: ``cfg.dropout > 0`` or ``cfg.qk_norm`` raise
+    ``ValueError`` (``check.core.tp_step`` runs the simulated ranks for them).
     """
+    if cfg.dropout > 0 or cfg.qk_norm:
+        raise ValueError(f"one_graph_forward models neither dropout nor qk_norm (got "
+                         f"dropout={cfg.dropout}, qk_norm={cfg.qk_norm}): run the simulated "
+                         f"ranks (tpattn.run(..., simulate='ranks'))")
     comm = OneGraphRanks(cfg)
     plain = shard_fn is shard_params and not has_replicas(cfg)
     xs, ps = comm.rank_views(x, stacked_views(p, cfg) if plain else shard_fn(p, cfg), inj, others)
