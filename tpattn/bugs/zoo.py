@@ -25,11 +25,13 @@ seed's three modes). The parameters, cut and batches of an injection (``make_par
 ``shard``, ``unshard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
 ``clip_coef``) live in ``tpattn.check.core`` and are re-exported here.
 
-Other modules contribute modes with ``register``. Three entries are injections that need a
+Other modules contribute modes with ``register``. Some entries are injections that need a
 layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
 ``norm_grad_averaged`` (``norm_grad``) need ``sequence_parallel=True``,
 ``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
-``kv_strategy="replicate_weights"``). ``tpattn.run`` runs them in both simulations (``tpattn.observe``
+``kv_strategy="replicate_weights"``). Two need a model option: ``dropout_rng_desync``
+(``rng``) needs ``dropout > 0``, ``qk_norm_grad_not_reduced`` (``qk_norm_grad``) needs
+``qk_norm``. ``tpattn.run`` runs them in both simulations (``tpattn.observe``
 watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
 tables run on plain-TP shapes.
 """
