@@ -200,6 +200,11 @@ class SimulatedRanks:
                                                 for i in range(full.shape[0])]
         return torch.stack([full[i].chunk(w, dim=0)[r] for i, r in enumerate(pos)])
 
+    def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
+        """A reduce-scatter along the sequence: each rank's ``S/W`` tokens (its position in
+        its group of ``group``) of its group's sum of ``t`` ``[R, S, ...]``."""
+        return self.own_tokens(self.group_sum(t, group), group).contiguous()
+
     def gather_sequence(self, n: torch.Tensor, reduce_grad: bool = True,
                         group: str = "tp") -> torch.Tensor:
         """SP's f on ``n`` ``[R, S/W, B, hidden]`` -> ``[R, S, B, hidden]`` (every rank's
@@ -216,7 +221,7 @@ class SimulatedRanks:
         def backward(g):
             if reduce_grad:
                 self.record("backward", "reduce-scatter of dn", "reduce_scatter", group)
-                g = self.group_sum(g, group)
+                return self.scatter_sum(g, group)
             return self.own_tokens(g, group).contiguous()
         return _Collective.apply(n, forward, backward)
 
@@ -228,8 +233,7 @@ class SimulatedRanks:
         def backward(g):
             self.record("backward", "all-gather of dy", "all_gather", op=None)
             return self.group_cat(g, 0).contiguous()
-        return _Collective.apply(
-            partial, lambda t: self.own_tokens(self.group_sum(t)).contiguous(), backward)
+        return _Collective.apply(partial, self.scatter_sum, backward)
 
     def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
         """K/V all-gather on ``local`` ``[R, S, B, c]`` -> ``[R, S, B, W*c]`` (rank order on
