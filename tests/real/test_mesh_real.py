@@ -99,3 +99,30 @@ def test_torchrun_cli_on_a_mesh(torchrun, mesh):
     sim = run(11, "loss_reduced_over_world", MESH, "ranks")
     assert result["mode"] == "loss_reduced_over_world" and not result["passed"]
     assert all(agree(result[m], sim[m]) for m in MEASURES)
+
+
+@pytest.fixture(scope="module")
+def observed(mesh_sp):
+    from tpattn.diagnosis.observe_real import diagnose_rank
+    from tpattn.real.launch import run_on_ranks
+    from tpattn.real.ranks import RunPlan
+
+    jobs = tuple((m, 5) for m in ("equivalence", "loss_reduced_over_world",
+                                   "loss_full_tensor_tp_only", "dp_grad_group_of_one",
+                                   "sp_gather_wrong_group"))
+    plan = RunPlan(cfg=MESH_SP, jobs=jobs, timeout=60)
+    results, _ = run_on_ranks(diagnose_rank, MESH_SP.ranks, plan, timeout=240, backend="gloo")
+    return plan, results[0]
+
+
+def test_real_mesh_observables_and_diagnoses_equal_the_simulated_ones(observed):
+    from tests.real.test_observe_real import assert_same_observables
+    from tpattn.diagnosis.diagnose import diagnose
+    from tpattn.diagnosis.observe import observe
+
+    plan, rank0 = observed
+    for (mode, seed), obs, found in zip(plan.jobs, rank0["observations"], rank0["diagnoses"]):
+        simulated = observe(mode, seed, MESH_SP)
+        assert_same_observables(obs, simulated, mode)
+        assert found == diagnose(simulated), mode
+        assert found[0]["cause"] == ("no known cause" if mode == "equivalence" else mode)
