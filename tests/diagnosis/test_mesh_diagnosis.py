@@ -56,3 +56,10 @@ def test_mesh_evidence_says_what_the_job_shows(mode, line):
     cfg = TUNING_MESH[0][1]
     found = diagnose(observe(mode, 21, cfg, reference=False))
     assert any(line in e for e in found[0]["evidence"])
+
+
+def test_every_mesh_mode_is_held_out_on_the_mesh_shapes():
+    from tpattn.bugs.zoo import MESH_NEEDS, REGISTRY
+
+    mesh = {n for n, m in REGISTRY.items() if set(m.needs) & set(MESH_NEEDS)}
+    assert mesh == {m for _, _, modes in HELD_OUT_MESH for m in modes} == set(MESH_MODES)

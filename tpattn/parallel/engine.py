@@ -32,7 +32,7 @@ from tpattn.block.sgd import sgd_step
 from .collectives import G_LABEL
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
-           "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad"]
+           "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad", "mesh_train_step"]
 
 #: Parameters every rank holds whole (counted once in the gradient norm).
 REPLICATED = ("norm", "bias")
@@ -150,7 +150,7 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
     p: stacked parameters (not modified); x, target ``[R, S_r, B, hidden]``. Rank r's loss is
     its MSE, or under sequence parallelism its share of the global MSE (``sum / numel``:
     ``losses`` then holds the global MSE on every rank). On a TP x DP mesh
-    (``cfg.data_parallel > 1``, ``R = cfg.ranks``): ``_mesh_step`` (shares of the global
+    (``cfg.data_parallel > 1``, ``R = cfg.ranks``): ``mesh_train_step`` (shares of the global
     mean, the DP gradient all-reduce, ``losses`` the logged loss of every rank). Returns ``outputs``, ``losses``
     ``[R]``, ``input_grads``, ``grads`` and ``weights`` (stacked dicts), ``grad_norm``
     (float) and ``ledger`` (``comm.ledger``).
@@ -161,7 +161,7 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
     y = rank_block(xs, ps, cfg, inj, comm)
     sq = (y - target).pow(2)
     if cfg.data_parallel > 1:  # a TP x DP mesh: shares of the global mean, synced grads
-        return _mesh_step(ps, xs, y, sq, target, cfg, inj, comm, lr)
+        return mesh_train_step(ps, xs, y, sq, target, cfg, inj, comm, lr)
     if cfg.sequence_parallel:
         numel = target.numel() * cfg.world_size // r
         sq.flatten(1).sum(1).div(numel).sum().backward()
@@ -197,7 +197,7 @@ def _finish_step(ps, xs, y, losses, grads, cfg: Config, inj, comm, lr: float) ->
             "ledger": comm.ledger}
 
 
-def _mesh_step(ps, xs, y, sq, target, cfg: Config, inj, comm, lr: float) -> dict:
+def mesh_train_step(ps, xs, y, sq, target, cfg: Config, inj, comm, lr: float) -> dict:
     """``train_step`` on a TP x DP mesh (``cfg.data_parallel > 1``). Each rank's loss is its
     share of the global mean (sum of squares / global numel; global batch ``batch *
     data_parallel``); backward; the norm gradient's reduce (sequence parallel); the DP
