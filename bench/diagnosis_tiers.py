@@ -3,9 +3,11 @@
 Runs ``tpattn.diagnosis.evaluate`` (held-out shapes, seeds 500-504 by default, every registry
 bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outside the
 registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
-fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``).
+fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``); ``--mesh``
+runs the TP x DP mesh's own held-out set instead (``HELD_OUT_MESH``, its single bugs only;
+with ``--tuning``, ``TUNING_MESH``: pass ``--seeds 21 34``).
 
-    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning]
+    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning] [--mesh]
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import argparse
 from collections import Counter
 
 from tpattn.bugs.zoo import REGISTRY
-from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, PAIR_CLASSES, TUNING, made_up_cases,
-                                       single_bug_cases, summary, two_bug_cases)
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, HELD_OUT_MESH, PAIR_CLASSES,
+                                       TUNING, TUNING_MESH, made_up_cases, single_bug_cases,
+                                       summary, two_bug_cases)
 
 
 def _singles(single: dict) -> None:
@@ -45,7 +48,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[500, 501, 502, 503, 504])
     ap.add_argument("--tuning", action="store_true",
                     help="the tuning set instead: TUNING shapes (pass --seeds 0 1 ... 9)")
+    ap.add_argument("--mesh", action="store_true",
+                    help="the TP x DP mesh's set instead: HELD_OUT_MESH (TUNING_MESH with "
+                         "--tuning), single bugs only")
     args = ap.parse_args()
+    if args.mesh:
+        _singles(single_bug_cases(args.seeds, shapes=TUNING_MESH if args.tuning
+                                  else HELD_OUT_MESH))
+        return
     shapes = TUNING if args.tuning else HELD_OUT
     single = single_bug_cases(args.seeds, shapes=shapes)
     _singles(single)

@@ -101,6 +101,21 @@ def test_torchrun_cli_on_a_mesh(torchrun, mesh):
     assert all(agree(result[m], sim[m]) for m in MEASURES)
 
 
+def test_self_started_cli_on_a_mesh_and_its_one_line_errors():
+    proc = subprocess.run([sys.executable, "-m", "tpattn.distributed", "--tp", "2", "--dp", "2",
+                           "--mode", "dp_grad_group_of_one"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    sim = run(11, "dp_grad_group_of_one", MESH, "ranks")
+    assert not result["passed"] and all(agree(result[m], sim[m]) for m in MEASURES)
+    bad = subprocess.run([sys.executable, "-m", "tpattn.distributed", "--tp", "4", "--dp", "2",
+                          "--mode", "equivalence"], cwd=ROOT, text=True, capture_output=True,
+                         timeout=240)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
+    assert "needs kv_heads >= world_size" in bad.stderr
+
+
 @pytest.fixture(scope="module")
 def observed(mesh_sp):
     from tpattn.diagnosis.observe_real import diagnose_rank

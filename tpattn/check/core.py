@@ -313,11 +313,15 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the seed's
     batch on every rank, or under ``inputs="per_rank"`` rank ``r >= 1``'s own from
-    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes)."""
+    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes).
+    On a TP x DP mesh every rank of the job, mesh order: replica d's batch columns
+    (``replica_batch``) of what its TP rank draws."""
     first = make_inputs(cfg, seed)
     if cfg.data_parallel > 1:  # a TP x DP mesh: every rank of replica d its batch columns
-        return [replica_batch(first, cfg, d) for d in range(cfg.data_parallel)
-                for _ in range(cfg.world_size)]
+        per_tp = [first] * cfg.world_size if inj.inputs != "per_rank" else [first] + [
+            make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r) for r in range(1, cfg.world_size)]
+        return [replica_batch(per_tp[t], cfg, d) for d in range(cfg.data_parallel)
+                for t in range(cfg.world_size)]
     if inj.inputs != "per_rank":
         return [first] * cfg.world_size
     return [first] + [make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r)
