@@ -59,12 +59,13 @@ assert comm.groups("tp") == [[0, 1], [2, 3]]
 assert comm.groups("dp") == [[0, 2], [1, 3]]
 
 # %% [markdown]
-# The training step of a mesh is the engine's own (`engine.train_step`
-# hands a mesh to `mesh_train_step`): shares, backward, the DP gradient
-# all-reduce, the logged loss, then the step.
+# The training step of a mesh is the engine's own: `engine.train_step`
+# takes each rank's share of the global mean, runs backward, then calls
+# `mesh_sync` (the DP gradient all-reduce and the logged loss) before the
+# gradient norm and the SGD step.
 
 # %%
-show_source(engine.mesh_train_step)
+show_source(engine.mesh_sync)
 
 # %% [markdown]
 # ### Three bugs on the wrong group

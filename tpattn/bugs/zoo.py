@@ -257,7 +257,7 @@ def _entries() -> list[BugMode]:
 
 
 def _mesh_entries() -> list[BugMode]:
-    """The bugs of a TP x DP mesh (``Config.data_parallel``; the engine's ``mesh_train_step``):
+    """The bugs of a TP x DP mesh (``Config.data_parallel``; the engine's ``mesh_sync``):
     the logged loss and the gradient sync over the wrong group, and sequence parallelism's
     gather over the other mesh dimension."""
     dp = "data_parallel >= 2"
