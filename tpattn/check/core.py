@@ -465,7 +465,10 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
     rank its own output, loss and backward, as ``tpattn.real.ranks`` measures on real
     processes). ``shard_fn(params, cfg)``: how the dense parameters are cut into rank shards
     (default: the injection's cut; chapter 6 passes a layout that splits a query/KV group).
-    Returns the five measures and ``passed``.
+    Returns the five measures and ``passed``. On a TP x DP mesh (``cfg.data_parallel > 1``)
+    the dense side runs on the global batch ``[S, batch * data_parallel, hidden]`` and the TP
+    side is rank 0's report over the DP replicas (``tp_step``: the simulated ranks of the whole
+    mesh, for ``"fixture"`` too).
 
     ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
     (``tp.tp_forward``). ``tolerance="auto"`` (a ``reduction_only`` injection): a rounding
