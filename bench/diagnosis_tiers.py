@@ -5,9 +5,10 @@ bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outsid
 registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
 fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``); ``--model``
 the held-out shapes with dropout and qk-norm (``MODEL_HELD_OUT``: their bugs and the seed's
-two, single bugs only).
+two, single bugs only); ``--mesh`` the TP x DP mesh's own held-out set (``HELD_OUT_MESH``,
+its single bugs only; with ``--tuning``, ``TUNING_MESH``: pass ``--seeds 21 34``).
 
-    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning | --model]
+    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning] [--model | --mesh]
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import argparse
 from collections import Counter
 
 from tpattn.bugs.zoo import REGISTRY
-from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, MODEL_HELD_OUT,
-                                       PAIR_CLASSES, TUNING, made_up_cases,
-                                       single_bug_cases, summary, two_bug_cases)
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, HELD_OUT_MESH,
+                                       MODEL_HELD_OUT, PAIR_CLASSES, TUNING, TUNING_MESH,
+                                       made_up_cases, single_bug_cases, summary,
+                                       two_bug_cases)
 
 
 def _singles(single: dict) -> None:
@@ -51,9 +53,13 @@ def main() -> None:
     ap.add_argument("--model", action="store_true",
                     help="the held-out shapes with dropout and qk-norm (MODEL_HELD_OUT), "
                          "single bugs only")
+    ap.add_argument("--mesh", action="store_true",
+                    help="the TP x DP mesh's set instead: HELD_OUT_MESH (TUNING_MESH with "
+                         "--tuning), single bugs only")
     args = ap.parse_args()
-    if args.model:
-        _singles(single_bug_cases(args.seeds, shapes=MODEL_HELD_OUT))
+    if args.model or args.mesh:
+        sets = (TUNING_MESH if args.tuning else HELD_OUT_MESH) if args.mesh else MODEL_HELD_OUT
+        _singles(single_bug_cases(args.seeds, shapes=sets))
         return
     shapes = TUNING if args.tuning else HELD_OUT
     single = single_bug_cases(args.seeds, shapes=shapes)

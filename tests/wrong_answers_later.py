@@ -154,3 +154,39 @@ WRONG_LATER = [
     ("check_hunts", lambda hunt: {**HUNT_ANSWERS, 0: "no known cause"}[hunt],
      "hunt 0: Not quite: something here does deviate"),
 ]
+
+
+# --- the chapter "Around the block": the TP x DP mesh and the gather's group ---------------
+
+def mean_over_replicas(grads):  # DDP's average where the shares already sum to the mean
+    total = sum(grads[1:], grads[0]) / len(grads)
+    return [total.clone() for _ in grads]
+
+
+def own_replica(grads):  # dp_grad_group_of_one: a sync over a group of one rank
+    return [g.clone() for g in grads]
+
+
+def dp_group_of(rank, cfg):  # sp_gather_wrong_group: the DP group, the same size
+    w = cfg.world_size
+    return [d * w + rank % w for d in range(cfg.data_parallel)]
+
+
+def gather_over_dp(tokens, cfg):  # the same, on the tokens
+    w = cfg.world_size
+    return [torch.cat(tokens[rank % w::w], dim=0) for rank in range(len(tokens))]
+
+
+WRONG_LATER += [
+    ("check_dp_grad_sync", mean_over_replicas, "uses the mean of the replicas'"),
+    ("check_dp_grad_sync", own_replica, "keeps its own"),
+    ("check_logged_loss", lambda shares, cfg: sum(shares), "you logged W = 2 times the loss"),
+    ("check_logged_loss", lambda shares, cfg: shares[0], "you logged replica 0's own share"),
+    ("check_sp_gather_group", dp_group_of, "you gave its DP group"),
+    ("check_sp_gather_group", lambda rank, cfg: list(range(cfg.world_size)),
+     "for rank 2 you gave [0, 1]"),
+    ("check_sp_gather_tokens", gather_over_dp, "gathered over its DP group"),
+    ("check_sp_gather_tokens",
+     lambda tokens, cfg: [torch.cat(tokens[:cfg.world_size]) for _ in tokens],
+     "rank 2's gathered sequence is not its TP group's"),
+]

@@ -51,8 +51,14 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), metavar="N",
                     help="seeds of --mode matrix (default: %(default)s)")
     for name in _CONFIG_FLAGS:
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
-                        metavar="N", help=f"Config.{name} (default: %(default)s)")
+        aliases = ("--tp",) if name == "world_size" else ()  # the TP degree of a TP x DP mesh
+        ap.add_argument("--" + name.replace("_", "-"), *aliases, type=int,
+                        default=getattr(defaults, name), metavar="N",
+                        help=f"Config.{name} (default: %(default)s)")
+    ap.add_argument("--dp", type=int, default=defaults.data_parallel, metavar="N",
+                    dest="data_parallel",
+                    help="Config.data_parallel: the DP degree of a TP x DP mesh of "
+                         "tp * dp ranks (default: %(default)s)")
     ap.add_argument("--eps", type=float, default=defaults.eps, help="Config.eps (default: %(default)s)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype,
                     help="Config.dtype (default: %(default)s)")
@@ -100,6 +106,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
     return Config(**{name: getattr(args, name) for name in _CONFIG_FLAGS},
                   eps=args.eps, dtype=args.dtype, kv_strategy=args.kv_strategy,
+                  **({"data_parallel": args.data_parallel}
+                     if getattr(args, "data_parallel", 1) != 1 else {}),
                   **({"sequence_parallel": True} if args.sequence_parallel else {}),
                   **({"dropout": args.dropout} if args.dropout else {}),
                   **({"qk_norm": True} if args.qk_norm else {}))

@@ -51,10 +51,13 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
 
     try:
         cfg = config_from_args(args)
-        if torchrun and cfg.world_size != int(os.environ["WORLD_SIZE"]):
-            raise ValueError(
-                f"world_size must equal the number of processes: --world-size is {cfg.world_size} "
-                f"but torchrun started {os.environ['WORLD_SIZE']} (set --nproc-per-node to match)")
+        if torchrun and cfg.ranks != int(os.environ["WORLD_SIZE"]):
+            what = (f"world_size must equal the number of processes: --world-size is "
+                    f"{cfg.world_size}" if cfg.data_parallel == 1 else
+                    f"world_size * data_parallel must equal the number of processes: --tp is "
+                    f"{cfg.world_size} and --dp {cfg.data_parallel}")
+            raise ValueError(f"{what} but torchrun started {os.environ['WORLD_SIZE']} "
+                             f"(set --nproc-per-node to match)")
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         else:
@@ -70,10 +73,10 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
             from tpattn.diagnosis.observe_real import diagnose_rank as rank_fn
         try:
             if torchrun:
-                report = run_under_torchrun(plan, default_backend(cfg.world_size), rank_fn)
+                report = run_under_torchrun(plan, default_backend(cfg.ranks), rank_fn)
             elif args.diagnose:
-                report = run_on_ranks(rank_fn, cfg.world_size, plan, timeout=timeout,
-                                      backend=default_backend(cfg.world_size),
+                report = run_on_ranks(rank_fn, cfg.ranks, plan, timeout=timeout,
+                                      backend=default_backend(cfg.ranks),
                                       preload=("tpattn.diagnosis.observe_real",))[0][0]
             else:
                 report = {"results": run_distributed(cfg.world_size, seeds, modes, cfg,

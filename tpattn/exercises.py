@@ -1580,10 +1580,10 @@ def hunt_evidence(hunt: int) -> list[str]:
 
 
 # =============================================================================================
-# --- chapter "Around the block": dropout (Megatron's RNG discipline) and qk-norm -------------
-# =============================================================================================
+# --- chapter 17, around the block: dropout (Megatron's RNG discipline) and qk-norm ---------
 
-CHAPTERS.setdefault(18, "chapter 18 (around the block)")
+#: The chapter "Around the block".
+AROUND_CHAPTER = 17
 __all__ += ["check_dropout_streams", "check_rng_resync", "check_qk_norm_grad_reduce",
             "check_qk_norm_hits"]
 
@@ -1614,7 +1614,7 @@ def _stream_seed(value, what: str) -> int:
     return value
 
 
-@_exercise("dropout's two random streams", 18)
+@_exercise("dropout's two random streams", AROUND_CHAPTER)
 def check_dropout_streams(seeds) -> str:
     """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: the seeds of the
     generators TP rank ``tp_rank`` draws its residual-dropout mask (outside the sharded region)
@@ -1681,7 +1681,7 @@ def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(value)
 
 
-@_exercise("re-sync the drifted RNG", 18)
+@_exercise("re-sync the drifted RNG", AROUND_CHAPTER)
 def check_rng_resync(resync) -> str:
     """Check ``resync(states) -> list``: given every TP rank's default-generator state
     (``torch.Generator.get_state()``, a uint8 tensor) after tp_rank 0's data loader drew its
@@ -1718,7 +1718,7 @@ def check_rng_resync(resync) -> str:
             f"instead: the loader got its own generator.")
 
 
-@_exercise("reduce the q/k-norm gradients", 18)
+@_exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
 def check_qk_norm_grad_reduce(reduce) -> str:
     """Check ``reduce(grads) -> list``: given every TP rank's gradient of its copy of
     ``q_norm`` (or ``k_norm``) after backward (one ``[head_dim]`` per rank: the part of its
@@ -1795,7 +1795,7 @@ def _qk_norm_mode_hits() -> tuple[frozenset, ...]:
     return tuple(found)
 
 
-@_exercise("which parameters the missing q/k-norm reduce hits", 18)
+@_exercise("which parameters the missing q/k-norm reduce hits", AROUND_CHAPTER)
 def check_qk_norm_hits(predict) -> str:
     """Check ``predict() -> set``: the names (``PARAM_NAMES`` and ``q_norm``, ``k_norm``) of
     the parameters whose gradients, as rank 0 reports them, are wrong when the TP all-reduce
@@ -1808,3 +1808,218 @@ def check_qk_norm_hits(predict) -> str:
     return _grade_prediction(predicted, found, "parameter gradients",
                              "qk_norm_grad_not_reduced", names, shapes=2,
                              seeds=len(EXTRA_SEEDS))
+
+
+# --- chapter 17, around the block: the TP x DP mesh and the sequence gather's group ----------
+
+#: Meshes the mesh exercises are graded on: TP 2 x DP 2; TP 4 x DP 2; TP 2 x DP 3 (batch 1);
+#: and TP 2 x DP 2 under sequence parallelism.
+MESH_CONFIGS = (
+    Config(data_parallel=2),
+    Config(query_heads=8, kv_heads=4, world_size=4, data_parallel=2, seq=4),
+    Config(seq=3, batch=1, hidden=8, query_heads=6, kv_heads=2, head_dim=2, data_parallel=3),
+    Config(data_parallel=2, sequence_parallel=True, seq=4),
+)
+#: Meshes the SP-group exercises are graded on (``data_parallel == world_size``, as the bug
+#: needs, and one where they differ).
+SP_MESH_CONFIGS = (
+    Config(data_parallel=2, sequence_parallel=True, seq=4),
+    Config(query_heads=8, kv_heads=4, world_size=4, data_parallel=4, sequence_parallel=True,
+           seq=8, batch=1),
+    Config(data_parallel=3, sequence_parallel=True, seq=4, batch=1),
+)
+__all__ += ["AROUND_CHAPTER", "MESH_CONFIGS", "SP_MESH_CONFIGS", "check_dp_grad_sync",
+            "check_logged_loss", "check_sp_gather_group", "check_sp_gather_tokens"]
+
+
+def _mesh_shape(cfg: Config) -> str:
+    return (f"TP {cfg.world_size} x DP {cfg.data_parallel}"
+            + (" with sequence parallelism" if cfg.sequence_parallel else ""))
+
+
+def _mesh_step(cfg: Config, seed: int, inj: Injection) -> dict:
+    """A simulated step of the whole mesh (``simulated_step``) of ``inj``'s program."""
+    from tpattn.check.core import block_inputs, make_params, rank_batches, shard
+
+    base = make_params(cfg, seed, inj)
+    return simulated_step(shard(base, cfg, inj) * cfg.data_parallel,
+                          block_inputs(rank_batches(cfg, seed, inj), cfg), cfg, inj, LR)
+
+
+@_exercise("the data-parallel gradient sync", AROUND_CHAPTER)
+def check_dp_grad_sync(sync) -> str:
+    """Check ``sync(grads) -> list``: given one parameter's gradient on each DP replica (a
+    list of ``data_parallel`` tensors of one shape: each replica's own batch's share of the
+    gradient of the global mean loss), what every replica must use for its SGD step (one
+    tensor per replica). Graded on the weights after one step of the whole mesh against the
+    dense step on the global batch (``MESH_CONFIGS`` x ``EXTRA_SEEDS``)."""
+    from tpattn.check.core import dense_step, make_inputs as inputs, make_params, unshard
+    from tpattn.parallel.simulated import mesh_view
+
+    count = 0
+    for cfg in MESH_CONFIGS:
+        w, d = cfg.world_size, cfg.data_parallel
+        for seed in EXTRA_SEEDS:
+            step = _mesh_step(cfg, seed, Injection(dp_grad="self"))
+            where = f"for seed {seed} on {_mesh_shape(cfg)}"
+            for name, g in step["grads"].items():
+                for t in range(w):
+                    own = [g[r * w + t].clone() for r in range(d)]
+                    got = _tensor_list(sync([x.clone() for x in own]), d, list(own[0].shape),
+                                       f"the synced gradient of {name}")
+                    total = sum(own[1:], own[0])
+                    for r in range(d):
+                        if _near(got[r], total, d):
+                            g[r * w + t] = got[r].detach()
+                            continue
+                        if _near(got[r], total / d, d):
+                            raise _Wrong(f"{where}, replica {r} uses the mean of the replicas' "
+                                         f"{name} gradients: each share is already divided by "
+                                         f"the global numel (the loss is the global mean), so "
+                                         f"they add up (SUM over the DP group).")
+                        if _near(got[r], own[r], 1):
+                            raise _Wrong(f"{where}, replica {r} keeps its own {name} gradient "
+                                         f"(a sync over a group of one rank): the replicas "
+                                         f"step on different gradients and drift apart.")
+                        raise _Wrong(f"{where}, replica {r}'s {name} gradient is neither the "
+                                     f"sum of the replicas' nor any one of them.")
+            base = make_params(cfg, seed, Injection())
+            start = _mesh_shards(cfg, base)  # every rank's step from its synced gradient
+            step["weights"] = {name: torch.stack([
+                sgd_step({name: start[i][name]}, {name: g[i]}, LR)[name]
+                for i in range(cfg.ranks)]) for name, g in step["grads"].items()}
+            x0, target = inputs(cfg, seed)
+            view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
+            metrics = five_measures(seed, EQUIVALENCE,
+                                    dense_step(x0, target, base, cfg, Injection()), view)
+            failing = _failing(metrics)
+            if failing:
+                raise _Wrong(f"{where}, the mesh's step fails {', '.join(failing)}.")
+            count += 1
+    return (f"every replica steps on the sum of the replicas' gradients, so the replicas "
+            f"stay identical and the mesh equals dense on all five measures for {count} cases "
+            f"({len(EXTRA_SEEDS)} seeds x {len(MESH_CONFIGS)} meshes, SP among them).")
+
+
+def _mesh_shards(cfg: Config, base: dict) -> list[dict]:
+    """Every rank's starting shards on the mesh, mesh order."""
+    return shard_params(base, cfg) * cfg.data_parallel
+
+
+@_exercise("the logged loss of a TP x DP mesh", AROUND_CHAPTER)
+def check_logged_loss(logged) -> str:
+    """Check ``logged(shares, cfg) -> float``: given every rank's share of the global mean
+    loss (a list of ``cfg.ranks`` floats in mesh order, global rank = dp * W + tp; without
+    sequence parallelism every TP rank of a replica holds that replica's whole share, under
+    it each rank its own tokens'), the loss the job must log: the dense loss on the global
+    batch, within 1e-6 relative."""
+    from tpattn.check.core import (block_inputs, dense_step, make_inputs as inputs,
+                                   make_params, rank_batches)
+
+    count = 0
+    for cfg in MESH_CONFIGS:
+        w, d = cfg.world_size, cfg.data_parallel
+        for seed in EXTRA_SEEDS:
+            step = _mesh_step(cfg, seed, Injection())
+            x0, target = inputs(cfg, seed)
+            batches = block_inputs(rank_batches(cfg, seed, Injection()), cfg)
+            numel = cfg.seq * cfg.batch * d * cfg.hidden
+            shares = [float((y.double() - t.double()).pow(2).sum() / numel)
+                      for y, (_, t) in zip(step["outputs"], batches)]
+            true = float(dense_step(x0, target, make_params(cfg, seed, Injection()), cfg,
+                                    Injection())["loss"])
+            got = logged(list(shares), cfg)
+            if isinstance(got, torch.Tensor):
+                got = float(got)
+            if isinstance(got, bool) or not isinstance(got, (int, float)):
+                raise _Wrong(f"your function returned {type(got).__name__}; return a float.")
+            where = f"for seed {seed} on {_mesh_shape(cfg)}"
+            if abs(got - true) <= 1e-6 * abs(true):
+                count += 1
+                continue
+            if abs(got - w * true) <= 1e-5 * w * abs(true) and not cfg.sequence_parallel:
+                raise _Wrong(f"{where}, you logged W = {w} times the loss: summing every rank "
+                             f"of the mesh counts each replica's share once per TP rank (the "
+                             f"loss all-reduced over the world mesh, pytorch/torchtitan PR "
+                             f"105); sum over the DP group only.")
+            own = sum(shares[:w]) if cfg.sequence_parallel else shares[0]
+            if abs(got - own) <= 1e-5 * abs(own):
+                raise _Wrong(f"{where}, you logged replica 0's own share, about 1/{d} of the "
+                             f"loss: the DP reduction was skipped (a Replicate DTensor's "
+                             f"full_tensor() on the TP mesh, pytorch/torchtitan issue 3280).")
+            raise _Wrong(f"{where}, you logged {got:.6g}; the global mean loss is {true:.6g}.")
+    return (f"the logged loss equals the dense loss on the global batch for {count} cases "
+            f"({len(EXTRA_SEEDS)} seeds x {len(MESH_CONFIGS)} meshes): one share per replica "
+            f"(per rank under SP), summed over the DP group.")
+
+
+@_exercise("the group of the sequence all-gather", AROUND_CHAPTER)
+def check_sp_gather_group(group_of) -> str:
+    """Check ``group_of(rank, cfg) -> list``: the global ranks, in order, that the sequence
+    all-gather of global rank ``rank`` runs over on a TP x DP mesh (global rank = dp * W +
+    tp): its own TP group. Graded on every rank of ``SP_MESH_CONFIGS``."""
+    from tpattn.parallel.collectives import SimulatedRanks
+
+    count = 0
+    for cfg in SP_MESH_CONFIGS:
+        comm = SimulatedRanks(cfg)
+        for rank in range(cfg.ranks):
+            got = group_of(rank, cfg)
+            try:
+                got = [int(r) for r in got]
+            except (TypeError, ValueError):
+                raise _Wrong(f"your function returned {got!r}; return a list of global "
+                             f"ranks.") from None
+            want = next(m for m in comm.groups("tp") if rank in m)
+            if got == want:
+                count += 1
+                continue
+            where = f"on {_mesh_shape(cfg)}, for rank {rank}"
+            if got == next(m for m in comm.groups("dp") if rank in m):
+                raise _Wrong(f"{where} you gave its DP group {got}: the same size when DP = "
+                             f"TP, so the shapes are right, but the all-gather then mixes "
+                             f"other replicas' tokens in (NVIDIA/Megatron-LM issue 7452, "
+                             f"CrossAttention's linear_q/linear_kv built without tp_group).")
+            if sorted(got) == sorted(want):
+                raise _Wrong(f"{where} you gave its TP group in the order {got}; the "
+                             f"all-gather concatenates in group order {want}, tp rank 0 "
+                             f"first.")
+            raise _Wrong(f"{where} you gave {got}; its TP group is the ranks dp * W + t "
+                         f"for t = 0 .. W-1 of its own replica dp.")
+    return (f"every rank gathers over its own TP group, in order, on {len(SP_MESH_CONFIGS)} "
+            f"meshes ({count} ranks): the gathered sequence is its own replica's.")
+
+
+@_exercise("the sequence all-gather on a mesh", AROUND_CHAPTER)
+def check_sp_gather_tokens(gather) -> str:
+    """Check ``gather(tokens, cfg) -> list``: given every rank's own ``[S/W, B, hidden]``
+    tokens (a list of ``cfg.ranks`` tensors, mesh order), every rank's all-gathered
+    ``[S, B, hidden]`` sequence (one tensor per rank), compared bit for bit with the
+    simulated ranks' all-gather over each TP group (``SimulatedRanks.group_cat``)."""
+    from tpattn.parallel.collectives import SimulatedRanks
+
+    count = 0
+    for cfg in SP_MESH_CONFIGS:
+        comm = SimulatedRanks(cfg)
+        for seed in EXTRA_SEEDS:
+            g = torch.Generator().manual_seed(seed)
+            tokens = [torch.randn(cfg.local_seq, cfg.batch, cfg.hidden, generator=g)
+                      for _ in range(cfg.ranks)]
+            got = _tensor_list(gather([t.clone() for t in tokens], cfg), cfg.ranks,
+                               [cfg.seq, cfg.batch, cfg.hidden], "a gathered sequence")
+            want = comm.group_cat(torch.stack(tokens), 0)
+            wrong = comm.group_cat(torch.stack(tokens), 0, "dp") \
+                if cfg.data_parallel == cfg.world_size else None
+            where = f"on {_mesh_shape(cfg)} (seed {seed})"
+            for r in range(cfg.ranks):
+                if torch.equal(got[r], want[r]):
+                    continue
+                if wrong is not None and torch.equal(got[r], wrong[r]):
+                    raise _Wrong(f"{where}, rank {r} gathered over its DP group: the right "
+                                 f"shape, but chunk by chunk the tokens of every replica "
+                                 f"(NVIDIA/Megatron-LM issue 7452).")
+                raise _Wrong(f"{where}, rank {r}'s gathered sequence is not its TP group's "
+                             f"tokens in TP order.")
+            count += 1
+    return (f"every rank's gathered sequence is its own TP group's tokens in order on "
+            f"{count} cases ({len(EXTRA_SEEDS)} seeds x {len(SP_MESH_CONFIGS)} meshes).")

@@ -60,7 +60,7 @@ __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mo
            "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
            "check_needs", "check_mode", "modes_for", "tp_step",
            "make_params", "shard", "unshard", "sides", "forward_fixture", "block_inputs",
-           "LAYOUT_NEEDS",
+           "LAYOUT_NEEDS", "MESH_NEEDS",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
            "rank_batches", "dense_step", "clip_coef"]
 
@@ -73,7 +73,11 @@ FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 #: The ``needs`` that name a layout of the ``Config`` rather than a setup: the mode's injection
 #: exists only there (``check.core.check_mode`` states the rule) and runs on the engine's
 #: ranks and in the fixture's one-graph view alike.
-LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size", "dropout > 0", "qk_norm")
+LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size", "dropout > 0", "qk_norm",
+                "data_parallel >= 2", "data_parallel == world_size")
+#: The needs of the TP x DP mesh's modes (``Config.data_parallel``): they run on any layout
+#: the engine's mesh runs (plain TP, sequence parallelism, replicated KV heads).
+MESH_NEEDS = ("data_parallel >= 2", "data_parallel == world_size")
 
 
 @dataclass(frozen=True)
@@ -285,8 +289,72 @@ def _entries() -> list[BugMode]:
     ]
 
 
+
+def _mesh_entries() -> list[BugMode]:
+    """The bugs of a TP x DP mesh (``Config.data_parallel``; the engine's ``mesh_sync``):
+    the logged loss and the gradient sync over the wrong group, and sequence parallelism's
+    gather over the other mesh dimension."""
+    dp = "data_parallel >= 2"
+    return [
+        BugMode("loss_reduced_over_world",
+                "TP x DP: the logged loss all-reduced over the world mesh, not the DP group",
+                "pytorch/torchtitan PR 105", (dp,), Injection(loss_group="world"),
+                how="the loss shares are summed over every rank of the mesh: each replica's "
+                    "share counted once per TP rank (the ledger's loss all-reduce has group "
+                    "world)",
+                fix="all-reduce the loss metric over the DP submesh only",
+                fidelity="mechanism",
+                fidelity_note="there (FSDP + SP, 2024) the loss metric's all-reduce on the 2D "
+                "world mesh crashed with functional collectives; here the same wrong group, "
+                "with the shares summed, over-reports the loss by the TP degree"),
+        BugMode("loss_full_tensor_tp_only",
+                "TP x DP: the logged loss is a Replicate DTensor on the TP mesh whose "
+                "full_tensor() skips the DP reduction",
+                "pytorch/torchtitan issue 3280; PR 3313 (root cause); PR 3204; fixed by PR 3159",
+                (dp,), Injection(loss_group="tp"),
+                how="_dist_reduce returns x.full_tensor() for a DTensor, dropping the caller's "
+                    "mesh: a Replicate placement on the TP mesh reduces nothing, no DP "
+                    "all-reduce (the ledger has no loss all-reduce)",
+                fix="x.to_local(), then the all-reduce over the loss mesh (PR 3159)",
+                fidelity="mechanism",
+                fidelity_note="PR 3313 traced the under-reported loss (TP + CP) to "
+                "_dist_reduce's full_tensor() on a TP-only DTensor and PR 3204 measured "
+                "loss = true / dp size; here the skipped dimension is DP of a TP x DP mesh, "
+                "each replica logging its own share"),
+        BugMode("dp_grad_group_of_one",
+                "TP x DP: the data-parallel gradient all-reduce runs over a group of one "
+                "rank, a silent no-op",
+                "ByteDance-Seed/VeOmni issue 1059; PR 1115; fixed by PR 1086", (dp,),
+                Injection(dp_grad="self"),
+                how="the DDP process group holds only this rank: each replica steps on its "
+                    "own batch's share of the gradient and the replicas' weights drift apart "
+                    "(the ledger's gradient all-reduce has group self)",
+                fix="all-reduce the gradients over the whole data-parallel group",
+                fidelity="mechanism",
+                fidelity_note="there Ulysses SP shrank DDP's dp_group to one rank, so the "
+                "gradient all-reduce was a no-op and each rank kept its sequence shard's "
+                "gradient; here the missing dimension is DP of a TP x DP mesh"),
+        BugMode("sp_gather_wrong_group",
+                "TP x DP with sequence parallelism: the sequence all-gather (and its backward "
+                "reduce-scatter) runs over the other mesh dimension's group",
+                "NVIDIA/Megatron-LM issue 7452",
+                ("sequence_parallel", dp, "data_parallel == world_size"),
+                Injection(sp_group="dp"),
+                how="the column-parallel input's SP all-gather and its backward "
+                    "reduce-scatter run over the DP group (same size: the shapes are right, "
+                    "another replica's tokens are mixed in); the output reduce-scatter stays "
+                    "on the TP group (the ledger's SP gather has group dp)",
+                fix="build linear_q/linear_kv with the module's tp_group",
+                fidelity="mechanism",
+                fidelity_note="finding 06 of the issue: CrossAttention builds linear_q and "
+                "linear_kv without tp_group, so their SP all-gather runs over the global MPU "
+                "TP group and mixes replicas (linear_proj keeps its group); here it is the "
+                "self-attention block's Q/K/V input and the wrong group is DP's"),
+    ]
+
+
 #: name -> BugMode, in listing order.
-REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries()}
+REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries() + _mesh_entries()}
 
 
 def register(mode: BugMode) -> None:
@@ -387,7 +455,7 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
                          f"registered it without one (tpattn.bugs.zoo.register)")
     if entry.injection.reduction_only:  # the seed's check's modes: its rules and layouts
         check_mode(mode, cfg)
-    else:  # the zoo's other injections: plain TP, every rank its own KV heads
+    elif not set(entry.needs) & set(MESH_NEEDS):  # the zoo's other injections: plain TP
         if cfg.sequence_parallel:
             raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
                              f"no sequence parallelism: sequence_parallel must be False")
@@ -398,7 +466,9 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
     rules = {"world_size >= 2": cfg.world_size >= 2, "sequence_parallel": cfg.sequence_parallel,
              "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
              "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
-             "kv_heads < world_size": cfg.kv_heads < cfg.world_size}
+             "kv_heads < world_size": cfg.kv_heads < cfg.world_size,
+             "data_parallel >= 2": cfg.data_parallel >= 2,
+             "data_parallel == world_size": cfg.data_parallel == cfg.world_size}
     options = {"dropout > 0": cfg.dropout > 0, "qk_norm": cfg.qk_norm}
     for need in entry.needs:
         if need in options and not options[need]:
@@ -406,8 +476,10 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
                              f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
                              f"--dropout P, --qk-norm)")
         if not rules.get(need, True):
+            mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
+                    f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
             raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
-                             f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads})")
+                             f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
     return entry
 
 

@@ -31,7 +31,7 @@ from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.parallel.rng import replica_masks, simulated_streams
 from tpattn.parallel.sequence_parallel import rank_tokens
-from tpattn.parallel.simulated import rank0_view, simulated_step
+from tpattn.parallel.simulated import mesh_view, rank0_view, simulated_step
 from tpattn.parallel.tp import tp_forward
 
 EQUIVALENCE = "equivalence"
@@ -90,10 +90,12 @@ def check_simulate(simulate: str) -> str:
 
 
 def make_inputs(cfg: Config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ``x`` and regression target, both ``[S, B, hidden]``, from the global RNG seeded
-    with ``seed`` (drawn in float32, then cast to ``cfg.dtype``)."""
+    """Input ``x`` and regression target, both ``[S, B * data_parallel, hidden]`` (the global
+    batch; ``[S, B, hidden]`` without data parallelism), from the global RNG seeded with
+    ``seed`` (drawn in float32, then cast to ``cfg.dtype``). DP replica d trains on batch
+    columns ``d*B:(d+1)*B`` (``replica_batch``)."""
     torch.manual_seed(seed)
-    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden)
+    x = torch.randn(cfg.seq, cfg.batch * cfg.data_parallel, cfg.hidden)
     target = torch.randn_like(x)
     return x.to(cfg.torch_dtype), target.to(cfg.torch_dtype)
 
@@ -338,12 +340,27 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the seed's
     batch on every rank, or under ``inputs="per_rank"`` rank ``r >= 1``'s own from
-    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes)."""
+    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes).
+    On a TP x DP mesh every rank of the job, mesh order: replica d's batch columns
+    (``replica_batch``) of what its TP rank draws."""
     first = make_inputs(cfg, seed)
+    if cfg.data_parallel > 1:  # a TP x DP mesh: every rank of replica d its batch columns
+        per_tp = [first] * cfg.world_size if inj.inputs != "per_rank" else [first] + [
+            make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r) for r in range(1, cfg.world_size)]
+        return [replica_batch(per_tp[t], cfg, d) for d in range(cfg.data_parallel)
+                for t in range(cfg.world_size)]
     if inj.inputs != "per_rank":
         return [first] * cfg.world_size
     return [first] + [make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r)
                       for r in range(1, cfg.world_size)]
+
+
+def replica_batch(batch: tuple[torch.Tensor, torch.Tensor], cfg: Config,
+                  d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DP replica ``d``'s ``(x, target)`` ``[S, B, hidden]``: batch columns ``d*B:(d+1)*B`` of
+    the global ``batch`` (``make_inputs``)."""
+    cols = slice(d * cfg.batch, (d + 1) * cfg.batch)
+    return batch[0][:, cols], batch[1][:, cols]
 
 
 def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -353,8 +370,8 @@ def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
     (``sequence_parallel.rank_tokens``: the scatter along the sequence), else the batch."""
     if not cfg.sequence_parallel:
         return list(batches)
-    return [(x[rank_tokens(cfg, r)], t[rank_tokens(cfg, r)])
-            for r, (x, t) in enumerate(batches)]
+    return [(x[rank_tokens(cfg, i % cfg.world_size)], t[rank_tokens(cfg, i % cfg.world_size)])
+            for i, (x, t) in enumerate(batches)]
 
 
 def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
@@ -429,6 +446,10 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     (``rank_batches``; default ``(x0, target)`` on every rank).
 
     ``"ranks"``: the engine on ``collectives.SimulatedRanks``, every rank its own step.
+    On a TP x DP mesh (``cfg.data_parallel > 1``) both simulations run the simulated ranks of
+    the whole mesh and report ``simulated.mesh_view`` (rank 0's report over the replicas):
+    a simulation's shortcut for ``"fixture"``, whose one graph has no mesh. ``batches`` are
+    then every rank's, mesh order (default: replica d's batch columns, ``replica_batch``).
     ``"fixture"``: the engine on ``one_graph.OneGraphRanks`` (one graph, rank 0's view); a
     ``reduction_only`` injection on plain TP runs the seed's ``tp.tp_forward`` (the same view,
     the seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
@@ -444,16 +465,24 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     if not isinstance(inj, Injection):
         raise ValueError(f"inj must be an Injection, the mode's program "
                          f"(tpattn.bugs.modes.resolve(mode).injection) (got {inj!r})")
+    if cfg.data_parallel > 1:  # a TP x DP mesh: the simulated ranks (shortcut below)
+        batches = [replica_batch((x0, target), cfg, d) for d in range(cfg.data_parallel)
+                   for _ in range(cfg.world_size)] if batches is None else batches
     batches = [(x0, target)] * cfg.world_size if batches is None else batches
     # the seed's programs cut with shard_params itself (one_graph_forward then views the dense
     # tensors rank-major, the seed's digits); the zoo's setups with the injection's loader
     cut = shard_fn or (shard_params if inj.reduction_only and not model_options(cfg)
                        else lambda q, c: shard(q, c, inj))
+    if cfg.dropout > 0 and rng_seed is None:
+        raise ValueError("rng_seed must be the run's seed when dropout > 0: the ranks' "
+                         "random streams are seeded with it")
+    rng = simulated_streams(cfg, rng_seed, inj) if cfg.dropout > 0 else None
+    if cfg.data_parallel > 1:
+        gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
+        step = simulated_step(cut(base, cfg) * cfg.data_parallel, block_inputs(batches, cfg),
+                              cfg, inj, LR, rng=rng)
+        return mesh_view(step, cfg, gather)
     if check_simulate(simulate) == "ranks" or model_options(cfg):  # every rank its own step
-        if cfg.dropout > 0 and rng_seed is None:
-            raise ValueError("rng_seed must be the run's seed when dropout > 0: the ranks' "
-                             "random streams are seeded with it")
-        rng = simulated_streams(cfg, rng_seed, inj) if cfg.dropout > 0 else None
         gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
         step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR,
                               rng=rng)
@@ -479,7 +508,10 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
     rank its own output, loss and backward, as ``tpattn.real.ranks`` measures on real
     processes). ``shard_fn(params, cfg)``: how the dense parameters are cut into rank shards
     (default: the injection's cut; chapter 6 passes a layout that splits a query/KV group).
-    Returns the five measures and ``passed``.
+    Returns the five measures and ``passed``. On a TP x DP mesh (``cfg.data_parallel > 1``)
+    the dense side runs on the global batch ``[S, batch * data_parallel, hidden]`` and the TP
+    side is rank 0's report over the DP replicas (``tp_step``: the simulated ranks of the whole
+    mesh, for ``"fixture"`` too).
 
     ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
     (``tp.tp_forward``). ``tolerance="auto"`` (a ``reduction_only`` injection): a rounding

@@ -75,11 +75,12 @@ def _count(ledger: list[dict], phase: str, group: str | None = None, op: str | N
 
 
 def _reductions(ledger: list[dict], phase: str) -> int:
-    """The TP group's reductions (all-reduces, reduce-scatters: an ``op``) in ``phase``;
-    gathers (``op`` None) are left out: under sequence parallelism g's backward is an
+    """The TP group's reductions (all-reduces, reduce-scatters: an ``op``) in ``phase`` (on a
+    TP x DP mesh also those run over the DP group in its place); gathers (``op`` None) are
+    left out: under sequence parallelism g's backward is an
     all-gather of dy, which is no f."""
-    return sum(e["phase"] == phase and e["group"] == "tp" and e.get("op", "sum") is not None
-               for e in ledger)
+    return sum(e["phase"] == phase and e["group"] in ("tp", "dp")
+               and e.get("op", "sum") is not None for e in ledger)
 
 
 def _norm_totals(obs: dict) -> tuple[float, float]:
@@ -87,8 +88,8 @@ def _norm_totals(obs: dict) -> tuple[float, float]:
     replicated parameters counted on rank 0 only (correct), or on every rank."""
     from tpattn.parallel.engine import REPLICATED
 
-    once = every = 0.0
-    for rank, norms in enumerate(obs["rank_grad_norms"]):
+    once = every = 0.0  # the logged norm is one TP group's: the first (on a mesh, replica 0)
+    for rank, norms in enumerate(obs["rank_grad_norms"][:obs["setup"]["world_size"]]):
         for name, n in norms.items():
             every += n * n
             once += n * n if name not in REPLICATED or rank == 0 else 0.0
@@ -109,7 +110,8 @@ def features(obs: dict) -> dict:
         "gqa": setup["query_heads"] > setup["kv_heads"],
         "losses_agree": not _spread(obs["rank_losses"]),
         "losses_per_rank": setup.get("logged_loss", "per_rank") == "per_rank",
-        "batches_agree": len(set(obs["batch_checksums"])) == 1,
+        "batches_agree": all(len(set(obs["batch_checksums"][i:i + w])) == 1  # per TP group
+                             for i in range(0, len(obs["batch_checksums"]), w)),
         "shards_ok": {k: all(abs(d) <= 1e-5 * max(obs["shard_scale"][k], 1.0) for d in v)
                       for k, v in obs["shard_checksums"].items()},
         # replicas get the same all-reduced gradient and the same update: the same bits
@@ -139,6 +141,7 @@ def features(obs: dict) -> dict:
         "kv_reduces_plan": sum(e["group"] == "kv_replicas" for e in plan),
     }
     f["ledger_as_planned"] = ledger == plan
+    f.update(_mesh_features(obs, ledger, plan))
     once, every = _norm_totals(obs) if "rank_grad_norms" in obs else (None, None)
     logged = obs["logged_grad_norm"]
     f["logged_norm_is"] = ("unknown" if once is None else "once" if _close(logged, once)
@@ -156,6 +159,35 @@ def features(obs: dict) -> dict:
         f["logged_norm_matches"] = _close(logged, ref["logged_grad_norm"])
         f["bias_shift_along_bias"] = (obs.get("bias_grad_shift_cosine", 0.0) > 1 - 1e-3)
         f["output_outside_partials"] = obs.get("output_outside_partials", 0.0) > OUTSIDE_REL
+    return f
+
+
+def _mesh_features(obs: dict, ledger: list[dict], plan: list[dict]) -> dict:
+    """The TP x DP mesh's facts (``setup["data_parallel"] > 1``; off otherwise): the groups
+    of the ledger's mesh collectives against the plan's, what the logged loss is of the ranks'
+    shares (``"total"``: their sum over the replicas, ``"W times"`` it, ``"own share"``: rank
+    0's replica's alone, ``"neither"``), whether the DP replicas' parameters agree."""
+    setup = obs["setup"]
+    w, mesh = setup["world_size"], setup.get("data_parallel", 1)
+    f = {"mesh": mesh > 1, "logged_loss_is": "total", "dp_replicas_agree_1": True}
+    for key, test in (("world_loss", lambda e: e["group"] == "world"),
+                      ("dp_loss", lambda e: e["group"] == "dp" and e["phase"] == "step"),
+                      ("self_grad", lambda e: e["group"] == "self"),
+                      ("sp_dp", lambda e: e["group"] == "dp"
+                       and e["phase"] in ("forward", "backward"))):
+        f[key], f[key + "_plan"] = sum(map(test, ledger)), sum(map(test, plan))
+    if mesh > 1:
+        shares = obs["loss_shares"]
+        sp = setup.get("sequence_parallel", False)
+        own = sum(shares[:w]) if sp else shares[0]
+        total = sum(shares) if sp else sum(shares[d * w] for d in range(mesh))
+        logged = obs["rank_losses"][0]
+        f["logged_loss_is"] = ("total" if _close(logged, total) else "W times"
+                               if _close(logged, w * total) else "own share"
+                               if _close(logged, own) else "neither")
+        f["dp_replicas_agree_1"] = all(len(set(v)) == 1 for k, v in
+                                       obs["replica_checksums"]["after_1"].items()
+                                       if k.startswith("dp "))
     return f
 
 
@@ -207,6 +239,26 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                              lambda f: f["logged_norm_is"] == "per rank"),
     "norm_unexplained": ("the logged gradient norm is not the per-rank gradient norms' total",
                          1, lambda f: f["logged_norm_is"] == "neither"),
+    "loss_over_world": ("the ledger's logged-loss all-reduce runs over the whole mesh "
+                        "(group world) where the plan has the DP group", 1,
+                        lambda f: f["world_loss"] > f["world_loss_plan"]),
+    "loss_not_reduced": ("the ledger has no logged-loss all-reduce where the plan has one "
+                         "over the DP group", 1,
+                         lambda f: f["dp_loss"] + f["world_loss"]
+                         < f["dp_loss_plan"] + f["world_loss_plan"]),
+    "logged_loss_w_times": ("the logged loss is W times the sum of the ranks' loss shares "
+                            "over the DP replicas", 1,
+                            lambda f: f["mesh"] and f["logged_loss_is"] == "W times"),
+    "logged_loss_own_share": ("the logged loss is rank 0's replica's own share, not the sum "
+                              "over the DP replicas", 1,
+                              lambda f: f["mesh"] and f["logged_loss_is"] == "own share"),
+    "dp_grad_self": ("the ledger's DP gradient all-reduce runs over a group of one rank "
+                     "(group self) where the plan has the DP group", 1,
+                     lambda f: f["self_grad"] > f["self_grad_plan"]),
+    "dp_replicas": ("a parameter differs across the DP replicas after one step", 1,
+                    lambda f: not f["dp_replicas_agree_1"]),
+    "sp_over_dp": ("the sequence all-gather/reduce-scatter runs over the DP group where the "
+                   "plan has the TP group", 1, lambda f: f["sp_dp"] > f["sp_dp_plan"]),
     "loss_off": ("the step-0 loss differs from the good run's (the forward is wrong)", 2,
                  lambda f: not f["loss_matches"]),
     "grads_off": ("the sharded weights' gradient norms differ from the good run's", 2,
@@ -321,6 +373,24 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         ["after_bwd_short", "qk_norm_replicas"], ["grads_off"],
         "all-reduce the q/k-norm weights' gradients over the TP group after backward: their "
         "replicas stay identical", allows=lambda f: f["world_size"] >= 2 and f["qk_norm"]),
+    "loss_reduced_over_world": _fp(
+        ["loss_over_world", "logged_loss_w_times"], ["loss_off", "curve_off"],
+        "all-reduce the loss metric over the DP submesh: the logged loss falls by exactly W",
+        allows=lambda f: f["mesh"]),
+    "loss_full_tensor_tp_only": _fp(
+        ["loss_not_reduced", "logged_loss_own_share"], ["losses_disagree", "loss_off",
+                                                        "curve_off"],
+        "to_local() then all-reduce over the DP mesh: the replicas log the same loss, the "
+        "sum of their shares", allows=lambda f: f["mesh"]),
+    "dp_grad_group_of_one": _fp(
+        ["dp_grad_self", "dp_replicas"], ["norm_replicas", "bias_replicas", "kv_replicas",
+                                          "grads_off", "curve_off", *_NORM_GRAD],
+        "all-reduce the gradients over the whole DP group: the replicas stay identical",
+        allows=lambda f: f["mesh"]),
+    "sp_gather_wrong_group": _fp(
+        ["sp_over_dp"], ["outside_partials", "losses_disagree", "norm_replicas"],
+        "build the column-parallel layers with the module's TP group: the gather's group "
+        "becomes tp", allows=lambda f: f["mesh"] and f["sequence_parallel"], forward=True),
 }
 
 #: Causes whose evidence is only "the forward is wrong, a partial itself changed": an

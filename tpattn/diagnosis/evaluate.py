@@ -24,7 +24,8 @@ from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
-__all__ = ["HELD_OUT", "MODEL_HELD_OUT", "TUNING", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", "classify",
+__all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH",
+           "MESH_SEEDS", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", "classify",
            "pair_class", "BOTH_NAMED", "single_bug_answers", "single_bug_cases", "answer_label",
            "confusion", "pairs", "two_bug_cases", "made_up_cases",
            "summary"]
@@ -68,11 +69,34 @@ MODEL_HELD_OUT = [
     ("drop W4 hq8 kv8", Config(seq=6, hidden=16, query_heads=8, kv_heads=8, head_dim=4,
                                world_size=4, dropout=0.05), _SEED_BUGS + _DROP),
 ]
+#: The TP x DP mesh's shapes (``Config.data_parallel``), written before the mesh modes'
+#: fingerprints were tuned and kept apart from ``HELD_OUT`` (whose figures they leave as
+#: they were): (name, Config, the mesh modes it hosts). Callers pass seeds 500-504.
+_MESH_MODES = ("loss_reduced_over_world", "loss_full_tensor_tp_only", "dp_grad_group_of_one")
+HELD_OUT_MESH = [
+    ("TP2xDP2", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
+                       data_parallel=2), _MESH_MODES),
+    ("TP4xDP2", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
+                       world_size=4, data_parallel=2), _MESH_MODES),
+    ("TP2xDP4", Config(seq=4, batch=3, hidden=32, query_heads=8, kv_heads=2, head_dim=8,
+                       data_parallel=4), _MESH_MODES),
+    ("SP TP2xDP2", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
+                          data_parallel=2, sequence_parallel=True),
+     _MESH_MODES + ("sp_gather_wrong_group",)),
+    ("TP4xDP4-SP", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
+                          world_size=4, data_parallel=4, sequence_parallel=True),
+     _MESH_MODES + ("sp_gather_wrong_group",)),
+]
 #: The shapes the fingerprints are tuned on (``tests/diagnosis/test_diagnose.py``'s, seeds
 #: 0-9): (name, Config, None: every plain-TP mode whose needs it meets).
 TUNING = [
     ("W2, 2 KV heads per rank", Config(query_heads=8, kv_heads=4), None),
     ("W4, 2 KV heads per rank", Config(seq=4, query_heads=16, kv_heads=8, world_size=4), None),
+]
+#: The mesh modes' tuning shape (seeds 21, 34), apart from ``HELD_OUT_MESH``.
+TUNING_MESH = [
+    ("TP2xDP2 tuning", Config(seq=4, data_parallel=2, sequence_parallel=True),
+     _MESH_MODES + ("sp_gather_wrong_group",)),
 ]
 #: Bugs outside the registry (``Injection``'s test knobs), two ranks.
 MADE_UP = {
@@ -86,6 +110,8 @@ MADE_UP = {
     "rank 1's attention partial x 1.05": Injection(partial_scale=(1.0, 1.05)),
 }
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
+#: The held-out seeds of ``HELD_OUT_MESH``.
+MESH_SEEDS = (500, 501, 502, 503, 504)
 
 
 def named(found: list[dict]) -> set[str]:

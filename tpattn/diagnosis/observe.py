@@ -29,6 +29,10 @@ returns only such observables, as plain JSON-able numbers:
   ``Config.qk_norm``, ``replica_checksums`` also holds ``q_norm`` and ``k_norm``, and the
   ledger their after-backward all-reduce. ``setup`` then names the options (``dropout``,
   ``qk_norm``);
+- on a TP x DP mesh (``Config.data_parallel > 1``; ``setup["data_parallel"]``):
+  ``loss_shares``, every rank's own share of the global mean at step 0 (what it adds to the
+  logged loss's all-reduce), and in ``replica_checksums`` every parameter of each TP rank on
+  every DP replica (``"dp wq (tp rank 0)"``: the replicas must stay identical);
 - and, *when a known-good run is available* (an earlier commit, TP = 1):
   ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
   ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
@@ -99,9 +103,17 @@ def _losses(state, batches, cfg: Config, inj: Injection, rng=None) -> torch.Tens
 def replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, list[float]]:
     """The checksums of the tensors that must stay identical across ranks: each replicated
     parameter on every rank, and with replicated KV heads ``wk``/``wv`` on each replica
-    group's ranks (``"wk (ranks 0, 1)"``). weights: every rank's dict."""
+    group's ranks (``"wk (ranks 0, 1)"``). weights: every rank's dict. On a TP x DP mesh
+    also every parameter of each TP rank on every DP replica (``"dp wq (tp rank 0)"``: one
+    sum per replica)."""
     sums = {name: [_checksum(w[name]) for w in weights] for name in REPLICATED
             if name in weights[0]}
+    if cfg.data_parallel > 1:
+        w = cfg.world_size
+        for name in weights[0]:
+            for t in range(w):
+                sums[f"dp {name} (tp rank {t})"] = [_checksum(weights[d * w + t][name])
+                                                    for d in range(cfg.data_parallel)]
     if kv_grad_bug_applies(cfg):
         for name in ("wk", "wv"):
             for group in replica_groups(cfg):
@@ -129,8 +141,14 @@ def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
         return per_rank, result["weights"], unstack_ranks(result["weights"])
 
     checksums = rng.default_checksums() if rng is not None else None
-    out = train_loop(stack_ranks(shards), step, lambda p: _losses(p, batches, cfg, inj, rng),
-                     steps, last_update, lambda weights: replica_sums(weights, cfg))
+
+    def losses(p):  # on a mesh: the logged loss (its all-reduce is part of the step)
+        if cfg.data_parallel > 1:
+            return simulated_step(p, batches, cfg, inj, LR, rng=rng)["losses"]
+        return _losses(p, batches, cfg, inj, rng)
+
+    out = train_loop(stack_ranks(shards), step, losses, steps, last_update,
+                     lambda weights: replica_sums(weights, cfg))
     if checksums is not None:
         out["rng_checksums"] = checksums
     return out
@@ -161,6 +179,14 @@ def train_loop(state, step, losses, steps: int, last_update: bool, sums) -> dict
 def _logged(losses, logged_loss: str) -> list[float]:
     values = [float(l) for l in losses]
     return values if logged_loss == "per_rank" else [sum(values) / len(values)] * len(values)
+
+
+def _shares(outputs: torch.Tensor, batches, cfg: Config) -> list[float]:
+    """On a TP x DP mesh, every rank's own share of the global mean at step 0 (before the
+    logged loss's all-reduce): the sum of its squared errors over the global numel."""
+    numel = cfg.seq * cfg.batch * cfg.data_parallel * cfg.hidden
+    return [float((y.double() - t.double()).pow(2).sum() / numel)
+            for y, (_, t) in zip(outputs, batches)]
 
 
 def _outside_partials(output: torch.Tensor, good_output: torch.Tensor, shards, xs,
@@ -208,13 +234,14 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
     seeded = {"seed": seed} if cfg.dropout > 0 else {}  # the ranks' random streams
-    run = train(shards0, block_inputs(batches, cfg), cfg, inj, steps, **seeded)
+    mesh = cfg.data_parallel  # every DP replica holds the TP shards: mesh order
+    run = train(shards0 * mesh, block_inputs(batches, cfg), cfg, inj, steps, **seeded)
     good_batches = batches if inj.inputs == good_inj.inputs else \
         rank_batches(cfg, seed, good_inj)
     if good_inj == inj:  # no bug: the good run is this run
         good = run
     else:
-        good = train(expected, block_inputs(good_batches, cfg), cfg, good_inj, steps,
+        good = train(expected * mesh, block_inputs(good_batches, cfg), cfg, good_inj, steps,
                      last_update=False, **seeded)
     first, good_first = run["first"], good["first"]
     obs = {
@@ -241,15 +268,19 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
         obs["rng_state_checksums"] = run["rng_checksums"]
     if cfg.qk_norm:
         obs["setup"]["qk_norm"] = True
+    if mesh > 1:  # a TP x DP mesh: its degree and every rank's share of the global mean
+        obs["setup"]["data_parallel"] = mesh
+        obs["loss_shares"] = _shares(first["outputs"], block_inputs(batches, cfg), cfg)
+    w = cfg.world_size
     if reference:
-        grads = unshard(first["grads"], cfg, inj)
-        good_grads = unshard(good_first["grads"], cfg, good_inj)
+        grads = unshard(first["grads"][:w], cfg, inj)
+        good_grads = unshard(good_first["grads"][:w], cfg, good_inj)
         obs["reference"] = {"rank_losses": _logged(good_first["losses"], logged_loss),
                             "logged_grad_norm": good_first["grad_norm"],
                             "loss_curve": good["curve"]}
         obs["grad_norm_ratio"] = {k: float(grads[k].norm() / good_grads[k].norm())
                                   for k in good_grads}
-        if not cfg.sequence_parallel:
+        if not cfg.sequence_parallel and mesh == 1:
             good_xs = [x for x, _ in block_inputs(good_batches, cfg)]
             rng = simulated_streams(cfg, seed, good_inj) if cfg.dropout > 0 else None
             obs["output_outside_partials"] = _outside_partials(

@@ -20,14 +20,14 @@ import torch
 
 from tpattn.check.core import LR
 from tpattn.config import Config
-from tpattn.parallel.engine import rank_block, stack_ranks, train_step
+from tpattn.parallel.engine import rank_block, stack_ranks, train_step, unstack_ranks
 from tpattn.parallel.rng import process_streams, state_checksum
 from tpattn.real.ranks import CollectiveLedger, DistributedRanks, rank_ledger, run_rank
 
 from .diagnose import diagnose
 from .observe import observe, replica_sums, train_loop
 
-__all__ = ["DistributedTrain", "observe_on_rank", "diagnose_rank"]
+__all__ = ["DistributedTrain", "MeshTrain", "observe_on_rank", "diagnose_rank"]
 
 
 class DistributedTrain:
@@ -99,11 +99,50 @@ class DistributedTrain:
         return out
 
 
+class MeshTrain:
+    """``observe_injection``'s ``train`` on one real rank of a TP x DP mesh
+    (``tpattn.real.mesh_ranks``): ``engine.train_step`` through ``MeshRanks`` (the mesh's
+    real groups), every rank's step gathered after each step (``gather_mesh_step``, one
+    ``all_gather_object``: what a job's logging collects). shards, batches: every rank's of
+    the mesh, in mesh order; this rank trains ``shards[rank]`` on ``batches[rank]``."""
+
+    def __init__(self, mesh, self_group, rank: int):
+        self.mesh, self.self_group, self.rank = mesh, self_group, rank
+
+    def __call__(self, shards, batches, cfg: Config, inj, steps: int,
+                 last_update: bool = True) -> dict:
+        from tpattn.real.mesh_ranks import MeshRanks, gather_mesh_step
+
+        x, target = (t.unsqueeze(0) for t in batches[self.rank])
+
+        def whole(p):
+            comm = MeshRanks(cfg, self.mesh, self.self_group, [])
+            result = train_step(p, x, target, cfg, inj, comm, LR)
+            return result, gather_mesh_step(result)
+
+        def step(p):
+            result, every = whole(p)
+            out = {"losses": list(every["losses"]), "grads": unstack_ranks(every["grads"]),
+                   "ledger": result["ledger"], "grad_norm": result["grad_norm"],
+                   "outputs": every["outputs"]}
+            return out, result["weights"], unstack_ranks(every["weights"])
+
+        def losses(p):  # the logged loss: its all-reduce is part of the step
+            return list(whole(p)[1]["losses"])
+
+        state = stack_ranks([shards[self.rank]])
+        return train_loop(state, step, losses, steps, last_update,
+                          lambda weights: replica_sums(weights, cfg))
+
+
 def observe_on_rank(mode: str, seed: int, cfg: Config, ledger: CollectiveLedger, rank: int,
                     device="cpu", **kwargs) -> dict:
     """``observe(mode, seed, cfg, **kwargs)`` with this process as real rank ``rank`` (every
     rank of the group must call it with the same arguments); every rank returns the same
-    dict."""
+    dict. On a TP x DP mesh (``cfg.data_parallel > 1``) ``ledger`` is ``(mesh, self_group)``
+    (``tpattn.real.mesh_ranks.build_mesh``) and the ranks train through ``MeshTrain``."""
+    if cfg.data_parallel > 1:
+        return observe(mode, seed, cfg, train=MeshTrain(*ledger, rank), **kwargs)
     return observe(mode, seed, cfg, train=DistributedTrain(ledger, rank, device), **kwargs)
 
 
@@ -113,7 +152,12 @@ def diagnose_rank(rank: int, plan, device="cpu", on_progress=None) -> dict:
     ``run_rank``'s dict plus ``diagnoses`` (one ``diagnose`` list per job, in order) and
     ``observations``; other ranks return ``run_rank``'s."""
     out = run_rank(rank, plan, device, on_progress)
-    ledger = rank_ledger(plan.cfg, rank, plan.timeout)
+    if plan.cfg.data_parallel > 1:  # a TP x DP mesh: its groups, not a TP ledger
+        from tpattn.real.mesh_ranks import build_mesh
+
+        ledger = build_mesh(plan.cfg, plan.timeout)
+    else:
+        ledger = rank_ledger(plan.cfg, rank, plan.timeout)
     observations = [observe_on_rank(mode, seed, plan.cfg, ledger, rank, device)
                     for mode, seed in plan.jobs]
     if rank == 0:

@@ -44,6 +44,7 @@ from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_K
                     make_inputs)
 from tpattn.config import Config
 from tpattn.bugs.modes import resolve
+from tpattn.bugs.zoo import MESH_NEEDS
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
 from tpattn.block.params import init_params, shard_params
 from tpattn.real.ranks import real_rank_block
@@ -343,7 +344,13 @@ def _validate(mode, cfg, seed):
     check_seed(seed)
     if not isinstance(mode, str):
         raise ValueError(f"mode must be a mode name (got {mode!r})")
-    inj = resolve(mode, cfg).injection  # a seed's-check mode: check_mode's rules on cfg
+    entry = resolve(mode, cfg)  # a seed's-check mode: check_mode's rules on cfg
+    inj = entry.injection
+    if cfg.data_parallel > 1 or set(entry.needs) & set(MESH_NEEDS):
+        raise ValueError(f"typecheck checks one TP group (a fake process group of world_size "
+                         f"ranks): data_parallel must be 1 and the mode's bug on the TP "
+                         f"group (got data_parallel={cfg.data_parallel}; mode {mode!r} needs "
+                         f"{', '.join(entry.needs) or 'nothing'})")
     if inj is None or not inj.reduction_only:
         from tpattn.bugs.zoo import check_needs
 
@@ -428,7 +435,10 @@ TABLE_SETUPS = {
 
 def typecheck_table() -> list[dict]:
     """``typecheck`` of every registry mode (``python -m tpattn --list-modes``, in order) at
-    its ``TABLE_SETUPS`` setup: one ``typecheck`` dict per mode."""
+    its ``TABLE_SETUPS`` setup: one ``typecheck`` dict per mode; the TP x DP mesh's modes
+    (``zoo.MESH_NEEDS``), which one TP group's fake process group does not model, are left
+    out (``typecheck`` raises ``ValueError`` for them)."""
     from tpattn.bugs.zoo import REGISTRY
 
-    return [typecheck(name, TABLE_SETUPS.get(name, Config())) for name in REGISTRY]
+    return [typecheck(name, TABLE_SETUPS.get(name, Config())) for name, m in REGISTRY.items()
+            if not set(m.needs) & set(MESH_NEEDS)]

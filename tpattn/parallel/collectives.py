@@ -18,10 +18,22 @@ passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the proce
   reduce_norm_grad(g, how)    after backward: SP's norm-gradient all-reduce
   reduce_qk_norm_grads(q, k)  after backward: the q/k-norm weights' gradient
                               all-reduce (one collective for both)
+  reduce_dp_grads(grads, grp) after backward, on a TP x DP mesh: the data-
+                              parallel gradient all-reduce ("dp"; "self": a
+                              group of one rank, a no-op)
+  reduce_loss(share, grp)     the logged loss: all-reduce SUM of the shares
+                              over "dp", "world" (the whole mesh), or "tp"
+                              (no reduction: a Replicate DTensor's
+                              full_tensor() on the TP mesh)
 
-``SimulatedRanks`` holds every rank (``R = world_size``): each collective is a sum or a
-concatenation over dim 0, in rank order (``t[0] + t[1] + ...``, as the all-reduces of a ring of
-real ranks are modelled elsewhere in the package). A ``ledger`` list, when given, records every
+``SimulatedRanks`` holds every rank of the job (``R = cfg.ranks = world_size *
+data_parallel``) in mesh order: entry ``i`` is global rank ``i = dp_rank * world_size +
+tp_rank`` (``init_device_mesh(..., (data_parallel, world_size), ("dp", "tp"))``). Each
+collective is a sum or a concatenation over the entries of one group, in group order
+(``t[a] + t[b] + ...``, as the all-reduces of a ring of real ranks are modelled elsewhere in
+the package): the TP collectives over each TP group (``world_size`` consecutive entries), the
+DP gradient all-reduce over each DP group (the entries of one ``tp_rank``). With
+``data_parallel == 1`` there is one TP group, every entry, as plain TP. A ``ledger`` list, when given, records every
 collective as ``{"collective", "phase", "group", "label", "op"}`` when it runs (backward
 ones during backward; ``op``: the reduction the program asked for, ``"sum"`` or ``"avg"``,
 ``None`` for a gather). ``f`` and ``g`` may be replaced by a reader's own ``torch.autograd.Function``
@@ -35,7 +47,8 @@ import torch
 
 from tpattn.config import Config
 
-__all__ = ["SimulatedRanks", "rank_sum", "F_LABEL", "G_LABEL"]
+__all__ = ["SimulatedRanks", "rank_sum", "F_LABEL", "G_LABEL", "DP_GRAD_LABEL", "LOSS_LABEL",
+           "SP_SHARE_LABEL"]
 
 #: Ledger label of the after-backward all-reduce of the q/k-norm weights' gradients.
 QK_NORM_GRAD_LABEL = "all-reduce of the q/k-norm weights' gradients"
@@ -80,19 +93,65 @@ class _ReplicaReduce(torch.autograd.Function):
         return (*ctx.reduce_fn(gk, gv), None)
 
 
+#: Ledger labels of the collectives of a TP x DP mesh.
+DP_GRAD_LABEL = "all-reduce of gradients over the DP group"
+LOSS_LABEL = "all-reduce of the logged loss"
+SP_SHARE_LABEL = "all-reduce of the loss shares over the TP group"
+
+
 class SimulatedRanks:
-    """Every rank of ``cfg.world_size`` in one process, as dim 0 of every tensor.
+    """Every rank of the job (``cfg.ranks``) in one process, as dim 0 of every tensor, in mesh
+    order (module docstring).
 
     ``ledger``: a list to record the collectives in (``None``: record nothing). ``f``, ``g``:
     optional ``torch.autograd.Function`` subclasses with ``apply(*tensors)`` (one ``[...]``
-    per rank in, one per rank out) used in place of f and g.
+    per rank in, one per rank out) used in place of f and g (plain TP only).
     """
 
     def __init__(self, cfg: Config, ledger: list | None = None, f=None, g=None):
         self.cfg, self.ledger, self.f, self.g = cfg, ledger, f, g
         self.world_size = cfg.world_size
-        #: The global rank of each entry of dim 0.
-        self.ranks = list(range(cfg.world_size))
+        self.data_parallel = cfg.data_parallel
+        #: Each entry's TP rank (its rank in its TP group: the engine's heads and tokens).
+        self.ranks = [i % cfg.world_size for i in range(cfg.ranks)]
+        #: Each entry's DP rank (the replica it belongs to).
+        self.dp_ranks = [i // cfg.world_size for i in range(cfg.ranks)]
+
+    def groups(self, group: str = "tp") -> list[list[int]]:
+        """The entries of each group of ``group`` (``"tp"``, ``"dp"``, ``"world"``), each list
+        in group order: TP groups are consecutive entries, DP groups one ``tp_rank`` each."""
+        w, d = self.world_size, self.data_parallel
+        if group == "tp":
+            return [[i * w + t for t in range(w)] for i in range(d)]
+        if group == "dp":
+            return [[i * w + t for i in range(d)] for t in range(w)]
+        if group == "world":
+            return [list(range(w * d))]
+        raise ValueError(f"group must be 'tp', 'dp' or 'world' (got {group!r})")
+
+    def position(self, entry: int, group: str = "tp") -> int:
+        """Entry ``entry``'s rank inside its group of ``group``."""
+        return next(m.index(entry) for m in self.groups(group) if entry in m)
+
+    def group_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
+        """Every entry of ``t`` ``[R, ...]`` replaced by the sum over its group, in group order
+        (one group: ``rank_sum(t)`` on every entry, bit for bit)."""
+        out = [None] * t.shape[0]
+        for members in self.groups(group):
+            total = rank_sum(t[members])[0]
+            for m in members:
+                out[m] = total
+        return torch.stack(out)
+
+    def group_cat(self, t: torch.Tensor, dim: int, group: str = "tp") -> torch.Tensor:
+        """Every entry of ``t`` ``[R, ...]`` replaced by its group's entries concatenated along
+        ``dim`` of an entry (group order)."""
+        out = [None] * t.shape[0]
+        for members in self.groups(group):
+            full = torch.cat([t[m] for m in members], dim=dim)
+            for m in members:
+                out[m] = full
+        return torch.stack(out)
 
     def record(self, phase: str, label: str, collective: str = "all_reduce",
                group: str = "tp", op: str | None = "sum") -> None:
@@ -125,7 +184,7 @@ class SimulatedRanks:
                 out.register_hook(on_backward)
             return out
         return self._apply(n, lambda t: t.view_as(t),
-                           lambda g: (rank_sum(g) / w).expand_as(g).contiguous(),
+                           lambda g: (self.group_sum(g) / w).contiguous(),
                            (label, "all_reduce", "tp", op))
 
     def reduce_output(self, partial: torch.Tensor, label: str = G_LABEL) -> torch.Tensor:
@@ -134,29 +193,40 @@ class SimulatedRanks:
         self.record("forward", label)
         if self.g is not None:
             return torch.stack(self.g.apply(*partial.unbind(0)))
-        return self._apply(partial, lambda t: rank_sum(t).expand_as(t).contiguous(),
+        return self._apply(partial, lambda t: self.group_sum(t).contiguous(),
                            lambda g: g)
 
-    def own_tokens(self, full: torch.Tensor) -> torch.Tensor:
-        """Each rank's ``S/W`` tokens of its own ``[R, S, ...]`` entry: ``[R, S/W, ...]``."""
+    def own_tokens(self, full: torch.Tensor, group: str = "tp") -> torch.Tensor:
+        """Each rank's ``S/W`` tokens of its own ``[R, S, ...]`` entry: ``[R, S/W, ...]``
+        (chunk = the rank's position in its group of ``group``: its TP rank for ``"tp"``)."""
         w = self.world_size
-        return torch.stack([full[i].chunk(w, dim=0)[r] for i, r in enumerate(self.ranks)])
+        pos = self.ranks if group == "tp" else [self.position(i, group)
+                                                for i in range(full.shape[0])]
+        return torch.stack([full[i].chunk(w, dim=0)[r] for i, r in enumerate(pos)])
 
-    def gather_sequence(self, n: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
+    def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
+        """A reduce-scatter along the sequence: each rank's ``S/W`` tokens (its position in
+        its group of ``group``) of its group's sum of ``t`` ``[R, S, ...]``."""
+        return self.own_tokens(self.group_sum(t, group), group).contiguous()
+
+    def gather_sequence(self, n: torch.Tensor, reduce_grad: bool = True,
+                        group: str = "tp") -> torch.Tensor:
         """SP's f on ``n`` ``[R, S/W, B, hidden]`` -> ``[R, S, B, hidden]`` (every rank's
         tokens in rank order). Backward: a reduce-scatter (rank r's tokens of the rank sum);
-        ``reduce_grad=False``: rank r's tokens of its own gradient."""
-        self.record("forward", "all-gather of n along the sequence", "all_gather", op=None)
+        ``reduce_grad=False``: rank r's tokens of its own gradient. ``group``: the group both
+        run over (``"dp"``: the other mesh dimension's, of the same size when ``data_parallel
+        == world_size``: the shapes are right, the tokens another replica's)."""
+        self.record("forward", "all-gather of n along the sequence", "all_gather", group,
+                    op=None)
 
         def forward(t):
-            full = torch.cat(t.unbind(0), dim=0)
-            return full.unsqueeze(0).expand(t.shape[0], *full.shape).contiguous()
+            return self.group_cat(t, 0, group).contiguous()
 
         def backward(g):
             if reduce_grad:
-                self.record("backward", "reduce-scatter of dn", "reduce_scatter")
-                g = rank_sum(g).expand_as(g)
-            return self.own_tokens(g).contiguous()
+                self.record("backward", "reduce-scatter of dn", "reduce_scatter", group)
+                return self.scatter_sum(g, group)
+            return self.own_tokens(g, group).contiguous()
         return _Collective.apply(n, forward, backward)
 
     def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
@@ -166,11 +236,8 @@ class SimulatedRanks:
 
         def backward(g):
             self.record("backward", "all-gather of dy", "all_gather", op=None)
-            full = torch.cat(g.unbind(0), dim=0)
-            return full.unsqueeze(0).expand(g.shape[0], *full.shape).contiguous()
-        return _Collective.apply(
-            partial, lambda t: self.own_tokens(rank_sum(t).expand_as(t)).contiguous(),
-            backward)
+            return self.group_cat(g, 0).contiguous()
+        return _Collective.apply(partial, self.scatter_sum, backward)
 
     def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
         """K/V all-gather on ``local`` ``[R, S, B, c]`` -> ``[R, S, B, W*c]`` (rank order on
@@ -179,14 +246,14 @@ class SimulatedRanks:
         c = local.shape[-1]
 
         def forward(t):
-            full = torch.cat(t.unbind(0), dim=-1)
-            return full.unsqueeze(0).expand(t.shape[0], *full.shape).contiguous()
+            return self.group_cat(t, -1).contiguous()
 
         def backward(g):
             self.record("backward", "reduce-scatter of K/V activation grads",
                         "reduce_scatter")
-            total = rank_sum(g)[0]
-            return torch.stack([total[..., r * c:(r + 1) * c] for r in self.ranks])
+            total = self.group_sum(g)
+            return torch.stack([total[i, ..., r * c:(r + 1) * c]
+                                for i, r in enumerate(self.ranks)])
         return _Collective.apply(local, forward, backward)
 
     def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
@@ -214,10 +281,10 @@ class SimulatedRanks:
             return grad.clone()
         self.record("after backward", "all-reduce of the norm weight's gradient",
                     op="avg" if how == "mean" else "sum")
-        total = rank_sum(grad)
+        total = self.group_sum(grad)
         if how == "mean":
             total = total / self.world_size
-        return total.expand_as(grad).clone()
+        return total.clone()
 
     def reduce_qk_norm_grads(self, gq: torch.Tensor, gk: torch.Tensor):
         """The q/k-norm weights' gradients ``[R, head_dim]`` each after backward: every rank
@@ -228,6 +295,40 @@ class SimulatedRanks:
         return total[:, :gq.shape[1]].clone(), total[:, gq.shape[1]:].clone()
 
     def reduce_scalar(self, value: torch.Tensor, label: str) -> torch.Tensor:
-        """The sum over ranks of ``value`` ``[R]`` (a step-phase all-reduce): a scalar."""
+        """The sum over ranks of ``value`` ``[R]`` (a step-phase all-reduce over the TP group):
+        a scalar; on a TP x DP mesh ``[R]``, each entry its TP group's sum."""
         self.record("step", label)
-        return rank_sum(value.reshape(value.shape[0], -1))[0, 0]
+        if self.data_parallel == 1:
+            return rank_sum(value.reshape(value.shape[0], -1))[0, 0]
+        return self.group_sum(value.reshape(value.shape[0], -1))[:, 0]
+
+    def reduce_dp_grads(self, grads: dict[str, torch.Tensor],
+                        group: str = "dp") -> dict[str, torch.Tensor]:
+        """The data-parallel gradient all-reduce after backward (one flat buffer, SUM):
+        ``grads`` by name ``[R, ...]``; every entry gets the sum over its DP group
+        (``group="dp"``), or, over a group of one rank (``"self"``), keeps its own: recorded
+        with group ``"self"``, a silent no-op."""
+        if group not in ("dp", "self"):
+            raise ValueError(f"group must be 'dp' or 'self' (got {group!r})")
+        self.record("after backward", DP_GRAD_LABEL, group=group)
+        if group == "self":
+            return {k: g.clone() for k, g in grads.items()}
+        return {k: self.group_sum(g, "dp") for k, g in grads.items()}
+
+    def replica_share(self, share: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism on a mesh: every rank's share ``[R]`` of its own tokens
+        summed over its TP group (a step-phase all-reduce): the replica's share, ``[R]``."""
+        self.record("step", SP_SHARE_LABEL)
+        return self.group_sum(share.reshape(-1, 1))[:, 0]
+
+    def reduce_loss(self, share: torch.Tensor, group: str = "dp") -> torch.Tensor:
+        """The logged loss from every rank's share of the global mean ``share`` ``[R]``: the
+        all-reduce SUM over ``group`` (``"dp"``: the true loss; ``"world"``: every rank of the
+        mesh, ``world_size`` times it); ``"tp"``: the loss a Replicate DTensor on the TP mesh
+        reports with ``full_tensor()``, no collective at all (each replica its own share)."""
+        if group not in ("dp", "world", "tp"):
+            raise ValueError(f"group must be 'dp', 'world' or 'tp' (got {group!r})")
+        if group == "tp":
+            return share.clone()
+        self.record("step", LOSS_LABEL, group=group)
+        return self.group_sum(share.reshape(-1, 1), group)[:, 0]

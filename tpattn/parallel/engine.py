@@ -41,7 +41,7 @@ from .collectives import G_LABEL, QK_NORM_GRAD_LABEL
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
            "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad", "reduce_qk_norm_grads",
-           "QK_NORM_GRAD_LABEL", "head_norm"]
+           "QK_NORM_GRAD_LABEL", "head_norm", "mesh_sync"]
 
 #: Parameters every rank holds whole (counted once in the gradient norm).
 REPLICATED = ("norm", "bias", "q_norm", "k_norm")
@@ -142,8 +142,9 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
         raise ValueError(f"rng must be the ranks' random streams (tpattn.parallel.rng."
                          f"RankStreams) when dropout > 0 (got dropout={cfg.dropout})")
     n = rms_norm(x, p["norm"].unsqueeze(1).unsqueeze(1), cfg.eps)
-    if cfg.sequence_parallel:  # f is the all-gather along the sequence
-        n = comm.gather_sequence(n, reduce_grad=inj.f != "none")
+    if cfg.sequence_parallel:  # f is the all-gather along the sequence (over sp_group)
+        over = {} if inj.sp_group == "tp" else {"group": inj.sp_group}
+        n = comm.gather_sequence(n, reduce_grad=inj.f != "none", **over)
     elif inj.f != "none":  # f = "mean" is an all-reduce with op AVG
         n = comm.copy_to_ranks(n, op="avg" if inj.f == "mean" else "sum")
         if inj.f == "twice":
@@ -188,16 +189,21 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
 
     p: stacked parameters (not modified); x, target ``[R, S_r, B, hidden]``. Rank r's loss is
     its MSE, or under sequence parallelism its share of the global MSE (``sum / numel``:
-    ``losses`` then holds the global MSE on every rank). Returns ``outputs``, ``losses``
-    ``[R]``, ``input_grads``, ``grads`` and ``weights`` (stacked dicts), ``grad_norm``
-    (float) and ``ledger`` (``comm.ledger``).
+    ``losses`` then holds the global MSE on every rank). On a TP x DP mesh
+    (``cfg.data_parallel > 1``, ``R = cfg.ranks``) its share of the global mean, and after
+    backward ``mesh_sync``: the DP gradient all-reduce and the logged loss. Returns
+    ``outputs``, ``losses`` ``[R]``, ``input_grads``, ``grads`` and ``weights`` (stacked
+    dicts), ``grad_norm`` (float) and ``ledger`` (``comm.ledger``).
     """
     r = x.shape[0]
     ps = {k: t.detach().clone().requires_grad_(True) for k, t in p.items()}
     xs = x.detach().clone().requires_grad_(True)
     y = rank_block(xs, ps, cfg, inj, comm, rng)
     sq = (y - target).pow(2)
-    if cfg.sequence_parallel:
+    if cfg.data_parallel > 1:  # a TP x DP mesh: each rank's share of the global mean
+        losses = sq.flatten(1).sum(1).div(cfg.seq * cfg.batch * cfg.data_parallel * cfg.hidden)
+        losses.sum().backward()
+    elif cfg.sequence_parallel:
         numel = target.numel() * cfg.world_size // r
         sq.flatten(1).sum(1).div(numel).sum().backward()
         losses = F.mse_loss(y.detach(), target, reduction="sum").div(numel).expand(r)
@@ -208,6 +214,8 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
     if cfg.sequence_parallel:
         grads["norm"] = comm.reduce_norm_grad(grads["norm"], inj.norm_grad)
     reduce_qk_norm_grads(grads, cfg, inj, comm)
+    if cfg.data_parallel > 1:  # the DP gradient all-reduce, then the logged loss
+        grads, losses = mesh_sync(losses, grads, cfg, inj, comm)
     squares = 0.0
     for name, g in grads.items():  # replicated ones on rank 0 only unless norm="per_rank"
         s = g.double().pow(2).flatten(1).sum(1)
@@ -215,11 +223,27 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
             s = s * (torch.tensor(comm.ranks) == 0)
         squares = squares + s
     norm = comm.reduce_scalar(torch.as_tensor(squares), GRAD_NORM_LABEL).sqrt()
-    coef = min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
+    norms = norm.reshape(-1).expand(r)  # each rank its TP group's (one value on plain TP)
+    coefs = [min(1.0, MAX_GRAD_NORM / (float(n) + 1e-6)) if inj.clip else 1.0 for n in norms]
     scales = inj.rank_lr_scale or (1.0,) * cfg.world_size
     per_rank = [sgd_step({k: t[i] for k, t in ps.items()}, {k: g[i] for k, g in grads.items()},
-                         lr, scales[rank] * coef) for i, rank in enumerate(comm.ranks)]
+                         lr, scales[rank] * coefs[i]) for i, rank in enumerate(comm.ranks)]
     weights = {k: torch.stack([w[k] for w in per_rank]) for k in ps}
     return {"outputs": y.detach(), "losses": losses.detach(), "input_grads": xs.grad,
-            "grads": grads, "weights": weights, "grad_norm": float(norm),
+            "grads": grads, "weights": weights, "grad_norm": float(norms[0]),
             "ledger": comm.ledger}
+
+
+def mesh_sync(shares: torch.Tensor, grads: dict[str, torch.Tensor], cfg: Config, inj,
+              comm) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """After backward on a TP x DP mesh (``cfg.data_parallel > 1``): the DP gradient
+    all-reduce over ``inj.dp_grad``'s group (``comm.reduce_dp_grads``), then the logged loss:
+    every rank's share of its replica ``shares`` ``[R]`` (under sequence parallelism the TP
+    group's shares summed, ``comm.replica_share``) all-reduced over ``inj.loss_group``
+    (``comm.reduce_loss``). Returns the synced ``grads`` and every rank's logged loss
+    ``[R]``."""
+    grads = comm.reduce_dp_grads(grads, inj.dp_grad)
+    share = shares.detach()
+    if cfg.sequence_parallel:  # the replica's share on each of its TP ranks
+        share = comm.replica_share(share)
+    return grads, comm.reduce_loss(share, inj.loss_group).reshape(shares.shape[0])

@@ -14,7 +14,7 @@ from .collectives import SimulatedRanks
 from .engine import rank_block, stack_ranks, train_step
 
 __all__ = ["simulated_step", "simulated_forward", "forward_rank_list", "rank_steps",
-           "gather_steps", "rank0_view"]
+           "gather_steps", "rank0_view", "mesh_view", "replica_views"]
 
 
 def _stacked(per_rank):
@@ -23,10 +23,11 @@ def _stacked(per_rank):
 
 def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
                    rng=None) -> dict:
-    """``engine.train_step`` on every rank of ``cfg.world_size``.
+    """``engine.train_step`` on every rank of the job (``cfg.ranks``: ``cfg.world_size``
+    without data parallelism; on a TP x DP mesh every rank in mesh order).
 
     shards: every rank's parameters (a list of per-rank dicts, or one stacked dict
-    ``[W, ...]``); batches: every rank's ``(x, target)`` (``[S_r, B, hidden]`` each).
+    ``[R, ...]``); batches: every rank's ``(x, target)`` (``[S_r, B, hidden]`` each).
     ``f``, ``g``: optional reader's collectives (``collectives.SimulatedRanks``); ``rng``:
     the ranks' random streams (``rng.RankStreams``, needed with dropout). Returns
     ``train_step``'s dict (stacked tensors; ``ledger`` the collectives, in order)."""
@@ -71,6 +72,25 @@ def gather_steps(steps: list[dict], cfg: Config, unshard=None) -> dict:
 def rank0_view(step: dict, cfg: Config, unshard=None) -> dict:
     """``gather_steps`` of a ``simulated_step``: what rank 0 reports."""
     return gather_steps(rank_steps(step), cfg, unshard)
+
+
+def replica_views(step: dict, cfg: Config, unshard=None) -> list[dict]:
+    """On a TP x DP mesh: ``gather_steps`` of each DP replica's TP group (entries
+    ``d*W:(d+1)*W`` of a ``simulated_step``), one ``check.one_step``-style dict per replica."""
+    steps, w = rank_steps(step), cfg.world_size
+    return [gather_steps(steps[d * w:(d + 1) * w], cfg, unshard)
+            for d in range(cfg.data_parallel)]
+
+
+def mesh_view(step: dict, cfg: Config, unshard=None) -> dict:
+    """What global rank 0 reports of a TP x DP mesh's ``simulated_step``: the output and dX
+    of every DP replica (``replica_views``) concatenated along the batch dim (``[S, B * DP,
+    hidden]``), the logged loss (rank 0's), the gradients and weights of replica 0 (the
+    replicas agree when the DP gradient all-reduce runs)."""
+    views = replica_views(step, cfg, unshard)
+    return {"output": torch.cat([v["output"] for v in views], dim=1), "loss": views[0]["loss"],
+            "input_grad": torch.cat([v["input_grad"] for v in views], dim=1),
+            "grads": views[0]["grads"], "weights": views[0]["weights"]}
 
 
 def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],

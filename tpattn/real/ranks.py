@@ -560,6 +560,10 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
     ``dtensor``; see ``RealRankReport``) plus ``issued`` and ``compute_s``; other ranks return
     only ``issued`` (their collective count) and ``compute_s``.
     """
+    if plan.cfg.data_parallel > 1:  # a TP x DP mesh: tpattn.real.mesh_ranks
+        from tpattn.real.mesh_ranks import mesh_run_rank
+
+        return mesh_run_rank(rank, plan, device, on_progress)
     if plan.cfg.sequence_parallel:  # the sequence-parallel block: its own collectives
         from tpattn.real.sp_ranks import sp_run_rank
 
@@ -684,8 +688,13 @@ def validate_run(world_size, seeds, modes, config, timeout, fault):
                              f"(got {fault['rank']!r})")
         if not modes or not seeds:
             raise ValueError("fault needs at least one seed and one mode to run")
-        if cfg.sequence_parallel:
-            raise ValueError("fault injection is not supported with config.sequence_parallel")
+        if cfg.sequence_parallel or cfg.data_parallel > 1:
+            raise ValueError("fault injection is not supported with config.sequence_parallel "
+                             "or config.data_parallel > 1")
+    if cfg.data_parallel > 1:
+        from .mesh_ranks import check_mesh_config
+
+        check_mesh_config(cfg)
     return cfg, seeds, modes, float(timeout)
 
 
@@ -695,7 +704,9 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     """Start ``world_size`` rank processes, run every mode × seed (and the DTensor cross-check)
     inside ONE process group, and return rank 0's report.
 
-    ``config`` defaults to ``Config(world_size=world_size)`` and must have that world size.
+    ``config`` defaults to ``Config(world_size=world_size)`` and must have that world size
+    (the TP degree: with ``config.data_parallel > 1`` the run starts ``config.ranks``
+    processes, a TP x DP mesh, ``tpattn.real.mesh_ranks``).
     ``dtensor``: ``True`` cross-checks every seed with PyTorch's TP API, ``False`` none, or a
     sequence of seeds. ``backend``: ``default_backend(world_size)`` unless given.
     ``start_method``: ``"forkserver"`` (one server process imports torch once and forks the
@@ -714,17 +725,21 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     cfg, seeds, modes, timeout = validate_run(world_size, seeds, modes, config, timeout, fault)
     dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
         else tuple(check_seed(s) for s in dtensor)
+    if cfg.data_parallel > 1:  # a TP x DP mesh: cfg.ranks processes, no TP-API cross-check
+        dtensor_seeds = ()
     plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds),
                    dtensor_seeds=dtensor_seeds, timeout=timeout,
                    fault=dict(fault) if fault else None)
-    backend = backend or default_backend(world_size)
+    backend = backend or default_backend(cfg.ranks)
     programs = [resolve(m, cfg).injection for m in modes]
     preload = ("tpattn.real.ranks",) + (("tpattn.parallel.sequence_parallel",) if cfg.sequence_parallel else ()) \
         + ((("tpattn.real.dtensor_sp",) if cfg.sequence_parallel else ("tpattn.real.dtensor_check",))
            if dtensor_seeds else ()) \
         + (("tpattn.real.zoo_real",) if not all(inj is not None and inj.reduction_only
                                                 for inj in programs) else ())
-    results, timings = run_on_ranks(run_rank, world_size, plan, timeout=timeout, backend=backend,
+    if cfg.data_parallel > 1:
+        preload = ("tpattn.real.ranks", "tpattn.real.mesh_ranks")
+    results, timings = run_on_ranks(run_rank, cfg.ranks, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]
     return RealRankReport(
