@@ -69,3 +69,60 @@ def test_gradients_reach_the_dense_parameters_through_the_loader(name):
     if name == "fused_rank0":  # ranks >= 1 read rank 0's rows: rank 1's rows get nothing
         assert float(base["wq"].grad[16:].abs().sum()) == 0.0
         assert float(base["wo"].grad[:, 16:].abs().sum()) > 0.0  # wo is cut right
+
+
+# --- the two registry modes ------------------------------------------------------------------
+
+CFG_KV4 = Config(query_heads=8, kv_heads=4)  # two KV groups per rank
+
+
+@pytest.mark.parametrize("simulate", ["fixture", "ranks"])
+def test_both_loading_bugs_fail_on_the_forward_and_every_measure_after_it(simulate):
+    for mode in ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain"):
+        for seed in (11, 29, 500):
+            result = tpattn.run(seed, mode, CFG_KV4, simulate)
+            assert result["passed"] is False
+            # the forward is another block's: O(0.1) off, far above rounding
+            assert result["forward_max_abs_diff"] > 1e-1, (mode, seed)
+            for m in tpattn.MEASURES:
+                assert result[m] > 10 * tpattn.TOLERANCE, (mode, seed, m)
+
+
+def test_the_registry_entries_cite_and_inject_the_loader_bugs():
+    rank0 = tpattn.bugs.zoo.get_mode("qkv_loaded_from_rank0")
+    plain = tpattn.bugs.zoo.get_mode("grouped_qkv_read_as_plain")
+    assert rank0.injection == Injection(shard="fused_rank0")
+    assert plain.injection == Injection(shard="grouped_as_plain")
+    assert "vllm-gguf-plugin issue 103" in rank0.citation and "PR 106" in rank0.citation
+    assert "tt-metal issue 6243" in plain.citation
+    assert rank0.fidelity == plain.fidelity == "mechanism"
+    assert rank0.injection.correct() == Injection(shard="fused")
+    assert plain.injection.correct() == Injection(shard="grouped")
+    assert "kv_heads >= 2 * world_size" in plain.needs
+    for mode in (rank0.name, plain.name):
+        assert mode in tpattn.bugs.zoo.runnable_modes()  # setup needs only: plain-TP shapes
+
+
+def test_rank0_loader_is_the_loader_called_without_tp_rank():
+    """Every rank's Q/K/V rows are rank 0's (the shapes right); wo and norm are each rank's."""
+    cfg = Config(seq=4, query_heads=16, kv_heads=8, world_size=4)
+    inj = Injection(shard="fused_rank0")
+    base = make_params(cfg, 7, inj)
+    loaded, right = shard(base, cfg, inj), shard(base, cfg, Injection())
+    for r in range(cfg.world_size):
+        for k in ("wq", "wk", "wv"):
+            assert torch.equal(loaded[r][k], right[0][k])
+            assert (r == 0) == torch.equal(loaded[r][k], right[r][k])
+        assert torch.equal(loaded[r]["wo"], right[r]["wo"])
+
+
+def test_read_as_plain_needs_two_groups_per_rank_with_one_it_is_correct():
+    """tt-metal issue 6243: with one group per device the op's assumption held."""
+    for cfg in (Config(), Config(query_heads=8, kv_heads=4, world_size=4)):
+        for simulate in ("fixture", "ranks"):
+            result = check_injection(11, "grouped_qkv_read_as_plain",
+                                     Injection(shard="grouped_as_plain"), cfg, simulate)
+            assert result["passed"] is True, (cfg, result)
+        with pytest.raises(ValueError, match="needs kv_heads >= 2 \\* world_size"):
+            tpattn.bugs.zoo.check_needs("grouped_qkv_read_as_plain", cfg)
+    assert tpattn.run(11, "grouped_qkv_read_as_plain", CFG_KV4)["passed"] is False

@@ -22,7 +22,7 @@ own leaf tensors, output, loss and backward, as real ranks run: the engine on
 processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view (the
 engine on ``tpattn.parallel.one_graph.OneGraphRanks``; the seed's ``tp.tp_forward`` for the
 seed's three modes). The parameters, cut and batches of an injection (``make_params``,
-``shard``, ``unshard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
+``shard``, ``unshard``, ``load_rank_shard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
 ``clip_coef``) live in ``tpattn.check.core`` and are re-exported here.
 
 Other modules contribute modes with ``register``. Three entries are injections that need a
@@ -44,8 +44,8 @@ from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING
                                MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
                                OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
-                               clip_coef, dense_step, grad_norm, make_inputs, make_params,
-                               rank_batches, shard, unshard)
+                               clip_coef, dense_step, grad_norm, load_rank_shard,
+                               make_inputs, make_params, rank_batches, shard, unshard)
 from tpattn.check.core import tp_step as check_tp_step
 from tpattn.config import Config
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
@@ -56,7 +56,7 @@ from tpattn.parallel.one_graph import one_graph_forward
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
            "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
            "check_needs", "check_mode", "modes_for", "tp_step",
-           "make_params", "shard", "unshard", "sides", "forward_fixture", "block_inputs",
+           "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture", "block_inputs",
            "LAYOUT_NEEDS",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
            "rank_batches", "dense_step", "clip_coef"]
@@ -190,6 +190,34 @@ def _entries() -> list[BugMode]:
                 "all q heads, then all k, then all v) without regard to heads: incorrect "
                 "inference results, no error; the PR splits each known layout by heads (the "
                 "zoo's is that GLM layout, cut into contiguous slices, in training)"),
+        BugMode("qkv_loaded_from_rank0",
+                "every rank narrows rank 0's rows of a fused [Wq; Wk; Wv] checkpoint: "
+                "the shapes are right, the numbers rank 0's",
+                "vllm-project/vllm-gguf-plugin issue 103 (fixed by PR 106)",
+                ("fused_qkv", "world_size >= 2"), Injection(shard="fused_rank0"),
+                how="the loader reads tp_rank = kwargs.get('tp_rank', 0) and the caller never "
+                    "passes it (block.fused_qkv.load_qkv_weight)",
+                fix="take the rank from the process group (get_tensor_model_parallel_rank), "
+                    "not from an optional keyword", fidelity="mechanism",
+                fidelity_note="the plugin's load_qkv_weight and load_merged_column_weight read "
+                "tp_rank from kwargs with default 0, which vLLM's weight_loader_v2 never passes, "
+                "so every rank kept rank 0's shard (right shapes, wrong output at TP > 1; PR 106 "
+                "asks the process group); the zoo's loader does that to the block's fused QKV, "
+                "in training (no MLP, so no merged gate/up weight)"),
+        BugMode("grouped_qkv_read_as_plain",
+                "a QKV checkpoint fused per KV group read as plain [Q; K; V] on each rank: "
+                "wrong once a rank holds two groups",
+                "tenstorrent/tt-metal issue 6243 (closed)",
+                ("fused_qkv", "kv_heads >= 2 * world_size"),
+                Injection(shard="grouped_as_plain"),
+                how="rank r narrows its rows [q_1; k_1; v_1; q_2; k_2; v_2] and reads the first "
+                    "Hq/W*D as queries, the next Hkv/W*D as keys, the rest as values",
+                fix="split the rank's rows per KV group ([q x g; k; v] each)",
+                fidelity="mechanism",
+                fidelity_note="nlp_create_qkv_heads split each device's fused QKV output "
+                "assuming concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had "
+                "concat(q1, k1, v1, q2, k2, v2): bad PCC (fine at one group per device); the "
+                "zoo reads the rank's weight rows that way (output column j is weight row j)"),
         BugMode("repeat_kv_tiled",
                 "repeat_kv tiles the KV heads instead of interleaving them: query heads "
                 "read the wrong KV head",
