@@ -24,7 +24,7 @@ from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
-__all__ = ["HELD_OUT", "TUNING", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", "classify",
+__all__ = ["HELD_OUT", "TUNING", "MADE_UP", "MADE_UP_LOADING", "CLASSES", "PAIR_CLASSES", "named", "classify",
            "pair_class", "BOTH_NAMED", "single_bug_answers", "single_bug_cases", "answer_label",
            "confusion", "pairs", "two_bug_cases", "made_up_cases",
            "summary"]
@@ -34,6 +34,8 @@ __all__ = ["HELD_OUT", "TUNING", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", 
 #: The seed's two bugs, which every layout has; and the modes of a sequence-parallel shape.
 _SEED_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
 _SP_MODES = _SEED_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
+#: The checkpoint-loading modes (a fused QKV checkpoint loaded into ranks).
+_LOADING_MODES = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
 HELD_OUT = [
     ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8), None),
     ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
@@ -48,6 +50,15 @@ HELD_OUT = [
                             world_size=4, kv_strategy="gather_activations"), _SEED_BUGS),
     ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
                             world_size=8), None),
+    # the checkpoint-loading modes on shapes of their own (written before their fingerprints)
+    ("W2 hq16 kv8", Config(seq=6, hidden=32, query_heads=16, kv_heads=8, head_dim=4),
+     _LOADING_MODES),
+    ("W2 hq12 kv4", Config(seq=5, hidden=24, query_heads=12, kv_heads=4, head_dim=4),
+     _LOADING_MODES),
+    ("W4 hq8 kv8 MHA", Config(seq=4, hidden=32, query_heads=8, kv_heads=8, head_dim=4,
+                              world_size=4), _LOADING_MODES),
+    ("W4 hq8 kv4", Config(seq=4, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
+                          world_size=4), ("qkv_loaded_from_rank0",)),
 ]
 #: The shapes the fingerprints are tuned on (``tests/diagnosis/test_diagnose.py``'s, seeds
 #: 0-9): (name, Config, None: every plain-TP mode whose needs it meets).
@@ -65,6 +76,15 @@ MADE_UP = {
     "partial x 1.05 and wrong rank order": Injection(partial_scale=1.05, shard_offset=1),
     "rank 1 keeps its pre-step weights (stale shard)": Injection(rank_lr_scale=(1.0, 0.0)),
     "rank 1's attention partial x 1.05": Injection(partial_scale=(1.0, 1.05)),
+}
+#: Made-up loading bugs next to the checkpoint-loading modes (a fused checkpoint, so their
+#: fingerprints are allowed), kept apart from ``MADE_UP`` so its figures stay comparable:
+#: every rank's whole shard (``wo`` too) from another rank.
+MADE_UP_LOADING = {
+    "fused checkpoint loaded in the wrong rank order": Injection(shard="fused",
+                                                                 shard_offset=1),
+    "grouped checkpoint loaded in the wrong rank order": Injection(shard="grouped",
+                                                                   shard_offset=1),
 }
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
 
@@ -184,10 +204,11 @@ def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
     return out
 
 
-def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the registry names given."""
+def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None) -> dict:
+    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the registry names given, for
+    every bug of ``cases`` (default ``MADE_UP``; ``MADE_UP_LOADING``)."""
     out = {}
-    for name, inj in MADE_UP.items():
+    for name, inj in (MADE_UP if cases is None else cases).items():
         for seed in seeds:
             for tier in (1, 2):
                 top = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))[0]
