@@ -4,8 +4,13 @@ Runs ``tpattn.diagnosis.evaluate`` (held-out shapes, seeds 500-504 by default, e
 bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outside the
 registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
 fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``).
+``--exclude MODE ...`` leaves modes out of the single bugs and the pairs (e.g. the
+checkpoint-loading modes, to compare with the figures from before they were added);
+``--loading`` runs only those (``evaluate.LOADING_MODES``): their single-bug cases, the
+pairs that hold one, and the made-up loading bugs (``MADE_UP_LOADING``) at W=2 and W=4.
 
     python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning]
+        [--exclude MODE ...] [--loading]
 """
 from __future__ import annotations
 
@@ -13,8 +18,21 @@ import argparse
 from collections import Counter
 
 from tpattn.bugs.zoo import REGISTRY
-from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, PAIR_CLASSES, TUNING, made_up_cases,
+from tpattn.bugs.zoo import runnable_modes
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, LOADING_MODES,
+                                       MADE_UP_LOADING, PAIR_CLASSES, TUNING, made_up_cases,
                                        single_bug_cases, summary, two_bug_cases)
+
+
+def _shapes(shapes, keep) -> list:
+    """``shapes`` with every shape's modes (``None``: every plain-TP bug) narrowed to those
+    ``keep(mode)`` accepts; a shape left with none is dropped."""
+    out = []
+    for name, cfg, modes in shapes:
+        modes = tuple(m for m in modes or runnable_modes() if m != "equivalence" and keep(m))
+        if modes:
+            out.append((name, cfg, modes))
+    return out
 
 
 def _singles(single: dict) -> None:
@@ -45,16 +63,31 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[500, 501, 502, 503, 504])
     ap.add_argument("--tuning", action="store_true",
                     help="the tuning set instead: TUNING shapes (pass --seeds 0 1 ... 9)")
+    ap.add_argument("--exclude", nargs="+", default=[], metavar="MODE",
+                    help="leave these modes out of the single bugs and the pairs")
+    ap.add_argument("--loading", action="store_true",
+                    help="only the checkpoint-loading modes and the made-up loading bugs")
     args = ap.parse_args()
-    shapes = TUNING if args.tuning else HELD_OUT
+    if args.loading:
+        def keep(mode):
+            return mode in LOADING_MODES
+    else:
+        def keep(mode):
+            return mode not in args.exclude
+    shapes = _shapes(TUNING if args.tuning else HELD_OUT, keep)
     single = single_bug_cases(args.seeds, shapes=shapes)
     _singles(single)
     reduced = single_bug_cases(args.seeds, logged_loss="all_reduced", shapes=shapes)
     print("the same cases, the job all-reducing its loss: "
           + ("the same answers" if reduced == single else
              f"{sum(reduced[k] != v for k, v in single.items())} answers differ"))
-    _pairs(two_bug_cases(args.seeds, shapes[0][1]))
-    made = made_up_cases(args.seeds, shapes[0][1])
+    pair_keep = (lambda pair: any(map(keep, pair))) if args.loading \
+        else (lambda pair: all(map(keep, pair)))
+    _pairs(two_bug_cases(args.seeds, shapes[0][1], pair_keep))
+    made = made_up_cases(args.seeds, shapes[0][1], MADE_UP_LOADING if args.loading else None)
+    if args.loading:  # and at four ranks
+        made.update({(t, f"{n} (W4)", s): v for (t, n, s), v in made_up_cases(
+            args.seeds, shapes[1][1], MADE_UP_LOADING).items()})
     for tier in (1, 2):
         answers = Counter(v for (t, _, _), v in made.items() if t == tier)
         print(f"made-up bugs, tier {tier}: " + ", ".join(f"{k} {n}" for k, n in answers.items()))

@@ -24,7 +24,8 @@ from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
-__all__ = ["HELD_OUT", "TUNING", "MADE_UP", "MADE_UP_LOADING", "CLASSES", "PAIR_CLASSES", "named", "classify",
+__all__ = ["HELD_OUT", "TUNING", "MADE_UP", "MADE_UP_LOADING", "LOADING_MODES", "CLASSES",
+           "PAIR_CLASSES", "named", "classify",
            "pair_class", "BOTH_NAMED", "single_bug_answers", "single_bug_cases", "answer_label",
            "confusion", "pairs", "two_bug_cases", "made_up_cases",
            "summary"]
@@ -35,7 +36,7 @@ __all__ = ["HELD_OUT", "TUNING", "MADE_UP", "MADE_UP_LOADING", "CLASSES", "PAIR_
 _SEED_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
 _SP_MODES = _SEED_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
 #: The checkpoint-loading modes (a fused QKV checkpoint loaded into ranks).
-_LOADING_MODES = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
+LOADING_MODES = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
 HELD_OUT = [
     ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8), None),
     ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
@@ -52,11 +53,11 @@ HELD_OUT = [
                             world_size=8), None),
     # the checkpoint-loading modes on shapes of their own (written before their fingerprints)
     ("W2 hq16 kv8", Config(seq=6, hidden=32, query_heads=16, kv_heads=8, head_dim=4),
-     _LOADING_MODES),
+     LOADING_MODES),
     ("W2 hq12 kv4", Config(seq=5, hidden=24, query_heads=12, kv_heads=4, head_dim=4),
-     _LOADING_MODES),
+     LOADING_MODES),
     ("W4 hq8 kv8 MHA", Config(seq=4, hidden=32, query_heads=8, kv_heads=8, head_dim=4,
-                              world_size=4), _LOADING_MODES),
+                              world_size=4), LOADING_MODES),
     ("W4 hq8 kv4", Config(seq=4, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
                           world_size=4), ("qkv_loaded_from_rank0",)),
 ]
@@ -193,10 +194,13 @@ def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
     return ("none", "one", "tied")[len(set(pair) & named(found))]
 
 
-def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs``) on ``cfg``."""
+def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None) -> dict:
+    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs``) on ``cfg``
+    (only the pairs ``keep(pair)`` accepts, when given)."""
     out = {}
     for pair, inj in pairs():
+        if keep is not None and not keep(pair):
+            continue
         for seed in seeds:
             for tier in (1, 2):
                 found = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))
