@@ -4,10 +4,10 @@ Runs ``tpattn.diagnosis.evaluate`` (held-out shapes, seeds 500-504 by default, e
 bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outside the
 registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
 fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``).
-``--exclude MODE ...`` leaves modes out of the single bugs and the pairs (e.g. the
-checkpoint-loading modes, to compare with the figures from before they were added);
-``--loading`` runs only those (``evaluate.LOADING_MODES``): their single-bug cases, the
-pairs that hold one, and the made-up loading bugs (``MADE_UP_LOADING``) at W=2 and W=4.
+``--exclude MODE ...`` leaves modes out of the single bugs and the pairs;
+``--loading`` runs only the checkpoint-loading modes (``evaluate.LOADING_MODES``): their
+single-bug cases, their pairs with the other plain-TP bugs, and the made-up loading bugs
+(``MADE_UP_LOADING``) at W=2 and W=4.
 
     python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning]
         [--exclude MODE ...] [--loading]
@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from tpattn.bugs.zoo import REGISTRY
-from tpattn.bugs.zoo import runnable_modes
+from tpattn.bugs.zoo import REGISTRY, runnable_modes
 from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, LOADING_MODES,
                                        MADE_UP_LOADING, PAIR_CLASSES, TUNING, made_up_cases,
                                        single_bug_cases, summary, two_bug_cases)
@@ -83,7 +82,8 @@ def main() -> None:
              f"{sum(reduced[k] != v for k, v in single.items())} answers differ"))
     pair_keep = (lambda pair: any(map(keep, pair))) if args.loading \
         else (lambda pair: all(map(keep, pair)))
-    _pairs(two_bug_cases(args.seeds, shapes[0][1], pair_keep))
+    _pairs(two_bug_cases(args.seeds, shapes[0][1], pair_keep,
+                         LOADING_MODES if args.loading else ()))
     made = made_up_cases(args.seeds, shapes[0][1], MADE_UP_LOADING if args.loading else None)
     if args.loading:  # and at four ranks
         made.update({(t, f"{n} (W4)", s): v for (t, n, s), v in made_up_cases(

@@ -57,7 +57,7 @@ __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mo
            "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
            "check_needs", "check_mode", "modes_for", "tp_step",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture", "block_inputs",
-           "LAYOUT_NEEDS",
+           "LAYOUT_NEEDS", "AROUND_THE_BLOCK",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
            "rank_batches", "dense_step", "clip_coef"]
 
@@ -71,6 +71,12 @@ FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 #: exists only there (``check.core.check_mode`` states the rule) and runs on the engine's
 #: ranks and in the fixture's one-graph view alike.
 LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size")
+#: The modes of the chapter "Around the block" that run on plain-TP shapes: a fused QKV
+#: checkpoint loaded into ranks. ``runnable_modes()`` leaves them out, as it leaves out the
+#: layout modes, so the earlier chapters' hunts, tables and exercises and the earlier
+#: held-out figures keep their cases; ``tpattn.diagnosis.evaluate.HELD_OUT`` hosts them on
+#: shapes of their own.
+AROUND_THE_BLOCK = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
 
 
 @dataclass(frozen=True)
@@ -310,9 +316,10 @@ def runnable_modes() -> tuple[str, ...]:
     """The modes with an injection that run on plain-TP shapes: those the hunts, the diagnosis's signatures and the zoo's tables run on the zoo's
     shapes. The modes with a ``LAYOUT_NEEDS`` need (sequence parallelism, replicated KV
     heads) are runnable and observable too (``list_modes``) but need their own ``Config``,
-    so they are not in this tuple."""
+    so they are not in this tuple; nor are the modes of ``AROUND_THE_BLOCK``."""
     return tuple(n for n, m in REGISTRY.items()
-                 if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS))
+                 if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS)
+                 and n not in AROUND_THE_BLOCK)
 
 
 def reported_modes() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from collections import Counter
 
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
-from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
+from tpattn.bugs.zoo import AROUND_THE_BLOCK, REGISTRY, check_needs, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
@@ -35,8 +35,9 @@ __all__ = ["HELD_OUT", "TUNING", "MADE_UP", "MADE_UP_LOADING", "LOADING_MODES", 
 #: The seed's two bugs, which every layout has; and the modes of a sequence-parallel shape.
 _SEED_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
 _SP_MODES = _SEED_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
-#: The checkpoint-loading modes (a fused QKV checkpoint loaded into ranks).
-LOADING_MODES = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
+#: The checkpoint-loading modes (a fused QKV checkpoint loaded into ranks; not in
+#: ``runnable_modes()``: ``zoo.AROUND_THE_BLOCK``).
+LOADING_MODES = AROUND_THE_BLOCK
 HELD_OUT = [
     ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8), None),
     ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
@@ -51,7 +52,14 @@ HELD_OUT = [
                             world_size=4, kv_strategy="gather_activations"), _SEED_BUGS),
     ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
                             world_size=8), None),
-    # the checkpoint-loading modes on shapes of their own (written before their fingerprints)
+    # the checkpoint-loading modes (written before their fingerprints): on the plain-TP
+    # shapes above, and on shapes of their own
+    ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8),
+     LOADING_MODES),
+    ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
+                           world_size=4), LOADING_MODES),
+    ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
+                            world_size=8), LOADING_MODES),
     ("W2 hq16 kv8", Config(seq=6, hidden=32, query_heads=16, kv_heads=8, head_dim=4),
      LOADING_MODES),
     ("W2 hq12 kv4", Config(seq=5, hidden=24, query_heads=12, kv_heads=4, head_dim=4),
@@ -155,12 +163,13 @@ def confusion(answers: dict) -> dict:
     return out
 
 
-def pairs():
+def pairs(extra=()):
     """``((mode_a, mode_b), Injection)`` for every two plain-TP registry bugs that can
-    coexist (no knob set by both), their knobs merged."""
+    coexist (no knob set by both), their knobs merged; ``extra``: more modes to pair (e.g.
+    ``LOADING_MODES``, which ``runnable_modes()`` leaves out)."""
     default = Injection()
     knobs = {}
-    for mode in runnable_modes():
+    for mode in (*runnable_modes(), *extra):
         inj = REGISTRY[mode].injection
         changed = {f.name: getattr(inj, f.name) for f in dataclasses.fields(inj)
                    if getattr(inj, f.name) != getattr(default, f.name)}
@@ -194,11 +203,11 @@ def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
     return ("none", "one", "tied")[len(set(pair) & named(found))]
 
 
-def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None) -> dict:
-    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs``) on ``cfg``
-    (only the pairs ``keep(pair)`` accepts, when given)."""
+def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None, extra=()) -> dict:
+    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs(extra)``) on
+    ``cfg`` (only the pairs ``keep(pair)`` accepts, when given)."""
     out = {}
-    for pair, inj in pairs():
+    for pair, inj in pairs(extra):
         if keep is not None and not keep(pair):
             continue
         for seed in seeds:
