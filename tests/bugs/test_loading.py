@@ -131,3 +131,15 @@ def test_read_as_plain_needs_two_groups_per_rank_with_one_it_is_correct():
         with pytest.raises(ValueError, match="needs kv_heads >= 2 \\* world_size"):
             tpattn.bugs.zoo.check_needs("grouped_qkv_read_as_plain", cfg)
     assert tpattn.run(11, "grouped_qkv_read_as_plain", CFG_KV4)["passed"] is False
+
+
+def test_the_fixture_view_of_the_rank0_loader_is_the_simulated_ranks_rank0_view():
+    """One graph would share rank 0's rows among the ranks (their gradients summed there);
+    the fixture reports the simulated ranks' rank-0 view instead (check.core.tp_step)."""
+    for seed in (11, 500):
+        fixture = tpattn.run(seed, "qkv_loaded_from_rank0", CFG_KV4, "fixture")
+        assert fixture == tpattn.run(seed, "qkv_loaded_from_rank0", CFG_KV4, "ranks")
+    # the grouped loaders hand every rank its own rows: one graph is exact there
+    fixture = tpattn.run(11, "grouped_qkv_read_as_plain", CFG_KV4, "fixture")
+    ranks = tpattn.run(11, "grouped_qkv_read_as_plain", CFG_KV4, "ranks")
+    assert all(abs(fixture[m] - ranks[m]) <= tpattn.TOLERANCE for m in tpattn.MEASURES)

@@ -442,7 +442,9 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     (``rank_batches``; default ``(x0, target)`` on every rank).
 
     ``"ranks"``: the engine on ``collectives.SimulatedRanks``, every rank its own step.
-    ``"fixture"``: the engine on ``one_graph.OneGraphRanks`` (one graph, rank 0's view); a
+    ``"fixture"``: the engine on ``one_graph.OneGraphRanks`` (one graph, rank 0's view;
+    under a loader that hands every rank rank 0's rows, ``shard="fused_rank0"``, the simulated
+    ranks' ``rank0_view``, a simulation's shortcut: one graph would share those rows); a
     ``reduction_only`` injection on plain TP runs the seed's ``tp.tp_forward`` (the same view,
     the seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
     normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in bfloat16).
@@ -454,7 +456,11 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     # the seed's programs cut with shard_params itself (one_graph_forward then views the dense
     # tensors rank-major, the seed's digits); the zoo's setups with the injection's loader
     cut = shard_fn or (shard_params if inj.reduction_only else lambda q, c: shard(q, c, inj))
-    if check_simulate(simulate) == "ranks":  # the engine, every rank its own step
+    # a loader whose ranks all narrow one rank's rows (no tp_rank): one graph would share
+    # those rows, and every rank's gradient would land in them; report rank 0's view of the
+    # simulated ranks instead
+    aliased = inj.shard in LOADERS and not LOADERS[inj.shard][2]
+    if check_simulate(simulate) == "ranks" or (aliased and shard_fn is None):
         gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
         step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR)
         return rank0_view(step, cfg, gather)
