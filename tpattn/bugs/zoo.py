@@ -31,7 +31,10 @@ layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
 ``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
 ``kv_strategy="replicate_weights"``). ``tpattn.run`` runs them in both simulations (``tpattn.observe``
 watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
-tables run on plain-TP shapes.
+tables run on plain-TP shapes. It leaves out the plain-TP modes of the chapter "Around the
+block" too (``AROUND_THE_BLOCK``: a fused QKV checkpoint loaded into ranks, through
+``tpattn.block.fused_qkv.load_qkv_weight``), so the earlier chapters' hunts and tables keep
+their cases.
 """
 from __future__ import annotations
 
