@@ -125,7 +125,9 @@ print("one group per rank, read as [Q; K; V]:",
 # and every other rank off (one rank's rows everywhere); every rank's
 # Q, K and V off while their sum is right (its own rows under the wrong
 # names); rank 0's query rows right and its key/value rows off (a
-# contiguous cut of `[Wq; Wk; Wv]`, `fused_qkv_naive_split`).
+# contiguous cut of `[Wq; Wk; Wv]`, `fused_qkv_naive_split`). The
+# collectives are the plan's: the ledger shows nothing, and neither do
+# the ranks' losses (g gives every rank the same wrong output).
 
 # %%
 patterns = ("qkv_rank0_only", "qkv_within_rank", "qkv_rank0_queries")
@@ -137,6 +139,8 @@ for mode in ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain",
     print(f"{mode:26} {shown}  -> {found['cause']}")
     assert found["cause"] == mode and not found["tied_with"]
     assert len(shown) == 1 and features(obs)["shards_ok"]["wo"]
+    assert obs["ledger"] == obs["planned_ledger"]
+    assert features(obs)["losses_agree"]
 
 # %% [markdown]
 # ### Exercise 18.1: load your rank's rows
