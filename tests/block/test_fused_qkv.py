@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tpattn import Config
-from tpattn.block.fused_qkv import (fuse_qkv_weight, load_qkv_weight, rank_row_block,
-                                    read_rank_qkv, split_qkv_weight)
+from tpattn.block.fused_qkv import (convert_qkv_weight, fuse_qkv_weight, load_qkv_weight,
+                                    rank_row_block, read_rank_qkv, split_qkv_weight)
 from tpattn.block.params import init_params, shard_params
 
 SHAPES = [Config(), Config(query_heads=8, kv_heads=4), Config(query_heads=6, kv_heads=2),
@@ -29,6 +29,18 @@ def test_both_layouts_round_trip_exactly(cfg, layout):
     back = split_qkv_weight(fused, cfg, layout)
     assert all(torch.equal(a, p[k]) for a, k in zip(back, ("wq", "wk", "wv")))
     assert torch.equal(fuse_qkv_weight(*back, cfg, layout), fused)
+
+
+@pytest.mark.parametrize("cfg", SHAPES, ids=str)
+def test_plain_and_grouped_convert_into_each_other_and_back(cfg):
+    p = _params(cfg)
+    plain = fuse_qkv_weight(p["wq"], p["wk"], p["wv"], cfg, "plain")
+    grouped = fuse_qkv_weight(p["wq"], p["wk"], p["wv"], cfg, "grouped")
+    assert torch.equal(convert_qkv_weight(plain, cfg, "plain", "grouped"), grouped)
+    assert torch.equal(convert_qkv_weight(grouped, cfg, "grouped", "plain"), plain)
+    assert torch.equal(convert_qkv_weight(plain, cfg, "plain", "plain"), plain)
+    # a permutation of rows: the same numbers
+    assert torch.equal(plain.sum(1).sort().values, grouped.sum(1).sort().values)
 
 
 def test_the_grouped_layout_is_q_of_the_group_then_k_then_v():

@@ -10,7 +10,8 @@ Its rows come in one of two orders (``FUSED_LAYOUTS``)::
              ``query_key_value``)
 
 ``fuse_qkv_weight`` and ``split_qkv_weight`` convert between the package's ``wq``/``wk``/``wv``
-and either layout; both are reshapes, concatenations and slices, so gradients flow through.
+and either layout, ``convert_qkv_weight`` between the layouts; all are reshapes,
+concatenations and slices, so gradients flow through.
 
 ``load_qkv_weight`` is a rank's loader: it narrows the rows of one TP rank out of the full
 checkpoint. In the grouped layout a rank's groups are one contiguous block of rows (``1/W``
@@ -27,6 +28,7 @@ import torch
 from tpattn.config import Config
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
+           "convert_qkv_weight",
            "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
 
 #: The row orders of a fused QKV checkpoint (module docstring).
@@ -87,6 +89,15 @@ def split_qkv_weight(w: torch.Tensor, cfg: Config, layout: str = "grouped"):
         kv = cfg.kv_heads * cfg.head_dim
         return tuple(w.split([cfg.query_heads * cfg.head_dim, kv, kv]))
     return _split_groups(w, cfg.kv_heads, cfg)
+
+
+def convert_qkv_weight(w: torch.Tensor, cfg: Config, src: str, dst: str) -> torch.Tensor:
+    """The fused weight ``w`` ``[(Hq + 2*Hkv)*D, hidden]`` in layout ``src`` rewritten in
+    layout ``dst`` (``FUSED_LAYOUTS``; e.g. plain ``[Wq; Wk; Wv]`` to per-group): a
+    permutation of its rows, differentiable."""
+    _check_layout(src, "src")
+    _check_layout(dst, "dst")
+    return fuse_qkv_weight(*split_qkv_weight(w, cfg, src), cfg, dst)
 
 
 def _check_rank(tp_rank, cfg: Config) -> int:
