@@ -3,23 +3,39 @@
 Runs ``tpattn.diagnosis.evaluate`` (held-out shapes, seeds 500-504 by default, every registry
 bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outside the
 registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
-fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``); ``--model``
-the held-out shapes with dropout and qk-norm (``MODEL_HELD_OUT``: their bugs and the seed's
-two, single bugs only); ``--mesh`` the TP x DP mesh's own held-out set (``HELD_OUT_MESH``,
-its single bugs only; with ``--tuning``, ``TUNING_MESH``: pass ``--seeds 21 34``).
+fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``).
+``--exclude MODE ...`` leaves modes out of the single bugs and the pairs;
+``--loading`` runs only the checkpoint-loading modes (``evaluate.LOADING_MODES``): their
+single-bug cases, their pairs with the other plain-TP bugs, and the made-up loading bugs
+(``MADE_UP_LOADING``) at W=2 and W=4; ``--model`` the held-out shapes with dropout and
+qk-norm (``MODEL_HELD_OUT``: their bugs and the seed's two, single bugs only); ``--mesh``
+the TP x DP mesh's own held-out set (``HELD_OUT_MESH``, its single bugs only; with
+``--tuning``, ``TUNING_MESH``: pass ``--seeds 21 34``).
 
-    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning] [--model | --mesh]
+    python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning]
+        [--exclude MODE ...] [--loading | --model | --mesh]
 """
 from __future__ import annotations
 
 import argparse
 from collections import Counter
 
-from tpattn.bugs.zoo import REGISTRY
+from tpattn.bugs.zoo import REGISTRY, runnable_modes
 from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, HELD_OUT_MESH,
-                                       MODEL_HELD_OUT, PAIR_CLASSES, TUNING, TUNING_MESH,
-                                       made_up_cases, single_bug_cases, summary,
-                                       two_bug_cases)
+                                       LOADING_MODES, MADE_UP_LOADING, MODEL_HELD_OUT,
+                                       PAIR_CLASSES, TUNING, TUNING_MESH, made_up_cases,
+                                       single_bug_cases, summary, two_bug_cases)
+
+
+def _shapes(shapes, keep) -> list:
+    """``shapes`` with every shape's modes (``None``: every plain-TP bug) narrowed to those
+    ``keep(mode)`` accepts; a shape left with none is dropped."""
+    out = []
+    for name, cfg, modes in shapes:
+        modes = tuple(m for m in modes or runnable_modes() if m != "equivalence" and keep(m))
+        if modes:
+            out.append((name, cfg, modes))
+    return out
 
 
 def _singles(single: dict) -> None:
@@ -56,20 +72,36 @@ def main() -> None:
     ap.add_argument("--mesh", action="store_true",
                     help="the TP x DP mesh's set instead: HELD_OUT_MESH (TUNING_MESH with "
                          "--tuning), single bugs only")
+    ap.add_argument("--exclude", nargs="+", default=[], metavar="MODE",
+                    help="leave these modes out of the single bugs and the pairs")
+    ap.add_argument("--loading", action="store_true",
+                    help="only the checkpoint-loading modes and the made-up loading bugs")
     args = ap.parse_args()
     if args.model or args.mesh:
         sets = (TUNING_MESH if args.tuning else HELD_OUT_MESH) if args.mesh else MODEL_HELD_OUT
         _singles(single_bug_cases(args.seeds, shapes=sets))
         return
-    shapes = TUNING if args.tuning else HELD_OUT
+    if args.loading:
+        def keep(mode):
+            return mode in LOADING_MODES
+    else:
+        def keep(mode):
+            return mode not in args.exclude
+    shapes = _shapes(TUNING if args.tuning else HELD_OUT, keep)
     single = single_bug_cases(args.seeds, shapes=shapes)
     _singles(single)
     reduced = single_bug_cases(args.seeds, logged_loss="all_reduced", shapes=shapes)
     print("the same cases, the job all-reducing its loss: "
           + ("the same answers" if reduced == single else
              f"{sum(reduced[k] != v for k, v in single.items())} answers differ"))
-    _pairs(two_bug_cases(args.seeds, shapes[0][1]))
-    made = made_up_cases(args.seeds, shapes[0][1])
+    pair_keep = (lambda pair: any(map(keep, pair))) if args.loading \
+        else (lambda pair: all(map(keep, pair)))
+    _pairs(two_bug_cases(args.seeds, shapes[0][1], pair_keep,
+                         LOADING_MODES if args.loading else ()))
+    made = made_up_cases(args.seeds, shapes[0][1], MADE_UP_LOADING if args.loading else None)
+    if args.loading:  # and at four ranks
+        made.update({(t, f"{n} (W4)", s): v for (t, n, s), v in made_up_cases(
+            args.seeds, shapes[1][1], MADE_UP_LOADING).items()})
     for tier in (1, 2):
         answers = Counter(v for (t, _, _), v in made.items() if t == tier)
         print(f"made-up bugs, tier {tier}: " + ", ".join(f"{k} {n}" for k, n in answers.items()))

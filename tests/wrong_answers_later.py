@@ -190,3 +190,48 @@ WRONG_LATER += [
      lambda tokens, cfg: [torch.cat(tokens[:cfg.world_size]) for _ in tokens],
      "rank 2's gathered sequence is not its TP group's"),
 ]
+
+
+# --- the chapter "Around the block": loading a checkpoint into ranks ------------------------
+
+def _grouped_rows(w, cfg, rank):
+    n = w.shape[0] // cfg.world_size
+    g, d = cfg.group_size, cfg.head_dim
+    rows = w[rank * n:(rank + 1) * n].reshape(cfg.local_kv_heads, (g + 2) * d, -1)
+    return tuple(t.reshape(-1, w.shape[1]) for t in rows.split([g * d, d, d], dim=1))
+
+
+def load_rank0(w, cfg, tp_rank=0):  # qkv_loaded_from_rank0: the rank never reaches the loader
+    return _grouped_rows(w, cfg, 0)
+
+
+def load_as_plain(w, cfg, tp_rank):  # grouped_qkv_read_as_plain
+    n = w.shape[0] // cfg.world_size
+    rows = w[tp_rank * n:(tp_rank + 1) * n]
+    q, kv = cfg.local_query_heads * cfg.head_dim, cfg.local_kv_heads * cfg.head_dim
+    return rows[:q], rows[q:q + kv], rows[q + kv:]
+
+
+def load_detached(w, cfg, tp_rank):  # the right rows, cut off from the checkpoint's graph
+    return tuple(t.detach().clone() for t in _grouped_rows(w, cfg, tp_rank))
+
+
+def verdict_rank0_is_naive(checksums, scale):  # rank 0 right -> the wrong bug's name
+    ok = [abs(checksums["wq"][r]) < 1e-5 * max(scale["wq"], 1.0)
+          for r in range(len(checksums["wq"]))]
+    if all(ok) and all(abs(d) < 1e-5 * max(scale["wk"], 1.0) for d in checksums["wk"]):
+        return None
+    return "fused_qkv_naive_split" if ok[0] else "grouped_qkv_read_as_plain"
+
+
+WRONG_LATER += [
+    ("check_load_grouped_qkv", load_rank0, "you loaded rank 0's rows"),
+    ("check_load_grouped_qkv", load_as_plain, "you read the rank's rows as [Q; K; V]"),
+    ("check_load_grouped_qkv", load_detached, "not slices of w"),
+    ("check_loading_verdict", lambda checksums, scale: None,
+     "you said None: rank 0's Q/K/V are right and every other rank's are off"),
+    ("check_loading_verdict", verdict_rank0_is_naive,
+     "you said fused_qkv_naive_split: rank 0's Q/K/V are right"),
+    ("check_loading_verdict", lambda checksums, scale: "qkv_loaded_from_rank0",
+     "which is grouped_qkv_read_as_plain"),
+]

@@ -2023,3 +2023,120 @@ def check_sp_gather_tokens(gather) -> str:
             count += 1
     return (f"every rank's gathered sequence is its own TP group's tokens in order on "
             f"{count} cases ({len(EXTRA_SEEDS)} seeds x {len(SP_MESH_CONFIGS)} meshes).")
+
+
+# --- chapter 17, around the block: loading a checkpoint into ranks -------------------------
+
+__all__ += ["check_load_grouped_qkv", "check_loading_verdict"]
+
+#: Shapes the loading exercises are graded on: two KV groups per rank (W=2), one group per
+#: rank (W=4, where reading the rows as plain [Q; K; V] happens to be right), four groups of
+#: three query heads per rank, and two groups per rank at W=4.
+LOADING_CONFIGS = (
+    Config(query_heads=8, kv_heads=4),
+    Config(query_heads=8, kv_heads=4, world_size=4),
+    Config(seq=3, batch=1, hidden=8, query_heads=24, kv_heads=8, head_dim=2),
+    Config(seq=4, query_heads=16, kv_heads=8, world_size=4),
+)
+
+
+@_exercise("load your rank's rows of a grouped QKV checkpoint", AROUND_CHAPTER)
+def check_load_grouped_qkv(load) -> str:
+    """Check ``load(w, cfg, tp_rank) -> (wq, wk, wv)``: rank ``tp_rank``'s query, key and
+    value rows (``[Hq/W*D, hidden]``, ``[Hkv/W*D, hidden]`` x 2) from the full checkpoint
+    ``w`` fused per KV group (``tpattn.block.fused_qkv.fuse_qkv_weight(..., "grouped")``:
+    for each group its query heads, its key head, its value head), as differentiable slices
+    of ``w``. Graded against the rank's heads (``shard_params``) on ``LOADING_CONFIGS``."""
+    from tpattn.block.fused_qkv import fuse_qkv_weight, read_rank_qkv, rank_row_block
+    for cfg in LOADING_CONFIGS:
+        p = init_params(cfg, 7 + PARAM_SEED_OFFSET)
+        w = fuse_qkv_weight(p["wq"], p["wk"], p["wv"], cfg, "grouped").requires_grad_(True)
+        right = shard_params(p, cfg)
+        for rank in range(cfg.world_size):
+            got = load(w, cfg, rank)
+            if not isinstance(got, (tuple, list)) or len(got) != 3:
+                raise _Wrong("your function should return three tensors: (wq, wk, wv).")
+            where = f"for rank {rank} of {_shape(cfg)}"
+            for name, t in zip(("wq", "wk", "wv"), got):
+                _expect_shape(_tensor(t, f"your {name}"), right[rank][name].shape,
+                              f"{where} your {name}")
+            if all(torch.equal(a.detach(), right[rank][k])
+                   for a, k in zip(got, ("wq", "wk", "wv"))):
+                if not all(t.requires_grad for t in got):
+                    raise _Wrong(f"{where} the rows are right but not slices of w: keep them "
+                                 f"differentiable (no detach, no copy through numpy).")
+                continue
+            if rank > 0 and all(torch.equal(a.detach(), right[0][k])
+                                for a, k in zip(got, ("wq", "wk", "wv"))):
+                raise _Wrong(f"{where} you loaded rank 0's rows: narrow at this rank's "
+                             f"offset, tp_rank * rows_per_rank (the loader of "
+                             f"vllm-gguf-plugin issue 103 never got tp_rank).")
+            plain = read_rank_qkv(w.detach()[rank_row_block(cfg, rank)], cfg, "plain")
+            if all(torch.equal(a.detach(), b) for a, b in zip(got, plain)):
+                raise _Wrong(f"{where} you read the rank's rows as [Q; K; V], but they are "
+                             f"{cfg.local_kv_heads} groups [q x {cfg.group_size}; k; v]: "
+                             f"split them per group (tenstorrent/tt-metal issue 6243).")
+            bad = [k for a, k in zip(got, ("wq", "wk", "wv"))
+                   if not torch.equal(a.detach(), right[rank][k])]
+            raise _Wrong(f"{where} your {', '.join(bad)} rows are not the rank's heads.")
+    return (f"every rank of {len(LOADING_CONFIGS)} shapes loads exactly its heads' rows, "
+            f"per KV group, as slices of the checkpoint.")
+
+
+#: The answers of ``check_loading_verdict``: the loading bugs it asks about, or None.
+LOADING_VERDICTS = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain",
+                    "fused_qkv_naive_split", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _loading_observations() -> tuple:
+    """``(name, answer, cfg, seed, shard_checksums, shard_scale)`` of observed runs: the
+    three loading bugs, correct loads of both checkpoints and a made-up wrong rank order
+    (answer None), on two shapes (tier 1: ``observe_injection(..., reference=False)``)."""
+    from tpattn.bugs.zoo import get_mode
+    from tpattn.diagnosis.observe import observe_injection
+    cases = [(m, m, get_mode(m).injection) for m in LOADING_VERDICTS if m is not None]
+    cases += [("correct (grouped)", None, Injection(shard="grouped")),
+              ("correct (fused)", None, Injection(shard="fused")),
+              ("shards in the wrong rank order", None, Injection(shard="fused",
+                                                                 shard_offset=1))]
+    out = []
+    for cfg, seed in ((Config(query_heads=8, kv_heads=4), 5),
+                      (Config(seq=4, query_heads=16, kv_heads=8, world_size=4), 11)):
+        for name, answer, inj in cases:
+            obs = observe_injection(inj, seed, cfg, steps=1, reference=False)
+            out.append((name, answer, cfg, seed, obs["shard_checksums"], obs["shard_scale"]))
+    return tuple(out)
+
+
+@_exercise("tell the loading bugs apart from the shard checksums", AROUND_CHAPTER)
+def check_loading_verdict(verdict) -> str:
+    """Check ``verdict(checksums, scale) -> str | None``: from ``observe``'s
+    ``shard_checksums`` (per parameter, every rank's loaded sum minus its checkpoint
+    slice's) and ``shard_scale`` (per parameter, the sum of |w|), which loading bug the run
+    has (one of ``LOADING_VERDICTS``) or None. Graded on observed runs of the three loading
+    bugs, correct loads and a made-up one (every shard from the wrong rank)."""
+    import copy
+    for name, answer, cfg, seed, sums, scale in _loading_observations():
+        got = verdict(copy.deepcopy(sums), dict(scale))
+        if got not in LOADING_VERDICTS:
+            raise _Wrong(f"you returned {got!r}; return one of "
+                         f"{', '.join(map(str, LOADING_VERDICTS))}.")
+        if got == answer:
+            continue
+        where = f"for {name} on {_shape(cfg)} (seed {seed})"
+        if answer is None and all(abs(d) > 1e-5 * max(scale["wo"], 1.0) for d in sums["wo"]):
+            raise _Wrong(f"{where} you said {got}, but wo is off on every rank too: each rank "
+                         f"loaded another rank's whole shard, none of the three bugs.")
+        if answer is None:
+            raise _Wrong(f"{where} you said {got}, but every rank's checksums match its "
+                         f"slice: nothing was loaded wrong.")
+        hint = {"qkv_loaded_from_rank0": "rank 0's Q/K/V are right and every other rank's "
+                                         "are off",
+                "grouped_qkv_read_as_plain": "every rank's Q, K and V are off but their sum "
+                                             "is right: its own rows under the wrong names",
+                "fused_qkv_naive_split": "rank 0's query rows are right, its key and value "
+                                         "rows are not"}[answer]
+        raise _Wrong(f"{where} you said {got}: {hint}, which is {answer}.")
+    return (f"right on all {len(_loading_observations())} observed runs: which ranks are off, "
+            f"and whether a rank's Q, K and V sums add up, tell the loaders apart.")

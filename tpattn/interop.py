@@ -21,9 +21,10 @@ Checkpoint layouts (weights converted once, outside the model):
 - Fused QKV. Megatron-Core keeps one ``linear_qkv`` weight, interleaved per KV group
   (``[q × group_size, k, v]`` for each group: ``megatron/core/transformer/attention.py``,
   ``SelfAttention.get_query_key_value_tensors``), so a contiguous slice of its rows per rank
-  holds complete groups: ``fuse_qkv`` / ``split_fused_qkv``. A plain ``[Wq; Wk; Wv]``
-  concatenation cut the same way hands rank 0 only query rows: ``read_rank_slices`` shows what
-  the ranks then hold.
+  holds complete groups: ``fuse_qkv`` / ``split_fused_qkv`` (both layouts and the rank
+  loader live in ``tpattn.block.fused_qkv``, below the check that loads them). A plain
+  ``[Wq; Wk; Wv]`` concatenation cut the same way hands rank 0 only query rows:
+  ``read_rank_slices`` shows what the ranks then hold.
 
 Importing this module imports ``transformers`` (seconds); ``import tpattn`` does not.
 """
@@ -37,6 +38,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from tpattn.config import Config
 from tpattn.block.layers import attention, causal_mask, repeat_kv, rms_norm, rope_angles
+from tpattn.block.fused_qkv import (fuse_qkv_weight, fused_qkv_rows, read_rank_qkv,
+                                    split_qkv_weight)
 from tpattn.block.params import PARAM_NAMES, init_params
 
 __all__ = [
@@ -263,37 +266,20 @@ def meta_dense_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config)
 QKV_LAYOUTS = ("interleaved", "concatenated")
 
 
-def _check_qkv(wq, wk, wv, cfg: Config) -> None:
-    want = {"wq": (cfg.query_heads * cfg.head_dim, cfg.hidden),
-            "wk": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
-            "wv": (cfg.kv_heads * cfg.head_dim, cfg.hidden)}
-    for name, w in zip(want, (wq, wk, wv)):
-        if tuple(w.shape) != want[name]:
-            raise ValueError(f"{name} must be {list(want[name])} for this Config "
-                             f"(got {list(w.shape)})")
-
-
-def _fused_rows(cfg: Config) -> int:
-    return (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
-
-
 def fuse_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Megatron's fused QKV weight: for each KV group ``j``, the rows of its ``group_size`` query
-    heads, then its key head, then its value head.
+    heads, then its key head, then its value head (``fused_qkv.fuse_qkv_weight``, layout
+    ``"grouped"``).
 
     wq: ``[Hq*D, hidden]``, wk, wv: ``[Hkv*D, hidden]``; returns ``[(Hq + 2*Hkv)*D, hidden]``.
     """
-    _check_qkv(wq, wk, wv, cfg)
-    g, d, h = cfg.group_size, cfg.head_dim, cfg.hidden
-    groups = [wq.reshape(cfg.kv_heads, g * d, h), wk.reshape(cfg.kv_heads, d, h),
-              wv.reshape(cfg.kv_heads, d, h)]
-    return torch.cat(groups, dim=1).reshape(_fused_rows(cfg), h)
+    return fuse_qkv_weight(wq, wk, wv, cfg, "grouped")
 
 
 def concat_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """The naive fused weight ``[Wq; Wk; Wv]``: ``[(Hq + 2*Hkv)*D, hidden]``."""
-    _check_qkv(wq, wk, wv, cfg)
-    return torch.cat([wq, wk, wv], dim=0)
+    """The naive fused weight ``[Wq; Wk; Wv]``: ``[(Hq + 2*Hkv)*D, hidden]`` (layout
+    ``"plain"``)."""
+    return fuse_qkv_weight(wq, wk, wv, cfg, "plain")
 
 
 def split_fused_qkv(w: torch.Tensor, cfg: Config, layout: str = "interleaved"):
@@ -304,20 +290,8 @@ def split_fused_qkv(w: torch.Tensor, cfg: Config, layout: str = "interleaved"):
     """
     if layout not in QKV_LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(QKV_LAYOUTS)} (got {layout!r})")
-    if tuple(w.shape) != (_fused_rows(cfg), cfg.hidden):
-        raise ValueError(f"w must be [(query_heads + 2*kv_heads)*head_dim, hidden] = "
-                         f"{[_fused_rows(cfg), cfg.hidden]} (got {list(w.shape)})")
-    q_rows, kv_rows = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    if layout == "concatenated":
-        return tuple(t.clone() for t in w.split([q_rows, kv_rows, kv_rows]))
-    return _split_groups(w, cfg.kv_heads, cfg)
-
-
-def _split_groups(w: torch.Tensor, groups: int, cfg: Config):
-    """Rows ``[groups * (g+2) * D, hidden]`` read as ``groups`` × ``[q × g, k, v]``."""
-    g, d, h = cfg.group_size, cfg.head_dim, cfg.hidden
-    q, k, v = w.reshape(groups, (g + 2) * d, h).split([g * d, d, d], dim=1)
-    return q.reshape(-1, h).clone(), k.reshape(-1, h).clone(), v.reshape(-1, h).clone()
+    parts = split_qkv_weight(w, cfg, "plain" if layout == "concatenated" else "grouped")
+    return tuple(t.clone() for t in parts)
 
 
 def read_rank_slices(w: torch.Tensor, cfg: Config):
@@ -328,8 +302,8 @@ def read_rank_slices(w: torch.Tensor, cfg: Config):
     by ``fuse_qkv`` it is exactly the original; for ``concat_qkv``'s it is not (rank 0's slice
     holds query rows only).
     """
-    if tuple(w.shape) != (_fused_rows(cfg), cfg.hidden):
+    if tuple(w.shape) != (fused_qkv_rows(cfg), cfg.hidden):
         raise ValueError(f"w must be [(query_heads + 2*kv_heads)*head_dim, hidden] = "
-                         f"{[_fused_rows(cfg), cfg.hidden]} (got {list(w.shape)})")
-    parts = [_split_groups(chunk, cfg.local_kv_heads, cfg) for chunk in w.chunk(cfg.world_size)]
+                         f"{[fused_qkv_rows(cfg), cfg.hidden]} (got {list(w.shape)})")
+    parts = [read_rank_qkv(chunk, cfg, "grouped") for chunk in w.chunk(cfg.world_size)]
     return tuple(torch.cat([part[i] for part in parts]) for i in range(3))

@@ -47,6 +47,8 @@ EXPECTED = {
     "row_bias_on_every_rank": "caught",
     "fused_qkv_naive_split": "not a type error",
     "repeat_kv_tiled": "not a type error",
+    "qkv_loaded_from_rank0": "not a type error",
+    "grouped_qkv_read_as_plain": "not a type error",
     "inputs_not_replicated": "not a type error",
     "missing_norm_grad_reduce": "caught",
     "norm_grad_averaged": "not a type error",

@@ -9,7 +9,7 @@ import pytest
 matplotlib.use("Agg")
 
 DRAFTS = sorted((Path(__file__).resolve().parents[2] / "book" / "_drafts").glob("around_*.py"))
-MINE = ("around_mesh.py", "around_spmd.py")
+MINE = ("around_mesh.py", "around_spmd.py", "around_loading.py")
 
 
 def cells(path: Path) -> list[tuple[str, str, str]]:

@@ -22,7 +22,7 @@ own leaf tensors, output, loss and backward, as real ranks run: the engine on
 processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view (the
 engine on ``tpattn.parallel.one_graph.OneGraphRanks``; the seed's ``tp.tp_forward`` for the
 seed's three modes). The parameters, cut and batches of an injection (``make_params``,
-``shard``, ``unshard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
+``shard``, ``unshard``, ``load_rank_shard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
 ``clip_coef``) live in ``tpattn.check.core`` and are re-exported here.
 
 Other modules contribute modes with ``register``. Some entries are injections that need a
@@ -33,7 +33,10 @@ layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
 (``rng``) needs ``dropout > 0``, ``qk_norm_grad_not_reduced`` (``qk_norm_grad``) needs
 ``qk_norm``. ``tpattn.run`` runs them in both simulations (``tpattn.observe``
 watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
-tables run on plain-TP shapes.
+tables run on plain-TP shapes. It leaves out the plain-TP modes of the chapter "Around the
+block" too (``AROUND_THE_BLOCK``: a fused QKV checkpoint loaded into ranks, through
+``tpattn.block.fused_qkv.load_qkv_weight``), so the earlier chapters' hunts and tables keep
+their cases.
 """
 from __future__ import annotations
 
@@ -46,9 +49,9 @@ from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING
                                MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
                                OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
-                               clip_coef, dense_step, dropout_masks, grad_norm, make_inputs,
-                               make_params,
-                               rank_batches, shard, unshard)
+                               clip_coef, dense_step, dropout_masks, grad_norm,
+                               load_rank_shard, make_inputs, make_params, rank_batches,
+                               shard, unshard)
 from tpattn.check.core import tp_step as check_tp_step
 from tpattn.config import Config
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
@@ -59,8 +62,8 @@ from tpattn.parallel.one_graph import one_graph_forward
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
            "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
            "check_needs", "check_mode", "modes_for", "tp_step",
-           "make_params", "shard", "unshard", "sides", "forward_fixture", "block_inputs",
-           "LAYOUT_NEEDS", "MESH_NEEDS",
+           "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
+           "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "AROUND_THE_BLOCK",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
            "rank_batches", "dense_step", "clip_coef"]
 
@@ -78,6 +81,12 @@ LAYOUT_NEEDS = ("sequence_parallel", "kv_heads < world_size", "dropout > 0", "qk
 #: The needs of the TP x DP mesh's modes (``Config.data_parallel``): they run on any layout
 #: the engine's mesh runs (plain TP, sequence parallelism, replicated KV heads).
 MESH_NEEDS = ("data_parallel >= 2", "data_parallel == world_size")
+#: The modes of the chapter "Around the block" that run on plain-TP shapes: a fused QKV
+#: checkpoint loaded into ranks. ``runnable_modes()`` leaves them out, as it leaves out the
+#: layout modes, so the earlier chapters' hunts, tables and exercises and the earlier
+#: held-out figures keep their cases; ``tpattn.diagnosis.evaluate.HELD_OUT`` hosts them on
+#: shapes of their own.
+AROUND_THE_BLOCK = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
 
 
 @dataclass(frozen=True)
@@ -197,6 +206,34 @@ def _entries() -> list[BugMode]:
                 "all q heads, then all k, then all v) without regard to heads: incorrect "
                 "inference results, no error; the PR splits each known layout by heads (the "
                 "zoo's is that GLM layout, cut into contiguous slices, in training)"),
+        BugMode("qkv_loaded_from_rank0",
+                "every rank narrows rank 0's rows of a fused [Wq; Wk; Wv] checkpoint: "
+                "the shapes are right, the numbers rank 0's",
+                "vllm-project/vllm-gguf-plugin issue 103 (fixed by PR 106)",
+                ("fused_qkv", "world_size >= 2"), Injection(shard="fused_rank0"),
+                how="the loader reads tp_rank = kwargs.get('tp_rank', 0) and the caller never "
+                    "passes it (block.fused_qkv.load_qkv_weight)",
+                fix="take the rank from the process group (get_tensor_model_parallel_rank), "
+                    "not from an optional keyword", fidelity="mechanism",
+                fidelity_note="the plugin's load_qkv_weight and load_merged_column_weight read "
+                "tp_rank from kwargs with default 0, which vLLM's weight_loader_v2 never passes, "
+                "so every rank kept rank 0's shard (right shapes, wrong output at TP > 1; PR 106 "
+                "asks the process group); the zoo's loader does that to the block's fused QKV, "
+                "in training (no MLP, so no merged gate/up weight)"),
+        BugMode("grouped_qkv_read_as_plain",
+                "a QKV checkpoint fused per KV group read as plain [Q; K; V] on each rank: "
+                "wrong once a rank holds two groups",
+                "tenstorrent/tt-metal issue 6243 (closed)",
+                ("fused_qkv", "kv_heads >= 2 * world_size"),
+                Injection(shard="grouped_as_plain"),
+                how="rank r narrows its rows [q_1; k_1; v_1; q_2; k_2; v_2] and reads the first "
+                    "Hq/W*D as queries, the next Hkv/W*D as keys, the rest as values",
+                fix="split the rank's rows per KV group ([q x g; k; v] each)",
+                fidelity="mechanism",
+                fidelity_note="nlp_create_qkv_heads split each device's fused QKV output "
+                "assuming concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had "
+                "concat(q1, k1, v1, q2, k2, v2): bad PCC (fine at one group per device); the "
+                "zoo reads the rank's weight rows that way (output column j is weight row j)"),
         BugMode("repeat_kv_tiled",
                 "repeat_kv tiles the KV heads instead of interleaving them: query heads "
                 "read the wrong KV head",
@@ -384,9 +421,10 @@ def runnable_modes() -> tuple[str, ...]:
     """The modes with an injection that run on plain-TP shapes: those the hunts, the diagnosis's signatures and the zoo's tables run on the zoo's
     shapes. The modes with a ``LAYOUT_NEEDS`` need (sequence parallelism, replicated KV
     heads) are runnable and observable too (``list_modes``) but need their own ``Config``,
-    so they are not in this tuple."""
+    so they are not in this tuple; nor are the modes of ``AROUND_THE_BLOCK``."""
     return tuple(n for n, m in REGISTRY.items()
-                 if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS))
+                 if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS)
+                 and n not in AROUND_THE_BLOCK)
 
 
 def reported_modes() -> tuple[str, ...]:

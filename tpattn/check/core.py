@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
+from tpattn.block.fused_qkv import fuse_qkv_weight, load_qkv_weight, split_qkv_weight
 from tpattn.block.kv_layout import has_replicas, replica_groups
 from tpattn.block.params import (INIT_STD, PARAM_NAMES, QK_NORM_NAMES, clone_trainable,
                                  init_params, rank_head_slices, shard_params, unshard_params)
@@ -285,6 +286,34 @@ def fused_rows(cfg: Config, rank: int) -> slice:
     return slice(rank * rows, (rank + 1) * rows)
 
 
+#: The ``Injection.shard`` values that load from a fused checkpoint through
+#: ``fused_qkv.load_qkv_weight``: (the checkpoint's layout, how a rank reads its rows,
+#: whether the caller passes ``tp_rank``).
+LOADERS = {"fused_rank0": ("plain", "plain", False), "grouped": ("grouped", "grouped", True),
+           "grouped_as_plain": ("grouped", "plain", True)}
+
+
+def load_rank_shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection,
+                    rank: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` loads from the checkpoint ``p`` (dense tensors) with the injection's
+    loader (``LOADERS``): the fused ``wq``/``wk``/``wv`` checkpoint in its layout
+    (``fuse_qkv_weight``), narrowed by ``load_qkv_weight`` (with ``tp_rank=rank``, or, under
+    ``"fused_rank0"``, without it: rank 0's rows); ``wo`` the columns of the rank's query
+    heads, ``norm`` (and ``bias``) replicated. Differentiable slices of ``p``. Any other
+    ``shard``: ``shard(p, cfg, inj)[rank]``."""
+    if inj.shard not in LOADERS or inj.shard_offset:
+        return shard(p, cfg, inj)[rank]
+    layout, read_as, passes_rank = LOADERS[inj.shard]
+    checkpoint = fuse_qkv_weight(p["wq"], p["wk"], p["wv"], cfg, layout)
+    kwargs = {"tp_rank": rank} if passes_rank else {}
+    wq, wk, wv = load_qkv_weight(checkpoint, cfg, layout, read_as, **kwargs)
+    q_cols, _ = rank_head_slices(cfg, rank)
+    mine = {"norm": p["norm"], "wq": wq, "wk": wk, "wv": wv, "wo": p["wo"][:, q_cols]}
+    if "bias" in p:
+        mine["bias"] = p["bias"]
+    return mine
+
+
 def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[str, torch.Tensor]]:
     """Every rank's parameters, as the injection's loader cuts them (differentiable views or
     slices of ``p``, so gradients flow back to ``p``).
@@ -292,10 +321,15 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
     ``"heads"``/``"fused"``: ``shard_params`` (a fused checkpoint split by heads is the same
     numbers). ``"fused_naive"``: rank r takes contiguous rows of ``[Wq; Wk; Wv]`` and reads the
     first ``Hq/W * D`` as its query rows, the next ``Hkv/W * D`` as keys, the rest as values.
-    Replicated tensors (``norm``, ``bias``) are shared. ``shard_offset`` k: rank r gets
-    rank ``(r + k) mod W``'s shards.
+    ``LOADERS`` (``"fused_rank0"``, ``"grouped"``, ``"grouped_as_plain"``): every rank's
+    ``load_rank_shard``. Replicated tensors (``norm``, ``bias``) are shared.
+    ``shard_offset`` k: rank r gets rank ``(r + k) mod W``'s shards.
     """
-    if inj.shard != "fused_naive":
+    if inj.shard in LOADERS:
+        base = replace(inj, shard_offset=0)
+        shards = [{k: t for k, t in load_rank_shard(p, cfg, base, r).items() if k != "bias"}
+                  for r in range(cfg.world_size)]
+    elif inj.shard != "fused_naive":
         shards = shard_params({k: p[k] for k in PARAM_NAMES}, cfg)
     else:
         fused = torch.cat([p["wq"], p["wk"], p["wv"]])
@@ -318,11 +352,20 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
 
 def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) -> dict[str, torch.Tensor]:
     """The inverse of ``shard``: full-size tensors from every rank's own tensors (replicated
-    ones from rank 0)."""
+    ones from rank 0). ``"grouped"`` holds the numbers of ``"heads"``; ``"grouped_as_plain"``
+    puts each rank's ``[wq; wk; wv]`` back on the grouped rows it read them from;
+    ``"fused_rank0"`` (not invertible: ranks >= 1 never read their rows) puts rank r's
+    tensors on rank r's heads, as saving the sharded model does."""
     if inj.shard_offset:
         k = inj.shard_offset % cfg.world_size
         shards = shards[len(shards) - k:] + shards[:len(shards) - k]
-    if inj.shard != "fused_naive":
+    if inj.shard == "grouped_as_plain":
+        rows = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
+        wq, wk, wv = split_qkv_weight(rows, cfg, "grouped")
+        full = {"norm": shards[0]["norm"].detach().clone(), "wq": wq.clone(),
+                "wk": wk.clone(), "wv": wv.clone(),
+                "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
+    elif inj.shard != "fused_naive":
         full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
     else:
         fused = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
@@ -425,8 +468,8 @@ def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.T
     loss = F.mse_loss(y, target)
     loss.backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-    per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
-                                         else inj.shard))
+    per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard in
+                                         ("fused_naive", *LOADERS) else inj.shard))
     coef = clip_coef(grad_norm(per_rank, inj), inj)
     weights = sgd_step(p, grads, LR, float(coef))
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
@@ -450,7 +493,9 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     the whole mesh and report ``simulated.mesh_view`` (rank 0's report over the replicas):
     a simulation's shortcut for ``"fixture"``, whose one graph has no mesh. ``batches`` are
     then every rank's, mesh order (default: replica d's batch columns, ``replica_batch``).
-    ``"fixture"``: the engine on ``one_graph.OneGraphRanks`` (one graph, rank 0's view); a
+    ``"fixture"``: the engine on ``one_graph.OneGraphRanks`` (one graph, rank 0's view;
+    under a loader that hands every rank rank 0's rows, ``shard="fused_rank0"``, the simulated
+    ranks' ``rank0_view``, a simulation's shortcut: one graph would share those rows); a
     ``reduction_only`` injection on plain TP runs the seed's ``tp.tp_forward`` (the same view,
     the seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
     normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in bfloat16).
@@ -482,7 +527,11 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
         step = simulated_step(cut(base, cfg) * cfg.data_parallel, block_inputs(batches, cfg),
                               cfg, inj, LR, rng=rng)
         return mesh_view(step, cfg, gather)
-    if check_simulate(simulate) == "ranks" or model_options(cfg):  # every rank its own step
+    # a loader whose ranks all narrow one rank's rows (no tp_rank): one graph would share
+    # those rows, and every rank's gradient would land in them; report rank 0's view of the
+    # simulated ranks instead
+    aliased = inj.shard in LOADERS and not LOADERS[inj.shard][2] and shard_fn is None
+    if check_simulate(simulate) == "ranks" or model_options(cfg) or aliased:
         gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
         step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR,
                               rng=rng)

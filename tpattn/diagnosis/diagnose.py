@@ -96,6 +96,28 @@ def _norm_totals(obs: dict) -> tuple[float, float]:
     return once ** 0.5, every ** 0.5
 
 
+def _qkv_load_patterns(obs: dict) -> dict:
+    """Which ranks hold wrong Q/K/V numbers, read from ``shard_checksums`` (loaded minus the
+    rank's checkpoint slice; 0 within ``1e-5`` of the parameter's ``shard_scale``):
+    ``qkv_rank0_only`` (rank 0 right, every other rank off: the ranks narrowed one rank's
+    rows), ``qkv_within_rank`` (some rank off, yet every rank's Q, K and V deviations sum to
+    0: each holds its own rows under the wrong names), ``qkv_rank0_queries`` (rank 0's query
+    rows right, its key or value rows off: a contiguous cut of ``[Wq; Wk; Wv]``)."""
+    d, scale = obs["shard_checksums"], obs["shard_scale"]
+    qkv = ("wq", "wk", "wv")
+    w = len(d["wq"])
+
+    def ok(k, r):
+        return abs(d[k][r]) <= 1e-5 * max(scale[k], 1.0)
+
+    off = [any(not ok(k, r) for k in qkv) for r in range(w)]
+    tol = 1e-5 * max(max(scale[k] for k in qkv), 1.0)
+    return {"qkv_rank0_only": w >= 2 and not off[0] and all(off[1:]),
+            "qkv_within_rank": any(off) and all(abs(sum(d[k][r] for k in qkv)) <= tol
+                                                for r in range(w)),
+            "qkv_rank0_queries": ok("wq", 0) and not (ok("wk", 0) and ok("wv", 0))}
+
+
 def features(obs: dict) -> dict:
     """The yes/no facts and counts the deviations are read from, computed from ``obs``."""
     setup = obs["setup"]
@@ -114,6 +136,7 @@ def features(obs: dict) -> dict:
                              for i in range(0, len(obs["batch_checksums"]), w)),
         "shards_ok": {k: all(abs(d) <= 1e-5 * max(obs["shard_scale"][k], 1.0) for d in v)
                       for k, v in obs["shard_checksums"].items()},
+        **_qkv_load_patterns(obs),
         # replicas get the same all-reduced gradient and the same update: the same bits
         "replicas_agree_1": all(len(set(v)) == 1 for v in after_1.values()),
         "norm_replicas_agree_1": len(set(after_1["norm"])) == 1,
@@ -217,6 +240,12 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
     "batches": ("the ranks' batch checksums differ", 1, lambda f: not f["batches_agree"]),
     "qkv_shards": ("ranks hold Q/K/V numbers that are not their checkpoint slices", 1,
                    lambda f: not all(f["shards_ok"][k] for k in ("wq", "wk", "wv"))),
+    "qkv_rank0_only": ("rank 0 holds its Q/K/V slices, every other rank other numbers (the "
+                       "ranks narrowed one rank's rows)", 1, lambda f: f["qkv_rank0_only"]),
+    "qkv_within_rank": ("each rank's Q, K and V checksums are off but their sum is right (its "
+                        "own rows under the wrong names)", 1, lambda f: f["qkv_within_rank"]),
+    "qkv_rank0_queries": ("rank 0's query rows are its slice, its key/value rows are not (a "
+                          "contiguous cut of [Wq; Wk; Wv])", 1, lambda f: f["qkv_rank0_queries"]),
     "wo_shards": ("ranks hold output-projection numbers that are not their slices", 1,
                   lambda f: not f["shards_ok"]["wo"]),
     "losses_disagree": ("the ranks' step-0 losses disagree", 1,
@@ -341,8 +370,19 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         "(W-1)*b", allows=lambda f: f["world_size"] >= 2 and f["bias"], alone=["bias_shift"],
         forward=True),
     "fused_qkv_naive_split": _fp(
-        ["qkv_shards"], ["outside_partials"], "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the "
+        ["qkv_shards", "qkv_rank0_queries"], ["outside_partials"], "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the "
         "checkpoint's slices", allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"],
+        forward=True),
+    "qkv_loaded_from_rank0": _fp(
+        ["qkv_shards", "qkv_rank0_only"], ["outside_partials"],
+        "pass each rank's tp_rank to the loader (or read it from the process group): every "
+        "rank's Q/K/V checksums match its checkpoint slice",
+        allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"], forward=True),
+    "grouped_qkv_read_as_plain": _fp(
+        ["qkv_shards", "qkv_within_rank"], ["outside_partials"],
+        "split each rank's rows per KV group ([q x g; k; v]): its Q, K and V checksums then "
+        "match; or rerun with one group per rank, where both readings agree",
+        allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"] and f["kv_per_rank"] >= 2,
         forward=True),
     "repeat_kv_tiled": _fp(
         ["loss_off", "outside_partials"], [], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv "

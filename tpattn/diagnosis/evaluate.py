@@ -20,12 +20,13 @@ from collections import Counter
 
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
-from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
+from tpattn.bugs.zoo import AROUND_THE_BLOCK, REGISTRY, check_needs, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
 __all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH",
-           "MESH_SEEDS", "MADE_UP", "CLASSES", "PAIR_CLASSES", "named", "classify",
+           "MESH_SEEDS", "MADE_UP", "MADE_UP_LOADING", "LOADING_MODES", "CLASSES",
+           "PAIR_CLASSES", "named", "classify",
            "pair_class", "BOTH_NAMED", "single_bug_answers", "single_bug_cases", "answer_label",
            "confusion", "pairs", "two_bug_cases", "made_up_cases",
            "summary"]
@@ -35,6 +36,9 @@ __all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH
 #: The seed's two bugs, which every layout has; and the modes of a sequence-parallel shape.
 _SEED_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
 _SP_MODES = _SEED_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
+#: The checkpoint-loading modes (a fused QKV checkpoint loaded into ranks; not in
+#: ``runnable_modes()``: ``zoo.AROUND_THE_BLOCK``).
+LOADING_MODES = AROUND_THE_BLOCK
 HELD_OUT = [
     ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8), None),
     ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
@@ -49,6 +53,22 @@ HELD_OUT = [
                             world_size=4, kv_strategy="gather_activations"), _SEED_BUGS),
     ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
                             world_size=8), None),
+    # the checkpoint-loading modes (written before their fingerprints): on the plain-TP
+    # shapes above, and on shapes of their own
+    ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8),
+     LOADING_MODES),
+    ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
+                           world_size=4), LOADING_MODES),
+    ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
+                            world_size=8), LOADING_MODES),
+    ("W2 hq16 kv8", Config(seq=6, hidden=32, query_heads=16, kv_heads=8, head_dim=4),
+     LOADING_MODES),
+    ("W2 hq12 kv4", Config(seq=5, hidden=24, query_heads=12, kv_heads=4, head_dim=4),
+     LOADING_MODES),
+    ("W4 hq8 kv8 MHA", Config(seq=4, hidden=32, query_heads=8, kv_heads=8, head_dim=4,
+                              world_size=4), LOADING_MODES),
+    ("W4 hq8 kv4", Config(seq=4, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
+                          world_size=4), ("qkv_loaded_from_rank0",)),
 ]
 #: Held-out shapes with the model options of chapter "Around the block" (``Config.dropout``,
 #: ``Config.qk_norm``), W2 and W4, written before the fingerprints of their bugs were tuned:
@@ -108,6 +128,15 @@ MADE_UP = {
     "partial x 1.05 and wrong rank order": Injection(partial_scale=1.05, shard_offset=1),
     "rank 1 keeps its pre-step weights (stale shard)": Injection(rank_lr_scale=(1.0, 0.0)),
     "rank 1's attention partial x 1.05": Injection(partial_scale=(1.0, 1.05)),
+}
+#: Made-up loading bugs next to the checkpoint-loading modes (a fused checkpoint, so their
+#: fingerprints are allowed), kept apart from ``MADE_UP`` so its figures stay comparable:
+#: every rank's whole shard (``wo`` too) from another rank.
+MADE_UP_LOADING = {
+    "fused checkpoint loaded in the wrong rank order": Injection(shard="fused",
+                                                                 shard_offset=1),
+    "grouped checkpoint loaded in the wrong rank order": Injection(shard="grouped",
+                                                                   shard_offset=1),
 }
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
 #: The held-out seeds of ``HELD_OUT_MESH``.
@@ -179,12 +208,13 @@ def confusion(answers: dict) -> dict:
     return out
 
 
-def pairs():
+def pairs(extra=()):
     """``((mode_a, mode_b), Injection)`` for every two plain-TP registry bugs that can
-    coexist (no knob set by both), their knobs merged."""
+    coexist (no knob set by both), their knobs merged; ``extra``: more modes to pair (e.g.
+    ``LOADING_MODES``, which ``runnable_modes()`` leaves out)."""
     default = Injection()
     knobs = {}
-    for mode in runnable_modes():
+    for mode in (*runnable_modes(), *extra):
         inj = REGISTRY[mode].injection
         changed = {f.name: getattr(inj, f.name) for f in dataclasses.fields(inj)
                    if getattr(inj, f.name) != getattr(default, f.name)}
@@ -218,10 +248,13 @@ def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
     return ("none", "one", "tied")[len(set(pair) & named(found))]
 
 
-def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs``) on ``cfg``."""
+def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None, extra=()) -> dict:
+    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs(extra)``) on
+    ``cfg`` (only the pairs ``keep(pair)`` accepts, when given)."""
     out = {}
-    for pair, inj in pairs():
+    for pair, inj in pairs(extra):
+        if keep is not None and not keep(pair):
+            continue
         for seed in seeds:
             for tier in (1, 2):
                 found = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))
@@ -229,10 +262,11 @@ def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
     return out
 
 
-def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1]) -> dict:
-    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the registry names given."""
+def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None) -> dict:
+    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the registry names given, for
+    every bug of ``cases`` (default ``MADE_UP``; ``MADE_UP_LOADING``)."""
     out = {}
-    for name, inj in MADE_UP.items():
+    for name, inj in (MADE_UP if cases is None else cases).items():
         for seed in seeds:
             for tier in (1, 2):
                 top = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))[0]

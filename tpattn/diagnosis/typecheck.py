@@ -88,6 +88,12 @@ WHY = {
     "fused_qkv_naive_split": {
         "not a type error": "every rank's rows of the fused weight are varying whichever rows "
                             "they are: which rows a rank holds is a layout, not a type"},
+    "qkv_loaded_from_rank0": {
+        "not a type error": "rank 0's rows on rank 1 are as varying as rank 1's own: which "
+                            "rank's rows a loader narrowed is a value, not a type"},
+    "grouped_qkv_read_as_plain": {
+        "not a type error": "key rows read as query rows have the query rows' shape and "
+                            "type: the order of a rank's rows is a layout, not a type"},
     "repeat_kv_tiled": {
         "not a type error": "tiling instead of interleaving is a permutation of heads inside "
                             "one rank: same types, wrong pairing"},
@@ -430,6 +436,7 @@ TABLE_SETUPS = {
     "repeat_kv_tiled": Config(query_heads=8, kv_heads=4),
     "dropout_rng_desync": Config(dropout=0.1),
     "qk_norm_grad_not_reduced": Config(qk_norm=True),
+    "grouped_qkv_read_as_plain": Config(query_heads=8, kv_heads=4),
 }
 
 

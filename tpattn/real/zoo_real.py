@@ -1,13 +1,16 @@
 """The zoo's bugs on real ranks: one torch.distributed process per TP rank.
 
 ``tpattn.real.ranks`` hands every registry mode that is not one of the seed's three to
-``zoo_rank_check``: each rank builds its own shard with the mode's loader
-(``zoo.shard``), runs ``tpattn.parallel.engine.rank_block`` wired as the mode's injection with
-real collectives (``tpattn.real.ranks.real_rank_block``: ``CopyToRanks`` for f,
-``ReduceOutputPartials`` for g, each as many times as the bug issues it), its own loss,
-backward, the gradient norm (all-reduced when the mode clips) and its SGD step; rank 0
-gathers the shards and compares with the dense block on the five measures — the same dict
-as ``tpattn.run(seed, mode, cfg, simulate="ranks")``, equal within float32 rounding.
+``zoo_rank_check``: each rank loads its own shard from the full checkpoint with the mode's
+loader (``zoo.load_rank_shard``: a fused QKV checkpoint through
+``block.fused_qkv.load_qkv_weight``, called with the rank's ``tp_rank`` or, for
+``qkv_loaded_from_rank0``, without it), runs ``tpattn.parallel.engine.rank_block`` wired as
+the mode's injection with real collectives (``tpattn.real.ranks.real_rank_block``:
+``CopyToRanks`` for f, ``ReduceOutputPartials`` for g, each as many times as the bug
+issues it), its own loss, backward, the gradient norm (all-reduced when the mode clips) and
+its SGD step; rank 0 gathers the shards and compares with the dense block on the five
+measures — the same dict as ``tpattn.run(seed, mode, cfg, simulate="ranks")``, equal within
+float32 rounding.
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from .ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, REPLICATED as RE
                     CollectiveLedger, DistributedRanks, gather_step, rank_disagreement,
                     real_rank_block)
 from tpattn.bugs.zoo import (REPLICATED as REPLICATED_PARAMS, Injection, clip_coef,
-                             dense_step, check_needs, get_mode, make_params, rank_batches, shard,
-                             unshard)
+                             dense_step, check_needs, get_mode, load_rank_shard, make_params,
+                             rank_batches, unshard)
 
 __all__ = ["planned_collectives", "zoo_rank_check", "GRAD_NORM_ALL_REDUCE"]
 
@@ -61,7 +64,7 @@ def zoo_rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: Collect
     device = torch.device(device)
     base = {k: v.to(device) for k, v in make_params(cfg, seed, inj).items()}
     mine_params = {k: t.detach().clone().requires_grad_(True)
-                   for k, t in shard(base, cfg, inj)[rank].items()}
+                   for k, t in load_rank_shard(base, cfg, inj, rank).items()}
     x_r, target_r = (t.to(device) for t in rank_batches(cfg, seed, inj)[rank])
     # with dropout: torch's global RNG seeded on every rank, the tracker's own generator
     rng = process_streams(cfg, seed, rank, inj) if cfg.dropout > 0 else None
