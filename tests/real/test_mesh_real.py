@@ -141,3 +141,16 @@ def test_real_mesh_observables_and_diagnoses_equal_the_simulated_ones(observed):
         assert_same_observables(obs, simulated, mode)
         assert found == diagnose(simulated), mode
         assert found[0]["cause"] == ("no known cause" if mode == "equivalence" else mode)
+
+
+ALL_ON = Config(query_heads=8, kv_heads=4, data_parallel=2, dropout=0.1, qk_norm=True)
+ALL_ON_MODES = ("equivalence", "dropout_rng_desync", "qk_norm_grad_not_reduced")
+
+
+def test_real_mesh_with_dropout_and_qk_norm_equals_simulated(mesh_sp):
+    rep = run_distributed(2, [11], ALL_ON_MODES, ALL_ON, dtensor=False)
+    for real in rep.results:
+        sim = run(11, real["mode"], ALL_ON, "ranks")
+        assert real["passed"] == sim["passed"] == (real["mode"] == "equivalence")
+        for m in MEASURES:
+            assert agree(real[m], sim[m]), (real["mode"], m, real[m], sim[m])

@@ -30,7 +30,7 @@ from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, con
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
-from tpattn.parallel.rng import replica_masks, simulated_streams
+from tpattn.parallel.rng import replica_masks, simulated_streams, tile_masks
 from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.simulated import mesh_view, rank0_view, simulated_step
 from tpattn.parallel.tp import tp_forward
@@ -256,9 +256,12 @@ def model_options(cfg: Config) -> bool:
 
 def dropout_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor] | None:
     """The dropout masks the correct program draws in seed ``seed``'s step
-    (``rng.replica_masks``: one DP replica, assembled over the TP ranks), or ``None`` when
+    (``rng.replica_masks``: one DP replica, assembled over the TP ranks; on a TP x DP mesh
+    tiled along the global batch, ``rng.tile_masks``), or ``None`` when
     ``cfg.dropout == 0``: what the dense reference applies."""
-    return replica_masks(cfg, seed) if cfg.dropout > 0 else None
+    if cfg.dropout == 0:
+        return None
+    return tile_masks(replica_masks(cfg, seed), cfg.data_parallel)
 
 
 def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> dict[str, torch.Tensor]:

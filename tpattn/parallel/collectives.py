@@ -288,10 +288,10 @@ class SimulatedRanks:
 
     def reduce_qk_norm_grads(self, gq: torch.Tensor, gk: torch.Tensor):
         """The q/k-norm weights' gradients ``[R, head_dim]`` each after backward: every rank
-        gets the rank sum of both (one all-reduce of the two, concatenated)."""
+        gets its TP group's sum of both (one all-reduce of the two, concatenated)."""
         self.record("after backward", QK_NORM_GRAD_LABEL)
         both = torch.cat([gq, gk], dim=1)
-        total = rank_sum(both).expand_as(both).clone()
+        total = self.group_sum(both).clone()
         return total[:, :gq.shape[1]].clone(), total[:, gq.shape[1]:].clone()
 
     def reduce_scalar(self, value: torch.Tensor, label: str) -> torch.Tensor:

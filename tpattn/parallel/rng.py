@@ -95,11 +95,12 @@ class RankStreams:
 
 
 def simulated_streams(cfg: Config, seed: int, inj=None, tp_ranks=None) -> RankStreams:
-    """Every simulated rank's streams (``tp_ranks``: the TP rank of each, default
-    ``range(world_size)``): default generators seeded with ``seed``, model-parallel ones with
+    """Every simulated rank's streams (``tp_ranks``: the TP rank of each, default every rank
+    of the job in mesh order, ``r % world_size``): default generators seeded with ``seed``, model-parallel ones with
     ``seed + 2718 + tp_rank``; under ``inj.rng == "rank0_drift"`` tp_rank 0's default
     generator is then consumed by a ``DataLoader`` iterator (``drift_by_loader``)."""
-    tp_ranks = list(range(cfg.world_size)) if tp_ranks is None else list(tp_ranks)
+    tp_ranks = [r % cfg.world_size for r in range(cfg.ranks)] if tp_ranks is None \
+        else list(tp_ranks)
     defaults = [torch.Generator().manual_seed(seed) for _ in tp_ranks]
     parallel = [torch.Generator().manual_seed(seed + MODEL_PARALLEL_SEED_OFFSET + r)
                 for r in tp_ranks]
@@ -127,7 +128,7 @@ def replica_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
     """The masks the correct program draws in one step of one DP replica, assembled over the
     TP ranks: ``attention`` ``[B, Hq, S, S]`` (rank r's heads from rank r's model-parallel
     stream) and ``residual`` ``[S, B, hidden]`` (the default stream, the same on every rank)."""
-    streams = simulated_streams(cfg, seed)
+    streams = simulated_streams(cfg, seed, tp_ranks=range(cfg.world_size))
     return {"attention": streams.attention_masks(cfg),
             "residual": streams.residual_masks(cfg)[0]}
 

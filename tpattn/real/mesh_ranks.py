@@ -35,9 +35,11 @@ import torch.distributed as dist
 from tpattn.bugs.zoo import (block_inputs, check_needs, dense_step, make_params, rank_batches,
                              shard, unshard)
 from tpattn.bugs.modes import resolve
-from tpattn.check.core import LR, check_seed, five_measures, make_inputs, max_abs_diff
+from tpattn.check.core import (LR, check_seed, dropout_masks, five_measures, make_inputs,
+                               max_abs_diff)
 from tpattn.config import Config
 from tpattn.parallel.collectives import DP_GRAD_LABEL, SimulatedRanks
+from tpattn.parallel.rng import process_streams
 from tpattn.parallel.engine import stack_ranks, train_step
 from tpattn.parallel.simulated import mesh_view, replica_views
 
@@ -136,7 +138,9 @@ class MeshRanks(SimulatedRanks):
 
 def mesh_rank_step(seed: int, mode: str, cfg: Config, comm: MeshRanks) -> dict:
     """This rank's ``engine.train_step`` of ``mode``'s injection: its TP shard, its replica's
-    batch (``rank_batches``, ``block_inputs``), ``[1, ...]`` tensors in its dict."""
+    batch (``rank_batches``, ``block_inputs``), ``[1, ...]`` tensors in its dict; with dropout,
+    this process's random streams (``rng.process_streams``: torch's global RNG is the default
+    stream)."""
     check_seed(seed)
     inj = check_needs(mode, cfg).injection if not resolve(mode, cfg).injection.reduction_only \
         else resolve(mode, cfg).injection
@@ -144,8 +148,9 @@ def mesh_rank_step(seed: int, mode: str, cfg: Config, comm: MeshRanks) -> dict:
     base = make_params(cfg, seed, inj)
     mine = shard(base, cfg, inj)[rank % cfg.world_size]
     x, target = block_inputs(rank_batches(cfg, seed, inj), cfg)[rank]
+    rng = process_streams(cfg, seed, rank % cfg.world_size, inj) if cfg.dropout > 0 else None
     return train_step(stack_ranks([mine]), x.unsqueeze(0), target.unsqueeze(0), cfg, inj, comm,
-                      LR)
+                      LR, rng)
 
 
 def gather_mesh_step(step: dict) -> dict:
@@ -185,8 +190,8 @@ def mesh_rank_check(seed: int, mode: str, cfg: Config, comm: MeshRanks):
     base = make_params(cfg, seed, inj)
     gather = lambda per_rank: unshard(per_rank, cfg, inj)  # noqa: E731
     x0, target = make_inputs(cfg, seed)
-    metrics = five_measures(seed, mode, dense_step(x0, target, base, cfg, inj),
-                            mesh_view(step, cfg, gather))
+    dense = dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed))
+    metrics = five_measures(seed, mode, dense, mesh_view(step, cfg, gather))
     return metrics, {"seed": seed, "mode": mode,
                      **replica_disagreement(step, cfg, gather)}, step
 
