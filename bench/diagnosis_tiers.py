@@ -5,7 +5,8 @@ bug at tier 1 and tier 2; every coexisting pair of bugs; the made-up bugs outsid
 registry) and prints one row per tier and mode, then the totals; ``--tuning`` runs the set the
 fingerprints are tuned on instead (``TUNING`` shapes; pass ``--seeds 0 1 ... 9``).
 ``--exclude MODE ...`` leaves modes out of the single bugs and the pairs;
-``--loading`` runs only the checkpoint-loading modes (``evaluate.LOADING_MODES``): their
+``--loading`` runs only the checkpoint-loading modes (``evaluate.LOADING_MODES``) on their
+held-out shapes (``LOADING_HELD_OUT``): their
 single-bug cases, their pairs with the other plain-TP bugs, and the made-up loading bugs
 (``MADE_UP_LOADING``) at W=2 and W=4; ``--model`` the held-out shapes with dropout and
 qk-norm (``MODEL_HELD_OUT``: their bugs and the seed's two, single bugs only); ``--mesh``
@@ -22,7 +23,8 @@ from collections import Counter
 
 from tpattn.bugs.zoo import REGISTRY, runnable_modes
 from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, HELD_OUT_MESH,
-                                       LOADING_MODES, MADE_UP_LOADING, MODEL_HELD_OUT,
+                                       LOADING_HELD_OUT, LOADING_MODES, MADE_UP_LOADING,
+                                       MODEL_HELD_OUT,
                                        PAIR_CLASSES, TUNING, TUNING_MESH, made_up_cases,
                                        single_bug_cases, summary, two_bug_cases)
 
@@ -87,7 +89,8 @@ def main() -> None:
     else:
         def keep(mode):
             return mode not in args.exclude
-    shapes = _shapes(TUNING if args.tuning else HELD_OUT, keep)
+    shapes = _shapes(TUNING if args.tuning else LOADING_HELD_OUT if args.loading else HELD_OUT,
+                     keep)
     single = single_bug_cases(args.seeds, shapes=shapes)
     _singles(single)
     reduced = single_bug_cases(args.seeds, logged_loss="all_reduced", shapes=shapes)

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 #: Seeds the checkers of chapters 5-11 use: two of the fixture's and one the chapters never
-#: show (the slower ones of chapters 12-17 use ``EXTRA_SEEDS``).
+#: show (the slower ones of chapters 12-18 use ``EXTRA_SEEDS``).
 CHECKED_SEEDS = (11, 17, 5)
 #: Shapes every checker uses: the fixture's; 8 query heads sharing 4 KV heads on 4 ranks; and
 #: a small odd one (3 tokens, batch 1, hidden 8, 6 query heads in groups of 3, head_dim 2).
@@ -72,7 +72,7 @@ CHAPTERS = {5: "chapter 5 (the dense block)", 6: "chapter 6 (head sharding)",
             11: "chapter 11 (real ranks)", 12: "chapter 12 (sequence parallelism)",
             13: "chapter 13 (fewer KV heads than ranks)", 14: "chapter 14 (equal at scale)",
             15: "chapter 15 (your model)", 16: "chapter 16 (the bug zoo)",
-            17: "chapter 17 (debugging without dense)"}
+            17: "chapter 17 (around the block)", 18: "chapter 18 (debugging without dense)"}
 #: Width of the text paragraph (the book's code column).
 WIDTH = 75
 
@@ -1488,7 +1488,7 @@ def check_forward_visible(predict) -> str:
             f"the ones you named change the forward output.")
 
 
-# --- chapter 17 -----------------------------------------------------------------------------
+# --- chapter 18 -----------------------------------------------------------------------------
 
 #: The registry bugs that change what the ledger records, by construction of their injection.
 _LEDGER_BUGS = (MISSING_OUTPUT_REDUCE, "output_reduced_twice", MISSING_INPUT_GRAD_REDUCE,
@@ -1501,7 +1501,7 @@ def _observed(mode: str, seed: int, cfg: Config, reference: bool, steps: int = 2
     return observe(mode, seed, cfg, steps=steps, reference=reference)
 
 
-@_exercise("read the ledger", 17)
+@_exercise("read the ledger", 18)
 def check_ledger_verdict(verdict) -> str:
     """Check ``verdict(obs) -> str | None``: from the ledger alone (``obs["ledger"]`` against
     ``obs["planned_ledger"]``, as ``tpattn.diagnosis.observe.observe`` records them), the bug a run's
@@ -1552,7 +1552,7 @@ def check_ledger_verdict(verdict) -> str:
 HUNTS = (0, 3, 10, 1)
 
 
-@_exercise("three bug hunts and a healthy run", 17)
+@_exercise("three bug hunts and a healthy run", 18)
 def check_hunts(guess) -> str:
     """Check ``guess(hunt) -> str``: for each hunt of ``HUNTS``, the cause of the run
     ``tpattn.diagnosis.hunt.hunt_case(hunt)`` hides, named from its observables alone: a registry
@@ -2113,7 +2113,7 @@ def _loading_observations() -> tuple:
 def check_loading_verdict(verdict) -> str:
     """Check ``verdict(checksums, scale) -> str | None``: from ``observe``'s
     ``shard_checksums`` (per parameter, every rank's loaded sum minus its checkpoint
-    slice's) and ``shard_scale`` (per parameter, the sum of |w|), which loading bug the run
+    slice's) and ``shard_scale`` (per parameter, the sum of ``|w|``), which loading bug the run
     has (one of ``LOADING_VERDICTS``) or None. Graded on observed runs of the three loading
     bugs, correct loads and a made-up one (every shard from the wrong rank)."""
     import copy

@@ -174,7 +174,7 @@ def test_cli_diagnose_adds_a_diagnosis_to_each_result(capsys):
                                                          "missing_input_grad_reduce"]
 
 
-# --- the bug hunt (chapter 17) ----------------------------------------------------------
+# --- the bug hunt (chapter 18) ----------------------------------------------------------
 
 def test_a_hunt_judges_every_answer_and_says_why():
     from tpattn.diagnosis.hunt import choices, describe, hunt_case, judge

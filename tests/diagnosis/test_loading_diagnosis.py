@@ -3,7 +3,7 @@ checksums of the live job (what each rank loaded minus the checkpoint slice it s
 tell ``qkv_loaded_from_rank0``, ``grouped_qkv_read_as_plain``, ``fused_qkv_naive_split`` and a
 checkpoint loaded in the wrong rank order (a made-up bug) apart.
 
-Held out: ``evaluate.HELD_OUT``'s shapes that host the loading modes, seeds 500 and 501 (the
+Held out: ``evaluate.LOADING_HELD_OUT``'s shapes, seeds 500 and 501 (the
 fingerprints were written on ``evaluate.TUNING``); ``bench/diagnosis_tiers.py --loading``
 prints the full figures (seeds 500-504).
 """
@@ -12,8 +12,9 @@ import pytest
 import tpattn
 from tpattn import Config
 from tpattn.diagnosis.diagnose import NO_KNOWN_CAUSE, features
-from tpattn.diagnosis.evaluate import (HELD_OUT, LOADING_MODES, MADE_UP_LOADING, made_up_cases,
-                                       single_bug_cases, summary)
+from tpattn.diagnosis.evaluate import (HELD_OUT, LOADING_HELD_OUT, LOADING_MODES,
+                                       MADE_UP_LOADING, made_up_cases, single_bug_cases,
+                                       summary)
 from tpattn.diagnosis.observe import observe_injection
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -55,11 +56,7 @@ def test_correct_loads_deviate_nowhere():
 
 
 def test_held_out_tier_1_names_each_loading_bug_in_at_least_90_percent():
-    shapes = [s for s in HELD_OUT
-              if s[2] is None or set(s[2]) & set(LOADING_MODES)]
-    shapes = [(n, c, tuple(m for m in (modes or LOADING_MODES) if m in LOADING_MODES))
-              for n, c, modes in shapes]
-    single = single_bug_cases((500, 501), shapes=shapes)
+    single = single_bug_cases((500, 501), shapes=LOADING_HELD_OUT)
     rows = summary(single, 1)
     for mode in LOADING_MODES:
         n = sum(rows[mode].values())

@@ -42,49 +42,11 @@ def exercise_cells():
                 assert "hide-input" in cell["metadata"]["tags"]
                 found.append((path.name, *match.groups(), "".join(cells[i - 3]["source"]),
                               "".join(cell["source"])))
-    return found + draft_exercise_cells()
-
-
-def draft_exercise_cells():
-    """The same from the percent-format drafts of the chapter "Around the block"
-    (``book/_drafts/around_*.py``, cells parsed by ``tests/frontends/test_around_drafts.py``)."""
-    from tests.frontends.test_around_drafts import DRAFTS, cells as draft_cells
-
-    found = []
-    for path in DRAFTS:
-        code = [(header, source) for kind, header, source in draft_cells(path)
-                if kind == "code"]
-        for i, (header, source) in enumerate(code):
-            if "exercise-solution" in header:
-                match = CHECK_CALL.match(code[i + 1][1].strip())
-                assert match and CHECK_CALL.match(code[i - 1][1].strip()).groups() \
-                    == match.groups(), path.name
-                found.append((path.name, *match.groups(), code[i - 2][1], source))
     return found
 
 
 EXERCISES = exercise_cells()
 
-
-def draft_exercise_cells():
-    """The same tuples from the percent-format drafts of chapter "Around the block"
-    (``book/_drafts/around_*.py``; a cell header ``# %% tags=[...]`` carries its tags)."""
-    found = []
-    for path in sorted((BOOK / "_drafts").glob("around_*.py")):
-        src = path.read_text()
-        heads = re.findall(r"^# %%.*$", src, flags=re.M)
-        bodies = re.split(r"^# %%.*$", src, flags=re.M)[1:]
-        cells = list(zip(heads, (b.strip("\n") for b in bodies)))
-        for i, (head, body) in enumerate(cells):
-            if "exercise-solution" in head:
-                match = CHECK_CALL.match(cells[i + 1][1].strip())
-                assert match and "hide-input" in head, path.name
-                assert CHECK_CALL.match(cells[i - 2][1].strip()).groups() == match.groups()
-                found.append((f"_drafts/{path.name}", *match.groups(), cells[i - 3][1], body))
-    return found
-
-
-DRAFT_EXERCISES = draft_exercise_cells()
 
 
 def load(code: str, answer: str, where: str):
@@ -105,15 +67,15 @@ def test_every_chapter_from_5_on_has_two_exercises_and_every_checker_is_used():
     per_chapter = {}
     for nb, check, *_ in EXERCISES:
         per_chapter.setdefault(nb[:2], []).append(check)
-    assert sorted(k for k in per_chapter if k.isdigit()) == [f"{n:02d}" for n in range(5, 18)]
+    assert sorted(k for k in per_chapter if k.isdigit()) == [f"{n:02d}" for n in range(5, 19)]
     assert all(len(checks) >= 2 for checks in per_chapter.values())
-    assert len(DRAFT_EXERCISES) == 4  # two per draft of chapter "Around the block"
-    used = [check for _, check, *_ in EXERCISES + DRAFT_EXERCISES]
+    assert len(per_chapter["17"]) == 10  # two per section of "Around the block"
+    used = [check for _, check, *_ in EXERCISES]
     assert sorted(used) == sorted(n for n in ex.__all__ if n.startswith("check_"))
 
 
-@pytest.mark.parametrize("nb, checker, name, stub, code", EXERCISES + DRAFT_EXERCISES,
-                         ids=[f"{e[0][:2]}-{e[1]}" for e in EXERCISES + DRAFT_EXERCISES])
+@pytest.mark.parametrize("nb, checker, name, stub, code", EXERCISES,
+                         ids=[f"{e[0][:2]}-{e[1]}" for e in EXERCISES])
 def test_checker_accepts_the_reference_solution_and_reports_the_stub(nb, checker, name, stub, code):
     result = getattr(ex, checker)(load(code, name, f"<{nb}>"))
     assert result.passed, result.message
@@ -387,7 +349,9 @@ def test_every_checker_has_at_least_two_known_wrong_answers():
     for checker, *_ in ALL_WRONG:
         counts[checker] = counts.get(checker, 0) + 1
     checkers = [n for n in ex.__all__ if n.startswith("check_")]
-    assert sum(12 <= getattr(ex, n).chapter <= 17 for n in checkers) == 12  # 12-17: 2 each
+    chapters = [getattr(ex, n).chapter for n in checkers]
+    assert sum(12 <= c <= 18 and c != 17 for c in chapters) == 12  # 12-16, 18: 2 each
+    assert chapters.count(17) == 10  # "Around the block": 2 per section
     assert all(counts.get(n, 0) >= 2 for n in checkers), counts
 
 

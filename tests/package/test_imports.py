@@ -76,7 +76,7 @@ def test_the_modules_the_early_chapters_import_stay_light():
 
 
 def test_printing_measures_and_the_html_bug_hunt_do_not_load_matplotlib():
-    # chapter 15 prints viz.format_measure; chapter 17's bug hunt explorer shows only HTML
+    # chapter 15 prints viz.format_measure; chapter 18's bug hunt explorer shows only HTML
     code = ("from tpattn import viz\n"
             "from tpattn.viz import format_measure, measures_table\n"
             "assert format_measure(1e-9) == '< 1e-06'\n"

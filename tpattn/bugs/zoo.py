@@ -206,34 +206,6 @@ def _entries() -> list[BugMode]:
                 "all q heads, then all k, then all v) without regard to heads: incorrect "
                 "inference results, no error; the PR splits each known layout by heads (the "
                 "zoo's is that GLM layout, cut into contiguous slices, in training)"),
-        BugMode("qkv_loaded_from_rank0",
-                "every rank narrows rank 0's rows of a fused [Wq; Wk; Wv] checkpoint: "
-                "the shapes are right, the numbers rank 0's",
-                "vllm-project/vllm-gguf-plugin issue 103 (fixed by PR 106)",
-                ("fused_qkv", "world_size >= 2"), Injection(shard="fused_rank0"),
-                how="the loader reads tp_rank = kwargs.get('tp_rank', 0) and the caller never "
-                    "passes it (block.fused_qkv.load_qkv_weight)",
-                fix="take the rank from the process group (get_tensor_model_parallel_rank), "
-                    "not from an optional keyword", fidelity="mechanism",
-                fidelity_note="the plugin's load_qkv_weight and load_merged_column_weight read "
-                "tp_rank from kwargs with default 0, which vLLM's weight_loader_v2 never passes, "
-                "so every rank kept rank 0's shard (right shapes, wrong output at TP > 1; PR 106 "
-                "asks the process group); the zoo's loader does that to the block's fused QKV, "
-                "in training (no MLP, so no merged gate/up weight)"),
-        BugMode("grouped_qkv_read_as_plain",
-                "a QKV checkpoint fused per KV group read as plain [Q; K; V] on each rank: "
-                "wrong once a rank holds two groups",
-                "tenstorrent/tt-metal issue 6243 (closed)",
-                ("fused_qkv", "kv_heads >= 2 * world_size"),
-                Injection(shard="grouped_as_plain"),
-                how="rank r narrows its rows [q_1; k_1; v_1; q_2; k_2; v_2] and reads the first "
-                    "Hq/W*D as queries, the next Hkv/W*D as keys, the rest as values",
-                fix="split the rank's rows per KV group ([q x g; k; v] each)",
-                fidelity="mechanism",
-                fidelity_note="nlp_create_qkv_heads split each device's fused QKV output "
-                "assuming concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had "
-                "concat(q1, k1, v1, q2, k2, v2): bad PCC (fine at one group per device); the "
-                "zoo reads the rank's weight rows that way (output column j is weight row j)"),
         BugMode("repeat_kv_tiled",
                 "repeat_kv tiles the KV heads instead of interleaving them: query heads "
                 "read the wrong KV head",
@@ -387,6 +359,34 @@ def _mesh_entries() -> list[BugMode]:
                 "linear_kv without tp_group, so their SP all-gather runs over the global MPU "
                 "TP group and mixes replicas (linear_proj keeps its group); here it is the "
                 "self-attention block's Q/K/V input and the wrong group is DP's"),
+        BugMode("qkv_loaded_from_rank0",
+                "every rank narrows rank 0's rows of a fused [Wq; Wk; Wv] checkpoint: "
+                "the shapes are right, the numbers rank 0's",
+                "vllm-project/vllm-gguf-plugin issue 103 (fixed by PR 106)",
+                ("fused_qkv", "world_size >= 2"), Injection(shard="fused_rank0"),
+                how="the loader reads tp_rank = kwargs.get('tp_rank', 0) and the caller never "
+                    "passes it (block.fused_qkv.load_qkv_weight)",
+                fix="take the rank from the process group (get_tensor_model_parallel_rank), "
+                    "not from an optional keyword", fidelity="mechanism",
+                fidelity_note="the plugin's load_qkv_weight and load_merged_column_weight read "
+                "tp_rank from kwargs with default 0, which vLLM's weight_loader_v2 never passes, "
+                "so every rank kept rank 0's shard (right shapes, wrong output at TP > 1; PR 106 "
+                "asks the process group); the zoo's loader does that to the block's fused QKV, "
+                "in training (no MLP, so no merged gate/up weight)"),
+        BugMode("grouped_qkv_read_as_plain",
+                "a QKV checkpoint fused per KV group read as plain [Q; K; V] on each rank: "
+                "wrong once a rank holds two groups",
+                "tenstorrent/tt-metal issue 6243 (closed)",
+                ("fused_qkv", "kv_heads >= 2 * world_size"),
+                Injection(shard="grouped_as_plain"),
+                how="rank r narrows its rows [q_1; k_1; v_1; q_2; k_2; v_2] and reads the first "
+                    "Hq/W*D as queries, the next Hkv/W*D as keys, the rest as values",
+                fix="split the rank's rows per KV group ([q x g; k; v] each)",
+                fidelity="mechanism",
+                fidelity_note="nlp_create_qkv_heads split each device's fused QKV output "
+                "assuming concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had "
+                "concat(q1, k1, v1, q2, k2, v2): bad PCC (fine at one group per device); the "
+                "zoo reads the rank's weight rows that way (output column j is weight row j)"),
     ]
 
 

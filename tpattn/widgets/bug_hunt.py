@@ -1,4 +1,4 @@
-"""The bug-hunt explorer (chapter 17): pick a hunt and a cause; the panel shows what the run
+"""The bug-hunt explorer (chapter 18): pick a hunt and a cause; the panel shows what the run
 shows (``hunt.describe``) and the diagnosis tier those observables are (``diagnose.TIERS``: a
 hunt observes with a known-good run, tier 2), then whether the guess is right
 (``hunt.judge``) and what ``tpattn.diagnose`` names at that tier."""

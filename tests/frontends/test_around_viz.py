@@ -1,9 +1,6 @@
-"""The drafts of chapter "Around the block" on dropout and qk-norm
-(``book/_drafts/around_dropout.py``, ``around_qknorm.py``) run top to bottom: every claim
-they print is asserted in a cell, and their figures (``tpattn.viz.around_model``) draw."""
-import re
-from pathlib import Path
-
+"""The figures of chapter 17, "Around the block" (``tpattn.viz.around_mesh``,
+``tpattn.viz.around_model``): each draws what its caption says. (The chapter itself runs
+under nbval: every claim it prints is asserted in a cell.)"""
 import matplotlib
 import pytest
 
@@ -12,31 +9,26 @@ from tpattn.parallel.injection import Injection
 from tpattn.viz.around_model import (dropout_masks_figure, qk_norm_drift_figure,
                                      qk_norm_replica_drift, residual_masks_by_rank)
 
-DRAFTS = Path(__file__).resolve().parents[2] / "book" / "_drafts"
+matplotlib.use("Agg")
 
 
-def code_cells(path: Path) -> list[str]:
-    src = path.read_text()
-    heads = re.findall(r"^# %%.*$", src, flags=re.M)
-    bodies = re.split(r"^# %%.*$", src, flags=re.M)[1:]
-    return [b for h, b in zip(heads, bodies) if "[markdown]" not in h]
-
-
-@pytest.mark.parametrize("name", ["around_dropout.py", "around_qknorm.py"])
-def test_the_draft_runs_and_its_cells_fit_the_column(name, monkeypatch):
+def test_mesh_figures_draw_the_groups_they_say():
     import matplotlib.pyplot as plt
 
-    matplotlib.use("Agg")
-    monkeypatch.setattr(plt, "show", lambda: None)
-    namespace = {"__name__": "reader"}
-    for i, cell in enumerate(code_cells(DRAFTS / name)):
-        lines = cell.strip("\n").split("\n")
-        assert len(lines) <= 40, (name, i)
-        assert all(len(line) <= 77 for line in lines), (name, i)
-        exec(compile(cell, f"<{name} cell {i}>", "exec"), namespace)
-        if cell.strip().startswith("exercises."):
-            result = eval(cell.strip(), namespace)
-            assert result.passed == ("NotImplementedError" not in repr(result)), result
+    from tpattn.config import Config
+    from tpattn.viz.around_mesh import (gathered_sources, mesh_groups_figure, mesh_panels,
+                                        sp_gather_figure)
+
+    cfg = Config(data_parallel=2)
+    panels = {p["mode"]: p for p in mesh_panels(cfg)}
+    assert panels["loss_reduced_over_world"]["wrong"] == [[0, 1, 2, 3]]
+    assert panels["dp_grad_group_of_one"]["wrong"] == [[0], [1], [2], [3]]
+    assert all(p["right"] == [[0, 2], [1, 3]] for p in panels.values())
+    sp = Config(data_parallel=2, sequence_parallel=True, seq=4)
+    assert gathered_sources(sp, "tp")[2] == [(1, 0), (1, 1)]
+    assert gathered_sources(sp, "dp")[2] == [(0, 0), (1, 0)]
+    assert len(mesh_groups_figure(cfg).axes) == 6
+    assert len(sp_gather_figure(sp).axes) == 2
     plt.close("all")
 
 
