@@ -9,17 +9,20 @@ import pytest
 from tpattn.bugs.zoo import REGISTRY
 from tpattn.cli import main
 from tpattn.diagnosis.diagnose import FINGERPRINTS, NO_KNOWN_CAUSE, lowest_tier
-from tpattn.diagnosis.evaluate import (BOTH_NAMED, HELD_OUT, HELD_OUT_MESH, MADE_UP,
-                                       MODEL_HELD_OUT, TUNING, made_up_cases, pairs,
-                                       single_bug_cases, summary, two_bug_cases)
+from tpattn.diagnosis.evaluate import (BOTH_NAMED, HELD_OUT, HELD_OUT_MESH,
+                                       LOADING_HELD_OUT, MADE_UP, MODEL_HELD_OUT, TUNING,
+                                       made_up_cases, pairs, single_bug_cases, summary,
+                                       two_bug_cases)
 
 SEEDS = (500,)
 
 
 @pytest.fixture(scope="module")
 def single():
-    """The held-out shapes and those with the model options (dropout, qk-norm)."""
-    return {**single_bug_cases(SEEDS), **single_bug_cases(SEEDS, shapes=MODEL_HELD_OUT)}
+    """The held-out shapes, those with the model options (dropout, qk-norm) and the
+    checkpoint-loading modes' shapes."""
+    return {**single_bug_cases(SEEDS), **single_bug_cases(SEEDS, shapes=MODEL_HELD_OUT),
+            **single_bug_cases(SEEDS, shapes=LOADING_HELD_OUT)}
 
 
 def test_tier_1_is_honest_on_every_held_out_single_bug(single):
@@ -76,7 +79,8 @@ def test_a_job_that_all_reduces_its_loss_is_diagnosed_as_well(single):
     # Megatron's vocab-parallel cross entropy logs one loss for the TP group: the ranks'
     # losses agree by construction, so no fingerprint may need them to disagree.
     reduced = {**single_bug_cases(SEEDS, logged_loss="all_reduced"),
-               **single_bug_cases(SEEDS, logged_loss="all_reduced", shapes=MODEL_HELD_OUT)}
+               **single_bug_cases(SEEDS, logged_loss="all_reduced", shapes=MODEL_HELD_OUT),
+               **single_bug_cases(SEEDS, logged_loss="all_reduced", shapes=LOADING_HELD_OUT)}
     assert reduced == single
 
 

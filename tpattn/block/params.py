@@ -10,7 +10,7 @@ Weight layouts follow ``torch.nn.functional.linear`` (``y = x @ w.T``)::
 
 With ``Config.qk_norm`` two more, replicated like ``norm`` (``QK_NORM_NAMES``)::
 
-    q_norm, k_norm  [head_dim]              RMSNorm scale of every query / key head
+    q_norm, k_norm  [head_dim]              RMSNorm scale of each query/key head
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def loaded_rows_figure(cfg: Config, layouts=tuple(LOADERS_SHOWN)):
     boxes, its query, key and value heads in order, each box colored by the kind of checkpoint
     row it holds and labelled with its source head (``loaded_heads``); a red frame where the
     rank holds rows that are not its own. Returns the figure."""
-    fig, axes = new_figure(1, len(layouts), figsize=(7.2, 0.55 + 0.42 * cfg.world_size
+    fig, axes = new_figure(1, len(layouts), figsize=(6.3, 0.55 + 0.42 * cfg.world_size
                                                       * len(layouts)), squeeze=False)
     slots = (cfg.query_heads + 2 * cfg.kv_heads) // cfg.world_size
     size = 8 if slots <= 12 else 6

@@ -95,7 +95,7 @@ def sp_gather_figure(cfg: Config | None = None):
     replica, chunks in order), right over the DP group (NVIDIA/Megatron-LM issue 7452's
     mechanism: the right shape, tokens of another replica mixed in)."""
     cfg = cfg or Config(data_parallel=2, sequence_parallel=True, seq=4)
-    fig, axes = new_figure(2, 1, figsize=(7.0, 0.5 + 0.45 * cfg.ranks))
+    fig, axes = new_figure(2, 1, figsize=(6.3, 0.5 + 0.45 * cfg.ranks))
     for ax, group, title in ((axes[0], "tp", "over the TP group (correct)"),
                              (axes[1], "dp", "over the DP group (sp_gather_wrong_group)")):
         for r, chunks in enumerate(gathered_sources(cfg, group)):

@@ -27,7 +27,7 @@ def dropout_masks_figure(cfg: Config, seed: int = 11):
     (batch element 0, tokens × hidden; dark = dropped), each titled by whether it equals rank
     1's. Returns the figure."""
     w = cfg.world_size
-    fig, axes = new_figure(w, 2, figsize=(min(2.2 * w + 1.0, 10.0), 3.6), squeeze=False)
+    fig, axes = new_figure(w, 2, figsize=(min(2.2 * w + 1.0, 6.4), 3.6), squeeze=False)
     rows = (("synced", Injection()), ("rank 0 drifted", Injection(rng="rank0_drift")))
     for i, (label, inj) in enumerate(rows):
         masks = residual_masks_by_rank(cfg, seed, inj)
