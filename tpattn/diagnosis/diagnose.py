@@ -370,8 +370,8 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         "(W-1)*b", allows=lambda f: f["world_size"] >= 2 and f["bias"], alone=["bias_shift"],
         forward=True),
     "fused_qkv_naive_split": _fp(
-        ["qkv_shards", "qkv_rank0_queries"], ["outside_partials"], "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the "
-        "checkpoint's slices", allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"],
+        ["qkv_shards", "qkv_rank0_queries"], ["outside_partials"],
+        "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices", allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"],
         forward=True),
     "qkv_loaded_from_rank0": _fp(
         ["qkv_shards", "qkv_rank0_only"], ["outside_partials"],
