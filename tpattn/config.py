@@ -173,6 +173,12 @@ class Config:
         return self.world_size * self.data_parallel
 
     @property
+    def model_options(self) -> bool:
+        """True when a model option of chapter "Around the block" is on (``dropout > 0`` or
+        ``qk_norm``): the one-graph view models neither, the simulated ranks run them."""
+        return self.dropout > 0 or self.qk_norm
+
+    @property
     def local_seq(self) -> int:
         """Tokens of the residual stream held by one rank under ``sequence_parallel``
         (``seq // world_size``; the whole ``seq`` otherwise)."""

@@ -248,12 +248,6 @@ OTHER_BATCH_SEED_OFFSET = 7919
 QK_NORM_SEED_OFFSET = 300
 
 
-def model_options(cfg: Config) -> bool:
-    """True when ``cfg`` turns on a model option of chapter "Around the block" (``dropout >
-    0`` or ``qk_norm``): the check then runs the engine's ranks with their random streams."""
-    return cfg.dropout > 0 or cfg.qk_norm
-
-
 def dropout_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor] | None:
     """The dropout masks the correct program draws in seed ``seed``'s step
     (``rng.replica_masks``: one DP replica, assembled over the TP ranks; on a TP x DP mesh
@@ -503,7 +497,7 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     the seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
     normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in bfloat16).
 
-    With a model option on (``model_options``: ``cfg.dropout > 0`` or ``cfg.qk_norm``) both
+    With a model option on (``cfg.model_options``: ``cfg.dropout > 0`` or ``cfg.qk_norm``) both
     simulations run the engine on ``SimulatedRanks`` with the ranks' random streams
     (``rng.simulated_streams(cfg, rng_seed, inj)``; ``rng_seed`` is required with dropout):
     a simulation's shortcut for ``"fixture"``, whose one graph has no random streams or
@@ -519,7 +513,7 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     batches = [(x0, target)] * cfg.world_size if batches is None else batches
     # the seed's programs cut with shard_params itself (one_graph_forward then views the dense
     # tensors rank-major, the seed's digits); the zoo's setups with the injection's loader
-    cut = shard_fn or (shard_params if inj.reduction_only and not model_options(cfg)
+    cut = shard_fn or (shard_params if inj.reduction_only and not cfg.model_options
                        else lambda q, c: shard(q, c, inj))
     if cfg.dropout > 0 and rng_seed is None:
         raise ValueError("rng_seed must be the run's seed when dropout > 0: the ranks' "
@@ -534,7 +528,7 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     # those rows, and every rank's gradient would land in them; report rank 0's view of the
     # simulated ranks instead
     aliased = inj.shard in LOADERS and not LOADERS[inj.shard][2] and shard_fn is None
-    if check_simulate(simulate) == "ranks" or model_options(cfg) or aliased:
+    if check_simulate(simulate) == "ranks" or cfg.model_options or aliased:
         gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
         step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR,
                               rng=rng)

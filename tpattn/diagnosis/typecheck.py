@@ -253,7 +253,7 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
 
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
     x0, target = make_inputs(cfg, seed)
-    if not inj.reduction_only or cfg.dropout > 0 or cfg.qk_norm:  # the zoo's setups
+    if not inj.reduction_only or cfg.model_options:  # the zoo's setups
         from tpattn.bugs.zoo import make_params, rank_batches, shard
 
         inj = inj.correct() if twin else inj

@@ -175,7 +175,7 @@ def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, 
     and no replicated q/k-norm gradient reduce: ``cfg.dropout > 0`` or ``cfg.qk_norm`` raise
     ``ValueError`` (``check.core.tp_step`` runs the simulated ranks for them).
     """
-    if cfg.dropout > 0 or cfg.qk_norm:
+    if cfg.model_options:
         raise ValueError(f"one_graph_forward models neither dropout nor qk_norm (got "
                          f"dropout={cfg.dropout}, qk_norm={cfg.qk_norm}): run the simulated "
                          f"ranks (tpattn.run(..., simulate='ranks'))")

@@ -142,8 +142,8 @@ def mesh_rank_step(seed: int, mode: str, cfg: Config, comm: MeshRanks) -> dict:
     this process's random streams (``rng.process_streams``: torch's global RNG is the default
     stream)."""
     check_seed(seed)
-    inj = check_needs(mode, cfg).injection if not resolve(mode, cfg).injection.reduction_only \
-        else resolve(mode, cfg).injection
+    entry = resolve(mode, cfg)  # looked up once; the zoo's modes also meet their needs
+    inj = entry.injection if entry.injection.reduction_only else check_needs(mode, cfg).injection
     rank = comm.rank
     base = make_params(cfg, seed, inj)
     mine = shard(base, cfg, inj)[rank % cfg.world_size]

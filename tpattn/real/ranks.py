@@ -98,7 +98,7 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
     forward, before g, and reduce-scatters their gradient in backward, before f.
     """
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
-    if inj is None or not inj.reduction_only or _model_options(cfg):
+    if inj is None or not inj.reduction_only or (cfg is not None and cfg.model_options):
         from .zoo_real import planned_collectives as registry_plan
 
         return registry_plan(mode, cfg)
@@ -110,11 +110,6 @@ def planned_collectives(mode: str, cfg: Config | None = None) -> list[str]:
         kv = [KV_GRAD_ALL_REDUCE] if inj.kv_grad == "sum" else []
         return g + kv + f + [GATHER_RESULTS]
     return g + f + [GATHER_RESULTS]
-
-
-def _model_options(cfg: Config | None) -> bool:
-    """``cfg`` has dropout or qk-norm on: the check runs ``zoo_real`` (the zoo's program)."""
-    return cfg is not None and (cfg.dropout > 0 or cfg.qk_norm)
 
 
 class CollectiveError(RuntimeError):
@@ -464,7 +459,8 @@ def rank_check(seed: int, mode: str, cfg: Config, rank: int, ledger: CollectiveL
     replica groups and wk/wv of the max abs difference from the group's first rank).
     """
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
-    if inj is None or not inj.reduction_only or _model_options(cfg):  # tpattn.real.zoo_real
+    # the zoo's program (tpattn.real.zoo_real)
+    if inj is None or not inj.reduction_only or (cfg is not None and cfg.model_options):
         from .zoo_real import zoo_rank_check
 
         return zoo_rank_check(seed, mode, cfg, rank, ledger, device)
