@@ -384,15 +384,13 @@ def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Ten
     On a TP x DP mesh every rank of the job, mesh order: replica d's batch columns
     (``replica_batch``) of what its TP rank draws."""
     first = make_inputs(cfg, seed)
-    if cfg.data_parallel > 1:  # a TP x DP mesh: every rank of replica d its batch columns
-        per_tp = [first] * cfg.world_size if inj.inputs != "per_rank" else [first] + [
-            make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r) for r in range(1, cfg.world_size)]
-        return [replica_batch(per_tp[t], cfg, d) for d in range(cfg.data_parallel)
-                for t in range(cfg.world_size)]
-    if inj.inputs != "per_rank":
-        return [first] * cfg.world_size
-    return [first] + [make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r)
-                      for r in range(1, cfg.world_size)]
+    per_tp = [first] * cfg.world_size if inj.inputs != "per_rank" else [first] + [
+        make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r) for r in range(1, cfg.world_size)]
+    if cfg.data_parallel == 1:
+        return per_tp
+    # a TP x DP mesh: every rank of replica d its batch columns of its TP rank's draw
+    return [replica_batch(per_tp[t], cfg, d) for d in range(cfg.data_parallel)
+            for t in range(cfg.world_size)]
 
 
 def replica_batch(batch: tuple[torch.Tensor, torch.Tensor], cfg: Config,
