@@ -102,7 +102,32 @@ def test_any_module_megatron_mlp_passes_and_a_missing_rowwise_is_a_one_line_fail
         check_module(TwoLayerMLP(), {"up": ColwiseParallel()}, x)
 
 
+def shard_mlp_megatron(module, mesh):
+    """A sharding function: Megatron's MLP plan applied by hand (what torchtitan's
+    ``parallelize_*`` functions do for a whole model)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    return parallelize_module(module, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def test_a_sharding_function_is_checked_like_the_plan_it_applies():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(1))
+    by_plan, by_function = check_plans(
+        TwoLayerMLP(), {"plan": {"up": ColwiseParallel(), "down": RowwiseParallel()},
+                        "function": shard_mlp_megatron}, x)
+    assert by_function.passed and by_function.measures["mode"] == "function"
+    assert by_function.ledger == by_plan.ledger and by_function.sharded == by_plan.sharded
+    for m in MEASURES:
+        assert by_function.measures[m] == by_plan.measures[m]
+
+
 @pytest.mark.parametrize("kwargs, message", [
+    ({"plan": ["up"]}, "must be a non-empty dict of module name -> ParallelStyle, or a "
+                       "sharding function"),
+    ({"plan": lambda module, mesh: module}, "a sharding function must be picklable"),
     ({"module": "not a module"}, "module must be a torch.nn.Module"),
     ({"plan": {}}, "plan 'plan' must be a non-empty dict"),
     ({"plan": {"up": "colwise"}}, "must map module names to ParallelStyle objects"),

@@ -1,32 +1,37 @@
-"""The five-measure check for any ``nn.Module`` and any PyTorch tensor-parallel plan, on real ranks.
+"""The five-measure check for any ``nn.Module`` and any tensor-parallel sharding, on real ranks.
 
 ``check_module(module, plan, x)`` starts ``world_size`` processes (``tpattn.real.launch``: gloo on
 CPU, NCCL with one GPU per rank), and on every rank:
 
-1. copies ``module`` twice: one stays whole (the reference), the other is sharded by
-   ``torch.distributed.tensor.parallel.parallelize_module(copy, mesh, plan)``;
-2. takes one training step with each from the same start (``tpattn.check.core.one_step``: forward,
-   MSE loss against a fixed random target, backward, SGD), the sharded one under
-   ``CommDebugMode`` (the *ledger*: collectives by kind, forward and backward);
+1. copies ``module`` twice: one stays whole (the reference), the other is sharded — by
+   ``torch.distributed.tensor.parallel.parallelize_module(copy, mesh, plan)`` when ``plan`` is
+   a PyTorch TP plan, or by ``plan(copy, mesh)`` when it is a sharding function (any TP
+   implementation: Hugging Face's runtime, torchtitan's ``parallelize_*``, one's own);
+2. takes one training step with each from the same start (forward, MSE loss against a fixed
+   random target, backward, SGD on the module's own parameters, so that gradient hooks the
+   sharding installed run), the sharded one under ``CommDebugMode`` (the *ledger*: collectives
+   by kind, forward and backward);
 3. compares them on the five measures of ``tpattn.run`` (``tpattn.check.core.five_measures``),
    sharded gradients and weights gathered to full size;
 4. compares the ranks' own copies of what should be replicated — the output, the input
-   gradient, and the gradients and weights of every parameter the plan left replicated — across
-   ranks (*replica disagreement*: 0 when every rank holds the same bits).
+   gradient, and the gradients and weights of every parameter the sharding left replicated —
+   across ranks (*replica disagreement*: 0 when every rank holds the same bits).
 
-Nothing here knows the module: the plan places the collectives, and the check only says
+Nothing here knows the module: the sharding places the collectives, and the check only says
 whether the sharded module computes what the whole one does.
 """
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from tpattn.check.core import LR, MEASURES, TOLERANCE, five_measures, max_abs_diff, one_step
+from tpattn.block.sgd import sgd_step
+from tpattn.check.core import LR, MEASURES, TOLERANCE, five_measures, max_abs_diff
 from .launch import default_backend, run_on_ranks
 
 __all__ = ["ModuleCheck", "check_module", "check_plans", "DEFAULT_TIMEOUT"]
@@ -70,7 +75,7 @@ class ModuleCheck:
 @dataclass(frozen=True)
 class _Job:
     module: torch.nn.Module
-    plans: tuple[tuple[str, dict], ...]
+    plans: tuple[tuple[str, object], ...]  # (label, plan dict or sharding function)
     x: torch.Tensor
     target: torch.Tensor | None
     tolerance: float
@@ -78,8 +83,8 @@ class _Job:
 
 def _kind(op) -> str:
     """``"all_reduce"`` for ``c10d_functional.all_reduce`` and friends."""
-    name = str(op).split(".")[-1]
-    return name.removesuffix("_")
+    name = str(op).split(".")[-1].removesuffix("_")
+    return {"allreduce": "all_reduce"}.get(name, name)
 
 
 def _counts(mode) -> dict[str, int]:
@@ -101,6 +106,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 #: The start of torch's warning that ``_rank_step`` silences (a regex for ``filterwarnings``).
 COMM_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect "
                      r"to module outputs since no inputs require gradients")
+#: torch's warning when the ledger's hook meets a submodule that returns no tensor (a
+#: Hugging Face model returns a ``ModelOutput``); ``_rank_step`` silences it too.
+COMM_OUTPUT_WARNING = r"For backward hooks to be called, module output should be a Tensor"
 
 
 def _is_replicated(t: torch.Tensor) -> bool:
@@ -109,65 +117,100 @@ def _is_replicated(t: torch.Tensor) -> bool:
 
 
 def _rank_main(rank: int, job: _Job, device: torch.device, on_progress) -> list[dict]:
-    """Every rank: every plan of ``job`` in turn, in one process group."""
+    """Every rank: every sharding of ``job`` in turn, in one process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     results = []
-    for index, (label, plan) in enumerate(job.plans):
-        results.append(_rank_step(rank, job, label, plan, mesh, device))
+    for index, (label, sharding) in enumerate(job.plans):
+        results.append(_rank_step(rank, job, label, sharding, mesh, device))
         on_progress(index)
     return results
 
 
-def _rank_step(rank: int, job: _Job, label: str, plan: dict, mesh, device: torch.device) -> dict:
-    """One plan on every rank: the whole module's step, the sharded module's, the comparisons."""
+def _shard(module: torch.nn.Module, sharding, mesh) -> torch.nn.Module:
+    """``module`` sharded over ``mesh``: ``parallelize_module`` with a plan dict, or the
+    sharding function's own result (``sharding(module, mesh)``)."""
+    if isinstance(sharding, dict):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        return parallelize_module(module, mesh, sharding)
+    sharded = sharding(module, mesh)
+    if not isinstance(sharded, torch.nn.Module):
+        raise ValueError(f"the sharding function must return the sharded torch.nn.Module "
+                         f"(got {type(sharded).__name__})")
+    return sharded
+
+
+def _module_step(module: torch.nn.Module, names: list[str], x0: torch.Tensor,
+                 target: torch.Tensor, forward_comms: list | None = None) -> dict:
+    """One training step of ``module`` itself (its own parameters, so that gradient hooks a
+    TP runtime put on them run): forward, MSE loss against ``target``, backward, SGD on the
+    parameters ``names``. Returns ``one_step``'s dict (``grads``/``weights`` by name, as the
+    module holds them: a DTensor stays a DTensor). ``forward_comms``: a list that receives the
+    forward's ``CommDebugMode``."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    params = dict(module.named_parameters())
+    module.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    if forward_comms is None:
+        y = module(x)
+    else:
+        with CommDebugMode() as comms:
+            y = module(x)
+        forward_comms.append(comms)
+    y = _local(y) if _is_replicated(y) else _full(y)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    grads = {k: params[k].grad for k in names}
+    weights = sgd_step({k: params[k].detach() for k in names}, grads, LR)
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": grads, "weights": weights}
+
+
+def _ledger(forward_comms, step_comms) -> dict:
+    fwd = _counts(forward_comms[0])
+    total = _counts(step_comms)
+    return {"forward": fwd,
+            "backward": {k: total[k] - fwd.get(k, 0) for k in total if total[k] - fwd.get(k, 0)}}
+
+
+def _rank_step(rank: int, job: _Job, label: str, sharding, mesh, device: torch.device) -> dict:
+    """One sharding on every rank: the whole module's step, the sharded module's, the
+    comparisons (rank 0 returns them)."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.parallel import parallelize_module
-    from torch.func import functional_call
 
-    world_size = dist.get_world_size()
     whole = copy.deepcopy(job.module).to(device)
-    sharded = parallelize_module(copy.deepcopy(job.module).to(device), mesh, plan)
+    sharded = _shard(copy.deepcopy(job.module).to(device), sharding, mesh)
     x0 = job.x.to(device)
     # the parameters the forward uses (an HF decoder layer also holds an MLP this block skips)
     y = whole(x0.clone().requires_grad_(True))
     y.sum().backward()
     used = [k for k, v in whole.named_parameters() if v.grad is not None]
-    whole.zero_grad(set_to_none=True)
+    sharded_params = dict(sharded.named_parameters())
+    missing = [k for k in used if k not in sharded_params]
+    if missing:
+        raise ValueError(f"the sharded module must keep the module's parameter names; "
+                         f"it has no {', '.join(missing[:3])}")
     if job.target is not None:
         target = job.target.to(device)
     else:
         g = torch.Generator().manual_seed(TARGET_SEED)
         target = torch.randn(y.shape, generator=g, dtype=torch.float64).to(x0.dtype).to(device)
-
-    def call(module):
-        return lambda x, p: functional_call(module, p, (x,))
-
-    whole_params, sharded_params = dict(whole.named_parameters()), dict(sharded.named_parameters())
-    base = {k: whole_params[k].detach() for k in used}
-    reference = one_step(call(whole), x0, target, base)
+    reference = _module_step(whole, used, x0, target)
 
     forward_comms = []
-
-    def sharded_forward(x, p):
-        with CommDebugMode() as comms:
-            y = functional_call(sharded, p, (x,))
-        forward_comms.append(comms)
-        return _local(y) if _is_replicated(y) else _full(y)
-
     # CommDebugMode counts per module with a global full backward pre-hook; torch warns when
     # it fires on a submodule none of whose inputs needs a gradient (an embedding of
-    # positions, say). That warning is about this check's hook, not the user's module.
+    # positions, say) or that returns no tensor (an HF ModelOutput). Those warnings are
+    # about this check's hook, not the user's module.
     with CommDebugMode() as step_comms, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=COMM_HOOK_WARNING, category=UserWarning)
-        tp = one_step(sharded_forward, x0, target,
-                      {k: sharded_params[k].detach() for k in used})
-    fwd = _counts(forward_comms[0])
-    total = _counts(step_comms)
-    ledger = {"forward": fwd,
-              "backward": {k: total[k] - fwd.get(k, 0) for k in total if total[k] - fwd.get(k, 0)}}
+        for message in (COMM_HOOK_WARNING, COMM_OUTPUT_WARNING):
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        tp = _module_step(sharded, used, x0, target, forward_comms)
+    ledger = _ledger(forward_comms, step_comms)
 
     replicated = {k for k in used if _is_replicated(sharded_params[k])}
     shard_info = {k: [str(p) for p in sharded_params[k].placements] for k in used
@@ -179,7 +222,7 @@ def _rank_step(rank: int, job: _Job, label: str, plan: dict, mesh, device: torch
     tp_full = {**tp, "grads": {k: _full(v) for k, v in tp["grads"].items()},
                "weights": {k: _full(v) for k, v in tp["weights"].items()}}
     flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in mine.values()])
-    parts = [torch.empty_like(flat) for _ in range(world_size)]
+    parts = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, flat)
     if rank != 0:
         return {}
@@ -193,21 +236,28 @@ def _rank_step(rank: int, job: _Job, label: str, plan: dict, mesh, device: torch
             "sharded": shard_info}
 
 
-def check_module(module: torch.nn.Module, plan: dict, x: torch.Tensor, *,
+def check_module(module: torch.nn.Module, plan, x: torch.Tensor, *,
                  target: torch.Tensor | None = None, world_size: int = 2,
                  label: str = "plan", tolerance: float = TOLERANCE,
                  timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> ModuleCheck:
-    """Shard ``module`` with the PyTorch TP ``plan`` over ``world_size`` real ranks, take one
-    training step with it and with the whole module, and compare them.
+    """Shard ``module`` over ``world_size`` real ranks with ``plan``, take one training step
+    with it and with the whole module, and compare them.
 
     module: any ``nn.Module`` whose forward takes one tensor (``x``) and returns one tensor
-    (picklable: the ranks receive a copy; it is never modified). plan: ``parallelize_module``'s
-    ``parallelize_plan`` (module name -> ``ColwiseParallel()``, ``RowwiseParallel()``,
-    ``SequenceParallel()`` ...). ``tolerance``: the measures' pass bound (the package's 1e-6 by
-    default; derive your own for a larger module, e.g. ``tpattn.interop.float32_tolerance``).
-    ``label`` names the plan in ``measures["mode"]``. The loss is the MSE against ``target``
-    (the output's shape; default: a fixed random one); the step is SGD with the package's learning rate (``tpattn.check.core.LR``).
-    Only the parameters the forward uses take part (an HF decoder layer's MLP does not).
+    (picklable: the ranks receive a copy; it is never modified). plan: either
+    ``parallelize_module``'s ``parallelize_plan`` (module name -> ``ColwiseParallel()``,
+    ``RowwiseParallel()``, ``SequenceParallel()`` ...), or a *sharding function*
+    ``fn(module, mesh) -> sharded module`` for any other TP implementation (Hugging Face's
+    runtime, ``tpattn.real.hf_runtime.hf_tp_runtime``; torchtitan's ``parallelize_*``; one's
+    own). The function runs on every rank with a copy of ``module`` and the 1-D device mesh of
+    the ranks; it must keep the module's parameter names and be picklable (a module-level
+    function or a ``functools.partial`` of one). ``tolerance``: the measures' pass bound (the
+    package's 1e-6 by default; derive your own for a larger module, e.g.
+    ``tpattn.interop.float32_tolerance``). ``label`` names the plan in ``measures["mode"]``.
+    The loss is the MSE against ``target`` (the output's shape; default: a fixed random one);
+    the step is SGD with the package's learning rate (``tpattn.check.core.LR``) on the
+    module's own parameters, so gradient hooks of the TP implementation run. Only the
+    parameters the forward uses take part (an HF decoder layer's MLP does not).
 
     Raises ``ValueError`` for bad arguments, and ``tpattn.real.launch.RankFailure`` (one line naming
     the rank) when a rank fails — e.g. a plan whose shards do not fit the module's shapes.
@@ -216,31 +266,47 @@ def check_module(module: torch.nn.Module, plan: dict, x: torch.Tensor, *,
                        tolerance=tolerance, timeout=timeout, backend=backend)[0]
 
 
+def _check_plan(label: str, plan, names: set[str]) -> None:
+    """``ValueError`` unless ``plan`` is a non-empty ``parallelize_module`` plan naming modules
+    of the module, or a picklable sharding function."""
+    if callable(plan) and not isinstance(plan, dict):
+        try:
+            pickle.dumps(plan)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ValueError(f"plan {label!r}: a sharding function must be picklable (a "
+                             f"module-level function or a functools.partial of one): "
+                             f"{e}") from None
+        return
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"plan {label!r} must be a non-empty dict of module name -> "
+                         f"ParallelStyle, or a sharding function fn(module, mesh) -> module "
+                         f"(got {type(plan).__name__})")
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    odd = sorted(k for k, v in plan.items() if not isinstance(v, ParallelStyle))
+    if odd:
+        raise ValueError(f"plan {label!r} must map module names to ParallelStyle objects "
+                         f"(ColwiseParallel() ...); not: {', '.join(odd)}")
+    unknown = sorted(k for k in plan if "*" not in k and k not in names)
+    if unknown:
+        raise ValueError(f"plan {label!r} names modules the module does not have: "
+                         f"{', '.join(unknown)}")
+
+
 def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
                 target: torch.Tensor | None = None, world_size: int = 2,
                 tolerance: float = TOLERANCE, timeout: float = DEFAULT_TIMEOUT,
                 backend: str | None = None) -> list[ModuleCheck]:
-    """``check_module`` for several plans (``{label: plan}``), all in ONE set of rank processes
-    (starting them is most of the time); one ``ModuleCheck`` per plan, in order."""
+    """``check_module`` for several plans or sharding functions (``{label: plan}``), all in ONE
+    set of rank processes (starting them is most of the time); one ``ModuleCheck`` per plan,
+    in order."""
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if not isinstance(plans, dict) or not plans:
         raise ValueError("plans must be a non-empty dict of label -> plan")
     names = {name for name, _ in module.named_modules()}
     for label, plan in plans.items():
-        if not isinstance(plan, dict) or not plan:
-            raise ValueError(f"plan {label!r} must be a non-empty dict of module name -> "
-                             f"ParallelStyle")
-        from torch.distributed.tensor.parallel import ParallelStyle
-
-        odd = sorted(k for k, v in plan.items() if not isinstance(v, ParallelStyle))
-        if odd:
-            raise ValueError(f"plan {label!r} must map module names to ParallelStyle objects "
-                             f"(ColwiseParallel() ...); not: {', '.join(odd)}")
-        unknown = sorted(k for k in plan if "*" not in k and k not in names)
-        if unknown:
-            raise ValueError(f"plan {label!r} names modules the module does not have: "
-                             f"{', '.join(unknown)}")
+        _check_plan(label, plan, names)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError("x must be a floating-point torch.Tensor (the module's input)")
     if target is not None and not isinstance(target, torch.Tensor):
@@ -250,7 +316,9 @@ def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance > 0:
         raise ValueError(f"tolerance must be a number > 0 (got {tolerance!r})")
     backend = backend or default_backend(world_size)
-    job = _Job(module=module, plans=tuple((str(k), dict(v)) for k, v in plans.items()),
+    job = _Job(module=module,
+               plans=tuple((str(k), dict(v) if isinstance(v, dict) else v)
+                           for k, v in plans.items()),
                x=x.detach().cpu(), target=None if target is None else target.detach().cpu(),
                tolerance=float(tolerance))
     # the forkserver imports the module's code once, so that no rank pays for it again
