@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from tpattn.bugs.modes import modes_for, run, run_matrix
@@ -29,10 +30,31 @@ def registry_modes() -> tuple[str, ...]:
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
 
+def unknown_mode_message(mode: str) -> str:
+    """The one-line error for a ``--mode`` that is no mode: at most three nearest modes (those
+    it begins, ``difflib``'s closest, those sharing its first word) and where the full list
+    is, e.g. ``argument --mode: invalid choice: 'missing_f' (nearest: missing_output_reduce,
+    ...; all of them: --list-modes)``."""
+    import difflib
+
+    modes = CLI_MODES + registry_modes()
+    word = mode.split("_")[0] + "_"  # "missing_f": every missing_* mode is a candidate
+    near = ([m for m in modes if len(mode) >= 3 and m.startswith(mode)]
+            + difflib.get_close_matches(mode, modes, n=4, cutoff=0.5)
+            + [m for m in modes if "_" in mode and m.startswith(word)])
+    near = list(dict.fromkeys(near))[:3]
+    hint = f"nearest: {', '.join(near)}; " if near else ""
+    return f"argument --mode: invalid choice: {mode!r} ({hint}all of them: --list-modes)"
+
+
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (``tpattn: error: …``) and exit 2."""
+    """argparse that reports a usage error as one line (``tpattn: error: …``) and exit 2; an
+    unknown ``--mode`` names the nearest modes instead of all of them."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
+        bad = re.match(r"argument --mode: invalid choice: '(.*?)' \(choose from", message)
+        if bad:
+            message = unknown_mode_message(bad.group(1))
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

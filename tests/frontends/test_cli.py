@@ -122,6 +122,28 @@ def test_every_bad_input_is_one_named_line_and_exit_2(capsys, argv, needle):
     assert err.count("\n") == 1 and err.startswith("tpattn: error: ") and needle in err, err
 
 
+@pytest.mark.parametrize("typed, nearest", [
+    ("missing_f", "missing_input_grad_reduce"),
+    ("equivalance", "equivalence"),
+    ("loss_reduced", "loss_reduced_over_world"),
+])
+def test_a_mistyped_mode_names_the_nearest_modes_in_one_short_line(capsys, typed, nearest):
+    with pytest.raises(SystemExit) as e:
+        main(["--mode", typed])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"invalid choice: '{typed}' (nearest: " in err and nearest in err, err
+    assert "--list-modes" in err and "choose from" not in err and len(err) < 200, err
+
+
+def test_a_mode_near_no_other_points_at_list_modes_only(capsys):
+    with pytest.raises(SystemExit):
+        main(["--mode", "xyzzy_qq"])
+    err = capsys.readouterr().err
+    assert err == ("tpattn: error: argument --mode: invalid choice: 'xyzzy_qq' "
+                   "(all of them: --list-modes)\n")
+
+
 def test_console_script_is_installed():
     script = pathlib.Path(sys.executable).parent / "tpattn"
     result = subprocess.run([str(script), "--mode", "inspect"], capture_output=True, text=True, timeout=120)
