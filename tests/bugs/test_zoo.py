@@ -57,6 +57,19 @@ def test_every_entry_has_a_fidelity_and_a_citation_iff_it_has_a_report():
     assert "Dropout" in listed["inputs_not_replicated"]["fidelity_note"]
     assert "independent of TP" in listed["repeat_kv_tiled"]["fidelity_note"]
     assert "gpt-neox PR 1259" in listed["norm_grad_averaged"]["citation"]
+    # the corrections of issue 35
+    assert listed["missing_input_grad_reduce"]["fidelity"] == "mechanism"
+    assert "bigcode-project/Megatron-LM PR 36" in listed["missing_input_grad_reduce"]["citation"]
+    assert "PR 6839" in listed["missing_input_grad_reduce"]["citation"]
+    assert listed["missing_kv_grad_reduce"]["fidelity"] == "mechanism"
+    assert "issue 11" in listed["missing_kv_grad_reduce"]["citation"]
+    assert listed["loss_reduced_over_world"]["fidelity"] == "no report"
+    assert "PR 105" in listed["loss_reduced_over_world"]["fidelity_note"]
+    assert "mcore-bridge PR 101" in listed["input_grad_reduced_twice"]["citation"]
+    assert "not a TP report" in listed["repeat_kv_tiled"]["fidelity_note"]
+    assert "CPU generator" in listed["dropout_rng_desync"]["description"]
+    assert "CUDA generator" in listed["dropout_rng_desync"]["fidelity_note"]
+    assert "TP + CP" in listed["loss_full_tensor_tp_only"]["fidelity_note"]
     # the modes of the sequence-parallel and KV-replication work: injections that need their
     # layout, observable there, not among the plain-TP shapes' runnable_modes()
     for name, need in [("missing_norm_grad_reduce", "sequence_parallel"),

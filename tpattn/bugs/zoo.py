@@ -141,11 +141,19 @@ def _entries() -> list[BugMode]:
                 how="no forward all-reduce of partials",
                 fix="all-reduce the row-parallel output (g) before the residual",
                 fidelity_note="the book's own bug (chapter 8); no public report is cited"),
-        BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution", None,
+        BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution",
+                "bigcode-project/Megatron-LM PR 36 (fixes issue 35); "
+                "NVIDIA/Megatron-LM PR 6839 (open)",
                 ("world_size >= 2",), Injection(f="none"),
                 how="no backward all-reduce of dn",
                 fix="all-reduce dn in backward (f, copy_to_tensor_model_parallel_region)",
-                fidelity_note="the book's own bug (chapter 9); no public report is cited"),
+                fidelity="mechanism",
+                fidelity_note="bigcode PR 36: MQA's K/V projection, replicated over TP, lacked "
+                "the input-gradient all-reduce ColumnLinear does, so the loss exploded at TP 2 "
+                "with the weights in sync (issue 35); Megatron-LM PR 6839: MLA's shared K-RoPE "
+                "gradient summed over local heads only, fixed with "
+                "copy_to_tensor_model_parallel_region; there one branch missed f, here all of "
+                "dn (chapter 9)"),
         BugMode("input_grad_reduce_averaged",
                 "f averages dn over the ranks instead of summing it", None,
                 ("world_size >= 2",), Injection(f="mean"),
@@ -157,14 +165,16 @@ def _entries() -> list[BugMode]:
                 "weight-gradient hook (dX unaffected), which is norm_grad_averaged, not this"),
         BugMode("input_grad_reduced_twice",
                 "dn all-reduced twice: replicated gradients come out W times too large",
-                "NVIDIA/Megatron-LM issue 1528 (open)", ("world_size >= 2",),
-                Injection(f="twice"),
+                "modelscope/mcore-bridge PR 101; NVIDIA/Megatron-LM issue 1528 (open)",
+                ("world_size >= 2",), Injection(f="twice"),
                 how="two backward all-reduces of dn (f and an extra dgrad all-reduce)",
                 fix="reduce dn once: drop the second all-reduce", fidelity="consistent",
-                fidelity_note="the issue (open, no root cause found) sees the LayerNorm weight "
-                "gradient TP size times too large only with FP8 + TP + CP (TP alone or CP alone "
-                "match one device) and reports no other tensor; the zoo's second all-reduce of "
-                "dn gives that factor with TP alone, and dX is wrong too"),
+                fidelity_note="mcore-bridge PR 101: OLMoE's q/k norms act on the gathered, "
+                "TP-replicated tensor, so each rank already holds their full gradient, yet the "
+                "name-matched qk-layernorm gradient all-reduce summed it again (x tp_size); "
+                "issue 1528 (open, no root cause) sees the LayerNorm weight gradient TP size "
+                "times too large only with FP8 + TP + CP; the zoo sums dn twice, so the norm "
+                "weight gradient is W times too large and dX is wrong too"),
         BugMode("output_reduced_twice",
                 "g applied twice: the output is W times the sum of the partials", None,
                 ("world_size >= 2",), Injection(g=2),
@@ -214,9 +224,10 @@ def _entries() -> list[BugMode]:
                 how="k.repeat(1, 1, groups, 1) on each rank instead of repeat_interleave",
                 fix="repeat_interleave: query head h reads KV head h // groups",
                 fidelity="mechanism",
-                fidelity_note="a GQA layout bug independent of TP: ONNX's Attention op and "
-                "jax-js tiled the KV heads ([h0, h1, h0, h1]) where torch repeat-interleaves; "
-                "the zoo injects it on each rank's local KV heads, visible once a rank holds two"),
+                fidelity_note="a GQA layout bug independent of TP, reported on one device: "
+                "ONNX's Attention op and jax-js tiled the KV heads ([h0, h1, h0, h1]) where "
+                "torch repeat-interleaves; not a TP report: the zoo injects it on each rank's "
+                "local KV heads, visible once a rank holds two"),
         BugMode("inputs_not_replicated",
                 "each TP rank draws its own batch (the batches of a TP group differ)",
                 "deepspeedai/DeepSpeed issue 7199", ("world_size >= 2",),
@@ -227,9 +238,9 @@ def _entries() -> list[BugMode]:
                 fidelity_note="DeepSpeed's AutoTP check stopped an HF Trainer run with 'Data "
                 "inconsistency within the TP group'; the thread gives no root cause. Not "
                 "bigscience-workshop/Megatron-DeepSpeed PR 276: there the data were identical "
-                "and the torch RNG state desynced (the loader's seed consumed RNG on tp_rank 0 "
-                "only), so nn.Dropout masks differed across TP ranks: that one is "
-                "dropout_rng_desync"),
+                "and the CPU generator's state (torch_rng_state) desynced (the loader's seed "
+                "consumed a draw on tp_rank 0 only), and nn.Dropout of CPU tensors with it: "
+                "that one is dropout_rng_desync"),
         BugMode(MISSING_NORM_GRAD_REDUCE,
                 "sequence parallelism without the all-reduce of the norm weight's gradient",
                 "NVIDIA-NeMo/Speech PR 7184; hpcaitech/ColossalAI PR 4915",
@@ -256,31 +267,38 @@ def _entries() -> list[BugMode]:
                 "the PR sums, and says it does not fix the run's convergence issue, whose "
                 "slowly changing LayerNorm weights it reports as still open"),
         BugMode(MISSING_KV_GRAD_REDUCE,
-                "replicated KV heads without the all-reduce of their gradients", None,
+                "replicated KV heads without the all-reduce of their gradients",
+                "bigcode-project/Megatron-LM issue 11; fixed by PR 12",
                 ("kv_heads < world_size",), Injection(kv_grad="none"),
                 provider="tpattn.parallel.kv_heads",
                 how="no all-reduce of the wk/wv gradients in the KV replica group",
                 fix="all-reduce wk/wv gradients over each replica group",
-                fidelity_note="no public report of this bug was found; the related "
-                "bigcode-project/Megatron-LM issue 35 (MQA + TP > 1: loss explodes, weights in "
-                "sync) is the other half, the shared K/V's activation gradients (chapter 13)"),
+                fidelity="mechanism",
+                fidelity_note="issue 11: the reduction of MQA's key/value gradients, replicated "
+                "over TP, left out the biases and was missing from the distributed optimizer; "
+                "PR 12's log shows the K/V bias differing across TP ranks before the fix, equal "
+                "after; the zoo drops the wk/wv gradient all-reduce of each replica group (no "
+                "bias); the activation-gradient half is missing_input_grad_reduce"),
         BugMode("dropout_rng_desync",
-                "the default torch RNG drifts on tp_rank 0 alone (its data loader draws the "
-                "workers' base seed): residual-dropout masks differ across TP ranks",
+                "torch's CPU generator drifts on tp_rank 0 alone (its data loader draws the "
+                "workers' base seed): CPU residual-dropout masks differ across TP ranks",
                 "bigscience-workshop/Megatron-DeepSpeed PR 276 (merged); "
                 "NVIDIA/Megatron-LM PR 206 (not merged)", ("dropout > 0", "world_size >= 2"),
                 Injection(rng="rank0_drift"),
                 how="tp_rank 0 alone creates a DataLoader iterator, which draws its workers' "
-                    "base_seed from the default generator, before the residual dropout draws "
-                    "its mask from that generator",
-                fix="give the loader its own generator (or re-sync the default RNG state "
-                    "across the TP group before the step)",
+                    "base_seed from the CPU default generator, before the residual dropout "
+                    "draws its mask from that generator (dropout of CPU tensors; dropout of "
+                    "CUDA tensors reads the CUDA generator, which this draw does not advance)",
+                fix="give the loader its own generator (or re-sync the CPU and CUDA RNG "
+                    "states across the TP group before the step)",
                 fidelity="mechanism",
                 fidelity_note="PR 276: the loader, built on tp_rank 0 only, drew the workers' "
-                "base_seed from the torch RNG, so torch_rng_state differed across TP ranks "
-                "and nn.Dropout masks with it, the data identical; the zoo consumes tp_rank "
-                "0's default generator with a real DataLoader iterator before its residual "
-                "dropout (one block, one step; attention dropout uses the tracker's stream)"),
+                "base_seed from the CPU generator, so torch_rng_state differed across TP ranks, "
+                "the data identical; the zoo drifts the same CPU generator with a real "
+                "DataLoader iterator, and its CPU residual dropout reads it; on a GPU, dropout "
+                "reads the CUDA generator: that drift desyncs only CPU draws (shuffles, "
+                "CPU-side masks), and CUDA masks desync only when a CUDA random op runs on "
+                "some TP ranks alone or the ranks seed CUDA differently"),
         BugMode("qk_norm_grad_not_reduced",
                 "qk-norm weights replicated over TP without the all-reduce of their "
                 "gradients: each rank steps on its own heads' part and the replicas drift",
@@ -307,15 +325,18 @@ def _mesh_entries() -> list[BugMode]:
     return [
         BugMode("loss_reduced_over_world",
                 "TP x DP: the logged loss all-reduced over the world mesh, not the DP group",
-                "pytorch/torchtitan PR 105", (dp,), Injection(loss_group="world"),
+                None, (dp,), Injection(loss_group="world"),
                 how="the loss shares are summed over every rank of the mesh: each replica's "
                     "share counted once per TP rank (the ledger's loss all-reduce has group "
                     "world)",
                 fix="all-reduce the loss metric over the DP submesh only",
-                fidelity="mechanism",
-                fidelity_note="there (FSDP + SP, 2024) the loss metric's all-reduce on the 2D "
-                "world mesh crashed with functional collectives; here the same wrong group, "
-                "with the shares summed, over-reports the loss by the TP degree"),
+                fidelity="no report",
+                fidelity_note="no public report of an over-reported loss: pytorch/torchtitan "
+                "PR 105 (FSDP + SP) moved the loss metric's all-reduce from the 2D world mesh "
+                "to the DP submesh to fix a crash, and with its mean reduction the world "
+                "group would have logged the right value; the TP-degree over-report exists "
+                "only under this book's convention (each rank's loss is its share of the "
+                "global mean, summed over DP)"),
         BugMode("loss_full_tensor_tp_only",
                 "TP x DP: the logged loss is a Replicate DTensor on the TP mesh whose "
                 "full_tensor() skips the DP reduction",
@@ -326,10 +347,12 @@ def _mesh_entries() -> list[BugMode]:
                     "all-reduce (the ledger has no loss all-reduce)",
                 fix="x.to_local(), then the all-reduce over the loss mesh (PR 3159)",
                 fidelity="mechanism",
-                fidelity_note="PR 3313 traced the under-reported loss (TP + CP) to "
-                "_dist_reduce's full_tensor() on a TP-only DTensor and PR 3204 measured "
-                "loss = true / dp size; here the skipped dimension is DP of a TP x DP mesh, "
-                "each replica logging its own share"),
+                fidelity_note="issue 3280 was reported for TP + CP: PR 3313 traced the "
+                "under-reported loss to _dist_reduce's full_tensor() on a TP-only DTensor, "
+                "which skips every mesh dimension outside the DTensor's; the DP case is PR "
+                "3159's note ('under-reported by dp_shard x cp') and PR 3204's tests (a "
+                "Replicate-on-TP loss over an orthogonal batch mesh); here the skipped "
+                "dimension is DP of a TP x DP mesh, each replica logging its share"),
         BugMode("dp_grad_group_of_one",
                 "TP x DP: the data-parallel gradient all-reduce runs over a group of one "
                 "rank, a silent no-op",

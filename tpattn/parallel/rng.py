@@ -4,10 +4,13 @@ Megatron-LM's ``tensor_parallel/random.py`` (``model_parallel_cuda_manual_seed``
 streams on every rank: the default one with ``seed`` (the same on every TP rank, and on every
 DP replica without ``data_parallel_random_init``), and the tracker's
 ``"model-parallel-rng"`` with ``seed + 2718 + tp_rank`` (a different one per TP rank).
-Dropout outside the sharded region (the residual dropout, on a tensor every TP rank holds
-whole) draws from the default stream, so every TP rank drops the same elements; dropout
-inside it (the attention probabilities of the rank's own heads) draws from the
-model-parallel stream, so each rank's heads get their own mask.
+Without sequence parallelism, dropout outside the sharded region (the residual dropout, on
+a tensor every TP rank holds whole) draws from the default stream, so every TP rank drops the
+same elements; dropout inside it (the attention probabilities of the rank's own heads) draws
+from the model-parallel stream, so each rank's heads get their own mask. Under sequence
+parallelism each rank holds different tokens of the residual stream, and Megatron forks the
+model-parallel stream for the whole transformer block (its residual dropout included); this
+module models the case without it.
 
 ``RankStreams`` holds both generators for each rank one process holds (every simulated rank,
 or one real rank whose default stream is torch's global default generator, the one
@@ -20,8 +23,13 @@ along the batch for a global batch of several replicas (the same streams on ever
 
 ``Injection.rng = "rank0_drift"``: before the step, tp_rank 0's default generator is consumed
 by the creation of a ``torch.utils.data.DataLoader`` iterator (``_BaseDataLoaderIter`` draws
-its workers' ``base_seed`` with ``random_(generator=loader.generator)``), as the loader built
-on tp_rank 0 only does in bigscience-workshop/Megatron-DeepSpeed PR 276.
+its workers' ``base_seed`` into a CPU tensor with ``random_(generator=loader.generator)``), as
+the loader built on tp_rank 0 only does in bigscience-workshop/Megatron-DeepSpeed PR 276.
+That draw advances torch's *CPU* default generator. The package's ranks compute on the CPU,
+so their ``nn.Dropout`` reads that generator and the residual masks differ across TP ranks.
+Dropout of CUDA tensors reads the CUDA generator instead, which the draw leaves alone: on a
+GPU the drift desyncs CPU draws only (shuffles, masks built on the CPU), and CUDA masks
+desync when a CUDA random op runs on some TP ranks alone or the ranks seed CUDA differently.
 """
 from __future__ import annotations
 
