@@ -1,8 +1,9 @@
 """The package's one SGD update, as mixed-precision TP trains it.
 
-Real bfloat16 training keeps float32 *master weights* in the optimizer (Megatron-LM's
-``main_grad`` and fp32 master params; ``torch.amp``'s recipe): the forward and backward run in
-bfloat16, the update ``w - lr g`` runs in float32 on the float32 copy. Updating in bfloat16
+Mixed-precision bfloat16 training keeps float32 *master weights* in the optimizer (Megatron-LM's
+float16 optimizers with ``main_grad``; FSDP's mixed precision): the forward and backward run in
+bfloat16, the update ``w - lr g`` runs in float32 on the float32 copy (a model loaded in
+bfloat16 and stepped as it is updates bfloat16 weights instead). Updating in bfloat16
 itself would round the step away (bfloat16's spacing near ``|w| = 0.15`` is ``2**-10``, larger
 than most ``lr * g``), and a check comparing bfloat16 weights after the step would see only
 that rounding.
@@ -23,7 +24,7 @@ def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr
     params, grads: tensors by name, ``grads[k]`` of ``params[k]``'s shape (any shape, e.g.
     ``wq`` ``[Hq*D, hidden]``, ``norm`` ``[hidden]``); ``scale`` multiplies the learning rate
     (e.g. ``1 / accumulation steps``). float32/float64: ``p - lr * scale * g`` in that dtype,
-    bit for bit the seed's update. bfloat16: the float32 master weights
+    bit for bit the original fixture's update. bfloat16: the float32 master weights
     ``p.float() - lr * scale * g.float()`` (``MASTER_DTYPE``): float32 tensors of the same
     shapes. No autograd graph is recorded; ``params`` and ``grads`` are not modified.
     """
