@@ -121,8 +121,8 @@ def smoke() -> dict:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         f"--junitxml={junit}", "test_smoke.py"], cwd=tmp, check=True,
-                       stdout=subprocess.DEVNULL, env=dict(os.environ,
-                                                           PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))
+                       stdout=subprocess.DEVNULL, env=dict(
+                           os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTEST_ADDOPTS=""))
         wall = time.perf_counter() - t0
         suite = junit_suite(str(junit))
         groups = collections.Counter()
