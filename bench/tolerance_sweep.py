@@ -52,8 +52,9 @@ def summary(rows: list[dict]) -> None:
         of = [r for r in rows if r["dtype"] == dtype]
         ok = [max(r["ratios"].values()) for r in of if r["mode"] == tpattn.EQUIVALENCE]
         bugs = [max(r["ratios"].values()) for r in of if r["mode"] != tpattn.EQUIVALENCE]
+        nan = float("nan")
         print(f"{dtype}: {len(of)} TP steps; correct TP measure/bound max "
-              f"{max(ok, default=float('nan')):.3g}, bugs min {min(bugs, default=float('nan')):.3g}")
+              f"{max(ok, default=nan):.3g}, bugs min {min(bugs, default=nan):.3g}")
 
 
 def smoke(out: str | None) -> None:
