@@ -13,18 +13,22 @@ qk-norm (``MODEL_HELD_OUT``: their bugs and the seed's two, single bugs only); `
 the TP x DP mesh's own held-out set (``HELD_OUT_MESH``, its single bugs only; with
 ``--tuning``, ``TUNING_MESH``: pass ``--seeds 21 34``).
 
+``--smoke``: seed 500, the first held-out shape, the seed's two bugs, their pair and one
+made-up bug (seconds).
+
     python bench/diagnosis_tiers.py [--seeds 500 501 502 503 504] [--tuning]
-        [--exclude MODE ...] [--loading | --model | --mesh]
+        [--exclude MODE ...] [--loading | --model | --mesh | --smoke]
 """
 from __future__ import annotations
 
 import argparse
 from collections import Counter
 
+from tpattn import MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE
 from tpattn.bugs.zoo import REGISTRY, runnable_modes
 from tpattn.diagnosis.evaluate import (BOTH_NAMED, CLASSES, HELD_OUT, HELD_OUT_MESH,
-                                       LOADING_HELD_OUT, LOADING_MODES, MADE_UP_LOADING,
-                                       MODEL_HELD_OUT,
+                                       LOADING_HELD_OUT, LOADING_MODES, MADE_UP,
+                                       MADE_UP_LOADING, MODEL_HELD_OUT,
                                        PAIR_CLASSES, TUNING, TUNING_MESH, made_up_cases,
                                        single_bug_cases, summary, two_bug_cases)
 
@@ -63,6 +67,30 @@ def _pairs(two: dict) -> None:
                   f"{k} {rows[k]}" for k in PAIR_CLASSES) + ")")
 
 
+def _reduced(single: dict, reduced: dict) -> None:
+    print("the same cases, the job all-reducing its loss: "
+          + ("the same answers" if reduced == single else
+             f"{sum(reduced[k] != v for k, v in single.items())} answers differ"))
+
+
+#: ``--smoke``'s bugs: the seed's two.
+SMOKE_MODES = (MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE)
+
+
+def smoke() -> None:
+    """Seed 500 on the first held-out shape: the seed's two bugs alone and as a pair, and the
+    first made-up bug; the same rows as a full run."""
+    shapes = _shapes(HELD_OUT[:1], lambda mode: mode in SMOKE_MODES)
+    single = single_bug_cases([500], shapes=shapes)
+    _singles(single)
+    _reduced(single, single_bug_cases([500], logged_loss="all_reduced", shapes=shapes))
+    _pairs(two_bug_cases([500], shapes[0][1], lambda pair: set(pair) <= set(SMOKE_MODES)))
+    made = made_up_cases([500], shapes[0][1], dict([next(iter(MADE_UP.items()))]))
+    for tier in (1, 2):
+        answers = Counter(v for (t, _, _), v in made.items() if t == tier)
+        print(f"made-up bugs, tier {tier}: " + ", ".join(f"{k} {n}" for k, n in answers.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[500, 501, 502, 503, 504])
@@ -78,7 +106,11 @@ def main() -> None:
                     help="leave these modes out of the single bugs and the pairs")
     ap.add_argument("--loading", action="store_true",
                     help="only the checkpoint-loading modes and the made-up loading bugs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one seed, one shape, two bugs: checks the script runs, in seconds")
     args = ap.parse_args()
+    if args.smoke:
+        return smoke()
     if args.model or args.mesh:
         sets = (TUNING_MESH if args.tuning else HELD_OUT_MESH) if args.mesh else MODEL_HELD_OUT
         _singles(single_bug_cases(args.seeds, shapes=sets))
@@ -93,10 +125,7 @@ def main() -> None:
                      keep)
     single = single_bug_cases(args.seeds, shapes=shapes)
     _singles(single)
-    reduced = single_bug_cases(args.seeds, logged_loss="all_reduced", shapes=shapes)
-    print("the same cases, the job all-reducing its loss: "
-          + ("the same answers" if reduced == single else
-             f"{sum(reduced[k] != v for k, v in single.items())} answers differ"))
+    _reduced(single, single_bug_cases(args.seeds, logged_loss="all_reduced", shapes=shapes))
     pair_keep = (lambda pair: any(map(keep, pair))) if args.loading \
         else (lambda pair: all(map(keep, pair)))
     _pairs(two_bug_cases(args.seeds, shapes[0][1], pair_keep,

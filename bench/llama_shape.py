@@ -26,7 +26,9 @@ in ``/proc/self/status``); the variant's peak memory is that peak minus the RSS 
 (what it added on top of the parameters and inputs it shares with every variant). Reported
 against one dense SDPA step measured the same way.
 
-Usage: python bench/llama_shape.py [--repeats N] [--json PATH]
+``--smoke``: the same at the fixture's shape (``Config()``), one timed round (seconds).
+
+Usage: python bench/llama_shape.py [--repeats N] [--json PATH] [--smoke]
 """
 from __future__ import annotations
 
@@ -53,11 +55,13 @@ from tpattn.parallel.tp import tp_forward
 
 CFG = Config(hidden=4096, query_heads=32, kv_heads=8, head_dim=128, seq=256, batch=1,
              world_size=8, dtype="float32")
+#: ``--smoke``'s shape: the fixture's.
+SMOKE_CFG = Config()
 SEED = 1
 THREADS = 2
 
 
-def sdpa_forward(x: torch.Tensor, p: dict, cfg: Config = CFG) -> torch.Tensor:
+def sdpa_forward(x: torch.Tensor, p: dict, cfg: Config) -> torch.Tensor:
     """The dense block with ``F.scaled_dot_product_attention`` (causal, GQA): the floor."""
     s, b, hidden = x.shape
     n = rms_norm(x, p["norm"], cfg.eps)
@@ -67,15 +71,15 @@ def sdpa_forward(x: torch.Tensor, p: dict, cfg: Config = CFG) -> torch.Tensor:
     return x + F.linear(ctx.permute(2, 0, 1, 3).reshape(s, b, -1), p["wo"])
 
 
-def setup():
-    x0, target = make_inputs(CFG, SEED)
-    return x0, target, init_params(CFG, SEED + PARAM_SEED_OFFSET)
+def setup(cfg: Config):
+    x0, target = make_inputs(cfg, SEED)
+    return x0, target, init_params(cfg, SEED + PARAM_SEED_OFFSET)
 
 
-def floor(x0, target, base):
+def floor(x0, target, base, cfg: Config):
     """Two dense SDPA steps."""
     for _ in range(2):
-        one_step(sdpa_forward, x0, target, base)
+        one_step(lambda x, p: sdpa_forward(x, p, cfg), x0, target, base)
 
 
 def engine(x, p, cfg):
@@ -83,28 +87,28 @@ def engine(x, p, cfg):
     return one_graph_forward(x, p, cfg, Injection())
 
 
-def check(x0, target, base, tp=engine):
+def check(x0, target, base, cfg: Config, tp=engine):
     """run(tolerance="auto")'s work for one equivalence case, from given parameters."""
-    dense = dense_reference(x0, target, base, CFG)
-    step = one_step(lambda x, p: tp(x, p, CFG), x0, target, base)
-    metrics, bounds = per_parameter(CFG, five_measures(SEED, EQUIVALENCE, dense, step),
+    dense = dense_reference(x0, target, base, cfg)
+    step = one_step(lambda x, p: tp(x, p, cfg), x0, target, base)
+    metrics, bounds = per_parameter(cfg, five_measures(SEED, EQUIVALENCE, dense, step),
                                     dense, step, LR)
     return apply_auto(metrics, bounds, lambda: _conditioning(
-        x0, target, base, dense, metrics["worst_parameter"]))
+        x0, target, base, cfg, dense, metrics["worst_parameter"]))
 
 
-def _conditioning(x0, target, base, dense, worst):
+def _conditioning(x0, target, base, cfg, dense, worst):
     """The conditioning probe (one more dense step), run only if a measure exceeds its bound."""
-    px, pbase = perturbed_start(CFG, x0, base)
-    return conditioning(CFG, dense, dense_reference(px, target, pbase, CFG), LR, worst)
+    px, pbase = perturbed_start(cfg, x0, base)
+    return conditioning(cfg, dense, dense_reference(px, target, pbase, cfg), LR, worst)
 
 
-def seed_loop_check(x0, target, base):
-    return check(x0, target, base, tp=tp_forward)
+def seed_loop_check(x0, target, base, cfg: Config):
+    return check(x0, target, base, cfg, tp=tp_forward)
 
 
-def dense_step(x0, target, base):
-    one_step(sdpa_forward, x0, target, base)
+def dense_step(x0, target, base, cfg: Config):
+    one_step(lambda x, p: sdpa_forward(x, p, cfg), x0, target, base)
 
 
 VARIANTS = {"floor": floor, "check": check, "seed_loop_check": seed_loop_check,
@@ -119,61 +123,73 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def memory_child(name: str) -> None:
+def memory_child(name: str, cfg: Config) -> None:
     torch.set_num_threads(THREADS)
-    x0, target, base = setup()
+    x0, target, base = setup(cfg)
     before = _status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    VARIANTS[name](x0, target, base)
+    VARIANTS[name](x0, target, base, cfg)
     peak = _status_bytes("VmHWM")
     print(json.dumps({"variant": name, "peak_extra_bytes": peak - before}))
 
 
-def peak_memory(name: str) -> int:
-    out = subprocess.run([sys.executable, __file__, "--memory-child", name], check=True,
+def peak_memory(name: str, smoke: bool) -> int:
+    out = subprocess.run([sys.executable, __file__, "--memory-child", name]
+                         + (["--smoke"] if smoke else []), check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_extra_bytes"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", help="also write the numbers here")
-    ap.add_argument("--memory-child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.memory_child:
-        return memory_child(args.memory_child)
-    torch.set_num_threads(THREADS)
+def measure(cfg: Config, repeats: int, smoke: bool) -> dict:
+    """The verdict, the median times of ``repeats`` rounds after a warm-up, the peak memory."""
     t0 = time.perf_counter()
-    x0, target, base = setup()
+    x0, target, base = setup(cfg)
     init_s = time.perf_counter() - t0
-    result = check(x0, target, base)
+    result = check(x0, target, base, cfg)
     print(f"verdict of the checked run (seed init): {result['verdict']}"
           + (f" ({result['reason']})" if "reason" in result else ""))
     times = {k: [] for k in ("floor", "check", "seed_loop_check")}
-    for _ in range(args.repeats + 1):  # the first round is a warm-up, not counted
+    for _ in range(repeats + 1):  # the first round is a warm-up, not counted
         for name in times:
             t = time.perf_counter()
-            VARIANTS[name](x0, target, base)
+            VARIANTS[name](x0, target, base, cfg)
             times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
-    mem = {name: peak_memory(name) for name in ("dense_step", "check", "floor")}
-    out = {
-        "shape": CFG.as_dict(), "threads": THREADS, "repeats": args.repeats,
+    mem = {name: peak_memory(name, smoke)  # the floor's only in the JSON: not with --smoke
+           for name in ("dense_step", "check") + (() if smoke else ("floor",))}
+    return {
+        "shape": cfg.as_dict(), "threads": THREADS, "repeats": repeats,
         "floor_s": med["floor"], "check_s": med["check"], "seed_loop_check_s": med["seed_loop_check"],
         "init_params_s": init_s,
         "verdict": result["verdict"],
         "check_over_floor": med["check"] / med["floor"],
         "seed_loop_over_floor": med["seed_loop_check"] / med["floor"],
         "peak_extra_bytes": mem,
-        "check_memory_over_dense_step": mem["check"] / mem["dense_step"],
+        "check_memory_over_dense_step": mem["check"] / max(mem["dense_step"], 1),
         "load_average": list(map(float, open("/proc/loadavg").read().split()[:3])),
     }
-    print(f"floor (2 dense SDPA steps): {med['floor']:.2f} s   "
-          f"check: {med['check']:.2f} s   check/floor: {out['check_over_floor']:.2f}")
-    print(f"seed's per-rank loop check: {med['seed_loop_check']:.2f} s   "
-          f"/floor: {out['seed_loop_over_floor']:.2f}   (init_params {init_s:.2f} s, not counted)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the fixture's shape, one round: checks the script runs, in seconds")
+    ap.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    cfg = SMOKE_CFG if args.smoke else CFG
+    if args.memory_child:
+        return memory_child(args.memory_child, cfg)
+    torch.set_num_threads(THREADS)
+    out = measure(cfg, 1 if args.smoke else args.repeats, args.smoke)
+    mem = out["peak_extra_bytes"]
+    print(f"floor (2 dense SDPA steps): {out['floor_s']:.2f} s   "
+          f"check: {out['check_s']:.2f} s   check/floor: {out['check_over_floor']:.2f}")
+    print(f"seed's per-rank loop check: {out['seed_loop_check_s']:.2f} s   "
+          f"/floor: {out['seed_loop_over_floor']:.2f}   "
+          f"(init_params {out['init_params_s']:.2f} s, not counted)")
     print(f"peak memory: dense step {mem['dense_step'] / 2**20:.0f} MiB, "
           f"check {mem['check'] / 2**20:.0f} MiB, ratio {out['check_memory_over_dense_step']:.2f}")
     print(f"load average during the run: {out['load_average']}")

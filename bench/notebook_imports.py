@@ -19,7 +19,9 @@ loaded each one. Printed per notebook:
 notebook of checkout B with ``PYTHONPATH=B`` back to back (A first, then B first for the next
 notebook), so both sides share the machine's load: the before/after table of one run.
 
-Usage: python bench/notebook_imports.py [--json PATH] [--compare A B] [NOTEBOOK ...]
+``--smoke`` measures one two-cell notebook written to a temporary folder instead (seconds).
+
+Usage: python bench/notebook_imports.py [--json PATH] [--compare A B] [--smoke] [NOTEBOOK ...]
 (NOTEBOOK names are relative to a checkout, e.g. book/02_rmsnorm.ipynb; default: all.)
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import time
 
 import nbclient
@@ -240,14 +243,34 @@ def _run(path: pathlib.Path, pythonpath: str | None) -> dict:
             os.environ["PYTHONPATH"] = old
 
 
+def smoke_notebook(folder: pathlib.Path) -> pathlib.Path:
+    """A two-cell notebook in ``folder`` (a print): the smoke case."""
+    path = folder / "smoke.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("A smoke notebook."),
+        nbformat.v4.new_code_cell("print(sum(range(10)))")]), path)
+    return path
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", help="e.g. book/02_rmsnorm.ipynb")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
     parser.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
                         help="two checkouts, run alternately, each on its own PYTHONPATH")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one two-cell notebook instead: checks the script runs, in seconds")
     args = parser.parse_args(argv)
-    trees = [t.resolve() for t in args.compare] if args.compare else [ROOT]
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.notebooks = [smoke_notebook(pathlib.Path(tmp)).name]
+            return report(args, [pathlib.Path(tmp)])
+    return report(args, [t.resolve() for t in args.compare] if args.compare else [ROOT])
+
+
+def report(args, trees: list[pathlib.Path]) -> int:
+    """Measure ``args.notebooks`` (default: every book notebook of ``trees[0]``) in each of
+    ``trees`` and print the table (see the module doc); write ``args.json`` if given."""
     names = args.notebooks or sorted(
         p.relative_to(trees[0]).as_posix() for p in (trees[0] / "book").rglob("*.ipynb")
         if ".ipynb_checkpoints" not in p.parts)

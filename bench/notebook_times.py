@@ -2,12 +2,17 @@
 
 Executes the notebooks the way the book build and nbval do (kernel started in book/ or the
 notebook's folder), without writing anything back, and prints a table: kernel start + all
-cells, wall seconds. Usage: python bench/notebook_times.py [NOTEBOOK ...]
+cells, wall seconds. ``--smoke`` executes one two-cell notebook written to a temporary folder
+instead (a print: seconds).
+
+    python bench/notebook_times.py [NOTEBOOK ...] [--smoke]
 """
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
+import tempfile
 import time
 
 import nbclient
@@ -15,6 +20,15 @@ import nbformat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT_S = 20.0
+
+
+def smoke_notebook(folder: pathlib.Path) -> pathlib.Path:
+    """A two-cell notebook in ``folder`` (a print): the smoke case."""
+    path = folder / "smoke.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("A smoke notebook."),
+        nbformat.v4.new_code_cell("print(sum(range(10)))")]), path)
+    return path
 
 
 def execute(path: pathlib.Path) -> float:
@@ -26,16 +40,34 @@ def execute(path: pathlib.Path) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv: list[str]) -> int:
-    paths = [pathlib.Path(a).resolve() for a in argv] or sorted(
-        p for p in (ROOT / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+def _label(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+
+
+def table(paths: list[pathlib.Path]) -> None:
+    """Execute each of ``paths``; print one row each, then the total and the slowest."""
     rows = []
     for p in paths:
-        rows.append((p.relative_to(ROOT).as_posix(), execute(p)))
+        rows.append((_label(p), execute(p)))
         print(f"{rows[-1][0]:<42} {rows[-1][1]:6.1f} s", flush=True)
     worst = max(t for _, t in rows)
     print(f"{len(rows)} notebooks, total {sum(t for _, t in rows):.1f} s, slowest {worst:.1f} s "
           f"(limit {LIMIT_S:.0f} s each): {'OK' if worst < LIMIT_S else 'OVER'}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=pathlib.Path,
+                        help="notebooks to time (default: every book notebook)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one two-cell notebook instead: checks the script runs, in seconds")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            table([smoke_notebook(pathlib.Path(tmp))])
+        return 0
+    table([p.resolve() for p in args.notebooks] or sorted(
+        p for p in (ROOT / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts))
     return 0
 
 

@@ -9,9 +9,10 @@ idle threads sleep; the thread count, and with it every sum's order, is unchange
 Runs the same workload — the five-measure check of every mode on the fixture's seeds, the
 kind of small tensors the tests and chapters use — in ``--procs`` processes at once (default:
 the CPU count), each with torch's default thread count, under each policy, and prints the wall
-time and the CPU time of each. Exit status 0 (a timing, not a test).
+time and the CPU time of each, twice, interleaved. Exit status 0 (a timing, not a test).
+``--smoke``: one process, one pass of the workload, each policy once (seconds).
 
-    .venv/bin/python bench/omp_wait.py [--procs N] [--repeat R]
+    .venv/bin/python bench/omp_wait.py [--procs N] [--repeat R] [--smoke]
 """
 from __future__ import annotations
 
@@ -53,10 +54,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true",
+                        help="one process, one repeat, each policy once: checks the script runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.procs, args.repeat = 1, 1
     print(f"{args.procs} processes at once on {os.cpu_count()} CPUs, each: "
           f"{args.repeat} x (every mode x every seed)")
-    for policy in (None, "PASSIVE", None, "PASSIVE"):  # twice each, interleaved
+    policies = (None, "PASSIVE") if args.smoke else (None, "PASSIVE", None, "PASSIVE")
+    for policy in policies:  # each policy twice, interleaved (once with --smoke)
         wall, cpu = run(policy, args.procs, args.repeat)
         print(f"  OMP_WAIT_POLICY={policy or '(unset)':9s} wall {wall:6.1f} s   CPU {cpu:6.1f} s",
               flush=True)

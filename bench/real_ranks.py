@@ -13,11 +13,15 @@ Like is compared with like:
   joined) and compute (rank 0's 15 checks) — first call (the forkserver imports torch) and
   later calls (it forks ready ranks).
 
-Usage: python bench/real_ranks.py [--runs N]
+``--smoke``: no end-to-end commands (each module they run is only looked up), then one
+``run_distributed(2)`` call (every mode, one seed) and one ``run_matrix()`` (seconds).
+
+Usage: python bench/real_ranks.py [--runs N] [--smoke]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import statistics
 import subprocess
@@ -81,10 +85,33 @@ def in_process(runs: int) -> dict[str, list[float]]:
     return rows
 
 
+def smoke() -> int:
+    """Look up the modules of ``COMMANDS``; one small ``run_distributed`` and ``run_matrix``."""
+    import tpattn
+    from tpattn.real.ranks import run_distributed
+
+    for name, cmd in COMMANDS.items():  # "-m MODULE", or "-c 'import MODULE'"
+        module = cmd[cmd.index("-m") + 1] if "-m" in cmd else cmd[-1].split()[-1]
+        if module != "torch.distributed.run" and importlib.util.find_spec(module) is None:
+            raise SystemExit(f"{name}: module {module} not found")
+    report = run_distributed(2, seeds=(tpattn.SEEDS[0],), dtensor=False)
+    print("run_distributed(2), one seed, every mode: " + "   ".join(
+        f"{key[:-2]} {report.timings[key]:.3f} s" for key in ("startup_s", "compute_s", "total_s")))
+    start = time.perf_counter()
+    tpattn.run_matrix()
+    print(f"run_matrix() in-process: {time.perf_counter() - start:.3f} s")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="timed runs of each (default: %(default)s)")
-    runs = ap.parse_args().runs
+    ap.add_argument("--smoke", action="store_true",
+                    help="one small run_distributed and run_matrix: checks the script runs")
+    args = ap.parse_args()
+    if args.smoke:
+        return smoke()
+    runs = args.runs
 
     print(f"End to end: a fresh process prints the 15-case matrix ({runs} alternating runs, median)")
     times = end_to_end(runs)

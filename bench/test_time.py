@@ -16,7 +16,11 @@ as CI has it) and times ``bash .ci/run`` there: fresh venv, cold book, ``make te
 A benchmark, not a test: exit status 0 unless the timed command fails. ``--json PATH`` writes
 the figures.
 
-    .venv/bin/python bench/test_time.py [--ci] [--json PATH]
+``--smoke`` times pytest on a generated one-test module in a temporary folder (plugins not
+loaded) through the same JUnit report and grouping instead (a second): no ``make test``, no
+book, no lab.
+
+    .venv/bin/python bench/test_time.py [--ci] [--json PATH] [--smoke]
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_TEST_S = 6 * 60
 TARGET_CI_S = 20 * 60
+#: The module ``--smoke`` runs.
+SMOKE_TEST = "def test_one_plus_one():\n    assert 1 + 1 == 2\n"
 
 
 def group_of(classname: str, name: str) -> str:
@@ -107,6 +113,31 @@ def make_test(args) -> dict:
     return figures
 
 
+def smoke() -> dict:
+    """pytest on a one-test module (``SMOKE_TEST``) with a JUnit report: its times, groups."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "test_smoke.py").write_text(SMOKE_TEST)
+        junit = Path(tmp) / "junit.xml"
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={junit}", "test_smoke.py"], cwd=tmp, check=True,
+                       stdout=subprocess.DEVNULL, env=dict(
+                           os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTEST_ADDOPTS=""))
+        wall = time.perf_counter() - t0
+        suite = junit_suite(str(junit))
+        groups = collections.Counter()
+        for case in suite.iter("testcase"):
+            groups[group_of(case.get("classname", ""), case.get("name", ""))] += float(
+                case.get("time", 0))
+    print(f"pytest on one generated test (smoke, not make test): {wall:6.1f} s wall, pytest "
+          f"{float(suite.get('time')):.1f} s ({suite.get('tests')} tests)")
+    for name, seconds in groups.most_common():
+        print(f"    {name:<30} {seconds:7.1f} s")
+    return {"make_test_s": round(wall, 1), "pytest_s": round(float(suite.get("time")), 1),
+            "groups_s": {k: round(v, 1) for k, v in groups.items()}, "cpus": os.cpu_count(),
+            "smoke": True}
+
+
 def ci_run(args) -> dict:
     shared = ROOT.parent / "shared"
     with tempfile.TemporaryDirectory(prefix="tpattn-ci-") as tmp:
@@ -130,8 +161,10 @@ def main() -> int:
     parser.add_argument("--no-lab", dest="lab", action="store_false",
                         help="do not time make test-lab after make test")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="time pytest on one generated test only: checks the script runs")
     args = parser.parse_args()
-    figures = ci_run(args) if args.ci else make_test(args)
+    figures = smoke() if args.smoke else ci_run(args) if args.ci else make_test(args)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -32,8 +32,12 @@ correct-TP runs, the quantiles of measure/bound and measure/floor, and the verdi
 
     python bench/tolerance_headroom.py --merge default.jsonl sse42.jsonl ... --out PATH
 
+``--smoke``: one unit alone (the first held-out shape with two or more ranks, float32, the
+seed's init), in this process's kernel setting, nothing written (seconds).
+
 Usage: python bench/tolerance_headroom.py --setting NAME --rows PATH [--block ...]
                                           [--seeds 2 1 3 4 5] [--shapes N] [--budget-s S]
+       python bench/tolerance_headroom.py --smoke
        python bench/tolerance_headroom.py --merge A.jsonl ... [--out PATH]
 """
 from __future__ import annotations
@@ -48,7 +52,9 @@ import time
 
 import torch
 
+import tpattn
 from tpattn import Config
+from tpattn.bugs.modes import resolve_all
 from tpattn.check.at_scale import compare_world_sizes, llama3_8b_attention
 from tpattn.check.core import EQUIVALENCE
 from tpattn.check.tolerance import VERDICTS
@@ -71,8 +77,8 @@ def llama_unit(seed: int, dtype: str, init: str) -> list[dict]:
     """Correct TP and both bugs at the Llama shape, TP 2/4/8, one seed x dtype x init."""
     cfg = llama3_8b_attention(64, dtype)
     return [dict(r, block="llama", held_out=seed not in DESIGN_SEEDS, shape="llama seq64")
-            for r in compare_world_sizes(cfg, seed, world_sizes=(2, 4, 8), init=init,
-                                         probe=True)]
+            for r in compare_world_sizes(cfg, seed, resolve_all(tpattn.MODES),
+                                         world_sizes=(2, 4, 8), init=init, probe=True)]
 
 
 def random_shapes(n: int, rng: random.Random) -> list[Config]:
@@ -94,8 +100,8 @@ def shape_unit(i: int, cfg: Config, dtype: str, init: str) -> list[dict]:
     return [dict(r, block="shapes", held_out=True,
                  shape=f"h{c.hidden} s{c.seq} b{c.batch} {c.query_heads}/"
                        f"{c.kv_heads}x{c.head_dim} w{c.world_size}")
-            for r in compare_world_sizes(c, 1000 + i, world_sizes=(c.world_size,),
-                                         init=init, probe=True)]
+            for r in compare_world_sizes(c, 1000 + i, resolve_all(tpattn.MODES),
+                                         world_sizes=(c.world_size,), init=init, probe=True)]
 
 
 def units(block: str, seeds, n_shapes: int):
@@ -221,6 +227,15 @@ def merge(paths, out) -> None:
     print(f"wrote {out}: {len(table)} rows")
 
 
+def smoke(n_shapes: int) -> None:
+    """The first held-out shape with two or more ranks, float32, the seed's init: its report."""
+    shapes = random_shapes(n_shapes, random.Random(22))
+    i = next(i for i, cfg in enumerate(shapes) if cfg.world_size > 1)
+    print(f"smoke: shape {i} float32 seed, kernels {torch.backends.cpu.get_cpu_capability()} "
+          f"threads {torch.get_num_threads()}")
+    report([compact(r) for r in shape_unit(i, shapes[i], "float32", "seed")])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setting", choices=tuple(SETTING_ENVS), default="default")
@@ -232,9 +247,13 @@ def main() -> None:
                     help="start no new unit after this many seconds")
     ap.add_argument("--merge", nargs="+", metavar="JSONL")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--smoke", action="store_true",
+                    help="the first unit alone, nothing written: checks the script runs")
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge, args.out)
+    if args.smoke:
+        return smoke(args.shapes)
     env = SETTING_ENVS[args.setting]
     current = {k: os.environ[k] for k in SETTINGS if k in os.environ}
     if current != env:  # ATen and MKL read these at start-up: run again under them
