@@ -50,9 +50,8 @@ def _bound_variants(cfg: Config) -> dict[str, float]:
 
 @exercise("the tolerance bound", 14)
 def check_relative_bound(bound) -> str:
-    """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of
-    the block's step may differ by (``tpattn.check.tolerance``), for shapes from the fixture's
-    to Llama-3-8B's attention, in float32, float64 and bfloat16."""
+    """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of the
+    step may differ by (``tpattn.check.tolerance``), up to Llama-3-8B's attention."""
     from tpattn.check.tolerance import relative_bound
     configs = _bound_configs()
     for cfg in configs:
@@ -83,10 +82,8 @@ def _auto_runs() -> tuple[tuple[Config, dict], ...]:
 
 @exercise("rounding or a bug", 14)
 def check_classify(classify) -> str:
-    """Check ``classify(result) -> str``: ``"rounding"`` when a run's measures are within
-    what rounding explains, ``"bug"`` when they are not, for a ``tpattn.run(...,
-    tolerance="auto")`` dict (its measures and its ``"bounds"``). Graded on real runs of every
-    mode in float32, float64 and bfloat16: correct TP is rounding, every bug a bug."""
+    """Check ``classify(result) -> str``: ``"rounding"`` if a ``tpattn.run(...,
+    tolerance="auto")`` dict's measures are within its ``"bounds"``, else ``"bug"``."""
     hidden = ("passed", "mode", "verdict", "reason", "floors", "amplification")
     runs = [(cfg, dict(r, bounds=dict(r["bounds"]))) for cfg, r in _auto_runs()]
     for cfg, result in runs:
@@ -127,8 +124,8 @@ def _block_source(block: torch.Tensor, params: dict, d: int) -> str:
 
 
 def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> None:
-    """``Wrong`` unless every ``d``-row block of rank ``rank``'s ``wq``, ``wk``, ``wv`` is a
-    dense head of its own kind."""
+    """``Wrong`` unless every head-sized block of the rank's ``wq``, ``wk``, ``wv`` is a dense
+    head of its own kind."""
     d = cfg.head_dim
     if not isinstance(mine, dict) or any(k not in mine for k in _KINDS):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys wq, wk, wv.")
@@ -147,9 +144,8 @@ def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> 
 
 
 def _grade_fused(shard, fuse, layout: str) -> str:
-    """Run the reader's ``shard(w, cfg)`` on the fused weight ``fuse(params, cfg)``: which
-    head every rank's rows are, then chapter 6's checks of the shards on every checked case;
-    returns the success text."""
+    """Grade ``shard(w, cfg)`` on ``w = fuse(params, cfg)``: the heads of every rank's rows,
+    then chapter 6's checks of the shards; the success text."""
     for cfg in FUSED_CONFIGS:
         base = clone_trainable(init_params(cfg, 11 + PARAM_SEED_OFFSET))
         shards = shard(fuse(base, cfg), cfg)
@@ -177,19 +173,16 @@ def _grade_fused(shard, fuse, layout: str) -> str:
 
 @exercise("shard a concatenated [Wq; Wk; Wv] weight", 15)
 def check_shard_concat_qkv(shard) -> str:
-    """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows cut
-    from a fused checkpoint weight ``w = [Wq; Wk; Wv]`` (``[(Hq + 2 Hkv) D, hidden]``,
-    ``tpattn.interop.concat_qkv``), differentiably. Graded by the heads each rank holds and
-    by the five measures of the sharded block (chapter 6's checks)."""
+    """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows, cut
+    differentiably from ``w = [Wq; Wk; Wv]`` (``[(Hq + 2 Hkv) D, hidden]``)."""
     return _grade_fused(shard, lambda p, cfg: torch.cat([p["wq"], p["wk"], p["wv"]]),
                         "concatenated")
 
 
 @exercise("shard Megatron's interleaved QKV weight", 15)
 def check_shard_fused_qkv(shard) -> str:
-    """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows cut
-    from Megatron's fused weight (``tpattn.interop.fuse_qkv``: per KV group its query heads,
-    its key head, its value head), differentiably. Graded as ``check_shard_concat_qkv``."""
+    """Check ``shard(w, cfg) -> list[dict]``: as ``check_shard_concat_qkv``, from Megatron's
+    fused weight (``interop.fuse_qkv``: per KV group its query heads, key head, value head)."""
     from tpattn.interop import fuse_qkv
     return _grade_fused(shard, lambda p, cfg: fuse_qkv(p["wq"], p["wk"], p["wv"], cfg),
                         "interleaved")

@@ -34,8 +34,7 @@ _MEASURE_HINTS = {
 
 
 def _step_dict(step) -> None:
-    """``Wrong`` unless ``step`` is a ``one_step`` dict: tensors, ``grads`` and ``weights``
-    by parameter name."""
+    """``Wrong`` unless ``step`` is a ``one_step`` dict of tensors."""
     if not isinstance(step, dict) or any(k not in step for k in _STEP_KEYS):
         raise Wrong(f"your step should return a dict with the keys {', '.join(_STEP_KEYS)}.")
     if step["input_grad"] is None:
@@ -52,10 +51,8 @@ def _step_dict(step) -> None:
 
 @exercise("one SGD step", 5)
 def check_train_step(train_step) -> str:
-    """Check ``train_step(x0, target, params, cfg) -> dict``: one training step of the dense
-    block (forward, MSE loss, backward, SGD with ``tpattn.check.core.LR``) that leaves ``params``
-    untouched and returns ``output``, ``loss``, ``input_grad``, ``grads`` and ``weights``
-    (by parameter name), as ``tpattn.check.core.one_step`` does."""
+    """Check ``train_step(x0, target, params, cfg) -> dict``: one SGD step of the dense block
+    (MSE loss, ``LR``) on copies of ``params``, returned as ``tpattn.check.core.one_step``'s."""
     for cfg, seed, x0, target, base in cases():
         before = {k: v.clone() for k, v in base.items()}
         x_before = x0.clone()
@@ -75,8 +72,8 @@ def check_train_step(train_step) -> str:
 
 
 def _grade_measures(got, want: dict, where: str) -> None:
-    """``Wrong`` unless ``got`` holds the five measures of ``want``, each up to one float32
-    rounding of the difference (two correct ways differ by no more)."""
+    """``Wrong`` unless ``got`` holds ``want``'s five measures, each up to one float32 rounding
+    of the difference (two correct ways differ by no more)."""
     if not isinstance(got, dict):
         raise Wrong(f"your function should return a dict keyed by the five measure "
                     f"names, but it gave {type(got).__name__}.")
@@ -96,9 +93,8 @@ def _grade_measures(got, want: dict, where: str) -> None:
 
 @exercise("the five measures", 5)
 def check_five_measures(measures) -> str:
-    """Check ``measures(dense, tp) -> dict``: the five measures (keys ``tpattn.MEASURES``,
-    Python floats) between two ``one_step`` dicts, on the dense side and the TP side of every
-    mode (each mode fails a different set of measures)."""
+    """Check ``measures(dense, tp) -> dict``: the five measures (``MEASURES``, floats) between
+    two ``one_step`` dicts, on every mode."""
     count = 0
     for cfg, seed, x0, target, base in cases(CHECKED_CONFIGS[:2]):
         dense = dense_reference(x0, target, base, cfg)

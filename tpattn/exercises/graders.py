@@ -1,7 +1,6 @@
-"""What every checker shares: the ``Result``, the ``exercise`` decorator that turns the reader's
-exceptions into one sentence, the checked shapes and seeds, and the grading patterns written
-once: tensors and numbers of the right type and shape, "the sum, not the mean or the own share"
-per rank, and a predicted set of names against the runs of a mode.
+"""What every checker shares: ``Result``, the ``exercise`` decorator (a reader's exception
+becomes one sentence), the checked shapes and seeds, and the grading patterns: types and shapes,
+"the sum, not the mean or the own share" per rank, a predicted set of names against a mode's runs.
 """
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from tpattn.parallel.injection import Injection
 CHECKED_SEEDS = (11, 17, 5)
 #: Seeds of the slower checkers (chapters 12 on): one of the fixture's, one never shown.
 EXTRA_SEEDS = (11, 5)
-#: Shapes every checker uses: the fixture's; 8 query heads sharing 4 KV heads on 4 ranks; and
-#: a small odd one (3 tokens, batch 1, hidden 8, 6 query heads in groups of 3, head_dim 2).
+#: The fixture's shape; 8 query heads sharing 4 KV heads on 4 ranks; a small odd one.
 CHECKED_CONFIGS = (
     Config(),
     Config(query_heads=8, kv_heads=4, world_size=4),
@@ -47,8 +45,7 @@ WIDTH = 75
 
 @dataclass(frozen=True)
 class Result:
-    """A checker's verdict: ``passed`` and ``message``, one short paragraph (shown as the
-    cell's output: text in a terminal, HTML in a notebook)."""
+    """A checker's verdict: ``passed`` and ``message``, one paragraph (text or HTML)."""
 
     exercise: str
     passed: bool
@@ -123,9 +120,8 @@ def name_of(answer) -> str:
 
 
 def exercise(name: str, chapter: int):
-    """Decorate a checker: its body raises ``Wrong(message)`` or returns the success message;
-    the checker returns a ``Result``. A reader's exception becomes one sentence, a stub that
-    raises ``NotImplementedError`` 'not written yet'."""
+    """Make a checker returning a ``Result`` of a body that raises ``Wrong(message)`` or returns
+    the success message; a reader's exception becomes one sentence, a stub 'not written yet'."""
 
     def decorate(body):
         @functools.wraps(body)
@@ -151,7 +147,7 @@ def exercise(name: str, chapter: int):
 # --- cases and their words ------------------------------------------------------------------
 
 def shape_text(cfg: Config) -> str:
-    """A shape in words, short: heads and ranks, then what differs from the fixture's."""
+    """A shape in words: heads and ranks, then what differs from the fixture's."""
     text = f"{cfg.query_heads} query / {cfg.kv_heads} KV heads on {cfg.world_size} ranks"
     if (cfg.seq, cfg.batch, cfg.hidden, cfg.head_dim) != (5, 2, 16, 4):
         text += f" (seq {cfg.seq}, batch {cfg.batch}, hidden {cfg.hidden}, head_dim {cfg.head_dim})"
@@ -173,8 +169,7 @@ def coverage() -> str:
 
 
 def cases(configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS):
-    """``(cfg, seed, x0, target, base)`` for every shape × seed, as ``tpattn.run`` draws them
-    (``make_params`` of the correct program: ``q_norm``/``k_norm`` too under ``cfg.qk_norm``)."""
+    """``(cfg, seed, x0, target, base)`` for every shape × seed, as ``tpattn.run`` draws them."""
     for cfg in configs:
         for seed in seeds:
             x0, target = make_inputs(cfg, seed)
@@ -186,9 +181,11 @@ def failing(metrics: dict) -> list[str]:
     return [m for m in MEASURES if metrics[m] >= TOLERANCE]
 
 
-def failing_against(seed: int, dense: dict, tp: dict) -> list[str]:
-    """The measures a correct step ``tp`` fails against ``dense`` (two ``one_step`` dicts)."""
-    return failing(five_measures(seed, EQUIVALENCE, dense, tp))
+def must_pass(seed: int, dense: dict, tp: dict, where: str) -> None:
+    """``Wrong(where + the measures)`` if ``tp`` fails against ``dense`` (``one_step`` dicts)."""
+    fails = failing(five_measures(seed, EQUIVALENCE, dense, tp))
+    if fails:
+        raise Wrong(f"{where} {', '.join(fails)}.")
 
 
 # --- types and shapes -----------------------------------------------------------------------
@@ -218,8 +215,8 @@ def tensor_list(value, count: int, shape, what: str) -> list[torch.Tensor]:
 
 
 def number(value, types, wrong: str):
-    """``value`` as a Python number (a one-element tensor's item), else ``Wrong(wrong)`` with
-    its type's name in place of ``{}``; a bool is no number."""
+    """``value`` (a one-element tensor's item) if of ``types`` and no bool, else ``Wrong(wrong)``
+    with the type's name in place of ``{}``."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, types):
@@ -253,9 +250,8 @@ def near(a: torch.Tensor, b: torch.Tensor, terms: int) -> bool:
 
 
 def first_near(got: torch.Tensor, options, otherwise: str) -> None:
-    """Go through ``options``, ``(tensor, terms, message)``: at the first tensor ``got`` is
-    ``near``, return if its message is None, else raise ``Wrong(message)``; if none is near,
-    raise ``Wrong(otherwise)``."""
+    """At the first ``(tensor, terms, message)`` of ``options`` that ``got`` is ``near``, return
+    if the message is None, else raise ``Wrong(message)``; ``Wrong(otherwise)`` if none is."""
     for value, terms, message in options:
         if near(got, value, terms):
             if message is None:
@@ -265,9 +261,9 @@ def first_near(got: torch.Tensor, options, otherwise: str) -> None:
 
 
 def grade_sum(got: list, own: list, mean, mine, other) -> None:
-    """Every rank's ``got[r]`` must be the sum of the ranks' shares ``own`` (one tensor per
-    rank). Otherwise ``Wrong(mean(r))`` where it is their mean, ``Wrong(mine(r))`` where it is
-    rank r's own share and ``Wrong(other(r))`` else, for the first such rank."""
+    """Each ``got[r]`` must be the sum of the ranks' shares ``own`` (a tensor per rank); at the
+    first that is not: ``Wrong(mean(r))`` for their mean, ``mine(r)`` for its own share, else
+    ``other(r)``."""
     n = len(own)
     total = sum(own[1:], own[0])
     for r in range(n):
@@ -291,9 +287,8 @@ def as_names(prediction, allowed, what: str) -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def mode_runs(mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> tuple:
-    """For every shape × seed × simulation of ``mode``: the measures that fail and the
-    parameters (q/k-norm too where the shape has them) whose gradients are wrong, as two
-    frozensets (computed once per session)."""
+    """Per shape × seed × simulation of ``mode``: the failing measures and the parameters with
+    wrong gradients (q/k-norm too where the shape has them), two frozensets; cached."""
     found = []
     for cfg, seed, x0, target, base in cases(configs, seeds):
         dense = dense_reference(x0, target, base, cfg)
@@ -332,8 +327,7 @@ def grade_prediction(predicted: set, found: list[set], what: str, mode: str, ord
 
 
 def grade_hits(predict, mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> str:
-    """Grade ``predict() -> set``: the parameters whose gradients ``mode`` makes wrong, on
-    ``mode_runs(mode, configs, seeds)``."""
+    """Grade ``predict() -> set``: the parameters whose gradients ``mode`` makes wrong."""
     names = PARAM_NAMES + (QK_NORM_NAMES if configs[0].qk_norm else ())
     predicted = as_names(predict(), names, "parameter")
     found = [set(hit) for _, hit in mode_runs(mode, configs, seeds)]
@@ -342,8 +336,7 @@ def grade_hits(predict, mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS)
 
 
 def function_class(obj, default: str) -> str:
-    """The name of ``obj``, a ``torch.autograd.Function`` subclass, else ``Wrong`` calling it
-    ``default``."""
+    """The name of ``obj`` if it is a ``torch.autograd.Function`` subclass, else ``Wrong``."""
     if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
         raise Wrong(f"{default} should be a subclass of torch.autograd.Function (a class with "
                     f"static forward and backward), but it is {type(obj).__name__}.")

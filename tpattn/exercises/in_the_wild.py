@@ -1,6 +1,6 @@
 """Part V, TP bugs from the wild (chapters 16-18): the row-parallel bias, the bugs the forward
-shows, dropout's streams, qk-norm, the TP x DP mesh, loading a checkpoint into ranks, reading
-the ledger and three bug hunts."""
+shows, dropout's streams, qk-norm, the TP x DP mesh, loading a checkpoint into ranks, the ledger
+and three bug hunts."""
 from __future__ import annotations
 
 import copy
@@ -11,14 +11,14 @@ import torch
 from tpattn.block.dense import dense_forward
 from tpattn.block.params import clone_trainable, init_params, shard_params
 from tpattn.block.sgd import sgd_step
-from tpattn.check.core import (LR, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE,
-                               PARAM_SEED_OFFSET, TOLERANCE, dense_reference, make_inputs,
-                               max_abs_diff)
+from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE,
+                               MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, TOLERANCE,
+                               dense_reference, five_measures, make_inputs, max_abs_diff)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, EXTRA_SEEDS, Wrong, as_names, cases,
-                                      exercise, expect_shape, failing_against,
-                                      grade_hits, grade_sum, keyed, mesh_text, near, number,
-                                      shape_text, tensor, tensor_list)
+                                      exercise, expect_shape, failing, grade_hits, grade_sum,
+                                      keyed, mesh_text, must_pass, near, number, shape_text,
+                                      tensor, tensor_list)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import rank0_view, simulated_step
 
@@ -29,8 +29,7 @@ AROUND_CHAPTER = 17
 
 
 def _grade_bias_output(forward, x0, base: dict, dense: dict, cfg: Config, where: str) -> None:
-    """``Wrong`` when the output is off by the bias W-1 times or lacks it, or when gradients
-    do not reach every parameter."""
+    """``Wrong`` for an output off by W-1 biases or lacking it, or gradients that miss ``p``."""
     b, w = base["bias"], cfg.world_size
     trial = clone_trainable(base)
     out = tensor(forward(x0.clone(), trial, cfg), "your output")
@@ -52,10 +51,8 @@ def _grade_bias_output(forward, x0, base: dict, dense: dict, cfg: Config, where:
 
 @exercise("add the row-parallel bias once", 16)
 def check_bias_once(forward) -> str:
-    """Check ``forward(x, p, cfg) -> [S, B, hidden]``: the sharded block (the fixture's one
-    process, as ``tpattn.parallel.tp.tp_forward``) with the output projection's bias
-    ``p["bias"]`` (``[hidden]``, replicated) — the fix of ``row_bias_on_every_rank``. Graded
-    on the five measures against the dense block with its bias (``tpattn.bugs.zoo``)."""
+    """Check ``forward(x, p, cfg) -> [S, B, hidden]``: the sharded block (as ``tp_forward``) with
+    the replicated output bias ``p["bias"]`` ``[hidden]`` added once, against dense with it."""
     from tpattn.bugs import zoo
     from tpattn.check.core import one_step
     inj = zoo.Injection(bias="after_g")
@@ -69,7 +66,7 @@ def check_bias_once(forward) -> str:
             tp = one_step(lambda x, p: forward(x, p, cfg), x0, target, base)
             expect_shape(tensor(tp["output"], "your output"), dense["output"].shape,
                          f"for {shape_text(cfg)} your output")
-            fails = failing_against(seed, dense, tp)
+            fails = failing(five_measures(seed, EQUIVALENCE, dense, tp))
             if fails and "forward_max_abs_diff" not in fails:
                 raise Wrong(f"{where} the output is right but {', '.join(fails)} fail: the bias "
                             f"must be the parameter p['bias'] itself, so its gradient reaches "
@@ -83,10 +80,8 @@ def check_bias_once(forward) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _zoo_forward_hits() -> dict[str, set[bool]]:
-    """For every runnable registry bug, on both hunt shapes (a seed each): whether rank 0's
-    forward output (``tpattn.bugs.zoo.forward_fixture``, the fixture's view) differs from the
-    dense block's by ``TOLERANCE`` or more. Forward only: the forward measure needs no
-    backward."""
+    """Per runnable registry bug: whether rank 0's forward output (``zoo.forward_fixture``)
+    differs from dense's by ``TOLERANCE`` or more, on each hunt shape (a set of bools)."""
     from tpattn.bugs import zoo
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = {}
@@ -109,10 +104,8 @@ def _zoo_forward_hits() -> dict[str, set[bool]]:
 
 @exercise("which zoo bugs the forward shows", 16)
 def check_forward_visible(predict) -> str:
-    """Check ``predict() -> set``: the names of the zoo's bugs
-    (``tpattn.bugs.zoo.runnable_modes``, without ``equivalence``) whose forward output differs
-    from dense's (``forward_max_abs_diff`` fails, rank 0's view). Graded on the zoo's block
-    with each bug injected, on both hunt shapes."""
+    """Check ``predict() -> set``: the runnable zoo bugs whose forward output (rank 0's view)
+    differs from dense's, on both hunt shapes."""
     from tpattn.bugs import zoo
     names = [m for m in zoo.runnable_modes() if not zoo.get_mode(m).is_correct]
     predicted = as_names(predict(), names, "zoo bug")
@@ -133,8 +126,7 @@ def check_forward_visible(predict) -> str:
 
 # --- chapter 17: dropout (Megatron's RNG discipline) and qk-norm ------------------------------
 
-#: Shapes the dropout exercises are graded on: the fixture's with p = 0.1; 4 ranks with 2 query
-#: heads each, p = 0.2; a small odd one (3 tokens, batch 1, hidden 8, heads of 2), p = 0.3.
+#: Shapes of the dropout exercises: the fixture's (p = 0.1), 4 ranks (0.2), a small odd one (0.3).
 DROPOUT_CONFIGS = (
     Config(dropout=0.1),
     Config(query_heads=8, kv_heads=4, world_size=4, dropout=0.2),
@@ -146,8 +138,8 @@ QK_NORM_CONFIGS = tuple(Config(**{**c.as_dict(), "dropout": 0.0, "qk_norm": True
 
 
 def _stream_seeds(seeds, seed: int, cfg: Config, where: str) -> tuple[list[int], list[int]]:
-    """Every TP rank's residual and attention seeds from the reader's ``seeds``; ``Wrong``
-    where two ranks' attention streams or an attention and the residual stream coincide."""
+    """Every rank's residual and attention seeds; ``Wrong`` where two attention streams, or an
+    attention and the residual stream, coincide."""
     drawn = []
     for r in range(cfg.world_size):
         got = keyed(seeds(seed, r), ("residual", "attention"))
@@ -169,11 +161,8 @@ def _stream_seeds(seeds, seed: int, cfg: Config, where: str) -> tuple[list[int],
 
 @exercise("dropout's two random streams", AROUND_CHAPTER)
 def check_dropout_streams(seeds) -> str:
-    """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: the seeds of the
-    generators TP rank ``tp_rank`` draws its residual-dropout mask (outside the sharded region)
-    and its attention-dropout masks (its own heads) from. The ranks' steps run on the engine's
-    simulated ranks with those generators; graded on the five measures against the dense block
-    with the masks they draw, and on whether each rank's heads get their own stream."""
+    """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: the seeds of a TP
+    rank's residual-dropout and attention-dropout generators, graded on the simulated step."""
     from tpattn.parallel.rng import RankStreams
     count = 0
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
@@ -187,15 +176,11 @@ def check_dropout_streams(seeds) -> str:
         masks = {"attention": drawn.attention_masks(cfg), "residual": drawn.residual_masks(cfg)[0]}
         step = simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
                               Injection(), LR, rng=streams())
-        fails = failing_against(seed, dense_reference(x0, target, base, cfg, masks),
-                                rank0_view(step, cfg))
-        if fails and len(set(residual)) > 1:
-            raise Wrong(f"{where}, the ranks draw their residual masks from different seeds: "
-                        f"every rank holds the whole output after g, so the ranks drop "
-                        f"different elements of one replicated tensor and the step fails "
-                        f"{', '.join(fails)}.")
-        if fails:
-            raise Wrong(f"{where}, the step fails {', '.join(fails)}.")
+        must_pass(seed, dense_reference(x0, target, base, cfg, masks), rank0_view(step, cfg),
+                  f"{where}, the ranks draw their residual masks from different seeds: every "
+                  f"rank holds the whole output after g, so the ranks drop different elements "
+                  f"of one replicated tensor and the step fails" if len(set(residual)) > 1
+                  else f"{where}, the step fails")
         count += 1
     return (f"the residual stream is the same on every rank and each rank's heads have their "
             f"own: the step equals dense on all five measures for {count} cases "
@@ -203,7 +188,7 @@ def check_dropout_streams(seeds) -> str:
 
 
 def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``value`` as one generator state per rank, like ``states``; else ``Wrong``."""
+    """``value`` as a generator state per rank, like ``states``, else ``Wrong``."""
     if not isinstance(value, (list, tuple)) or len(value) != len(states):
         raise Wrong(f"your function should return a list of {len(states)} generator "
                     f"states, one per rank.")
@@ -217,10 +202,8 @@ def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @exercise("re-sync the drifted RNG", AROUND_CHAPTER)
 def check_rng_resync(resync) -> str:
-    """Check ``resync(states) -> list``: given every TP rank's default-generator state
-    (``torch.Generator.get_state()``, a uint8 tensor) after tp_rank 0's data loader drew its
-    workers' base seed from it, the state each rank must continue with. Graded by running the
-    step with those states: every rank's output, loss and norm weight must agree."""
+    """Check ``resync(states) -> list``: from every TP rank's generator state (uint8) after rank
+    0's loader drew from it, the state each continues with; outputs and losses must agree."""
     from tpattn.parallel.rng import simulated_streams
     count = 0
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
@@ -253,8 +236,7 @@ def check_rng_resync(resync) -> str:
 
 
 def _reader_qk_comm(reduce, cfg: Config, where: str):
-    """Simulated ranks whose q/k-norm gradient reduce is the reader's ``reduce``, graded as
-    the sum of the ranks' parts as it runs."""
+    """Simulated ranks whose q/k-norm gradient reduce is the reader's, graded as it runs."""
     from tpattn.parallel.collectives import SimulatedRanks
 
     class ReaderReduce(SimulatedRanks):
@@ -280,11 +262,8 @@ def _reader_qk_comm(reduce, cfg: Config, where: str):
 
 @exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
 def check_qk_norm_grad_reduce(reduce) -> str:
-    """Check ``reduce(grads) -> list``: given every TP rank's gradient of its copy of
-    ``q_norm`` (or ``k_norm``) after backward (one ``[head_dim]`` per rank: the part of its
-    own heads), the gradient each rank must step with. Run in the engine's train step on
-    simulated ranks; graded on the five measures against dense and on whether the replicas
-    stay identical."""
+    """Check ``reduce(grads) -> list``: from every TP rank's ``[head_dim]`` gradient of its
+    ``q_norm`` (or ``k_norm``) copy, its own heads' part, the gradient each rank steps with."""
     from tpattn.parallel.engine import train_step
     count = 0
     for cfg, seed, x0, target, base in cases(QK_NORM_CONFIGS, EXTRA_SEEDS):
@@ -298,10 +277,8 @@ def check_qk_norm_grad_reduce(reduce) -> str:
                     for k in ("q_norm", "k_norm") for r in range(w))
         if apart > 0:
             raise Wrong(f"{where}, the q/k-norm replicas differ by {apart:.2g} after the step.")
-        fails = failing_against(seed, dense_reference(x0, target, base, cfg),
-                                rank0_view(step, cfg))
-        if fails:
-            raise Wrong(f"{where}, the step fails {', '.join(fails)}.")
+        must_pass(seed, dense_reference(x0, target, base, cfg), rank0_view(step, cfg),
+                  f"{where}, the step fails")
         count += 1
     return (f"every rank steps with the sum of the ranks' parts: the q/k-norm replicas stay "
             f"identical and the step equals dense on all five measures for {count} cases "
@@ -310,25 +287,21 @@ def check_qk_norm_grad_reduce(reduce) -> str:
 
 @exercise("which parameters the missing q/k-norm reduce hits", AROUND_CHAPTER)
 def check_qk_norm_hits(predict) -> str:
-    """Check ``predict() -> set``: the names (``PARAM_NAMES`` and ``q_norm``, ``k_norm``) of
-    the parameters whose gradients, as rank 0 reports them, are wrong when the TP all-reduce
-    of the q/k-norm gradients is skipped. Graded against runs of
-    ``qk_norm_grad_not_reduced``, parameter by parameter."""
+    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``, ``q_norm``, ``k_norm``) with
+    wrong gradients (rank 0's) without the q/k-norm gradients' all-reduce."""
     return grade_hits(predict, "qk_norm_grad_not_reduced", QK_NORM_CONFIGS[:2], EXTRA_SEEDS)
 
 
 # --- chapter 17: the TP x DP mesh and the sequence gather's group ----------------------------
 
-#: Meshes the mesh exercises are graded on: TP 2 x DP 2; TP 4 x DP 2; TP 2 x DP 3 (batch 1);
-#: and TP 2 x DP 2 under sequence parallelism.
+#: Meshes: TP 2 x DP 2; TP 4 x DP 2; TP 2 x DP 3 (batch 1); TP 2 x DP 2 under SP.
 MESH_CONFIGS = (
     Config(data_parallel=2),
     Config(query_heads=8, kv_heads=4, world_size=4, data_parallel=2, seq=4),
     Config(seq=3, batch=1, hidden=8, query_heads=6, kv_heads=2, head_dim=2, data_parallel=3),
     Config(data_parallel=2, sequence_parallel=True, seq=4),
 )
-#: Meshes the SP-group exercises are graded on (``data_parallel == world_size``, as the bug
-#: needs, and one where they differ).
+#: Meshes of the SP-group exercises: two with DP = TP, as the bug needs, one without.
 SP_MESH_CONFIGS = (
     Config(data_parallel=2, sequence_parallel=True, seq=4),
     Config(query_heads=8, kv_heads=4, world_size=4, data_parallel=4, sequence_parallel=True,
@@ -347,8 +320,8 @@ def _mesh_step(cfg: Config, seed: int, inj: Injection) -> dict:
 
 
 def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
-    """Replace every rank's gradient in ``grads`` (per name ``[ranks, ...]``, mesh order) by
-    the reader's ``sync`` over its DP group, graded as the sum of the replicas' shares."""
+    """Replace every rank's gradient in ``grads`` (per name ``[ranks, ...]``) by the reader's
+    ``sync`` over its DP group, graded as the sum of the replicas' shares."""
     w, d = cfg.world_size, cfg.data_parallel
     for name, g in grads.items():
         for t in range(w):
@@ -371,11 +344,8 @@ def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
 
 @exercise("the data-parallel gradient sync", AROUND_CHAPTER)
 def check_dp_grad_sync(sync) -> str:
-    """Check ``sync(grads) -> list``: given one parameter's gradient on each DP replica (a
-    list of ``data_parallel`` tensors of one shape: each replica's own batch's share of the
-    gradient of the global mean loss), what every replica must use for its SGD step (one
-    tensor per replica). Graded on the weights after one step of the whole mesh against the
-    dense step on the global batch (``MESH_CONFIGS`` x ``EXTRA_SEEDS``)."""
+    """Check ``sync(grads) -> list``: from one parameter's gradient on each DP replica (its
+    batch's share of the global mean loss's), the gradient each replica steps with."""
     from tpattn.check.core import dense_step, make_inputs as inputs, make_params, unshard
     from tpattn.parallel.simulated import mesh_view
 
@@ -392,9 +362,8 @@ def check_dp_grad_sync(sync) -> str:
                 for i in range(cfg.ranks)]) for name, g in step["grads"].items()}
             x0, target = inputs(cfg, seed)
             view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
-            fails = failing_against(seed, dense_step(x0, target, base, cfg, Injection()), view)
-            if fails:
-                raise Wrong(f"{where}, the mesh's step fails {', '.join(fails)}.")
+            must_pass(seed, dense_step(x0, target, base, cfg, Injection()), view,
+                      f"{where}, the mesh's step fails")
             count += 1
     return (f"every replica steps on the sum of the replicas' gradients, so the replicas "
             f"stay identical and the mesh equals dense on all five measures for {count} cases "
@@ -417,11 +386,8 @@ def _logged_loss_case(cfg: Config, seed: int) -> tuple[list[float], float]:
 
 @exercise("the logged loss of a TP x DP mesh", AROUND_CHAPTER)
 def check_logged_loss(logged) -> str:
-    """Check ``logged(shares, cfg) -> float``: given every rank's share of the global mean
-    loss (a list of ``cfg.ranks`` floats in mesh order, global rank = dp * W + tp; without
-    sequence parallelism every TP rank of a replica holds that replica's whole share, under
-    it each rank its own tokens'), the loss the job must log: the dense loss on the global
-    batch, within 1e-6 relative."""
+    """Check ``logged(shares, cfg) -> float``: from every rank's share of the global mean loss
+    (mesh order, rank = dp * W + tp), the loss to log: dense's, within 1e-6 relative."""
     count = 0
     for cfg in MESH_CONFIGS:
         w, d = cfg.world_size, cfg.data_parallel
@@ -451,9 +417,8 @@ def check_logged_loss(logged) -> str:
 
 @exercise("the group of the sequence all-gather", AROUND_CHAPTER)
 def check_sp_gather_group(group_of) -> str:
-    """Check ``group_of(rank, cfg) -> list``: the global ranks, in order, that the sequence
-    all-gather of global rank ``rank`` runs over on a TP x DP mesh (global rank = dp * W +
-    tp): its own TP group. Graded on every rank of ``SP_MESH_CONFIGS``."""
+    """Check ``group_of(rank, cfg) -> list``: the global ranks, in order, of ``rank``'s sequence
+    all-gather on a TP x DP mesh (rank = dp * W + tp): its own TP group."""
     from tpattn.parallel.collectives import SimulatedRanks
     count = 0
     for cfg in SP_MESH_CONFIGS:
@@ -486,10 +451,8 @@ def check_sp_gather_group(group_of) -> str:
 
 @exercise("the sequence all-gather on a mesh", AROUND_CHAPTER)
 def check_sp_gather_tokens(gather) -> str:
-    """Check ``gather(tokens, cfg) -> list``: given every rank's own ``[S/W, B, hidden]``
-    tokens (a list of ``cfg.ranks`` tensors, mesh order), every rank's all-gathered
-    ``[S, B, hidden]`` sequence (one tensor per rank), compared bit for bit with the
-    simulated ranks' all-gather over each TP group (``SimulatedRanks.group_cat``)."""
+    """Check ``gather(tokens, cfg) -> list``: from every rank's ``[S/W, B, hidden]`` tokens, each
+    rank's gathered ``[S, B, hidden]`` sequence, bit for bit its TP group's all-gather."""
     from tpattn.parallel.collectives import SimulatedRanks
     count = 0
     for cfg in SP_MESH_CONFIGS:
@@ -520,9 +483,8 @@ def check_sp_gather_tokens(gather) -> str:
 
 # --- chapter 17: loading a checkpoint into ranks --------------------------------------------
 
-#: Shapes the loading exercises are graded on: two KV groups per rank (W=2), one group per
-#: rank (W=4, where reading the rows as plain [Q; K; V] happens to be right), four groups of
-#: three query heads per rank, and two groups per rank at W=4.
+#: Two KV groups per rank; one (where reading the rows as plain [Q; K; V] happens to be right);
+#: four groups of three query heads; two groups per rank on 4 ranks.
 LOADING_CONFIGS = (
     Config(query_heads=8, kv_heads=4),
     Config(query_heads=8, kv_heads=4, world_size=4),
@@ -533,8 +495,7 @@ _QKV = ("wq", "wk", "wv")
 
 
 def _grade_loaded(got, w: torch.Tensor, right: list[dict], cfg: Config, rank: int) -> None:
-    """``Wrong`` unless ``got`` is rank ``rank``'s ``(wq, wk, wv)``: ``right[rank]``'s rows as
-    slices of ``w``; names rank 0's rows and rows read as plain [Q; K; V]."""
+    """``Wrong`` unless ``got`` is ``right[rank]``'s ``(wq, wk, wv)`` as slices of ``w``."""
     from tpattn.block.fused_qkv import rank_row_block, read_rank_qkv
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         raise Wrong("your function should return three tensors: (wq, wk, wv).")
@@ -564,11 +525,8 @@ def _grade_loaded(got, w: torch.Tensor, right: list[dict], cfg: Config, rank: in
 
 @exercise("load your rank's rows of a grouped QKV checkpoint", AROUND_CHAPTER)
 def check_load_grouped_qkv(load) -> str:
-    """Check ``load(w, cfg, tp_rank) -> (wq, wk, wv)``: rank ``tp_rank``'s query, key and
-    value rows (``[Hq/W*D, hidden]``, ``[Hkv/W*D, hidden]`` x 2) from the full checkpoint
-    ``w`` fused per KV group (``tpattn.block.fused_qkv.fuse_qkv_weight(..., "grouped")``:
-    for each group its query heads, its key head, its value head), as differentiable slices
-    of ``w``. Graded against the rank's heads (``shard_params``) on ``LOADING_CONFIGS``."""
+    """Check ``load(w, cfg, tp_rank) -> (wq, wk, wv)``: the rank's rows (``[Hq/W*D, hidden]``,
+    ``[Hkv/W*D, hidden]`` x 2) as slices of ``w``, fused per KV group (``fuse_qkv_weight``)."""
     from tpattn.block.fused_qkv import fuse_qkv_weight
     for cfg in LOADING_CONFIGS:
         p = init_params(cfg, 7 + PARAM_SEED_OFFSET)
@@ -592,9 +550,8 @@ _LOADING_HINTS = {
 
 @functools.lru_cache(maxsize=None)
 def _loading_observations() -> tuple:
-    """``(name, answer, cfg, seed, shard_checksums, shard_scale)`` of observed runs: the
-    three loading bugs, correct loads of both checkpoints and a made-up wrong rank order
-    (answer None), on two shapes (tier 1: ``observe_injection(..., reference=False)``)."""
+    """``(name, answer, cfg, seed, shard_checksums, shard_scale)`` of observed runs on two shapes:
+    the three loading bugs, correct loads and a made-up wrong rank order (answer None)."""
     from tpattn.bugs.zoo import get_mode
     from tpattn.diagnosis.observe import observe_injection
     runs = [(m, m, get_mode(m).injection) for m in LOADING_VERDICTS if m is not None]
@@ -612,11 +569,8 @@ def _loading_observations() -> tuple:
 
 @exercise("tell the loading bugs apart from the shard checksums", AROUND_CHAPTER)
 def check_loading_verdict(verdict) -> str:
-    """Check ``verdict(checksums, scale) -> str | None``: from ``observe``'s
-    ``shard_checksums`` (per parameter, every rank's loaded sum minus its checkpoint
-    slice's) and ``shard_scale`` (per parameter, the sum of ``|w|``), which loading bug the
-    run has (one of ``LOADING_VERDICTS``) or None. Graded on observed runs of the three
-    loading bugs, correct loads and a made-up one (every shard from the wrong rank)."""
+    """Check ``verdict(checksums, scale) -> str | None``: from ``observe``'s per-rank
+    ``shard_checksums`` and ``shard_scale``, the loading bug (``LOADING_VERDICTS``) or None."""
     for name, answer, cfg, seed, sums, scale in _loading_observations():
         got = verdict(copy.deepcopy(sums), dict(scale))
         if got not in LOADING_VERDICTS:
@@ -650,8 +604,7 @@ def _observed(mode: str, seed: int, cfg: Config, reference: bool, steps: int = 2
 
 
 def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
-    """Why ``got`` is the wrong reading of ``obs``'s ledger (a run of ``mode``; ``want``:
-    the right one)."""
+    """Why ``got`` misreads ``obs``'s ledger (a run of ``mode``; ``want``: the right answer)."""
     from tpattn.bugs import zoo
     counts, plan = ({phase: sum(e["phase"] == phase for e in obs[key])
                      for phase in ("forward", "backward")} for key in ("ledger", "planned_ledger"))
@@ -670,11 +623,8 @@ def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
 
 @exercise("read the ledger", 18)
 def check_ledger_verdict(verdict) -> str:
-    """Check ``verdict(obs) -> str | None``: from the ledger alone (``obs["ledger"]`` against
-    ``obs["planned_ledger"]``, as ``tpattn.diagnosis.observe.observe`` records them), the bug
-    a run's collectives show — ``missing_output_reduce``, ``output_reduced_twice``,
-    ``missing_input_grad_reduce``, ``input_grad_reduced_twice`` — or ``None`` when the ledger
-    is as planned. Graded on observed runs of every runnable zoo mode."""
+    """Check ``verdict(obs) -> str | None``: from ``obs["ledger"]`` against
+    ``obs["planned_ledger"]``, the bug of ``_LEDGER_BUGS`` the collectives show, or None."""
     from tpattn.bugs import zoo
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     modes = zoo.runnable_modes()
@@ -704,10 +654,8 @@ HUNTS = (0, 3, 10, 1)
 
 @exercise("three bug hunts and a healthy run", 18)
 def check_hunts(guess) -> str:
-    """Check ``guess(hunt) -> str``: for each hunt of ``HUNTS``, the cause of the run
-    ``tpattn.diagnosis.hunt.hunt_case(hunt)`` hides, named from its observables alone: a
-    registry bug's name or ``tpattn.diagnosis.diagnose.NO_KNOWN_CAUSE``. Judged by
-    ``tpattn.diagnosis.hunt.judge``."""
+    """Check ``guess(hunt) -> str``: per hunt of ``HUNTS``, the hidden cause (a registry bug or
+    ``NO_KNOWN_CAUSE``) named from the observables alone, as ``hunt.judge`` judges."""
     from tpattn.diagnosis.hunt import choices, hunt_case, judge
     for hunt in HUNTS:
         answer = guess(hunt)
@@ -723,8 +671,7 @@ def check_hunts(guess) -> str:
 
 
 def hunt_evidence(hunt: int) -> list[str]:
-    """What hunt ``hunt``'s run shows, in words (``tpattn.diagnosis.hunt.describe`` of the
-    same observation ``check_hunts`` judges), without naming the hidden cause."""
+    """What hunt ``hunt``'s run shows, in words, without naming the cause (``hunt.describe``)."""
     from tpattn.diagnosis.hunt import describe, hunt_case
     mode, seed, cfg = hunt_case(hunt)
     return describe(_observed(mode, seed, cfg, True))

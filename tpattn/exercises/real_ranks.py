@@ -1,5 +1,5 @@
 """Part III, real ranks (chapters 11-13): what f and g carry, f and g on gloo ranks, the norm
-gradient and RoPE positions under sequence parallelism, and replicated KV heads' gradients."""
+gradient and RoPE positions under sequence parallelism, replicated KV heads' gradients."""
 from __future__ import annotations
 
 import torch
@@ -13,8 +13,8 @@ from tpattn.check.core import (EQUIVALENCE, LR, MODES, PARAM_SEED_OFFSET, dense_
                                five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, NotWritten,
-                                      Wrong, cases, exercise, failing, failing_against,
-                                      first_near, function_class, grade_hits, grade_sum, keyed,
+                                      Wrong, cases, exercise, failing, first_near,
+                                      function_class, grade_hits, grade_sum, keyed, must_pass,
                                       near, number, shape_text, tensor_list)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
@@ -23,11 +23,9 @@ from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
 
 
 def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
-    """Rank 0's training step of ``mode``'s injection through ``tpattn.real.ranks``'s real
-    ``real_rank_block`` (``CopyToRanks``, ``ReduceOutputPartials``) with a ledger that records
-    what each collective is handed and does not communicate (one process, no process group:
-    rank 0's values stay its own; only the counts and sizes are used). Returns ``(counts,
-    carried)``: the ledger's all-reduces by phase, and bytes carried per collective label."""
+    """Rank 0's step of ``mode`` through the real ranks' block, with a ledger that records what
+    each collective is handed and sends nothing (one process). Returns ``(counts, carried)``:
+    the all-reduces per phase, and the bytes carried per collective label."""
     from tpattn.check.core import one_step
     from tpattn.real.ranks import CollectiveLedger, real_rank_block
 
@@ -63,9 +61,8 @@ BYTES_CONFIGS = CHECKED_CONFIGS + (
 
 @exercise("bytes f and g move", 11)
 def check_bytes_per_step(bytes_per_step) -> str:
-    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes of the tensor each of
-    f's and g's all-reduces carries on one rank in one training step (forward and backward),
-    compared with the tensors the real ranks' collectives hand the ledger."""
+    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes f's and g's all-reduces
+    carry on one rank in one training step, as the real ranks hand them to the ledger."""
     from tpattn.real.ranks import F_ALL_REDUCE, G_ALL_REDUCE
     for cfg in BYTES_CONFIGS:
         carried = _recorded_step(cfg)[1]
@@ -90,9 +87,8 @@ def check_bytes_per_step(bytes_per_step) -> str:
 
 @exercise("the ledger's counts", 11)
 def check_ledger_counts(ledger_counts) -> str:
-    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``: how many all-reduces
-    one rank's training step of the block issues in each autograd phase, for each mode —
-    compared with the counts the ledger records when the real ranks' f and g run."""
+    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``: the all-reduces one
+    rank's training step issues per phase, as the ledger records them on real ranks."""
     for cfg in CHECKED_CONFIGS[:2]:
         for mode in MODES:
             want = _recorded_step(cfg, mode)[0]
@@ -107,9 +103,8 @@ def check_ledger_counts(ledger_counts) -> str:
 
 
 def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
-    """One rank of ``check_real_f_and_g``: every checked seed's training step with the reader's
-    f and g, gathered to rank 0 and compared with dense there (module level: started by
-    ``tpattn.real.launch.run_on_ranks``). Returns rank 0's five-measure dicts, None elsewhere."""
+    """One rank of ``check_real_f_and_g`` (``run_on_ranks``): each seed's step with the reader's
+    f and g; rank 0 returns the five measures of the gathered steps, the others None."""
     from tpattn.block.params import unshard_params
     from tpattn.check.core import one_step
     from tpattn.real.ranks import CollectiveLedger, gather_step
@@ -136,11 +131,8 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
 
 @exercise("f and g on real ranks", 11)
 def check_real_f_and_g(f_and_g) -> str:
-    """Check ``(F, G)``: f and g as ``torch.autograd.Function`` subclasses for real ranks —
-    ``F.apply(n)`` and ``G.apply(partial)`` on one rank's ``[S, B, hidden]`` tensor, calling
-    ``torch.distributed.all_reduce`` themselves. Runs them on 2 gloo ranks (processes forked
-    from this one, so classes defined in a notebook reach them) for the checked seeds, and
-    compares rank 0's gathered step with dense on the five measures."""
+    """Check ``(F, G)``: f and g as autograd Functions on one rank's ``[S, B, hidden]`` tensor
+    calling ``torch.distributed.all_reduce``, run on 2 forked gloo ranks against dense."""
     from tpattn.real.launch import RankFailure, run_on_ranks
 
     if not isinstance(f_and_g, tuple) or len(f_and_g) != 2:
@@ -173,8 +165,7 @@ def check_real_f_and_g(f_and_g) -> str:
 
 # --- chapter 12 -----------------------------------------------------------------------------
 
-#: Shapes the sequence-parallel exercises are graded on (seq a multiple of world_size): 2 ranks;
-#: 4 ranks with 2 query heads each; 3 ranks, batch 1, hidden 8.
+#: Shapes of the sequence-parallel exercises: 2 ranks; 4 ranks; 3 ranks, batch 1, hidden 8.
 SP_CONFIGS = (
     Config(seq=4, sequence_parallel=True),
     Config(seq=8, query_heads=8, kv_heads=4, world_size=4, sequence_parallel=True),
@@ -185,11 +176,8 @@ SP_CONFIGS = (
 
 @exercise("the norm-gradient all-reduce under SP", 12)
 def check_norm_grad_reduce(finalize) -> str:
-    """Check ``finalize(norm_grads) -> list``: given every simulated rank's gradient of its
-    replicated ``norm`` weight after the backward pass (one ``[hidden]`` per rank: the share of
-    its own ``S/W`` tokens), what each rank must use for its SGD step. Each rank's steps come
-    from the engine's simulated ranks (``tpattn.parallel.simulated``); graded on the five
-    measures against dense and on whether the replicas of ``norm`` stay identical."""
+    """Check ``finalize(norm_grads) -> list``: from every rank's ``[hidden]`` norm gradient
+    under SP (its own tokens' share), the gradient each rank steps with."""
     count = 0
     for cfg, seed, x0, target, base in cases(SP_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
@@ -212,10 +200,8 @@ def check_norm_grad_reduce(finalize) -> str:
             s["grads"]["norm"] = got[r].detach()
             s["weights"]["norm"] = sgd_step({"norm": base["norm"]},
                                             {"norm": got[r].detach()}, LR)["norm"]
-        fails = failing_against(seed, dense_reference(x0, target, base, cfg),
-                                gather_steps(steps, cfg))
-        if fails:
-            raise Wrong(f"{where}, the SP step fails {', '.join(fails)}.")
+        must_pass(seed, dense_reference(x0, target, base, cfg), gather_steps(steps, cfg),
+                  f"{where}, the SP step fails")
         count += 1
     return (f"every rank uses the sum of the ranks' shares, so the norm replicas stay "
             f"equal and the SP step equals dense on all five measures for {count} cases "
@@ -224,10 +210,8 @@ def check_norm_grad_reduce(finalize) -> str:
 
 @exercise("RoPE positions under SP", 12)
 def check_rope_offset(offset) -> str:
-    """Check ``offset(cfg, rank) -> int``: the position of the first token rank ``rank``
-    holds under SP, the ``offset`` it must pass to ``apply_rope`` when it rotates its own
-    tokens' queries or keys. Graded by rotating each rank's tokens with it and comparing with
-    the rotation of the whole gathered sequence."""
+    """Check ``offset(cfg, rank) -> int``: the position of rank ``rank``'s first token under SP,
+    ``apply_rope``'s offset, graded against rotating the whole gathered sequence."""
     from tpattn.block.layers import apply_rope
     from tpattn.parallel.sequence_parallel import rank_tokens
     configs = SP_CONFIGS + (Config(seq=12, query_heads=4, kv_heads=4, world_size=4,
@@ -258,8 +242,7 @@ def check_rope_offset(offset) -> str:
 
 # --- chapter 13 -----------------------------------------------------------------------------
 
-#: Shapes with fewer KV heads than ranks (replicated KV weights): 2 KV heads on 4 ranks; 1 KV
-#: head on 4 ranks; 2 KV heads on 8 ranks (seq 3, batch 1, hidden 8, head_dim 2).
+#: Fewer KV heads than ranks: 2 KV heads on 4 ranks; 1 on 4; 2 on 8 (a small odd shape).
 KV_CONFIGS = (
     Config(query_heads=8, kv_heads=2, world_size=4),
     Config(query_heads=4, kv_heads=1, world_size=4),
@@ -268,8 +251,8 @@ KV_CONFIGS = (
 
 
 def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, where: str) -> None:
-    """Every rank's ``got[r]`` must be ``want[r]``, its KV head's gradient; else ``Wrong``
-    naming the own-rank, all-rank or replica-mean mistake."""
+    """Each ``got[r]`` must be ``want[r]``, its KV head's gradient; else ``Wrong`` naming the
+    own-rank, all-rank or replica-mean mistake."""
     w = len(own)
     everyone = sum(own[1:], own[0])
     for r in range(w):
@@ -292,10 +275,8 @@ def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, w
 
 @exercise("reduce the KV gradients over the replica group", 13)
 def check_kv_grad_reduce(reduce) -> str:
-    """Check ``reduce(grads, cfg) -> list``: given every simulated rank's gradient of its own
-    copy of a replicated KV weight (``wk`` or ``wv``, one ``[D, hidden]`` per rank, as the
-    block's backward leaves it without the replica-group reduce), the gradient each rank's
-    copy must get. Graded against the dense block's gradient of that KV head's rows."""
+    """Check ``reduce(grads, cfg) -> list``: from every rank's ``[D, hidden]`` gradient of its
+    copy of a replicated ``wk`` or ``wv``, the gradient each copy must get (dense's rows)."""
     from tpattn.parallel.kv_heads import kv_weight_rows, replica_groups
     count = 0
     for cfg, seed, x0, target, base in cases(KV_CONFIGS, EXTRA_SEEDS):
@@ -318,8 +299,7 @@ def check_kv_grad_reduce(reduce) -> str:
 
 @exercise("which parameters a missing KV reduce hits", 13)
 def check_missing_kv_parameters(predict) -> str:
-    """Check ``predict() -> set``: the names (``tpattn.block.params.PARAM_NAMES``) of the
-    parameters whose gradients are wrong when the replica-group all-reduce of the KV gradients
-    is missing. Graded against runs of ``missing_kv_grad_reduce``, parameter by parameter."""
+    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``) with wrong gradients
+    without the replica-group all-reduce of the KV gradients."""
     from tpattn.check.core import MISSING_KV_GRAD_REDUCE
     return grade_hits(predict, MISSING_KV_GRAD_REDUCE, KV_CONFIGS[:2], EXTRA_SEEDS)

@@ -16,9 +16,9 @@ from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_RED
                                dense_reference)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
-                                      coverage, exercise, expect_shape, failing, failing_against,
-                                      first_near, function_class, grade_hits, grade_prediction,
-                                      head_of, mode_runs, shape_text, tensor)
+                                      coverage, exercise, expect_shape, failing, first_near,
+                                      function_class, grade_hits, grade_prediction, head_of,
+                                      mode_runs, must_pass, shape_text, tensor)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import rank0_view, simulated_step
 from tpattn.parallel.tp import tp_forward
@@ -26,9 +26,8 @@ from tpattn.parallel.tp import tp_forward
 # --- chapter 6 ------------------------------------------------------------------------------
 
 
-def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, rank: int) -> list[int]:
-    """The dense heads ``shard``'s blocks of ``d`` rows are, in order; ``Wrong`` for a block
-    that is no whole head."""
+def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, rank: int) -> list:
+    """The dense heads ``shard``'s blocks of ``d`` rows are, in order, else ``Wrong``."""
     heads = []
     for i in range(shard.shape[0] // d):
         h = head_of(shard[i * d:(i + 1) * d].detach(), dense.detach(), d)
@@ -40,13 +39,11 @@ def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, ran
 
 
 def _rank_heads(mine, params: dict, cfg: Config, rank: int) -> tuple[list[int], list[int]]:
-    """The query and KV heads rank ``rank``'s shard ``mine`` holds; ``Wrong`` for a wrong
-    shape, a split head, a split group or wo columns of other heads."""
-    d, g = cfg.head_dim, cfg.group_size
-    expected = {"norm": [cfg.hidden], "wq": [cfg.local_query_heads * d, cfg.hidden],
-                "wk": [cfg.local_kv_heads * d, cfg.hidden],
-                "wv": [cfg.local_kv_heads * d, cfg.hidden],
-                "wo": [cfg.hidden, cfg.local_query_heads * d]}
+    """The query and KV heads rank ``rank``'s shard holds; ``Wrong`` for a wrong shape, a
+    split head or group, or wo columns of other heads."""
+    d, g, lq, lkv = cfg.head_dim, cfg.group_size, cfg.local_query_heads, cfg.local_kv_heads
+    expected = {"norm": [cfg.hidden], "wq": [lq * d, cfg.hidden], "wk": [lkv * d, cfg.hidden],
+                "wv": [lkv * d, cfg.hidden], "wo": [cfg.hidden, lq * d]}
     if not isinstance(mine, dict) or any(k not in mine for k in PARAM_NAMES):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys {', '.join(PARAM_NAMES)}.")
     for k in PARAM_NAMES:
@@ -74,12 +71,11 @@ def _rank_heads(mine, params: dict, cfg: Config, rank: int) -> tuple[list[int], 
 
 
 def _grade_sharded_block(shard, cfg: Config, seed: int, x0, params: dict) -> None:
-    """``Wrong`` unless gradients reach ``params`` through ``shard`` and the sharded block
-    passes the five measures."""
+    """``Wrong`` unless gradients reach ``params`` and the sharded block passes."""
     tp_forward(x0, params, cfg, shard_fn=shard).sum().backward()
     unreached = [k for k in PARAM_NAMES if params[k].grad is None]
-    metrics = None if unreached else run(seed, EQUIVALENCE, cfg, shard_fn=shard)
-    fails = failing(metrics) if metrics else ["parameter_grad_max_abs_diff"]
+    fails = failing(run(seed, EQUIVALENCE, cfg, shard_fn=shard)) if not unreached else \
+        ["parameter_grad_max_abs_diff"]
     if fails and "forward_max_abs_diff" not in fails:
         raise Wrong("every rank holds the right heads and the forward matches, but the "
                     "gradients do not reach the dense parameters"
@@ -93,10 +89,8 @@ def _grade_sharded_block(shard, cfg: Config, seed: int, x0, params: dict) -> Non
 
 @exercise("shard_params", 6)
 def check_shard_params(shard) -> str:
-    """Check ``shard(params, cfg) -> list[dict]``: one dict per rank with ``norm`` (replicated)
-    and that rank's head-group shards of ``wq``, ``wk``, ``wv`` (rows) and ``wo`` (columns),
-    cut so that gradients reach ``params``. Graded by what each rank holds and by the five
-    measures of ``tpattn.run(..., shard_fn=shard)``."""
+    """Check ``shard(params, cfg) -> list[dict]``: per rank ``norm`` and its heads' rows of
+    ``wq``, ``wk``, ``wv`` and columns of ``wo``, differentiable slices of ``params``."""
     for cfg, seed, x0, target, base in cases():
         params = clone_trainable(base)
         shards = shard(params, cfg)
@@ -116,14 +110,12 @@ def check_shard_params(shard) -> str:
 
 
 def _layout_shard_fn(layout):
-    """A ``shard_fn`` that gives rank r the query heads ``layout[r]["query"]`` and KV heads
-    ``layout[r]["kv"]`` (sorted), with the matching wq/wk/wv rows and wo columns."""
+    """A ``shard_fn`` giving rank r the heads ``layout[r]["query"]`` and ``layout[r]["kv"]``."""
 
     def shard_fn(params, cfg):
-        d = cfg.head_dim
-
         def rows(heads):
-            return torch.tensor([h * d + i for h in sorted(heads) for i in range(d)])
+            return torch.tensor([h * cfg.head_dim + i for h in sorted(heads)
+                                 for i in range(cfg.head_dim)])
 
         return [{"norm": params["norm"], "wq": params["wq"][rows(r["query"])],
                  "wk": params["wk"][rows(r["kv"])], "wv": params["wv"][rows(r["kv"])],
@@ -133,8 +125,8 @@ def _layout_shard_fn(layout):
 
 
 def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
-    """Balanced layouts (every rank as many heads as the package gives it): the package's,
-    groups moved between ranks, query heads shuffled, and one query head swapped."""
+    """Balanced layouts: the package's, groups moved between ranks, query heads shuffled, and
+    one query head swapped."""
     w, g, d = cfg.world_size, cfg.group_size, cfg.head_dim
     lq, lkv = cfg.local_query_heads, cfg.local_kv_heads
 
@@ -142,11 +134,9 @@ def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
         return [{"query": sorted(query[r * lq:(r + 1) * lq]),
                  "kv": sorted(kv[r * lkv:(r + 1) * lkv])} for r in range(w)]
 
-    package = []
-    for rank in range(w):
-        q_rows, kv_rows = rank_head_slices(cfg, rank)
-        package.append({"query": list(range(q_rows.start // d, q_rows.stop // d)),
-                        "kv": list(range(kv_rows.start // d, kv_rows.stop // d))})
+    package = [{"query": list(range(q.start // d, q.stop // d)),
+                "kv": list(range(kv.start // d, kv.stop // d))}
+               for q, kv in (rank_head_slices(cfg, rank) for rank in range(w))]
     layouts = [package]
     for _ in range(2):  # whole groups moved to other ranks
         kv = list(range(cfg.kv_heads))
@@ -156,20 +146,17 @@ def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
         query = list(range(cfg.query_heads))
         rng.shuffle(query)
         layouts.append(from_lists(query, list(range(cfg.kv_heads))))
-    swapped = [{"query": list(r["query"]), "kv": list(r["kv"])} for r in package]
-    swapped[0]["query"][-1], swapped[-1]["query"][0] = swapped[-1]["query"][0], swapped[0]["query"][-1]
-    layouts.append([{"query": sorted(r["query"]), "kv": r["kv"]} for r in swapped])
+    swapped = [list(r["query"]) for r in package]
+    swapped[0][-1], swapped[-1][0] = swapped[-1][0], swapped[0][-1]
+    layouts.append([{"query": sorted(q), "kv": r["kv"]} for q, r in zip(swapped, package)])
     return layouts
 
 
 @exercise("detect a split group", 6)
 def check_keeps_groups(keeps_groups) -> str:
-    """Check ``keeps_groups(layout, cfg) -> bool``: whether a layout — per rank a dict with
-    the sorted lists ``"query"`` and ``"kv"`` of the heads it holds — keeps every query/KV
-    group on one rank. Graded against the sharded block itself: a layout is right exactly when
-    ``tpattn.run(seed, "equivalence", cfg, shard_fn=that layout)`` passes."""
-    rng = random.Random(13)
-    count = 0
+    """Check ``keeps_groups(layout, cfg) -> bool``: whether a layout (per rank the sorted lists
+    ``"query"`` and ``"kv"`` of its heads) keeps every group on one rank, as running it says."""
+    rng, count = random.Random(13), 0
     for cfg in CHECKED_CONFIGS:
         for layout in _layouts(cfg, rng):
             truth = run(11, EQUIVALENCE, cfg, shard_fn=_layout_shard_fn(layout))["passed"]
@@ -194,16 +181,16 @@ def check_keeps_groups(keeps_groups) -> str:
 
 # --- chapter 7 ------------------------------------------------------------------------------
 
-def _probe(collective, world_size: int, name: str) -> tuple[list, list, list, list]:
-    """Run ``collective.apply`` on random per-rank ``[3, 2, 4]`` tensors and backward with
-    random output gradients; return (inputs, outputs, output gradients, input gradients)."""
+def _probe(collective, w: int, name: str) -> tuple[list, list, list, list]:
+    """``collective.apply`` on ``w`` random ``[3, 2, 4]`` tensors, backward from random output
+    gradients: (inputs, outputs, output gradients, input gradients)."""
     gen = torch.Generator().manual_seed(7)
-    ts = [torch.randn(3, 2, 4, generator=gen).requires_grad_(True) for _ in range(world_size)]
-    cs = [torch.randn(3, 2, 4, generator=gen) for _ in range(world_size)]
+    ts = [torch.randn(3, 2, 4, generator=gen).requires_grad_(True) for _ in range(w)]
+    cs = [torch.randn(3, 2, 4, generator=gen) for _ in range(w)]
     outs = collective.apply(*ts)
-    if isinstance(outs, torch.Tensor) or not isinstance(outs, (tuple, list)) or len(outs) != world_size:
-        raise Wrong(f"{name}.apply(*tensors) with {world_size} tensors should return "
-                    f"{world_size} tensors, one per rank.")
+    if isinstance(outs, torch.Tensor) or not isinstance(outs, (tuple, list)) or len(outs) != w:
+        raise Wrong(f"{name}.apply(*tensors) with {w} tensors should return "
+                    f"{w} tensors, one per rank.")
     for r, o in enumerate(outs):
         expect_shape(tensor(o, f"{name}'s output for rank {r}"), ts[r].shape,
                      f"{name}'s output for rank {r}")
@@ -212,70 +199,58 @@ def _probe(collective, world_size: int, name: str) -> tuple[list, list, list, li
     return [t.detach() for t in ts], [o.detach() for o in outs], cs, grads
 
 
-def _check_collective(collective, name: str, sums_forward: bool) -> None:
-    """The probe's verdict on an f (identity forward, summing backward) or a g (summing
-    forward, identity backward), on 2 and 4 ranks."""
+def _check_collective(collective, name: str, g: bool) -> None:
+    """The probe's verdict on a g (``g``: summing forward, identity backward) or an f."""
     for w in (2, 4):
         ts, outs, cs, grads = _probe(collective, w, name)
         total, total_c = sum(ts), sum(cs)
         for r in range(w):
-            if sums_forward:
-                options = [(total, w, None), (ts[r], 1, f"{name}'s forward hands rank {r} its own "
-                           f"tensor back; g's forward gives every rank the sum of all ranks' "
-                           f"partials.")]
-            else:
-                options = [(ts[r], w, None), (total, w, f"{name}'s forward sums the ranks' "
-                           f"tensors; f's forward is the identity — every rank already holds "
-                           f"the same n.")]
-            first_near(outs[r], options, f"with {w} ranks, {name}'s forward output for rank {r} "
-                                         f"is neither its own tensor nor the sum of all ranks' "
-                                         f"tensors.")
+            first_near(outs[r], [
+                (total, w, None), (ts[r], 1, f"{name}'s forward hands rank {r} its own tensor "
+                                             f"back; g's forward gives every rank the sum of "
+                                             f"all ranks' partials.")] if g else [
+                (ts[r], w, None), (total, w, f"{name}'s forward sums the ranks' tensors; f's "
+                                             f"forward is the identity — every rank already "
+                                             f"holds the same n.")],
+                f"with {w} ranks, {name}'s forward output for rank {r} is neither its own tensor "
+                f"nor the sum of all ranks' tensors.")
         for r in range(w):
-            if sums_forward:
-                options = [(cs[r], w, None), (total_c, w, f"{name}'s backward sums the ranks' "
-                           f"gradients; g's backward is the identity — each rank's partial gets "
-                           f"its own output's gradient (a sum would count it once per rank).")]
-            else:
-                options = [(total_c, w, None), (cs[r], 1, f"{name}'s backward passes each rank "
-                           f"its own gradient; f's backward gives every rank the sum of all "
-                           f"ranks' dn.")]
-            first_near(grads[r], options, f"with {w} ranks, the gradient {name}'s backward gives "
-                                          f"rank {r} is neither its own nor the sum of all ranks'.")
+            first_near(grads[r], [
+                (cs[r], w, None), (total_c, w, f"{name}'s backward sums the ranks' gradients; "
+                                               f"g's backward is the identity — each rank's "
+                                               f"partial gets its own output's gradient (a sum "
+                                               f"would count it once per rank).")] if g else [
+                (total_c, w, None), (cs[r], 1, f"{name}'s backward passes each rank its own "
+                                               f"gradient; f's backward gives every rank the "
+                                               f"sum of all ranks' dn.")],
+                f"with {w} ranks, the gradient {name}'s backward gives rank {r} is neither its "
+                f"own nor the sum of all ranks'.")
 
 
 def _block_with(f, g) -> str:
-    """Run the simulated ranks with the given f and g; return the success text or raise."""
+    """The simulated ranks' step with the given f and g must equal dense."""
     for cfg, seed, x0, target, base in cases():
         step = simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
                               Injection(), LR, f=f, g=g)
-        fails = failing_against(seed, dense_reference(x0, target, base, cfg),
-                                rank0_view(step, cfg))
-        if fails:
-            raise Wrong(f"in the sharded block, for seed {seed}, {shape_text(cfg)}, it fails "
-                        f"{', '.join(fails)}.")
+        must_pass(seed, dense_reference(x0, target, base, cfg), rank0_view(step, cfg),
+                  f"in the sharded block, for seed {seed}, {shape_text(cfg)}, it fails")
     return f"the sharded block with it equals dense on all five measures for {coverage()}"
 
 
 @exercise("g as an autograd Function", 7)
 def check_g(g) -> str:
-    """Check a ``torch.autograd.Function`` ``g`` for simulated ranks: ``g.apply(*partials)``
-    (one tensor per rank) returns one tensor per rank — forward: the sum of all ranks'
-    partials on every rank; backward: identity. Probed alone on 2 and 4 ranks, then plugged
-    into every rank's forward (the engine's block, ``tpattn.parallel.simulated``, with the
-    package's f)."""
-    _check_collective(g, function_class(g, "g"), sums_forward=True)
+    """Check a ``torch.autograd.Function`` ``g``: ``g.apply(*partials)``, a tensor per rank,
+    returns on every rank the sum (forward) and passes gradients through (backward)."""
+    _check_collective(g, function_class(g, "g"), g=True)
     return ("forward sums, backward is the identity (probed on 2 and 4 ranks), and "
             + _block_with(None, g) + ".")
 
 
 @exercise("f as an autograd Function", 7)
 def check_f(f) -> str:
-    """Check a ``torch.autograd.Function`` ``f`` for simulated ranks: ``f.apply(*ns)`` (one
-    tensor per rank) returns one tensor per rank — forward: identity; backward: every rank
-    receives the sum of all ranks' gradients. Probed alone on 2 and 4 ranks, then plugged into
-    every rank's forward (the engine's block, ``tpattn.parallel.simulated``, with the
-    package's g)."""
-    _check_collective(f, function_class(f, "f"), sums_forward=False)
+    """Check a ``torch.autograd.Function`` ``f``: ``f.apply(*ns)``, a tensor per rank, is the
+    identity forward and gives every rank the sum of the ranks' gradients backward."""
+    _check_collective(f, function_class(f, "f"), g=False)
     return ("forward is the identity, backward sums (probed on 2 and 4 ranks), and "
             + _block_with(f, None) + ".")
 
@@ -283,25 +258,21 @@ def check_f(f) -> str:
 # --- chapters 8 and 9: predictions ----------------------------------------------------------
 
 def _grade_signature(predict, mode: str) -> str:
-    predicted = as_names(predict(), MEASURES, "measure")
     found = [set(fails) for fails, _ in mode_runs(mode, CHECKED_CONFIGS, CHECKED_SEEDS)]
-    return grade_prediction(predicted, found, "measures", mode, MEASURES)
+    return grade_prediction(as_names(predict(), MEASURES, "measure"), found, "measures", mode,
+                            MEASURES)
 
 
 @exercise("predict missing g's signature", 8)
 def check_missing_g_signature(predict) -> str:
-    """Check ``predict() -> set``: the names (``tpattn.MEASURES``) of the measures that fail
-    when g, the forward all-reduce of the output partials, is missing. Graded against real
-    runs of ``missing_output_reduce``."""
+    """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without g."""
     return _grade_signature(predict, MISSING_OUTPUT_REDUCE)
 
 
 @exercise("the fingerprint of a missing g", 8)
 def check_fingerprint(fingerprint) -> str:
-    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: the dense output minus the
-    output of the block without g (``tp_forward(..., reduce_output=False)``, rank 0's view),
-    computed from the ranks' partials. Compared with the actual difference up to float32
-    rounding of the sums involved."""
+    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: dense output minus the block's
+    without g (rank 0's view), up to float32 rounding of the sums involved."""
     for cfg, seed, x0, target, base in cases():
         with torch.no_grad():
             actual = dense_forward(x0, base, cfg) - tp_forward(x0, base, cfg, reduce_output=False)
@@ -313,8 +284,8 @@ def check_fingerprint(fingerprint) -> str:
         # Both sides add up to world_size + 1 terms of size <= scale, each with float32 rounding.
         scale = (x0.abs() + sum(p.abs() for p in partials)).max().item()
         bound = 4 * (cfg.world_size + 1) * torch.finfo(cfg.torch_dtype).eps * scale
-        hints = [(actual, None), (partials[0], "that is rank 0's own partial, the one the buggy "
-                                               "block keeps"),
+        hints = [(actual, None),
+                 (partials[0], "that is rank 0's own partial, the one the buggy block keeps"),
                  (sum(partials), "that is the whole branch, every rank's partial"),
                  (-actual, "the sign is flipped: dense minus the buggy output")]
         hint = next((text for t, text in hints if bool((got - t).abs().max() <= bound)),
@@ -327,17 +298,14 @@ def check_fingerprint(fingerprint) -> str:
 
 @exercise("predict missing f's signature", 9)
 def check_missing_f_signature(predict) -> str:
-    """Check ``predict() -> set``: the names (``tpattn.MEASURES``) of the measures that fail
-    when f's backward all-reduce of dn is missing. Graded against real runs of
-    ``missing_input_grad_reduce``."""
+    """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without f."""
     return _grade_signature(predict, MISSING_INPUT_GRAD_REDUCE)
 
 
 @exercise("which parameters a missing f hits", 9)
 def check_missing_f_parameters(predict) -> str:
-    """Check ``predict() -> set``: the names (``tpattn.block.params.PARAM_NAMES``) of the
-    parameters whose gradients are wrong when f is missing. Graded against real runs of
-    ``missing_input_grad_reduce``, parameter by parameter."""
+    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``) with wrong gradients
+    without f."""
     return grade_hits(predict, MISSING_INPUT_GRAD_REDUCE)
 
 
@@ -345,15 +313,12 @@ def check_missing_f_parameters(predict) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _real_runs() -> tuple[dict, ...]:
-    """``tpattn.run`` for every checked seed × shape × mode × simulation."""
-    return tuple(run(seed, mode, cfg, simulate)
-                 for cfg in CHECKED_CONFIGS for seed in CHECKED_SEEDS
-                 for mode in MODES for simulate in SIMULATIONS)
+    return tuple(run(seed, mode, cfg, simulate) for cfg in CHECKED_CONFIGS
+                 for seed in CHECKED_SEEDS for mode in MODES for simulate in SIMULATIONS)
 
 
 def _synthetic(fails: tuple) -> dict:
-    """A made-up result where exactly ``fails`` fail: those at exactly TOLERANCE (the smallest
-    failing value), the rest at half of it."""
+    """A made-up result: ``fails`` at exactly TOLERANCE, the other measures at half of it."""
     result = {"seed": 0, "mode": "unknown"}
     result.update({m: TOLERANCE if m in fails else 0.5 * TOLERANCE for m in MEASURES})
     return dict(result, passed=not fails)
@@ -361,8 +326,7 @@ def _synthetic(fails: tuple) -> dict:
 
 #: Signatures no mode of the package produces (the checkers' "unknown" cases).
 _UNKNOWN_SIGNATURES = (("loss_abs_diff",), ("post_step_weight_max_abs_diff",),
-                       ("forward_max_abs_diff",), ("input_grad_max_abs_diff",),
-                       MEASURES[3:])
+                       ("forward_max_abs_diff",), ("input_grad_max_abs_diff",), MEASURES[3:])
 
 
 def _signature(result: dict) -> tuple:
@@ -370,11 +334,11 @@ def _signature(result: dict) -> tuple:
 
 
 def _result_text(result: dict) -> str:
-    if result["mode"] == "unknown":
-        fails = _signature(result)
-        return (f"a made-up result where {', '.join(fails) or 'nothing'} "
-                f"{'is' if len(fails) == 1 else 'are'} at TOLERANCE and the rest below")
-    return f"seed {result['seed']}, {result['mode']}"
+    if result["mode"] != "unknown":
+        return f"seed {result['seed']}, {result['mode']}"
+    fails = _signature(result)
+    return (f"a made-up result where {', '.join(fails) or 'nothing'} "
+            f"{'is' if len(fails) == 1 else 'are'} at TOLERANCE and the rest below")
 
 
 def _grade_signature_of(got, want: tuple, result: dict) -> None:
@@ -385,28 +349,24 @@ def _grade_signature_of(got, want: tuple, result: dict) -> None:
                         f"in MEASURES order, so two signatures compare equal.")
         raise Wrong(f"your function should return a tuple of measure names, but it gave "
                     f"{type(got).__name__}.")
-    if got == want:
-        return
-    if set(got) == set(want):
+    if got != want and set(got) == set(want):
         raise Wrong(f"the right measures in the wrong order for {_result_text(result)}; "
                     f"keep MEASURES order.")
     wrong_fail = [m for m in got if m not in want]
     wrong_pass = [m for m in want if m not in got]
-    parts = []
-    if wrong_fail:
-        parts.append(f"you count {', '.join(wrong_fail)} as failing, but "
-                     f"{'it is' if len(wrong_fail) == 1 else 'they are'} below TOLERANCE")
-    if wrong_pass:
-        parts.append(f"you count {', '.join(wrong_pass)} as passing, but a measure "
-                     f"at or above TOLERANCE fails")
-    raise Wrong(f"for {_result_text(result)}: {'; '.join(parts)}.")
+    parts = ([f"you count {', '.join(wrong_fail)} as failing, but "
+              f"{'it is' if len(wrong_fail) == 1 else 'they are'} below TOLERANCE"]
+             if wrong_fail else []) + \
+        ([f"you count {', '.join(wrong_pass)} as passing, but a measure at or above TOLERANCE "
+          f"fails"] if wrong_pass else [])
+    if parts:
+        raise Wrong(f"for {_result_text(result)}: {'; '.join(parts)}.")
 
 
 @exercise("a signature", 10)
 def check_signature(signature) -> str:
-    """Check ``signature(result) -> tuple``: the names of the measures that fail
-    (``>= tpattn.TOLERANCE``), in ``tpattn.MEASURES`` order, for a ``tpattn.run`` dict.
-    Graded on made-up results at the threshold and on real runs of every mode."""
+    """Check ``signature(result) -> tuple``: the failing measures of a ``tpattn.run`` dict
+    (``>= TOLERANCE``), in ``MEASURES`` order; made-up results and real runs of every mode."""
     results = [_synthetic(s) for s in _UNKNOWN_SIGNATURES] + [_synthetic(())] + \
         [dict(r) for r in _real_runs()]
     for result in results:
@@ -418,12 +378,9 @@ def check_signature(signature) -> str:
 
 @exercise("diagnose a signature", 10)
 def check_diagnose(diagnose) -> str:
-    """Check ``diagnose(result) -> str | None``: from a ``tpattn.run`` dict's measures alone,
-    the mode that leaves that signature (``"equivalence"``, ``"missing_output_reduce"``,
-    ``"missing_input_grad_reduce"``), or ``None`` for a signature no mode leaves. The modes'
-    signatures are read off real runs; made-up results carry the other signatures."""
-    real = [dict(r) for r in _real_runs()]
-    mode_of = {}
+    """Check ``diagnose(result) -> str | None``: from a ``tpattn.run`` dict's measures, the mode
+    (of ``MODES``) that leaves its signature, or None for one no mode leaves."""
+    real, mode_of = [dict(r) for r in _real_runs()], {}
     for r in real:
         if mode_of.setdefault(_signature(r), r["mode"]) != r["mode"]:  # pragma: no cover
             raise Wrong("two modes share a signature in these runs; no diagnosis can tell "
