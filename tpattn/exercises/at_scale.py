@@ -96,8 +96,8 @@ def check_classify(classify) -> str:
         over = [m for m in MEASURES if result[m] > result["bounds"][m]]
         if want == "rounding":
             raise Wrong(f"correct TP (seed {result['seed']}, {cfg.dtype}) is rounding: every "
-                        f"measure is within its bound, even where it is above the seed's fixed "
-                        f"1e-6 — the bound scales with the dtype and the size.")
+                        f"measure is within its bound, even where it is above the fixture's "
+                        f"fixed 1e-6 — the bound scales with the dtype and the size.")
         raise Wrong(f"{result['mode']} (seed {result['seed']}, {cfg.dtype}) is a bug: "
                     f"{', '.join(over)} exceed{'s' if len(over) == 1 else ''} "
                     f"{'its bound' if len(over) == 1 else 'their bounds'}; any one measure over "

@@ -40,8 +40,8 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
         def _issue(self, label, collective, *args, group=None):
             self.issued += 1
             self.history.append(label)
-            tensor = args[0]
-            self.carried[label] = self.carried.get(label, 0) + tensor.numel() * tensor.element_size()
+            t = args[0]
+            self.carried[label] = self.carried.get(label, 0) + t.numel() * t.element_size()
 
     ledger = RecordingLedger()
     x0, target = make_inputs(cfg, 11)
