@@ -91,9 +91,9 @@ def test_import_tpattn_does_not_import_exercises():
 
 
 def test_no_solution_lives_in_the_package():
-    source = (Path(ex.__file__)).read_text()
+    source = "".join(path.read_text() for path in Path(ex.__file__).parent.glob("*.py"))
     assert "def train_step" not in source and "def keeps_groups" not in source
-    assert "class G(" not in source
+    assert "class G(" not in source and "def check_hunts(" in source
     assert "def reduce_kv_grads" not in source and "def shard_interleaved" not in source
     assert "def forward_with_bias" not in source and "def guess" not in source
 
@@ -332,7 +332,18 @@ WRONG_AROUND_MODEL = [
 ]
 
 
-ALL_WRONG = WRONG + WRONG_LATER + WRONG_AROUND_MODEL
+#: A wrong answer for each shared grading pattern the lists above do not reach.
+WRONG_GRADERS = [
+    ("check_g", lambda *ts: ts, "g should be a subclass of torch.autograd.Function"),
+    ("check_ledger_counts", lambda mode: {"forward": 1},
+     "should return a dict with the keys 'forward' and 'backward'"),
+    ("check_norm_grad_reduce", lambda grads: grads[:1], "should return a list of 2 tensors"),
+    ("check_norm_grad_reduce", lambda grads: [3 * g for g in grads],
+     "rank 0's norm gradient is neither the sum of the ranks' shares nor any one of them"),
+    ("check_relative_bound", lambda cfg: True, "your bound should be a float, but it is bool"),
+    ("check_missing_f_parameters", lambda: ["norm", "norm", "w_q"], "'w_q' is not one of"),
+]
+ALL_WRONG = WRONG + WRONG_LATER + WRONG_AROUND_MODEL + WRONG_GRADERS
 
 
 @pytest.mark.parametrize("checker, answer, expected", ALL_WRONG,
@@ -411,3 +422,15 @@ def test_the_html_book_shows_the_stubs_message_and_hides_the_solution(nb):
     assert len(solutions) == sum(1 for e in EXERCISES if e[0] == nb)
     assert html.count("not written yet") == len(solutions)
     assert "Traceback" not in html.split('id="exercises"')[-1]
+
+
+def test_grade_sum_passes_the_sum_and_names_the_mean_the_own_share_or_neither():
+    from tpattn.exercises.graders import Wrong, grade_sum
+    own = [torch.tensor([1.0, -2.0]), torch.tensor([3.0, 5.0]), torch.tensor([0.5, 0.25])]
+    total = own[0] + own[1] + own[2]
+    texts = (lambda r: f"mean on {r}", lambda r: f"own on {r}", lambda r: f"neither on {r}")
+    grade_sum([total.clone() for _ in own], own, *texts)
+    for got, message in (([total / 3] * 3, "mean on 0"), ([total, own[1], total], "own on 1"),
+                         ([total, total, 2 * total], "neither on 2")):
+        with pytest.raises(Wrong, match=message):
+            grade_sum(got, own, *texts)

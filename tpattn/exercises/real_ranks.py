@@ -1,0 +1,305 @@
+"""Part III, real ranks (chapters 11-13): what f and g carry, f and g on gloo ranks, the norm
+gradient and RoPE positions under sequence parallelism, replicated KV heads' gradients."""
+from __future__ import annotations
+
+import torch
+
+from tpattn.block.dense import attend_and_project
+from tpattn.block.layers import rms_norm
+from tpattn.block.params import init_params, shard_params
+from tpattn.block.sgd import sgd_step
+from tpattn.bugs.modes import resolve
+from tpattn.check.core import (EQUIVALENCE, LR, MODES, PARAM_SEED_OFFSET, dense_reference,
+                               five_measures, make_inputs)
+from tpattn.config import Config
+from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, NotWritten,
+                                      Wrong, cases, exercise, failing, first_near,
+                                      function_class, grade_hits, grade_sum, keyed, must_pass,
+                                      near, number, shape_text, tensor_list)
+from tpattn.parallel.injection import Injection
+from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
+
+# --- chapter 11 -----------------------------------------------------------------------------
+
+
+def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
+    """Rank 0's step of ``mode`` through the real ranks' block, with a ledger that records what
+    each collective is handed and sends nothing (one process). Returns ``(counts, carried)``:
+    the all-reduces per phase, and the bytes carried per collective label."""
+    from tpattn.check.core import one_step
+    from tpattn.real.ranks import CollectiveLedger, real_rank_block
+
+    class RecordingLedger(CollectiveLedger):
+        def __init__(self):
+            super().__init__()
+            self.carried = {}
+
+        def _record(self, *args):  # sizes come from the tensors themselves, not a group
+            pass
+
+        def _issue(self, label, collective, *args, group=None):
+            self.issued += 1
+            self.history.append(label)
+            t = args[0]
+            self.carried[label] = self.carried.get(label, 0) + t.numel() * t.element_size()
+
+    ledger = RecordingLedger()
+    x0, target = make_inputs(cfg, 11)
+    base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
+    inj = resolve(mode, cfg).injection
+    one_step(lambda x, shard: real_rank_block(x, shard, cfg, inj, ledger, rank=0),
+             x0, target, shard_params(base, cfg)[0])
+    return dict(ledger.counts), ledger.carried
+
+
+#: Shapes the bytes exercise is graded on: the checked ones, a float64 one and a wider one.
+BYTES_CONFIGS = CHECKED_CONFIGS + (
+    Config(dtype="float64"),
+    Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, head_dim=4, world_size=2),
+)
+
+
+@exercise("bytes f and g move", 11)
+def check_bytes_per_step(bytes_per_step) -> str:
+    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes f's and g's all-reduces
+    carry on one rank in one training step, as the real ranks hand them to the ledger."""
+    from tpattn.real.ranks import F_ALL_REDUCE, G_ALL_REDUCE
+    for cfg in BYTES_CONFIGS:
+        carried = _recorded_step(cfg)[1]
+        want = {"f": carried.get(F_ALL_REDUCE, 0), "g": carried.get(G_ALL_REDUCE, 0)}
+        got = keyed(bytes_per_step(cfg), ("f", "g"))
+        for name in ("f", "g"):
+            value = number(got[name], (int, float),
+                           f"'{name}' should be a number of bytes, but it is {{}}.")
+            if value == want[name]:
+                continue
+            hint = ""
+            if value * 2 == want[name] and cfg.dtype == "float64":
+                hint = " — an element's size depends on cfg.dtype"
+            elif value * cfg.world_size == want[name]:
+                hint = (" — that is divided by the ranks: an all-reduce's tensor is not "
+                        "sharded, every rank sends its full-size one")
+            raise Wrong(f"for {shape_text(cfg)}, {name}'s all-reduce carries {want[name]} "
+                        f"bytes per rank per step; you said {value:g}{hint}.")
+    return (f"right for all {len(BYTES_CONFIGS)} shapes, float64 among them: the sizes match "
+            f"the tensors the real ranks' f and g hand the ledger.")
+
+
+@exercise("the ledger's counts", 11)
+def check_ledger_counts(ledger_counts) -> str:
+    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``: the all-reduces one
+    rank's training step issues per phase, as the ledger records them on real ranks."""
+    for cfg in CHECKED_CONFIGS[:2]:
+        for mode in MODES:
+            want = _recorded_step(cfg, mode)[0]
+            got = keyed(ledger_counts(mode), ("forward", "backward"))
+            for phase in ("forward", "backward"):
+                if got[phase] != want[phase]:
+                    raise Wrong(f"for {mode}, one rank's step issues {want[phase]} "
+                                f"all-reduce{'s' if want[phase] != 1 else ''} in the {phase} "
+                                f"pass; you said {got[phase]!r}.")
+    return (f"right for every mode, on 2 and 4 ranks: the counts match what the ledger records "
+            f"when the real ranks' f and g run.")
+
+
+def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
+    """One rank of ``check_real_f_and_g`` (``run_on_ranks``): each seed's step with the reader's
+    f and g; rank 0 returns the five measures of the gathered steps, the others None."""
+    from tpattn.block.params import unshard_params
+    from tpattn.check.core import one_step
+    from tpattn.real.ranks import CollectiveLedger, gather_step
+
+    cfg, seeds, f, g = plan
+    ledger = CollectiveLedger()
+    results = []
+    for index, seed in enumerate(seeds):
+        x0, target = make_inputs(cfg, seed)
+        base = init_params(cfg, seed + PARAM_SEED_OFFSET)
+
+        def forward(x, shard):
+            n = f.apply(rms_norm(x, shard["norm"], cfg.eps))
+            return x + g.apply(attend_and_project(n, shard, cfg))
+
+        step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
+        gathered = gather_step(ledger, rank, step, lambda per_rank: unshard_params(per_rank, cfg))
+        if gathered is not None:
+            results.append(five_measures(seed, EQUIVALENCE,
+                                         dense_reference(x0, target, base, cfg), gathered[1]))
+        on_progress(index)
+    return results if rank == 0 else None
+
+
+@exercise("f and g on real ranks", 11)
+def check_real_f_and_g(f_and_g) -> str:
+    """Check ``(F, G)``: f and g as autograd Functions on one rank's ``[S, B, hidden]`` tensor
+    calling ``torch.distributed.all_reduce``, run on 2 forked gloo ranks against dense."""
+    from tpattn.real.launch import RankFailure, run_on_ranks
+
+    if not isinstance(f_and_g, tuple) or len(f_and_g) != 2:
+        raise Wrong("pass the two classes as a tuple (F, G).")
+    f, g = f_and_g
+    function_class(f, "F")
+    function_class(g, "G")
+    cfg = Config()
+    try:
+        results, _ = run_on_ranks(_real_fg_rank, cfg.world_size, (cfg, CHECKED_SEEDS, f, g),
+                                  timeout=20.0, backend="gloo", start_method="fork")
+    except RankFailure as e:
+        text = str(e).removeprefix("real-rank run failed: ")
+        if "NotImplementedError" in text:
+            raise NotWritten() from None
+        raise Wrong(f"on real ranks, {text}.") from None
+    for metrics in results[0]:
+        fails = failing(metrics)
+        if "forward_max_abs_diff" in fails:
+            raise Wrong(f"on real ranks the output is not dense's (seed {metrics['seed']}): "
+                        f"G's forward must leave every rank with the sum of all ranks' "
+                        f"partials.")
+        if fails:
+            raise Wrong(f"on real ranks the forward is right but {', '.join(fails)} fail "
+                        f"(seed {metrics['seed']}): F's backward must all-reduce dn, and G's "
+                        f"backward must pass the gradient through unchanged.")
+    return (f"on 2 real gloo ranks your F and G give dense's step on all five measures for "
+            f"{len(CHECKED_SEEDS)} seeds.")
+
+
+# --- chapter 12 -----------------------------------------------------------------------------
+
+#: Shapes of the sequence-parallel exercises: 2 ranks; 4 ranks; 3 ranks, batch 1, hidden 8.
+SP_CONFIGS = (
+    Config(seq=4, sequence_parallel=True),
+    Config(seq=8, query_heads=8, kv_heads=4, world_size=4, sequence_parallel=True),
+    Config(seq=6, batch=1, hidden=8, query_heads=6, kv_heads=3, head_dim=2, world_size=3,
+           sequence_parallel=True),
+)
+
+
+@exercise("the norm-gradient all-reduce under SP", 12)
+def check_norm_grad_reduce(finalize) -> str:
+    """Check ``finalize(norm_grads) -> list``: from every rank's ``[hidden]`` norm gradient
+    under SP (its own tokens' share), the gradient each rank steps with."""
+    count = 0
+    for cfg, seed, x0, target, base in cases(SP_CONFIGS, EXTRA_SEEDS):
+        w = cfg.world_size
+        steps = rank_steps(simulated_step(
+            shard_params(base, cfg), list(zip(x0.chunk(w), target.chunk(w))), cfg,
+            Injection(norm_grad="none"), LR))
+        own = [s["grads"]["norm"].clone() for s in steps]
+        got = tensor_list(finalize([g.clone() for g in own]), w, [cfg.hidden], "norm gradient")
+        where = f"for seed {seed}, {shape_text(cfg)}"
+        grade_sum(got, own,
+                  lambda r: f"{where}, rank {r} uses the average of the ranks' shares; each "
+                            f"share is a different set of tokens' term of one sum, so they add "
+                            f"up (sum, not mean).",
+                  lambda r: f"{where}, rank {r} keeps only its own tokens' share: the norm "
+                            f"weight sees S/W tokens per rank, so its gradient needs an "
+                            f"all-reduce (sum) over the TP group.",
+                  lambda r: f"{where}, rank {r}'s norm gradient is neither the sum of the ranks' "
+                            f"shares nor any one of them.")
+        for r, s in enumerate(steps):
+            s["grads"]["norm"] = got[r].detach()
+            s["weights"]["norm"] = sgd_step({"norm": base["norm"]},
+                                            {"norm": got[r].detach()}, LR)["norm"]
+        must_pass(seed, dense_reference(x0, target, base, cfg), gather_steps(steps, cfg),
+                  f"{where}, the SP step fails")
+        count += 1
+    return (f"every rank uses the sum of the ranks' shares, so the norm replicas stay "
+            f"equal and the SP step equals dense on all five measures for {count} cases "
+            f"({len(EXTRA_SEEDS)} seeds × {len(SP_CONFIGS)} shapes, 2 to 4 ranks).")
+
+
+@exercise("RoPE positions under SP", 12)
+def check_rope_offset(offset) -> str:
+    """Check ``offset(cfg, rank) -> int``: the position of rank ``rank``'s first token under SP,
+    ``apply_rope``'s offset, graded against rotating the whole gathered sequence."""
+    from tpattn.block.layers import apply_rope
+    from tpattn.parallel.sequence_parallel import rank_tokens
+    configs = SP_CONFIGS + (Config(seq=12, query_heads=4, kv_heads=4, world_size=4,
+                                   sequence_parallel=True),)
+    gen = torch.Generator().manual_seed(12)
+    for cfg in configs:
+        q = torch.randn(cfg.seq, cfg.batch, cfg.query_heads, cfg.head_dim, generator=gen)
+        full = apply_rope(q)
+        for rank in range(cfg.world_size):
+            got = number(offset(cfg, rank), int, "your offset should be an int, but it is {}.")
+            tokens = rank_tokens(cfg, rank)
+            where = f"for {cfg.world_size} ranks, seq {cfg.seq}"
+            if not 0 <= got <= 4 * cfg.seq:
+                raise Wrong(f"{where}, rank {rank}: offset {got} is not a position of this "
+                            f"sequence.")
+            if near(apply_rope(q[tokens], offset=got), full[tokens], 2):
+                continue
+            first = tokens.start
+            hint = (" — that rotates every rank's tokens as if they started the sequence"
+                    if got == 0 and first else "")
+            raise Wrong(f"{where}: rank {rank} holds positions {first}..{tokens.stop - 1} of the "
+                        f"gathered sequence, but offset {got} rotates them as positions "
+                        f"{got}..{got + tokens.stop - first - 1}{hint}.")
+    return (f"right for every rank of {len(configs)} shapes (2 to 4 ranks): each rank's "
+            f"rotated tokens equal the gathered sequence's, so attention sees global "
+            f"positions.")
+
+
+# --- chapter 13 -----------------------------------------------------------------------------
+
+#: Fewer KV heads than ranks: 2 KV heads on 4 ranks; 1 on 4; 2 on 8 (a small odd shape).
+KV_CONFIGS = (
+    Config(query_heads=8, kv_heads=2, world_size=4),
+    Config(query_heads=4, kv_heads=1, world_size=4),
+    Config(seq=3, batch=1, hidden=8, query_heads=8, kv_heads=2, head_dim=2, world_size=8),
+)
+
+
+def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, where: str) -> None:
+    """Each ``got[r]`` must be ``want[r]``, its KV head's gradient; else ``Wrong`` naming the
+    own-rank, all-rank or replica-mean mistake."""
+    w = len(own)
+    everyone = sum(own[1:], own[0])
+    for r in range(w):
+        group = next(g for g in groups if r in g)
+        in_group = sum(own[i] for i in group)
+        first_near(got[r], [
+            (want[r], w, None),
+            (own[r], 1, f"{where}, rank {r}'s copy of {name} keeps only its own rank's gradient; "
+                        f"ranks {group} read the same KV head, so the head's gradient is the "
+                        f"sum over that replica group."),
+            (everyone, w, f"{where}, rank {r}'s {name} gradient is summed over all {w} ranks; "
+                          f"the other replica groups hold other KV heads — sum only over its "
+                          f"replica group {group}."),
+            (in_group / len(group), w, f"{where}, rank {r}'s {name} gradient is the replica "
+                                       f"group's average; each replica's gradient is a "
+                                       f"different term of the head's gradient, so they add "
+                                       f"up.")],
+            f"{where}, rank {r}'s {name} gradient is not the dense gradient of its KV head's rows.")
+
+
+@exercise("reduce the KV gradients over the replica group", 13)
+def check_kv_grad_reduce(reduce) -> str:
+    """Check ``reduce(grads, cfg) -> list``: from every rank's ``[D, hidden]`` gradient of its
+    copy of a replicated ``wk`` or ``wv``, the gradient each copy must get (dense's rows)."""
+    from tpattn.parallel.kv_heads import kv_weight_rows, replica_groups
+    count = 0
+    for cfg, seed, x0, target, base in cases(KV_CONFIGS, EXTRA_SEEDS):
+        w = cfg.world_size
+        steps = rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg,
+                                          Injection(kv_grad="none"), LR))
+        dense = dense_reference(x0, target, base, cfg)
+        for name in ("wk", "wv"):
+            own = [s["grads"][name].clone() for s in steps]
+            got = tensor_list(reduce([g.clone() for g in own], cfg), w,
+                              [own[0].shape[0], cfg.hidden], f"{name} gradient")
+            want = [dense["grads"][name][kv_weight_rows(cfg, r)] for r in range(w)]
+            _grade_kv_grads(got, own, want, replica_groups(cfg), name,
+                            f"for seed {seed}, {shape_text(cfg)}")
+            count += 1
+    return (f"every rank's copy of wk and wv gets its KV head's full gradient (the sum over "
+            f"its replica group) on {count} cases: {len(EXTRA_SEEDS)} seeds × "
+            f"{len(KV_CONFIGS)} shapes, 4 and 8 ranks.")
+
+
+@exercise("which parameters a missing KV reduce hits", 13)
+def check_missing_kv_parameters(predict) -> str:
+    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``) with wrong gradients
+    without the replica-group all-reduce of the KV gradients."""
+    from tpattn.check.core import MISSING_KV_GRAD_REDUCE
+    return grade_hits(predict, MISSING_KV_GRAD_REDUCE, KV_CONFIGS[:2], EXTRA_SEEDS)

@@ -1,0 +1,404 @@
+"""Part II, splitting the block across ranks (chapters 6-10): the shards, f and g as autograd
+Functions, the two missing reductions' signatures and fingerprint, and reading a signature."""
+from __future__ import annotations
+
+import functools
+import random
+
+import torch
+
+from tpattn.block.dense import attend_and_project, dense_forward
+from tpattn.block.layers import rms_norm
+from tpattn.block.params import PARAM_NAMES, clone_trainable, rank_head_slices, shard_params
+from tpattn.bugs.modes import run
+from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE,
+                               MISSING_OUTPUT_REDUCE, MODES, SIMULATIONS, TOLERANCE,
+                               dense_reference)
+from tpattn.config import Config
+from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
+                                      coverage, exercise, expect_shape, failing, first_near,
+                                      function_class, grade_hits, grade_prediction, head_of,
+                                      mode_runs, must_pass, shape_text, tensor)
+from tpattn.parallel.injection import Injection
+from tpattn.parallel.simulated import rank0_view, simulated_step
+from tpattn.parallel.tp import tp_forward
+
+# --- chapter 6 ------------------------------------------------------------------------------
+
+
+def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, rank: int) -> list:
+    """The dense heads ``shard``'s blocks of ``d`` rows are, in order, else ``Wrong``."""
+    heads = []
+    for i in range(shard.shape[0] // d):
+        h = head_of(shard[i * d:(i + 1) * d].detach(), dense.detach(), d)
+        if h is None:
+            raise Wrong(f"rank {rank}'s {what} rows {i * d}..{(i + 1) * d - 1} are not one "
+                        f"whole head of the dense {what}: a head's head_dim rows stay together.")
+        heads.append(h)
+    return heads
+
+
+def _rank_heads(mine, params: dict, cfg: Config, rank: int) -> tuple[list[int], list[int]]:
+    """The query and KV heads rank ``rank``'s shard holds; ``Wrong`` for a wrong shape, a
+    split head or group, or wo columns of other heads."""
+    d, g, lq, lkv = cfg.head_dim, cfg.group_size, cfg.local_query_heads, cfg.local_kv_heads
+    expected = {"norm": [cfg.hidden], "wq": [lq * d, cfg.hidden], "wk": [lkv * d, cfg.hidden],
+                "wv": [lkv * d, cfg.hidden], "wo": [cfg.hidden, lq * d]}
+    if not isinstance(mine, dict) or any(k not in mine for k in PARAM_NAMES):
+        raise Wrong(f"rank {rank}'s shard should be a dict with the keys {', '.join(PARAM_NAMES)}.")
+    for k in PARAM_NAMES:
+        expect_shape(tensor(mine[k], f"rank {rank}'s {k}"), expected[k],
+                     f"for {shape_text(cfg)}, rank {rank}'s {k}")
+    q = _heads_held(mine["wq"], params["wq"], d, "wq", rank)
+    kv = _heads_held(mine["wk"], params["wk"], d, "wk", rank)
+    if _heads_held(mine["wv"], params["wv"], d, "wv", rank) != kv:
+        raise Wrong(f"rank {rank} holds other heads of wv than of wk; a KV head's "
+                    f"key and value rows go together.")
+    o = _heads_held(mine["wo"].t(), params["wo"].t(), d, "wo column", rank)
+    if o != q:
+        raise Wrong(f"rank {rank}'s wo columns belong to query heads {o}, but it computes query "
+                    f"heads {q}: wo's columns must match the rank's own heads.")
+    for i, h in enumerate(q):
+        if h // g not in kv:
+            raise Wrong(f"for {shape_text(cfg)}, rank {rank} holds query heads {q} and KV heads "
+                        f"{kv}: query head {h} reads KV head {h // g}, which is not on rank "
+                        f"{rank} — a split group.")
+        if kv[i // g] != h // g:
+            raise Wrong(f"rank {rank} holds the right heads in the wrong order: its query head "
+                        f"{h} would read KV head {kv[i // g]} (repeat_kv pairs local query "
+                        f"head i with local KV head i // group_size).")
+    return q, kv
+
+
+def _grade_sharded_block(shard, cfg: Config, seed: int, x0, params: dict) -> None:
+    """``Wrong`` unless gradients reach ``params`` and the sharded block passes."""
+    tp_forward(x0, params, cfg, shard_fn=shard).sum().backward()
+    unreached = [k for k in PARAM_NAMES if params[k].grad is None]
+    fails = failing(run(seed, EQUIVALENCE, cfg, shard_fn=shard)) if not unreached else \
+        ["parameter_grad_max_abs_diff"]
+    if fails and "forward_max_abs_diff" not in fails:
+        raise Wrong("every rank holds the right heads and the forward matches, but the "
+                    "gradients do not reach the dense parameters"
+                    + (f" ({', '.join(unreached)} get none)" if unreached else "")
+                    + ": a shard must be a differentiable slice of params (no detach, "
+                    "no new tensor).")
+    if fails:
+        raise Wrong(f"the sharded block differs from dense for seed {seed}, "
+                    f"{shape_text(cfg)} (fails {', '.join(fails)}).")
+
+
+@exercise("shard_params", 6)
+def check_shard_params(shard) -> str:
+    """Check ``shard(params, cfg) -> list[dict]``: per rank ``norm`` and its heads' rows of
+    ``wq``, ``wk``, ``wv`` and columns of ``wo``, differentiable slices of ``params``."""
+    for cfg, seed, x0, target, base in cases():
+        params = clone_trainable(base)
+        shards = shard(params, cfg)
+        if not isinstance(shards, (list, tuple)) or len(shards) != cfg.world_size:
+            raise Wrong(f"for {shape_text(cfg)} your function should return a list of "
+                        f"{cfg.world_size} dicts, one per rank.")
+        held = [_rank_heads(mine, params, cfg, rank) for rank, mine in enumerate(shards)]
+        held_q = sorted(h for q, _ in held for h in q)
+        held_kv = sorted(h for _, kv in held for h in kv)
+        if held_q != list(range(cfg.query_heads)) or held_kv != list(range(cfg.kv_heads)):
+            raise Wrong(f"for {shape_text(cfg)} some head is on two ranks or on none (query "
+                        f"heads held: {held_q}, KV heads: {held_kv}).")
+        _grade_sharded_block(shard, cfg, seed, x0, params)
+    return (f"every rank holds complete query/KV groups with the matching wo columns, "
+            f"gradients reach the dense parameters, and tpattn.run(..., shard_fn=yours) "
+            f"passes all five measures for {coverage()}.")
+
+
+def _layout_shard_fn(layout):
+    """A ``shard_fn`` giving rank r the heads ``layout[r]["query"]`` and ``layout[r]["kv"]``."""
+
+    def shard_fn(params, cfg):
+        def rows(heads):
+            return torch.tensor([h * cfg.head_dim + i for h in sorted(heads)
+                                 for i in range(cfg.head_dim)])
+
+        return [{"norm": params["norm"], "wq": params["wq"][rows(r["query"])],
+                 "wk": params["wk"][rows(r["kv"])], "wv": params["wv"][rows(r["kv"])],
+                 "wo": params["wo"][:, rows(r["query"])]} for r in layout]
+
+    return shard_fn
+
+
+def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
+    """Balanced layouts: the package's, groups moved between ranks, query heads shuffled, and
+    one query head swapped."""
+    w, g, d = cfg.world_size, cfg.group_size, cfg.head_dim
+    lq, lkv = cfg.local_query_heads, cfg.local_kv_heads
+
+    def from_lists(query, kv):
+        return [{"query": sorted(query[r * lq:(r + 1) * lq]),
+                 "kv": sorted(kv[r * lkv:(r + 1) * lkv])} for r in range(w)]
+
+    package = [{"query": list(range(q.start // d, q.stop // d)),
+                "kv": list(range(kv.start // d, kv.stop // d))}
+               for q, kv in (rank_head_slices(cfg, rank) for rank in range(w))]
+    layouts = [package]
+    for _ in range(2):  # whole groups moved to other ranks
+        kv = list(range(cfg.kv_heads))
+        rng.shuffle(kv)
+        layouts.append(from_lists([k * g + i for k in kv for i in range(g)], kv))
+    for _ in range(2):  # query heads shuffled, KV heads where the package puts them
+        query = list(range(cfg.query_heads))
+        rng.shuffle(query)
+        layouts.append(from_lists(query, list(range(cfg.kv_heads))))
+    swapped = [list(r["query"]) for r in package]
+    swapped[0][-1], swapped[-1][0] = swapped[-1][0], swapped[0][-1]
+    layouts.append([{"query": sorted(q), "kv": r["kv"]} for q, r in zip(swapped, package)])
+    return layouts
+
+
+@exercise("detect a split group", 6)
+def check_keeps_groups(keeps_groups) -> str:
+    """Check ``keeps_groups(layout, cfg) -> bool``: whether a layout (per rank the sorted lists
+    ``"query"`` and ``"kv"`` of its heads) keeps every group on one rank, as running it says."""
+    rng, count = random.Random(13), 0
+    for cfg in CHECKED_CONFIGS:
+        for layout in _layouts(cfg, rng):
+            truth = run(11, EQUIVALENCE, cfg, shard_fn=_layout_shard_fn(layout))["passed"]
+            answer = keeps_groups([{"query": list(p["query"]), "kv": list(p["kv"])}
+                                   for p in layout], cfg)
+            if not isinstance(answer, bool) and not (
+                    isinstance(answer, torch.Tensor) and answer.numel() == 1):
+                raise Wrong(f"your function should return True or False, but it gave "
+                            f"{type(answer).__name__}.")
+            if bool(answer) != truth:
+                verdict = ("keeps groups complete, but the sharded block with this layout "
+                           "differs from dense" if answer else
+                           "splits a group, but the sharded block with this layout matches "
+                           "dense on all five measures")
+                text = "; ".join(f"rank {r}: query {part['query']}, KV {part['kv']}"
+                                 for r, part in enumerate(layout))
+                raise Wrong(f"for {shape_text(cfg)} and the layout {text}, you said it {verdict}.")
+            count += 1
+    return (f"right on all {count} layouts (three shapes, the package's layout, groups moved "
+            f"between ranks and shuffled heads), each graded by running the sharded block.")
+
+
+# --- chapter 7 ------------------------------------------------------------------------------
+
+def _probe(collective, w: int, name: str) -> tuple[list, list, list, list]:
+    """``collective.apply`` on ``w`` random ``[3, 2, 4]`` tensors, backward from random output
+    gradients: (inputs, outputs, output gradients, input gradients)."""
+    gen = torch.Generator().manual_seed(7)
+    ts = [torch.randn(3, 2, 4, generator=gen).requires_grad_(True) for _ in range(w)]
+    cs = [torch.randn(3, 2, 4, generator=gen) for _ in range(w)]
+    outs = collective.apply(*ts)
+    if isinstance(outs, torch.Tensor) or not isinstance(outs, (tuple, list)) or len(outs) != w:
+        raise Wrong(f"{name}.apply(*tensors) with {w} tensors should return "
+                    f"{w} tensors, one per rank.")
+    for r, o in enumerate(outs):
+        expect_shape(tensor(o, f"{name}'s output for rank {r}"), ts[r].shape,
+                     f"{name}'s output for rank {r}")
+    sum((o * c).sum() for o, c in zip(outs, cs)).backward()
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ts]
+    return [t.detach() for t in ts], [o.detach() for o in outs], cs, grads
+
+
+def _check_collective(collective, name: str, g: bool) -> None:
+    """The probe's verdict on a g (``g``: summing forward, identity backward) or an f."""
+    for w in (2, 4):
+        ts, outs, cs, grads = _probe(collective, w, name)
+        total, total_c = sum(ts), sum(cs)
+        for r in range(w):
+            first_near(outs[r], [
+                (total, w, None), (ts[r], 1, f"{name}'s forward hands rank {r} its own tensor "
+                                             f"back; g's forward gives every rank the sum of "
+                                             f"all ranks' partials.")] if g else [
+                (ts[r], w, None), (total, w, f"{name}'s forward sums the ranks' tensors; f's "
+                                             f"forward is the identity — every rank already "
+                                             f"holds the same n.")],
+                f"with {w} ranks, {name}'s forward output for rank {r} is neither its own tensor "
+                f"nor the sum of all ranks' tensors.")
+        for r in range(w):
+            first_near(grads[r], [
+                (cs[r], w, None), (total_c, w, f"{name}'s backward sums the ranks' gradients; "
+                                               f"g's backward is the identity — each rank's "
+                                               f"partial gets its own output's gradient (a sum "
+                                               f"would count it once per rank).")] if g else [
+                (total_c, w, None), (cs[r], 1, f"{name}'s backward passes each rank its own "
+                                               f"gradient; f's backward gives every rank the "
+                                               f"sum of all ranks' dn.")],
+                f"with {w} ranks, the gradient {name}'s backward gives rank {r} is neither its "
+                f"own nor the sum of all ranks'.")
+
+
+def _block_with(f, g) -> str:
+    """The simulated ranks' step with the given f and g must equal dense."""
+    for cfg, seed, x0, target, base in cases():
+        step = simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
+                              Injection(), LR, f=f, g=g)
+        must_pass(seed, dense_reference(x0, target, base, cfg), rank0_view(step, cfg),
+                  f"in the sharded block, for seed {seed}, {shape_text(cfg)}, it fails")
+    return f"the sharded block with it equals dense on all five measures for {coverage()}"
+
+
+@exercise("g as an autograd Function", 7)
+def check_g(g) -> str:
+    """Check a ``torch.autograd.Function`` ``g``: ``g.apply(*partials)``, a tensor per rank,
+    returns on every rank the sum (forward) and passes gradients through (backward)."""
+    _check_collective(g, function_class(g, "g"), g=True)
+    return ("forward sums, backward is the identity (probed on 2 and 4 ranks), and "
+            + _block_with(None, g) + ".")
+
+
+@exercise("f as an autograd Function", 7)
+def check_f(f) -> str:
+    """Check a ``torch.autograd.Function`` ``f``: ``f.apply(*ns)``, a tensor per rank, is the
+    identity forward and gives every rank the sum of the ranks' gradients backward."""
+    _check_collective(f, function_class(f, "f"), g=False)
+    return ("forward is the identity, backward sums (probed on 2 and 4 ranks), and "
+            + _block_with(f, None) + ".")
+
+
+# --- chapters 8 and 9: predictions ----------------------------------------------------------
+
+def _grade_signature(predict, mode: str) -> str:
+    found = [set(fails) for fails, _ in mode_runs(mode, CHECKED_CONFIGS, CHECKED_SEEDS)]
+    return grade_prediction(as_names(predict(), MEASURES, "measure"), found, "measures", mode,
+                            MEASURES)
+
+
+@exercise("predict missing g's signature", 8)
+def check_missing_g_signature(predict) -> str:
+    """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without g."""
+    return _grade_signature(predict, MISSING_OUTPUT_REDUCE)
+
+
+@exercise("the fingerprint of a missing g", 8)
+def check_fingerprint(fingerprint) -> str:
+    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: dense output minus the block's
+    without g (rank 0's view), up to float32 rounding of the sums involved."""
+    for cfg, seed, x0, target, base in cases():
+        with torch.no_grad():
+            actual = dense_forward(x0, base, cfg) - tp_forward(x0, base, cfg, reduce_output=False)
+            n = rms_norm(x0, base["norm"], cfg.eps)
+            partials = [attend_and_project(n, s, cfg) for s in shard_params(base, cfg)]
+        got = fingerprint(x0.clone(), {k: v.clone() for k, v in base.items()}, cfg)
+        got = tensor(got, "your fingerprint").detach()
+        expect_shape(got, actual.shape, f"for {shape_text(cfg)} your fingerprint")
+        # Both sides add up to world_size + 1 terms of size <= scale, each with float32 rounding.
+        scale = (x0.abs() + sum(p.abs() for p in partials)).max().item()
+        bound = 4 * (cfg.world_size + 1) * torch.finfo(cfg.torch_dtype).eps * scale
+        hints = [(actual, None),
+                 (partials[0], "that is rank 0's own partial, the one the buggy block keeps"),
+                 (sum(partials), "that is the whole branch, every rank's partial"),
+                 (-actual, "the sign is flipped: dense minus the buggy output")]
+        hint = next((text for t, text in hints if bool((got - t).abs().max() <= bound)),
+                    f"it is off by up to {(got - actual).abs().max().item():.1e}")
+        if hint is not None:
+            raise Wrong(f"for seed {seed}, {shape_text(cfg)}: {hint}.")
+    return (f"your fingerprint equals dense − (block without g) up to float32 rounding for "
+            f"{coverage()}: the forward error of a missing g is exactly what rank 0 misses.")
+
+
+@exercise("predict missing f's signature", 9)
+def check_missing_f_signature(predict) -> str:
+    """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without f."""
+    return _grade_signature(predict, MISSING_INPUT_GRAD_REDUCE)
+
+
+@exercise("which parameters a missing f hits", 9)
+def check_missing_f_parameters(predict) -> str:
+    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``) with wrong gradients
+    without f."""
+    return grade_hits(predict, MISSING_INPUT_GRAD_REDUCE)
+
+
+# --- chapter 10 -----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _real_runs() -> tuple[dict, ...]:
+    return tuple(run(seed, mode, cfg, simulate) for cfg in CHECKED_CONFIGS
+                 for seed in CHECKED_SEEDS for mode in MODES for simulate in SIMULATIONS)
+
+
+def _synthetic(fails: tuple) -> dict:
+    """A made-up result: ``fails`` at exactly TOLERANCE, the other measures at half of it."""
+    result = {"seed": 0, "mode": "unknown"}
+    result.update({m: TOLERANCE if m in fails else 0.5 * TOLERANCE for m in MEASURES})
+    return dict(result, passed=not fails)
+
+
+#: Signatures no mode of the package produces (the checkers' "unknown" cases).
+_UNKNOWN_SIGNATURES = (("loss_abs_diff",), ("post_step_weight_max_abs_diff",),
+                       ("forward_max_abs_diff",), ("input_grad_max_abs_diff",), MEASURES[3:])
+
+
+def _signature(result: dict) -> tuple:
+    return tuple(m for m in MEASURES if result[m] >= TOLERANCE)
+
+
+def _result_text(result: dict) -> str:
+    if result["mode"] != "unknown":
+        return f"seed {result['seed']}, {result['mode']}"
+    fails = _signature(result)
+    return (f"a made-up result where {', '.join(fails) or 'nothing'} "
+            f"{'is' if len(fails) == 1 else 'are'} at TOLERANCE and the rest below")
+
+
+def _grade_signature_of(got, want: tuple, result: dict) -> None:
+    """``Wrong`` unless ``got`` is the tuple ``want``, naming what is off."""
+    if not isinstance(got, tuple):
+        if isinstance(got, (list, set, frozenset)) and set(got) == set(want):
+            raise Wrong(f"the right measures, as a {type(got).__name__}; return a tuple "
+                        f"in MEASURES order, so two signatures compare equal.")
+        raise Wrong(f"your function should return a tuple of measure names, but it gave "
+                    f"{type(got).__name__}.")
+    if got != want and set(got) == set(want):
+        raise Wrong(f"the right measures in the wrong order for {_result_text(result)}; "
+                    f"keep MEASURES order.")
+    wrong_fail = [m for m in got if m not in want]
+    wrong_pass = [m for m in want if m not in got]
+    parts = ([f"you count {', '.join(wrong_fail)} as failing, but "
+              f"{'it is' if len(wrong_fail) == 1 else 'they are'} below TOLERANCE"]
+             if wrong_fail else []) + \
+        ([f"you count {', '.join(wrong_pass)} as passing, but a measure at or above TOLERANCE "
+          f"fails"] if wrong_pass else [])
+    if parts:
+        raise Wrong(f"for {_result_text(result)}: {'; '.join(parts)}.")
+
+
+@exercise("a signature", 10)
+def check_signature(signature) -> str:
+    """Check ``signature(result) -> tuple``: the failing measures of a ``tpattn.run`` dict
+    (``>= TOLERANCE``), in ``MEASURES`` order; made-up results and real runs of every mode."""
+    results = [_synthetic(s) for s in _UNKNOWN_SIGNATURES] + [_synthetic(())] + \
+        [dict(r) for r in _real_runs()]
+    for result in results:
+        _grade_signature_of(signature(dict(result)), _signature(result), result)
+    return (f"right on {len(results)} results: made-up ones at the threshold and real runs of "
+            f"every mode, {len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes, both "
+            f"simulations.")
+
+
+@exercise("diagnose a signature", 10)
+def check_diagnose(diagnose) -> str:
+    """Check ``diagnose(result) -> str | None``: from a ``tpattn.run`` dict's measures, the mode
+    (of ``MODES``) that leaves its signature, or None for one no mode leaves."""
+    real, mode_of = [dict(r) for r in _real_runs()], {}
+    for r in real:
+        if mode_of.setdefault(_signature(r), r["mode"]) != r["mode"]:  # pragma: no cover
+            raise Wrong("two modes share a signature in these runs; no diagnosis can tell "
+                        "them apart.")
+    results = real + [_synthetic(s) for s in _UNKNOWN_SIGNATURES if s not in mode_of]
+    for result in results:
+        got = diagnose({k: v for k, v in result.items() if k != "mode"})
+        want = mode_of.get(_signature(result))
+        if got == want:
+            continue
+        if got is not None and got not in MODES:
+            raise Wrong(f"your function returned {got!r}; return one of "
+                        f"{', '.join(MODES)}, or None for a signature no mode leaves.")
+        raise Wrong(f"for {_result_text(result)} (failing: "
+                    f"{', '.join(_signature(result)) or 'nothing'}) you said "
+                    f"{'None' if got is None else got}; "
+                    + (f"the run came from {want}." if want else
+                       "no mode leaves that signature, so the answer is None."))
+    return (f"right on {len(results)} results: every real run ({len(real)}: every mode, "
+            f"{len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes, both simulations) "
+            f"and every made-up signature that no mode leaves.")
