@@ -147,14 +147,7 @@ def features(obs: dict) -> dict:
         "kv_replicated": setup["kv_heads"] < w,
         "replicas_agree_k": all(len(set(v)) == 1
                                 for v in obs["replica_checksums"]["after_k"].values()),
-        "fwd": _reductions(ledger, "forward"), "fwd_plan": _reductions(plan, "forward"),
-        "bwd": _reductions(ledger, "backward"), "bwd_plan": _reductions(plan, "backward"),
-        "bwd_avg": _count(ledger, "backward", "tp", "avg"),
-        "bwd_avg_plan": _count(plan, "backward", "tp", "avg"),
-        "after_bwd": _count(ledger, "after backward"),
-        "after_bwd_plan": _count(plan, "after backward"),
-        "after_bwd_avg": _count(ledger, "after backward", op="avg"),
-        "after_bwd_avg_plan": _count(plan, "after backward", op="avg"),
+        **_ledger_counts(ledger, plan),
         "dropout": setup.get("dropout", 0.0) > 0, "qk_norm": setup.get("qk_norm", False),
         # the ranks' default RNG states when the step starts (observed with dropout only)
         "rng_states_agree": len(set(obs.get("rng_state_checksums", [0.0]))) == 1,
@@ -169,20 +162,43 @@ def features(obs: dict) -> dict:
     logged = obs["logged_grad_norm"]
     f["logged_norm_is"] = ("unknown" if once is None else "once" if _close(logged, once)
                            else "per rank" if _close(logged, every) else "neither")
-    ref = obs.get("reference")
-    f["has_reference"] = ref is not None
-    if ref is not None:
-        ratio = obs["grad_norm_ratio"]
-        f["loss_matches"] = _close(obs["rank_losses"][0], ref["rank_losses"][0])
-        f["curve_matches"] = all(_close(a, b) for a, b in zip(obs["loss_curve"], ref["loss_curve"]))
-        f["grads_match"] = {k: _close(r, 1.0) for k, r in ratio.items()}
-        f["norm_ratio_is"] = {"1/W": _close(ratio["norm"], 1 / w), "W": _close(ratio["norm"], w),
-                              "1": _close(ratio["norm"], 1.0)}
-        f["logged_norm_high"] = logged > ref["logged_grad_norm"] * (1 + AGREE_REL)
-        f["logged_norm_matches"] = _close(logged, ref["logged_grad_norm"])
-        f["bias_shift_along_bias"] = (obs.get("bias_grad_shift_cosine", 0.0) > 1 - 1e-3)
-        f["output_outside_partials"] = obs.get("output_outside_partials", 0.0) > OUTSIDE_REL
+    f["has_reference"] = obs.get("reference") is not None
+    if f["has_reference"]:
+        f.update(_reference_features(obs))
     return f
+
+
+def _ledger_counts(ledger: list[dict], plan: list[dict]) -> dict:
+    """The ledger's reductions per phase against the plan's (``_plan`` keys): TP-group
+    reductions forward and backward, those issued as ``avg``, and those after backward."""
+    return {
+        "fwd": _reductions(ledger, "forward"), "fwd_plan": _reductions(plan, "forward"),
+        "bwd": _reductions(ledger, "backward"), "bwd_plan": _reductions(plan, "backward"),
+        "bwd_avg": _count(ledger, "backward", "tp", "avg"),
+        "bwd_avg_plan": _count(plan, "backward", "tp", "avg"),
+        "after_bwd": _count(ledger, "after backward"),
+        "after_bwd_plan": _count(plan, "after backward"),
+        "after_bwd_avg": _count(ledger, "after backward", op="avg"),
+        "after_bwd_avg_plan": _count(plan, "after backward", op="avg"),
+    }
+
+
+def _reference_features(obs: dict) -> dict:
+    """The facts read against the known-good run (``obs["reference"]``): do the losses,
+    gradients and logged norm match it, and how the norm's gradient ratio reads."""
+    ref, ratio, w = obs["reference"], obs["grad_norm_ratio"], obs["setup"]["world_size"]
+    logged = obs["logged_grad_norm"]
+    return {
+        "loss_matches": _close(obs["rank_losses"][0], ref["rank_losses"][0]),
+        "curve_matches": all(_close(a, b) for a, b in zip(obs["loss_curve"], ref["loss_curve"])),
+        "grads_match": {k: _close(r, 1.0) for k, r in ratio.items()},
+        "norm_ratio_is": {"1/W": _close(ratio["norm"], 1 / w), "W": _close(ratio["norm"], w),
+                          "1": _close(ratio["norm"], 1.0)},
+        "logged_norm_high": logged > ref["logged_grad_norm"] * (1 + AGREE_REL),
+        "logged_norm_matches": _close(logged, ref["logged_grad_norm"]),
+        "bias_shift_along_bias": obs.get("bias_grad_shift_cosine", 0.0) > 1 - 1e-3,
+        "output_outside_partials": obs.get("output_outside_partials", 0.0) > OUTSIDE_REL,
+    }
 
 
 def _mesh_features(obs: dict, ledger: list[dict], plan: list[dict]) -> dict:

@@ -246,9 +246,9 @@ def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> N
                     else typ for axis in ops.axes})
 
 
-def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
-    """The mode's per-rank block on rank 0, its inputs and parameters declared: returns a
-    thunk that runs forward, the loss and backward."""
+def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool):
+    """Rank 0's side of the mode's program: ``(injection, parameters, their types, x, target,
+    the type of x and target)``; types are tuples of spmd_types' I/R/V, one per axis."""
     from spmd_types import I, R, V
 
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
@@ -281,15 +281,28 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
                      (V, I) if name in ("wk", "wv") and ops.replica is not None
                      else (V,) for name in params}
             x_type = (I,)
+    return inj, params, types, x0, target, x_type
 
-    streams, masks = {}, {}
-    if cfg.dropout > 0:  # rank 0's masks, drawn before the checker runs, then declared
-        from tpattn.parallel.rng import simulated_streams
 
-        drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
-        masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
-                 "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
-        streams = {"rng": _DrawnMasks(masks["attention"][0], masks["residual"][0])}
+def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
+    """With dropout, rank 0's masks drawn before the checker runs: ``(streams, masks)``,
+    ``streams`` for ``real_rank_block``, ``masks`` name → ``(mask, its type)``; else empty."""
+    if cfg.dropout <= 0:
+        return {}, {}
+    from spmd_types import I, V
+    from tpattn.parallel.rng import simulated_streams
+
+    drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
+    masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
+             "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
+    return {"rng": _DrawnMasks(masks["attention"][0], masks["residual"][0])}, masks
+
+
+def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
+    """The mode's per-rank block on rank 0, its inputs and parameters declared: returns a
+    thunk that runs forward, the loss and backward."""
+    inj, params, types, x0, target, x_type = _rank0_inputs(mode, cfg, seed, ops, twin)
+    streams, masks = _rank0_masks(cfg, seed, inj)
 
     def forward(x):
         return real_rank_block(x, params, cfg, inj, ops, rank=0, **streams)
@@ -304,7 +317,7 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
         for t, typ in declared.values():
             _declare(t, ops, *typ)
         if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
-            from spmd_types import P, reinterpret
+            from spmd_types import P, V, reinterpret
 
             share = F.mse_loss(forward(x), target, reduction="sum") / numel
             loss = reinterpret(share, ops.tp, src=V, dst=P)

@@ -1,0 +1,48 @@
+"""The shape of tpattn's code: no function or method longer than ``MAX_FUNCTION_LINES``, outside
+the modules ``BEING_REWORKED`` (test_layering.py)."""
+import ast
+import pathlib
+
+from tests.package.test_layering import ROOT, being_reworked
+
+#: The longest a function may be, from its ``def`` line (decorators excluded) to its last line.
+MAX_FUNCTION_LINES = 60
+
+
+def longest_function(source: str) -> tuple[int, str]:
+    """``(lines, name)`` of the longest function or method in ``source`` (``(0, "")``: none)."""
+    spans = [(node.end_lineno - node.lineno + 1, node.name) for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return max(spans, default=(0, ""))
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """Every tpattn module: dotted name → path."""
+    out = {}
+    for path in sorted((ROOT / "tpattn").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def test_no_function_is_longer_than_the_limit():
+    too_long = {}
+    for name, path in modules().items():
+        lines, function = longest_function(path.read_text())
+        if lines > MAX_FUNCTION_LINES and not being_reworked(name):
+            too_long[f"{name}.{function}"] = lines
+    assert too_long == {}
+
+
+def test_longest_function_measures_nested_and_methods():
+    source = "def a():\n    pass\n\nclass B:\n    def c(self):\n        def d():\n" + (
+        "            x = 1\n" * 70)
+    assert longest_function(source) == (72, "c")
+    assert longest_function("x = 1\n") == (0, "")
+
+
+def test_the_modules_include_packages_and_being_reworked_matches_whole_parts():
+    names = modules()
+    assert "tpattn.viz" in names and "tpattn.viz.heads" in names
+    assert being_reworked("tpattn.check.core") and being_reworked("tpattn.exercises")
+    assert not being_reworked("tpattn.checks") and not being_reworked("tpattn.viz.kv")
