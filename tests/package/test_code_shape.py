@@ -46,3 +46,31 @@ def test_the_modules_include_packages_and_being_reworked_matches_whole_parts():
     assert "tpattn.viz" in names and "tpattn.viz.heads" in names
     assert being_reworked("tpattn.check.core") and being_reworked("tpattn.exercises")
     assert not being_reworked("tpattn.checks") and not being_reworked("tpattn.viz.kv")
+
+
+def public_names(source: str) -> set[str]:
+    """The public names ``source`` defines at its top level (functions, classes, assignments)."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {name for name in names if not name.startswith("_")}
+
+
+def test_each_public_name_is_defined_once():
+    where: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        for defined in public_names(path.read_text()):
+            where.setdefault(defined, []).append(name)
+    twice = {defined: places for defined, places in where.items()
+             if len(places) > 1 and defined != "main"  # each command-line module's entry point
+             and not all(being_reworked(place) for place in places)}
+    assert twice == {}
+
+
+def test_public_names_reads_definitions_not_imports():
+    source = "import os\nfrom x import y\nA = 1\nB: int = 2\n_c = 3\ndef f(): pass\nclass K: pass\n"
+    assert public_names(source) == {"A", "B", "f", "K"}

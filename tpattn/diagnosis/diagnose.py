@@ -588,7 +588,7 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
     matches = [m for m, sig in signatures.items() if sig == failing and sig]
     printed = {}  # cause -> does the run's error equal that cause's exact error?
     if forward is not None:
-        from .fingerprints import FINGERPRINTS as EXACT
+        from .fingerprints import EXACT_ERROR_TESTS as EXACT
         printed = {m: EXACT[m](forward, result["seed"], cfg) for m in matches if m in EXACT}
         ruled_out = [m for m, ok in printed.items() if not ok]
         matches = [m for m in matches if m not in ruled_out]

@@ -37,7 +37,7 @@ from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials, tp_forward
 
 __all__ = ["split_group_tp", "f_mean_tp", "g_sums_ybar_tp", "g_missing_tp", "f_missing_tp",
            "IMPOSTORS", "start", "measures", "rank_paths", "g_fingerprint", "f_fingerprint",
-           "FINGERPRINTS"]
+           "EXACT_ERROR_TESTS"]
 
 
 def split_group_tp(x: torch.Tensor, p: dict, cfg: Config | None = None) -> torch.Tensor:
@@ -144,5 +144,5 @@ def f_fingerprint(forward, seed: int, cfg: Config | None = None) -> bool:
 
 
 #: the missing reduction -> the test of its exact error
-FINGERPRINTS = {"missing_output_reduce": g_fingerprint,
-                "missing_input_grad_reduce": f_fingerprint}
+EXACT_ERROR_TESTS = {"missing_output_reduce": g_fingerprint,
+                     "missing_input_grad_reduce": f_fingerprint}

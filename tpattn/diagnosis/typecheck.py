@@ -20,7 +20,7 @@ parameters are declared with the types correct TP gives them::
                           wk/wv V on "kv" and I on "rep"; the replica
                           reduce converts them to R, its gradient summed)
 
-Verdicts (``VERDICTS``): ``"type-checks"`` (correct TP), ``"caught"`` (a bug mode that raises
+Verdicts (``TYPECHECK_VERDICTS``): ``"type-checks"`` (correct TP), ``"caught"`` (a bug mode that raises
 ``SpmdTypeError``; ``message`` is the checker's own text, ``where`` the lines of the block
 where it was raised and its caller, which name the tensors), ``"not a type error"`` (a bug mode that
 type-checks because what it breaks is a value or a layout, not a type: ``WHY`` says why for
@@ -49,11 +49,11 @@ from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_b
 from tpattn.block.params import init_params, shard_params
 from tpattn.real.ranks import real_rank_block
 
-__all__ = ["VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
+__all__ = ["TYPECHECK_VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
            "TABLE_SETUPS", "typecheck_table"]
 
 #: Every verdict ``typecheck`` returns.
-VERDICTS = ("type-checks", "caught", "not a type error", "missed")
+TYPECHECK_VERDICTS = ("type-checks", "caught", "not a type error", "missed")
 
 #: Per mode: why the type checker does or does not see it (one line each; ``typecheck``
 #: returns the line of the verdict it reached: ``"caught"`` or the other).
@@ -386,7 +386,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
     group of ``cfg.world_size`` ranks (``cfg`` defaults to ``Config()``).
 
     Returns ``{"mode", "world_size", "sequence_parallel", "kv_layout", "verdict", "message",
-    "where", "why"}``: ``verdict`` one of ``VERDICTS``; ``message`` the checker's own
+    "where", "why"}``: ``verdict`` one of ``TYPECHECK_VERDICTS``; ``message`` the checker's own
     ``SpmdTypeError`` text (``None`` when it type-checks); ``where`` the block's lines that
     raised (``module.function: code``, naming the tensors; ``None``); ``why`` one line
     (``WHY``). The numbers ``seed`` draws do not matter to types (they only fill shapes).

@@ -18,6 +18,6 @@ from .static import StaticExplorer
 
 _EAGER = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_controls"]
 #: The modules of explorers that draw figures, in the order their names are looked up.
-FIGURE_MODULES = ("explorers", "heads", "kv")
+_FIGURE_MODULES = ("explorers", "heads", "kv")
 
-__getattr__, __dir__ = lazy_names(__name__, globals(), _EAGER, FIGURE_MODULES)
+__getattr__, __dir__ = lazy_names(__name__, globals(), _EAGER, _FIGURE_MODULES)
