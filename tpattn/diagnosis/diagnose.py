@@ -1,34 +1,12 @@
 """``diagnose(observations)``: which known TP bugs explain what a run shows — or none.
 
-Open-world and composable. ``deviations`` lists what the run shows that a correct run would
-not (``DEVIATIONS``: a forward ledger short by one all-reduce, an op of ``avg`` where the plan
-says ``sum``, batch checksums that differ, norm replicas that drift apart, a step-0 loss off
-the good run's, ...). Every cause of the registry has a fingerprint (``FINGERPRINTS``): the
-deviations its mechanism always ``shows`` (``alone``: those it shows only when no other
-forward-changing cause is present, which could move them), the ones it ``explains`` (it may
-cause them) and the setups that ``allow`` it. The answer is the smallest set of causes that
-together explain every deviation, each showing its own: one cause, or two at once, or three.
-Several smallest sets are a named tie; a cause that adds to a set nothing the run could show
-(its only evidence is already explained by the set) would leave the same evidence and is
-named in the tie too. A deviation no cause explains gives ``"no known cause"``, with what was
-seen.
-
-It also works from the five measures of ``tpattn.run`` (a dense model *was* available): the
-set of measures that fail is matched against each mode's signature on the same shape.
-
-Tiers (``TIERS``): what the diagnosis had. Tier 1 is the live job alone (the ranks' losses as
-logged, checksums, the ledger against the plan with each collective's op, the per-rank
-gradient norms); tier 2 adds a known-good run on the same checkpoint and data
-(``observe(..., reference=True)``). A cause whose every shown deviation compares with the
-good run is visible only at tier 2 (``lowest_tier``); at tier 1 every answer lists those
-causes (``"cannot_see"``, and a line of its evidence).
-
-Each candidate, best first: ``{"cause", "with": [...], "score", "evidence": [...],
-"confirm", "citation", "tied_with": [...], "tier", "cannot_see": [...]}``. ``with``: the
-other causes of its explanation (two bugs at once: the top candidate's ``cause`` and
-``with``); ``tied_with``: the causes of the other explanations that fit as well; ``tier``:
-the tier the diagnosis used. Evidence is phrased in classes (``"W times"``, ``"fewer than the
-plan"``), never in rounding digits.
+``deviations`` lists what the run shows that a correct run would not (``DEVIATIONS``). Every
+cause of the registry has a fingerprint (``FINGERPRINTS``): the deviations it always
+``shows`` (``alone``: only when no other forward-changing cause is present), those it
+``explains`` and the setups that ``allow`` it. The answer is the smallest set of causes that
+explains every deviation, each showing its own (up to ``MAX_CAUSES``); several smallest sets
+are a named tie; a deviation nothing explains gives ``NO_KNOWN_CAUSE``. ``TIERS``: tier 1 is
+the live job alone, tier 2 adds a known-good run on the same checkpoint and data.
 """
 from __future__ import annotations
 
@@ -636,19 +614,27 @@ def _tier0(candidates: list[dict], cfg) -> list[dict]:
 
 def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
              forward=None, tier0: bool = False) -> list[dict]:
-    """Candidate causes of what ``observations`` show, best first (see the module docstring).
+    """Candidate causes of what ``observations`` show, best first; at least one entry.
+
+    Each: ``{"cause", "with": [...], "score", "evidence": [...], "confirm", "citation",
+    "tied_with": [...], "tier", "cannot_see": [...]}``. ``with``: the other causes of its
+    explanation (two bugs at once); ``tied_with``: the causes of the other explanations that
+    fit as well, and of sets a cause adds nothing visible to; ``tier``: the tier the
+    diagnosis used; ``cannot_see``: at tier 1, the causes only tier 2 sees (``lowest_tier``).
+    Evidence is phrased in classes (``"W times"``, ``"fewer than the plan"``), never in
+    rounding digits. ``[{"cause": NO_KNOWN_CAUSE, ...}]`` when nothing fits.
 
     ``observations``: ``tpattn.observe``'s dict, or a ``tpattn.run`` result (the five
-    measures; ``cfg`` is then its shape, default the seed's, and ``signatures`` may give the
-    modes' failing-measure tuples to match, else they are measured at seed 11). With
-    ``forward`` (the run's TP ``forward(x, params, cfg)``, fixture view), a missing reduction
-    whose signature matches is also tested by its numerical fingerprint
-    (``tpattn.diagnosis.fingerprints``): kept, one point higher, when the error is exactly what it
-    leaves, ruled out when not.
-    Returns at least one entry; ``[{"cause": "no known cause", ...}]`` when nothing fits.
-    ``tier0=True`` also says, for each candidate of the registry, whether the type checker
-    catches it before anything runs (``tpattn.diagnosis.typecheck`` at ``cfg``, or the observed setup's
-    world size and head counts): an added ``"tier0"`` entry; nothing else changes.
+    measures, a dense model was available: the failing set is matched against each mode's
+    signature; ``cfg`` is then its shape, default the original fixture's, and ``signatures``
+    may give the modes' failing-measure tuples to match, else they are measured at seed 11).
+    With ``forward`` (the run's TP ``forward(x, params, cfg)``, fixture view), a missing
+    reduction whose signature matches is also tested by its exact error
+    (``fingerprints.EXACT_ERROR_TESTS``): kept, one point higher, when the error is exactly
+    what it leaves, ruled out when not. ``tier0=True`` adds to each registry candidate a
+    ``"tier0"`` entry: whether the type checker catches it before anything runs
+    (``tpattn.diagnosis.typecheck`` at ``cfg``, or the observed setup's world size and head
+    counts); nothing else changes.
     """
     found = _diagnose(observations, cfg, signatures, forward)
     if not tier0:

@@ -1,50 +1,11 @@
 """What an engineer can see of a TP run without a dense model to compare with.
 
-A diverging run has per-rank losses, parameter checksums, gradient norms and a trace of its
-collectives, not a dense twin. ``observe(mode, seed, cfg)`` trains the block on simulated ranks
-(each rank its own tensors, loss and backward, ``simulate="ranks"``) for a few steps and
-returns only such observables, as plain JSON-able numbers:
-
-- ``rank_losses``: every rank's loss at step 0 as the job logs it (do the ranks agree? with
-  ``logged_loss="all_reduced"`` they do by construction);
-- ``batch_checksums``: every rank's sum of the batch it loaded (did they get the same data?
-  Under sequence parallelism each rank loads the whole batch and its block takes its own
-  ``S/W`` tokens, ``zoo.block_inputs``);
-- ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the sum
-  of the checkpoint slice that rank should hold (0: it loaded the right numbers);
-- ``replica_checksums``: per replicated parameter (``norm``, ``bias``), every rank's sum after
-  step 1 and after the last step (replicas must stay identical); with replicated KV heads
-  (``kv_heads < world_size``, ``kv_strategy="replicate_weights"``) also ``wk`` and ``wv`` per
-  replica group, keyed ``"wk (ranks 0, 1)"``: the sums of that group's ranks;
-- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase,
-  group and reduce op (``"sum"``, ``"avg"``, ``None`` for a gather: ``LEDGER_KEYS``), against
-  those the correct program issues;
-- ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
-- ``rank_grad_norms``: per rank, each of its parameters' gradient norm at step 0 (after the
-  gradient reductions: what a per-rank log of gradient norms shows);
-- ``loss_curve``: rank 0's loss at each step;
-- with ``Config.dropout > 0`` only: ``rng_state_checksums``, every rank's checksum of its
-  default random generator's state when the step starts (after loading its batch; what
-  Megatron-DeepSpeed PR 276 compared: ``torch_rng_state`` across TP ranks). With
-  ``Config.qk_norm``, ``replica_checksums`` also holds ``q_norm`` and ``k_norm``, and the
-  ledger their after-backward all-reduce. ``setup`` then names the options (``dropout``,
-  ``qk_norm``);
-- on a TP x DP mesh (``Config.data_parallel > 1``; ``setup["data_parallel"]``):
-  ``loss_shares``, every rank's own share of the global mean at step 0 (what it adds to the
-  logged loss's all-reduce), and in ``replica_checksums`` every parameter of each TP rank on
-  every DP replica (``"dp wq (tp rank 0)"``: the replicas must stay identical);
-- and, *when a known-good run is available* (an earlier commit, TP = 1):
-  ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
-  ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
-  ``bias_grad_shift_cosine`` (only with a bias): the cosine between the bias gradient's
-  change and the bias itself; ``output_outside_partials`` (not under sequence parallelism):
-  the part of rank 0's step-0 output change from the good run's that no combination of the
-  good run's rank partials (its outputs before g) and bias makes, relative (0: a wrong
-  reduction or bias count moved the output; a changed partial leaves a part outside).
-
-The good run here is the mode's correct twin (``Injection.correct``): same setup and layout
-(sequence parallelism, replicated KV heads: the ``Config``), no bug.
-Tensors are float; checksums are sums (float64 accumulation of the float32 values).
+``observe(mode, seed, cfg)`` trains the block on simulated ranks (each rank its own tensors,
+loss and backward) for ``STEPS`` steps and returns only what a real job could log, as plain
+JSON-able numbers: losses, checksums of batches, shards and replicas, the collectives against
+the correct program's, gradient norms and the loss curve; with a known-good run (here the
+mode's correct twin, ``Injection.correct``: the same ``Config``, no bug) also how the run
+differs from it. Checksums are sums (float64 accumulation of the float32 values).
 """
 from __future__ import annotations
 
@@ -323,14 +284,39 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
 def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
             reference: bool = True, logged_loss: str = "per_rank",
             train=simulated_train) -> dict:
-    """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
-    module docstring); ``reference=False`` leaves out what needs a known-good run.
-    ``train``: as in ``observe_injection`` (real ranks: ``tpattn.diagnosis.observe_real``).
-    ``cfg`` must meet the mode's needs (``zoo.check_needs``: e.g. ``sequence_parallel=True``
-    for the norm-gradient modes, ``kv_heads < world_size`` for ``missing_kv_grad_reduce``),
-    else ``ValueError`` naming the field and the rule.
-    ``logged_loss``: how the job logs its loss (``LOGGED_LOSSES``); ``"all_reduced"`` makes
-    ``rank_losses`` agree by construction, as a framework that all-reduces the loss shows."""
+    """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks:
+
+    - ``setup``: the injection's setup, ``world_size``, ``query_heads``, ``kv_heads``,
+      ``sequence_parallel``, ``logged_loss`` (and ``dropout``, ``qk_norm``, ``data_parallel``
+      when set);
+    - ``rank_losses``: every rank's step-0 loss as the job logs it (``logged_loss``, one of
+      ``LOGGED_LOSSES``; ``"all_reduced"`` makes them agree by construction);
+    - ``batch_checksums``: every rank's sum of the batch it loaded (under sequence
+      parallelism each rank loads the whole batch; its block takes its own ``S/W`` tokens);
+    - ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the
+      sum of the checkpoint slice it should hold (0: the right numbers); ``shard_scale``:
+      each parameter's ``sum |w|``;
+    - ``replica_checksums``: ``replica_sums`` after step 1 (``after_1``) and the last step
+      (``after_k``): what must stay identical across ranks;
+    - ``ledger`` and ``planned_ledger``: step 0's collectives in order (``LEDGER_KEYS``), and
+      those of the correct program;
+    - ``logged_grad_norm`` (what clipping uses); ``rank_grad_norms``: per rank, each
+      parameter's gradient norm at step 0 after the reductions; ``loss_curve``: rank 0's
+      loss per step;
+    - with dropout, ``rng_state_checksums``: every rank's default generator state when the
+      step starts (what Megatron-DeepSpeed PR 276 compared across TP ranks); on a TP x DP
+      mesh, ``loss_shares``: every rank's own share of the global mean at step 0;
+    - with ``reference=True``, against the known-good run: ``reference`` (its
+      ``rank_losses``, ``logged_grad_norm``, ``loss_curve``), ``grad_norm_ratio`` (each
+      parameter's gradient norm over the good run's), ``bias_grad_shift_cosine`` (with a
+      bias: the cosine between the bias gradient's change and the bias) and, neither under
+      sequence parallelism nor on a mesh, ``output_outside_partials``: the part of rank 0's
+      output change that no combination of the good run's rank partials (before g) and bias
+      makes, relative (0: a wrong reduction or bias count; above 0: a changed partial).
+
+    ``cfg`` must meet the mode's needs (``zoo.check_needs``), else ``ValueError`` naming the
+    field and the rule. ``train``: as in ``observe_injection`` (real ranks:
+    ``tpattn.diagnosis.observe_real``)."""
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)

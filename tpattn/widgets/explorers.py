@@ -37,7 +37,7 @@ ATTENTION_SEEDS = (11, 17)
 SHARDING_LAYOUTS = ((4, 2, 2), (4, 2, 1), (8, 4, 2), (8, 8, 4), (8, 2, 4), (6, 4, 2))
 #: The heads→ranks figure stays readable up to this many query heads.
 MAX_DRAWN_HEADS = 64
-#: Chapter 12's block: the seed's shapes with 8 tokens, so that 2 ranks hold 4 each.
+#: Chapter 12's block: the original fixture's shapes with 8 tokens, so that 2 ranks hold 4 each.
 SP_EXPLORER_CONFIG = Config(seq=8, sequence_parallel=True)
 
 
