@@ -335,7 +335,14 @@ _NORM_GRAD = ("norm_grad_w", "norm_grad_1w", "norm_grad_off")
 def _fp(shows, explains, confirm, allows=None, alone=(), forward=False) -> Fingerprint:
     extra = _FORWARD_EFFECTS if forward else ()
     return Fingerprint(tuple(shows), frozenset((*shows, *alone, *explains, *extra)), confirm,
-                       allows or (lambda f: f["world_size"] >= 2), tuple(alone), forward)
+                       allows or _tp_with(), tuple(alone), forward)
+
+
+def _tp_with(*flags: str, kv_per_rank: int = 0) -> Callable[[dict], bool]:
+    """``allows``: two ranks or more, every feature of ``flags`` on, and at least
+    ``kv_per_rank`` KV heads per rank."""
+    return lambda f: (f["world_size"] >= 2 and all(f[flag] for flag in flags)
+                      and (not kv_per_rank or f["kv_per_rank"] >= kv_per_rank))
 
 
 FINGERPRINTS: dict[str, Fingerprint] = {
@@ -358,30 +365,29 @@ FINGERPRINTS: dict[str, Fingerprint] = {
     "grad_norm_counts_replicas": _fp(
         ["norm_counts_replicas"], ["curve_off"],
         "count replicated parameters on one rank: the logged norm equals the TP = 1 norm",
-        allows=lambda f: f["world_size"] >= 2 and f["grad_clip"]),
+        allows=_tp_with("grad_clip")),
     "row_bias_on_every_rank": _fp(
         ["loss_off"], [], "add the bias after the all-reduce: the output drops by exactly "
-        "(W-1)*b", allows=lambda f: f["world_size"] >= 2 and f["bias"], alone=["bias_shift"],
+        "(W-1)*b", allows=_tp_with("bias"), alone=["bias_shift"],
         forward=True),
     "fused_qkv_naive_split": _fp(
         ["qkv_shards", "qkv_rank0_queries"], ["outside_partials"],
-        "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices", allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"],
-        forward=True),
+        "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices",
+        allows=_tp_with("fused_qkv"), forward=True),
     "qkv_loaded_from_rank0": _fp(
         ["qkv_shards", "qkv_rank0_only"], ["outside_partials"],
         "pass each rank's tp_rank to the loader (or read it from the process group): every "
         "rank's Q/K/V checksums match its checkpoint slice",
-        allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"], forward=True),
+        allows=_tp_with("fused_qkv"), forward=True),
     "grouped_qkv_read_as_plain": _fp(
         ["qkv_shards", "qkv_within_rank"], ["outside_partials"],
         "split each rank's rows per KV group ([q x g; k; v]): its Q, K and V checksums then "
         "match; or rerun with one group per rank, where both readings agree",
-        allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"] and f["kv_per_rank"] >= 2,
-        forward=True),
+        allows=_tp_with("fused_qkv", kv_per_rank=2), forward=True),
     "repeat_kv_tiled": _fp(
-        ["loss_off", "outside_partials"], [], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv "
-        "is then exact", allows=lambda f: f["world_size"] >= 2 and f["kv_per_rank"] >= 2
-        and f["gqa"], forward=True),
+        ["loss_off", "outside_partials"], [], "rerun with one KV head per rank (TP = "
+        "kv_heads): a tiled repeat_kv is then exact",
+        allows=_tp_with("gqa", kv_per_rank=2), forward=True),
     "inputs_not_replicated": _fp(
         ["batches"], ["losses_disagree", "norm_replicas", "bias_replicas", "kv_replicas",
                       "outside_partials"],
@@ -390,23 +396,23 @@ FINGERPRINTS: dict[str, Fingerprint] = {
     "missing_norm_grad_reduce": _fp(
         ["after_bwd_short"], ["norm_replicas", *_NORM_GRAD],
         "all-reduce the norm weight's gradient over the TP group: the norm replicas stay "
-        "identical", allows=lambda f: f["world_size"] >= 2 and f["sequence_parallel"]),
+        "identical", allows=_tp_with("sequence_parallel")),
     "norm_grad_averaged": _fp(
         ["after_bwd_avg"], _NORM_GRAD, "reduce the norm gradient with SUM, not AVG: it grows "
-        "by exactly W", allows=lambda f: f["world_size"] >= 2 and f["sequence_parallel"]),
+        "by exactly W", allows=_tp_with("sequence_parallel")),
     "missing_kv_grad_reduce": _fp(
         ["kv_short"], ["kv_replicas", "grads_off"],
         "all-reduce wk/wv gradients over each KV replica group: the replicas stay identical",
-        allows=lambda f: f["world_size"] >= 2 and f["kv_replicated"]),
+        allows=_tp_with("kv_replicated")),
     "dropout_rng_desync": _fp(
         ["rng_states"], ["losses_disagree", "outside_partials"],
         "re-sync the default RNG state over the TP group before the step (or give the data "
         "loader its own generator): the RNG checksums and the ranks' losses agree",
-        allows=lambda f: f["world_size"] >= 2 and f["dropout"], forward=True),
+        allows=_tp_with("dropout"), forward=True),
     "qk_norm_grad_not_reduced": _fp(
         ["after_bwd_short", "qk_norm_replicas"], ["grads_off"],
         "all-reduce the q/k-norm weights' gradients over the TP group after backward: their "
-        "replicas stay identical", allows=lambda f: f["world_size"] >= 2 and f["qk_norm"]),
+        "replicas stay identical", allows=_tp_with("qk_norm")),
     "loss_reduced_over_world": _fp(
         ["loss_over_world", "logged_loss_w_times"], ["loss_off", "curve_off"],
         "all-reduce the loss metric over the DP submesh: the logged loss falls by exactly W",
