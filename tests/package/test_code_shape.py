@@ -1,4 +1,5 @@
-"""The shape of tpattn's code: no function or method longer than ``MAX_FUNCTION_LINES``, outside
+"""The shape of tpattn's code: no function longer than ``MAX_FUNCTION_LINES``, no module docstring
+longer than ``MAX_MODULE_DOCSTRING_LINES``, each public name defined once; outside
 the modules ``BEING_REWORKED`` (test_layering.py)."""
 import ast
 import pathlib
@@ -74,3 +75,19 @@ def test_each_public_name_is_defined_once():
 def test_public_names_reads_definitions_not_imports():
     source = "import os\nfrom x import y\nA = 1\nB: int = 2\n_c = 3\ndef f(): pass\nclass K: pass\n"
     assert public_names(source) == {"A", "B", "f", "K"}
+
+
+#: The longest a module docstring may be, in lines.
+MAX_MODULE_DOCSTRING_LINES = 10
+#: Modules whose docstrings are still to be cut to ``MAX_MODULE_DOCSTRING_LINES``.
+LONG_DOCSTRINGS_TO_CUT = ("tpattn.block.fused_qkv", "tpattn.block.params")
+
+
+def test_module_docstrings_are_short():
+    too_long = {}
+    for name, path in modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if (len(doc.splitlines()) > MAX_MODULE_DOCSTRING_LINES and not being_reworked(name)
+                and name not in LONG_DOCSTRINGS_TO_CUT):
+            too_long[name] = len(doc.splitlines())
+    assert too_long == {}
