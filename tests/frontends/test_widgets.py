@@ -29,8 +29,8 @@ from tpattn.viz.layers import (attention_heatmaps, attention_probabilities,
                                rope_rotation_figure, set_rope_position)
 from tpattn.viz import heads as viz_heads
 from tpattn.viz import sharding as viz_sharding
-from tpattn.viz.kv import replica_groups_figure
-from tpattn.viz.sharding import format_measure, measures_figure, measures_table
+from tpattn.viz.sharding import measures_figure
+from tpattn.viz.tables import format_measure, measures_table
 from tpattn.widgets import explorers
 from tpattn.widgets.measures import MeasuresPlot, live_run
 

@@ -98,7 +98,7 @@ def test_the_lazy_packages_give_the_modules_own_objects():
     assert viz.heads_layout is heads.heads_layout and viz.rope_rotation_figure is layers.rope_rotation_figure
     assert viz.use_book_style is style.use_book_style and viz.replica_groups_layout is heads.replica_groups_layout
     assert widgets.heads_explorer is kv.heads_explorer and widgets.kv_caption is kv.kv_caption
-    assert viz.format_measure is tables.format_measure is sharding.format_measure
+    assert viz.format_measure is tables.format_measure and viz.matrix_figure is sharding.matrix_figure
     assert widgets.rope_explorer is explorers.rope_explorer and viz.sharding is sharding
     assert {"format_measure", "heads_layout", "replica_groups_figure"} <= set(viz.__all__)
     assert {"Explorer", "kv_explorer", "sp_explorer", "rope_explorer"} <= set(widgets.__all__)

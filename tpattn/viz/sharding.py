@@ -12,11 +12,10 @@ from tpattn.config import Config
 from .frames import draw_heads
 from .heads import heads_picture
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
-from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table
+from .tables import MEASURE_LABELS
 
 __all__ = [
-    "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
-    "format_measure", "measures_table",
+    "ZERO_FLOOR", "MODE_COLORS",
     "zero_floor", "value_label",
     "heads_to_ranks_figure",
     "weight_shards_figure",
