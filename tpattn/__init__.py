@@ -2,7 +2,8 @@
 
 ``tpattn.observe(mode, seed)`` and ``tpattn.diagnose(observations)``: what a run shows
 without a dense model, and which bugs of the registry (``tpattn.bugs.zoo``) explain it (the
-functions shadow their modules' names; ``from tpattn.diagnosis.diagnose import features`` still works).
+functions shadow their modules' names: import the modules' other names from
+``tpattn.diagnosis.observe`` and ``tpattn.diagnosis.diagnose``).
 
 ``import tpattn`` loads torch and nothing heavier; plotting (``tpattn.viz``) and widgets
 (``tpattn.widgets``) load only when imported, Hugging Face's ``transformers`` only with

@@ -58,20 +58,8 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.ArgumentParser:
-    """The argument parser (also used to document the CLI in the book). ``simulated=False``
-    leaves out ``--simulate`` (``tpattn.real.ranks`` runs real ranks, nothing to choose)."""
-    defaults = Config()
-    ap = _OneLineParser(prog=prog, description=(
-        "Compare a dense attention block with its tensor-parallel version on five measures "
-        "(forward, loss, input grad, parameter grads, weights after one SGD step)."))
-    modes = CLI_MODES + registry_modes()
-    ap.add_argument("--mode", choices=modes, default=EQUIVALENCE, metavar="MODE",
-                    help="what to run: inspect, matrix, or a mode of --list-modes "
-                         "(default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=11, help="seed of one run (default: %(default)s)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), metavar="N",
-                    help="seeds of --mode matrix (default: %(default)s)")
+def _add_config_flags(ap: argparse.ArgumentParser, defaults: Config) -> None:
+    """The flags that set ``Config`` fields (``config_from_args`` reads them back)."""
     for name in _CONFIG_FLAGS:
         aliases = ("--tp",) if name == "world_size" else ()  # the TP degree of a TP x DP mesh
         ap.add_argument("--" + name.replace("_", "-"), *aliases, type=int,
@@ -95,6 +83,23 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap.add_argument("--qk-norm", action="store_true",
                     help="Config.qk_norm: RMSNorm on every query and key head before RoPE, "
                          "weights replicated on every TP rank")
+
+
+def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.ArgumentParser:
+    """The argument parser (also used to document the CLI in the book). ``simulated=False``
+    leaves out ``--simulate`` (``tpattn.real.ranks`` runs real ranks, nothing to choose)."""
+    defaults = Config()
+    ap = _OneLineParser(prog=prog, description=(
+        "Compare a dense attention block with its tensor-parallel version on five measures "
+        "(forward, loss, input grad, parameter grads, weights after one SGD step)."))
+    modes = CLI_MODES + registry_modes()
+    ap.add_argument("--mode", choices=modes, default=EQUIVALENCE, metavar="MODE",
+                    help="what to run: inspect, matrix, or a mode of --list-modes "
+                         "(default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=11, help="seed of one run (default: %(default)s)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), metavar="N",
+                    help="seeds of --mode matrix (default: %(default)s)")
+    _add_config_flags(ap, defaults)
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
                         help="fixture: the seed's model (rank 0's view, the default JSON); "

@@ -14,6 +14,7 @@ import sys
 from tpattn.bugs.modes import modes_for
 from tpattn.check.core import EQUIVALENCE, inspect_fixture
 from tpattn.cli import build_parser, config_from_args, modes_listing
+from tpattn.config import Config
 from tpattn.real.launch import RankFailure, default_backend, describe_error, run_on_ranks
 from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_distributed,
                                run_rank, run_under_torchrun, validate_run)
@@ -33,6 +34,20 @@ def build_distributed_parser(prog: str):
     return ap
 
 
+def _config_for_processes(args, torchrun: bool) -> Config:
+    """The flags' ``Config``; under torchrun, ``ValueError`` unless its ranks are torchrun's
+    processes."""
+    cfg = config_from_args(args)
+    if torchrun and cfg.ranks != int(os.environ["WORLD_SIZE"]):
+        what = (f"world_size must equal the number of processes: --world-size is "
+                f"{cfg.world_size}" if cfg.data_parallel == 1 else
+                f"world_size * data_parallel must equal the number of processes: --tp is "
+                f"{cfg.world_size} and --dp {cfg.data_parallel}")
+        raise ValueError(f"{what} but torchrun started {os.environ['WORLD_SIZE']} "
+                         f"(set --nproc-per-node to match)")
+    return cfg
+
+
 def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
     """Run the CLI; returns the exit code (0 done, 1 ``--strict`` failure or a rank failed,
     2 bad arguments). Under torchrun only rank 0 prints the JSON."""
@@ -50,14 +65,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
         return code
 
     try:
-        cfg = config_from_args(args)
-        if torchrun and cfg.ranks != int(os.environ["WORLD_SIZE"]):
-            what = (f"world_size must equal the number of processes: --world-size is "
-                    f"{cfg.world_size}" if cfg.data_parallel == 1 else
-                    f"world_size * data_parallel must equal the number of processes: --tp is "
-                    f"{cfg.world_size} and --dp {cfg.data_parallel}")
-            raise ValueError(f"{what} but torchrun started {os.environ['WORLD_SIZE']} "
-                             f"(set --nproc-per-node to match)")
+        cfg = _config_for_processes(args, torchrun)
         if args.mode == "inspect":
             out = inspect_fixture(cfg)
         else:

@@ -1,31 +1,12 @@
 """The book's block is Hugging Face's Llama attention: parameters both ways, and checkpoint layouts.
 
-A ``transformers`` ``LlamaDecoderLayer`` holds the block in its ``input_layernorm`` (RMSNorm)
-and ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, no biases). Its weights have
-the package's layout already (``nn.Linear``: ``[out_features, in_features]``, rows grouped by
-head); only the activations differ — HF is batch-first ``[B, S, hidden]``, the package is
-sequence-first ``[S, B, hidden]``.
-
-Two facts of HF's code (``modeling_llama.py``) bound how equal the two can be: ``LlamaRMSNorm``
-normalizes in float32 and casts back, and ``LlamaRotaryEmbedding`` computes its cos/sin tables in
-float32, even for a float64 model. So a float64 HF layer equals ``dense_forward`` in float64 only
-to float32 rounding (``FLOAT32_INTERNALS``).
-
-Checkpoint layouts (weights converted once, outside the model):
-
-- RoPE pairing. Meta's reference Llama (``meta-llama/llama``, ``llama/model.py``,
-  ``apply_rotary_emb``) rotates *adjacent* channels ``(2i, 2i+1)`` as one complex number; HF and
-  this package rotate channel ``i`` with ``i + D/2`` (rotate-half). HF's conversion script
-  (``convert_llama_weights_to_hf.py``, ``permute``) reorders the rows of ``wq`` and ``wk`` within
-  every head to move from one to the other: ``rotate_half_from_adjacent``.
-- Fused QKV. Megatron-Core keeps one ``linear_qkv`` weight, interleaved per KV group
-  (``[q × group_size, k, v]`` for each group: ``megatron/core/transformer/attention.py``,
-  ``SelfAttention.get_query_key_value_tensors``), so a contiguous slice of its rows per rank
-  holds complete groups: ``fuse_qkv`` / ``split_fused_qkv`` (both layouts and the rank
-  loader live in ``tpattn.block.fused_qkv``, below the check that loads them). A plain
-  ``[Wq; Wk; Wv]`` concatenation cut the same way hands rank 0 only query rows:
-  ``read_rank_slices`` shows what the ranks then hold.
-
+A ``transformers`` ``LlamaDecoderLayer`` holds the block in ``input_layernorm`` and
+``self_attn`` (``q_proj`` … ``o_proj``, no biases), weights in the package's layout
+(``[out_features, in_features]``, rows grouped by head); activations are batch-first
+``[B, S, hidden]`` there, ``[S, B, hidden]`` here. Checkpoint layouts: Meta's reference Llama
+rotates adjacent channel pairs (``rotate_half_from_adjacent`` reorders ``wq``/``wk`` rows, as
+HF's conversion script does); Megatron-Core's fused ``linear_qkv`` is interleaved per KV group
+(``fuse_qkv``), which a plain ``[Wq; Wk; Wv]`` (``concat_qkv``) is not: ``read_rank_slices``.
 Importing this module imports ``transformers`` (seconds); ``import tpattn`` does not.
 """
 from __future__ import annotations
@@ -54,7 +35,8 @@ __all__ = [
 #: ``default_theta`` too; a Llama config with another ``rope_theta`` is refused.
 ROPE_THETA = 10000.0
 
-#: What HF's Llama computes in float32 whatever the model's dtype (``modeling_llama.py``).
+#: What HF's Llama computes in float32 whatever the model's dtype (``modeling_llama.py``): a
+#: float64 HF layer equals ``dense_forward`` in float64 only to float32 rounding.
 FLOAT32_INTERNALS = ("LlamaRMSNorm: the normalization", "LlamaRotaryEmbedding: the cos/sin tables")
 
 def float32_tolerance(cfg: Config, scale: float) -> float:

@@ -1,17 +1,10 @@
 """Show the package's real source in a notebook — the same code in every frontend.
 
-A Sphinx ``literalinclude`` only works in the HTML build: JupyterLab, VS Code and Colab show a
-markdown cell's directive as plain text. ``show_source(obj)`` is a code cell's *output*
-instead, so every frontend renders it, and it is always the code the kernel imported::
-
-    from tpattn.source import show_source
-    show_source(tpattn.block.params.shard_params)
-
-The output carries ``text/html`` (highlighted with Pygments' inline styles, long lines wrapped
-to the column; no stylesheet needed) and ``text/plain`` (the bare source). The book hides the
-calling cell's input (tag ``remove-input``), so the HTML page shows only the code.
-
-Pygments is imported when the HTML is rendered, not when ``tpattn`` is.
+``show_source(tpattn.block.params.shard_params)`` as a code cell's last expression is the
+cell's *output* (unlike a Sphinx ``literalinclude``, which only the HTML build renders), always
+the code the kernel imported: ``text/html`` highlighted with Pygments' inline styles, long
+lines wrapped to the column, and ``text/plain``, the bare source. The book hides the calling
+cell's input (tag ``remove-input``). Pygments is imported when the HTML is rendered.
 """
 from __future__ import annotations
 

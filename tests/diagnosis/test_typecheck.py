@@ -18,7 +18,7 @@ from tpattn import Config, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPU
 from tpattn.check.core import MISSING_KV_GRAD_REDUCE
 from tpattn.cli import main as cli_main
 from tpattn.bugs.zoo import MESH_NEEDS
-from tpattn.diagnosis.typecheck import TABLE_SETUPS, VERDICTS, WHY, typecheck, typecheck_table
+from tpattn.diagnosis.typecheck import TABLE_SETUPS, TYPECHECK_VERDICTS, WHY, typecheck, typecheck_table
 from tpattn.bugs.zoo import REGISTRY
 
 #: The correct variants of the other tests' shapes (test_distributed, test_sequence_parallel,
@@ -90,7 +90,7 @@ def test_every_registry_mode_has_its_verdict_and_a_reason(table):
     assert set(EXPECTED) == set(REGISTRY) - mesh
     for mode, row in table.items():
         assert row["verdict"] == EXPECTED[mode], (mode, row["message"])
-        assert row["verdict"] in VERDICTS
+        assert row["verdict"] in TYPECHECK_VERDICTS
         assert row["why"] == WHY[mode][row["verdict"]]
         if row["verdict"] == "caught":
             assert WHERE[mode] in row["where"], (mode, row["where"])

@@ -27,9 +27,10 @@ import tpattn
 from tpattn import widgets
 from tpattn.viz.layers import (attention_heatmaps, attention_probabilities,
                                rope_rotation_figure, set_rope_position)
+from tpattn.viz import heads as viz_heads
 from tpattn.viz import sharding as viz_sharding
-from tpattn.viz.kv import replica_groups_figure
-from tpattn.viz.sharding import format_measure, measures_figure, measures_table
+from tpattn.viz.sharding import measures_figure
+from tpattn.viz.tables import format_measure, measures_table
 from tpattn.widgets import explorers
 from tpattn.widgets.measures import MeasuresPlot, live_run
 
@@ -338,7 +339,7 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
 
     cfg = tpattn.Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size,
                         **({"kv_strategy": strategy} if strategy else {}))
-    picture = viz_sharding.heads_picture(cfg)
+    picture = viz_heads.heads_picture(cfg)
     parts = _svg_parts(frames.heads_svg(picture))
     labels = [box[5].replace("\n", " ") for box in picture.boxes]
     ranks = [f"rank {r}" for r in range(picture.ranks)]
@@ -369,15 +370,15 @@ def test_a_split_group_is_dashed_in_the_fail_color():
     head: those lines, and only those, are dashed in the fail color; the title counts them."""
     cfg = tpattn.Config()
     round_robin = [h % cfg.world_size for h in range(cfg.query_heads)]
-    picture = viz_sharding.heads_layout(cfg, query_ranks=round_robin)
+    picture = viz_heads.heads_layout(cfg, query_ranks=round_robin)
     crossing = [round_robin[h] != (h // cfg.group_size) // cfg.local_kv_heads
                 for h in range(cfg.query_heads)]
     assert [line[5] for line in picture.lines] == crossing and any(crossing)
     assert all(line[4] == viz_sharding.FAIL_COLOR for line in picture.lines if line[5])
     assert picture.subtitle == f"{sum(crossing)} query head(s) on another rank than their KV head"
-    assert viz_sharding.heads_layout(cfg).subtitle == "every rank holds complete query/KV groups"
+    assert viz_heads.heads_layout(cfg).subtitle == "every rank holds complete query/KV groups"
     with pytest.raises(ValueError, match=r"query_ranks must give a rank in \[0, 2\)"):
-        viz_sharding.heads_layout(cfg, query_ranks=[0, 1, 2, 0])
+        viz_heads.heads_layout(cfg, query_ranks=[0, 1, 2, 0])
 
 
 def test_the_explorers_show_the_svg_of_the_layout_live_and_static():
@@ -389,7 +390,7 @@ def test_the_explorers_show_the_svg_of_the_layout_live_and_static():
         cfg = tpattn.Config(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
         sharding = widgets.sharding_explorer(*layout, layouts=[layout])
         (svg,) = svgs(sharding)
-        assert svg == heads_svg(viz_sharding.heads_picture(cfg))
+        assert svg == heads_svg(viz_heads.heads_picture(cfg))
         assert svg in sharding.static_html()
     kv = widgets.kv_explorer(8, 2, 4, "gather_activations", layouts=[(8, 2, 4)])
     static = kv.static()

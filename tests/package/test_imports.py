@@ -92,12 +92,13 @@ def test_printing_measures_and_the_html_bug_hunt_do_not_load_matplotlib():
 
 def test_the_lazy_packages_give_the_modules_own_objects():
     from tpattn import viz, widgets
-    from tpattn.viz import kv, layers, sharding, style, tables
-    from tpattn.widgets import explorers
+    from tpattn.viz import heads, layers, sharding, style, tables
+    from tpattn.widgets import explorers, kv
 
-    assert viz.heads_layout is sharding.heads_layout and viz.rope_rotation_figure is layers.rope_rotation_figure
-    assert viz.use_book_style is style.use_book_style and viz.replica_groups_layout is kv.replica_groups_layout
-    assert viz.format_measure is tables.format_measure is sharding.format_measure
+    assert viz.heads_layout is heads.heads_layout and viz.rope_rotation_figure is layers.rope_rotation_figure
+    assert viz.use_book_style is style.use_book_style and viz.replica_groups_layout is heads.replica_groups_layout
+    assert widgets.heads_explorer is kv.heads_explorer and widgets.kv_caption is kv.kv_caption
+    assert viz.format_measure is tables.format_measure and viz.matrix_figure is sharding.matrix_figure
     assert widgets.rope_explorer is explorers.rope_explorer and viz.sharding is sharding
     assert {"format_measure", "heads_layout", "replica_groups_figure"} <= set(viz.__all__)
     assert {"Explorer", "kv_explorer", "sp_explorer", "rope_explorer"} <= set(widgets.__all__)

@@ -1,34 +1,12 @@
 """``diagnose(observations)``: which known TP bugs explain what a run shows — or none.
 
-Open-world and composable. ``deviations`` lists what the run shows that a correct run would
-not (``DEVIATIONS``: a forward ledger short by one all-reduce, an op of ``avg`` where the plan
-says ``sum``, batch checksums that differ, norm replicas that drift apart, a step-0 loss off
-the good run's, ...). Every cause of the registry has a fingerprint (``FINGERPRINTS``): the
-deviations its mechanism always ``shows`` (``alone``: those it shows only when no other
-forward-changing cause is present, which could move them), the ones it ``explains`` (it may
-cause them) and the setups that ``allow`` it. The answer is the smallest set of causes that
-together explain every deviation, each showing its own: one cause, or two at once, or three.
-Several smallest sets are a named tie; a cause that adds to a set nothing the run could show
-(its only evidence is already explained by the set) would leave the same evidence and is
-named in the tie too. A deviation no cause explains gives ``"no known cause"``, with what was
-seen.
-
-It also works from the five measures of ``tpattn.run`` (a dense model *was* available): the
-set of measures that fail is matched against each mode's signature on the same shape.
-
-Tiers (``TIERS``): what the diagnosis had. Tier 1 is the live job alone (the ranks' losses as
-logged, checksums, the ledger against the plan with each collective's op, the per-rank
-gradient norms); tier 2 adds a known-good run on the same checkpoint and data
-(``observe(..., reference=True)``). A cause whose every shown deviation compares with the
-good run is visible only at tier 2 (``lowest_tier``); at tier 1 every answer lists those
-causes (``"cannot_see"``, and a line of its evidence).
-
-Each candidate, best first: ``{"cause", "with": [...], "score", "evidence": [...],
-"confirm", "citation", "tied_with": [...], "tier", "cannot_see": [...]}``. ``with``: the
-other causes of its explanation (two bugs at once: the top candidate's ``cause`` and
-``with``); ``tied_with``: the causes of the other explanations that fit as well; ``tier``:
-the tier the diagnosis used. Evidence is phrased in classes (``"W times"``, ``"fewer than the
-plan"``), never in rounding digits.
+``deviations`` lists what the run shows that a correct run would not (``DEVIATIONS``). Every
+cause of the registry has a fingerprint (``FINGERPRINTS``): the deviations it always
+``shows`` (``alone``: only when no other forward-changing cause is present), those it
+``explains`` and the setups that ``allow`` it. The answer is the smallest set of causes that
+explains every deviation, each showing its own (up to ``MAX_CAUSES``); several smallest sets
+are a named tie; a deviation nothing explains gives ``NO_KNOWN_CAUSE``. ``TIERS``: tier 1 is
+the live job alone, tier 2 adds a known-good run on the same checkpoint and data.
 """
 from __future__ import annotations
 
@@ -147,14 +125,7 @@ def features(obs: dict) -> dict:
         "kv_replicated": setup["kv_heads"] < w,
         "replicas_agree_k": all(len(set(v)) == 1
                                 for v in obs["replica_checksums"]["after_k"].values()),
-        "fwd": _reductions(ledger, "forward"), "fwd_plan": _reductions(plan, "forward"),
-        "bwd": _reductions(ledger, "backward"), "bwd_plan": _reductions(plan, "backward"),
-        "bwd_avg": _count(ledger, "backward", "tp", "avg"),
-        "bwd_avg_plan": _count(plan, "backward", "tp", "avg"),
-        "after_bwd": _count(ledger, "after backward"),
-        "after_bwd_plan": _count(plan, "after backward"),
-        "after_bwd_avg": _count(ledger, "after backward", op="avg"),
-        "after_bwd_avg_plan": _count(plan, "after backward", op="avg"),
+        **_ledger_counts(ledger, plan),
         "dropout": setup.get("dropout", 0.0) > 0, "qk_norm": setup.get("qk_norm", False),
         # the ranks' default RNG states when the step starts (observed with dropout only)
         "rng_states_agree": len(set(obs.get("rng_state_checksums", [0.0]))) == 1,
@@ -169,20 +140,43 @@ def features(obs: dict) -> dict:
     logged = obs["logged_grad_norm"]
     f["logged_norm_is"] = ("unknown" if once is None else "once" if _close(logged, once)
                            else "per rank" if _close(logged, every) else "neither")
-    ref = obs.get("reference")
-    f["has_reference"] = ref is not None
-    if ref is not None:
-        ratio = obs["grad_norm_ratio"]
-        f["loss_matches"] = _close(obs["rank_losses"][0], ref["rank_losses"][0])
-        f["curve_matches"] = all(_close(a, b) for a, b in zip(obs["loss_curve"], ref["loss_curve"]))
-        f["grads_match"] = {k: _close(r, 1.0) for k, r in ratio.items()}
-        f["norm_ratio_is"] = {"1/W": _close(ratio["norm"], 1 / w), "W": _close(ratio["norm"], w),
-                              "1": _close(ratio["norm"], 1.0)}
-        f["logged_norm_high"] = logged > ref["logged_grad_norm"] * (1 + AGREE_REL)
-        f["logged_norm_matches"] = _close(logged, ref["logged_grad_norm"])
-        f["bias_shift_along_bias"] = (obs.get("bias_grad_shift_cosine", 0.0) > 1 - 1e-3)
-        f["output_outside_partials"] = obs.get("output_outside_partials", 0.0) > OUTSIDE_REL
+    f["has_reference"] = obs.get("reference") is not None
+    if f["has_reference"]:
+        f.update(_reference_features(obs))
     return f
+
+
+def _ledger_counts(ledger: list[dict], plan: list[dict]) -> dict:
+    """The ledger's reductions per phase against the plan's (``_plan`` keys): TP-group
+    reductions forward and backward, those issued as ``avg``, and those after backward."""
+    return {
+        "fwd": _reductions(ledger, "forward"), "fwd_plan": _reductions(plan, "forward"),
+        "bwd": _reductions(ledger, "backward"), "bwd_plan": _reductions(plan, "backward"),
+        "bwd_avg": _count(ledger, "backward", "tp", "avg"),
+        "bwd_avg_plan": _count(plan, "backward", "tp", "avg"),
+        "after_bwd": _count(ledger, "after backward"),
+        "after_bwd_plan": _count(plan, "after backward"),
+        "after_bwd_avg": _count(ledger, "after backward", op="avg"),
+        "after_bwd_avg_plan": _count(plan, "after backward", op="avg"),
+    }
+
+
+def _reference_features(obs: dict) -> dict:
+    """The facts read against the known-good run (``obs["reference"]``): do the losses,
+    gradients and logged norm match it, and how the norm's gradient ratio reads."""
+    ref, ratio, w = obs["reference"], obs["grad_norm_ratio"], obs["setup"]["world_size"]
+    logged = obs["logged_grad_norm"]
+    return {
+        "loss_matches": _close(obs["rank_losses"][0], ref["rank_losses"][0]),
+        "curve_matches": all(_close(a, b) for a, b in zip(obs["loss_curve"], ref["loss_curve"])),
+        "grads_match": {k: _close(r, 1.0) for k, r in ratio.items()},
+        "norm_ratio_is": {"1/W": _close(ratio["norm"], 1 / w), "W": _close(ratio["norm"], w),
+                          "1": _close(ratio["norm"], 1.0)},
+        "logged_norm_high": logged > ref["logged_grad_norm"] * (1 + AGREE_REL),
+        "logged_norm_matches": _close(logged, ref["logged_grad_norm"]),
+        "bias_shift_along_bias": obs.get("bias_grad_shift_cosine", 0.0) > 1 - 1e-3,
+        "output_outside_partials": obs.get("output_outside_partials", 0.0) > OUTSIDE_REL,
+    }
 
 
 def _mesh_features(obs: dict, ledger: list[dict], plan: list[dict]) -> dict:
@@ -341,7 +335,14 @@ _NORM_GRAD = ("norm_grad_w", "norm_grad_1w", "norm_grad_off")
 def _fp(shows, explains, confirm, allows=None, alone=(), forward=False) -> Fingerprint:
     extra = _FORWARD_EFFECTS if forward else ()
     return Fingerprint(tuple(shows), frozenset((*shows, *alone, *explains, *extra)), confirm,
-                       allows or (lambda f: f["world_size"] >= 2), tuple(alone), forward)
+                       allows or _tp_with(), tuple(alone), forward)
+
+
+def _tp_with(*flags: str, kv_per_rank: int = 0) -> Callable[[dict], bool]:
+    """``allows``: two ranks or more, every feature of ``flags`` on, and at least
+    ``kv_per_rank`` KV heads per rank."""
+    return lambda f: (f["world_size"] >= 2 and all(f[flag] for flag in flags)
+                      and (not kv_per_rank or f["kv_per_rank"] >= kv_per_rank))
 
 
 FINGERPRINTS: dict[str, Fingerprint] = {
@@ -364,30 +365,29 @@ FINGERPRINTS: dict[str, Fingerprint] = {
     "grad_norm_counts_replicas": _fp(
         ["norm_counts_replicas"], ["curve_off"],
         "count replicated parameters on one rank: the logged norm equals the TP = 1 norm",
-        allows=lambda f: f["world_size"] >= 2 and f["grad_clip"]),
+        allows=_tp_with("grad_clip")),
     "row_bias_on_every_rank": _fp(
         ["loss_off"], [], "add the bias after the all-reduce: the output drops by exactly "
-        "(W-1)*b", allows=lambda f: f["world_size"] >= 2 and f["bias"], alone=["bias_shift"],
+        "(W-1)*b", allows=_tp_with("bias"), alone=["bias_shift"],
         forward=True),
     "fused_qkv_naive_split": _fp(
         ["qkv_shards", "qkv_rank0_queries"], ["outside_partials"],
-        "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices", allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"],
-        forward=True),
+        "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices",
+        allows=_tp_with("fused_qkv"), forward=True),
     "qkv_loaded_from_rank0": _fp(
         ["qkv_shards", "qkv_rank0_only"], ["outside_partials"],
         "pass each rank's tp_rank to the loader (or read it from the process group): every "
         "rank's Q/K/V checksums match its checkpoint slice",
-        allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"], forward=True),
+        allows=_tp_with("fused_qkv"), forward=True),
     "grouped_qkv_read_as_plain": _fp(
         ["qkv_shards", "qkv_within_rank"], ["outside_partials"],
         "split each rank's rows per KV group ([q x g; k; v]): its Q, K and V checksums then "
         "match; or rerun with one group per rank, where both readings agree",
-        allows=lambda f: f["world_size"] >= 2 and f["fused_qkv"] and f["kv_per_rank"] >= 2,
-        forward=True),
+        allows=_tp_with("fused_qkv", kv_per_rank=2), forward=True),
     "repeat_kv_tiled": _fp(
-        ["loss_off", "outside_partials"], [], "rerun with one KV head per rank (TP = kv_heads): a tiled repeat_kv "
-        "is then exact", allows=lambda f: f["world_size"] >= 2 and f["kv_per_rank"] >= 2
-        and f["gqa"], forward=True),
+        ["loss_off", "outside_partials"], [], "rerun with one KV head per rank (TP = "
+        "kv_heads): a tiled repeat_kv is then exact",
+        allows=_tp_with("gqa", kv_per_rank=2), forward=True),
     "inputs_not_replicated": _fp(
         ["batches"], ["losses_disagree", "norm_replicas", "bias_replicas", "kv_replicas",
                       "outside_partials"],
@@ -396,23 +396,23 @@ FINGERPRINTS: dict[str, Fingerprint] = {
     "missing_norm_grad_reduce": _fp(
         ["after_bwd_short"], ["norm_replicas", *_NORM_GRAD],
         "all-reduce the norm weight's gradient over the TP group: the norm replicas stay "
-        "identical", allows=lambda f: f["world_size"] >= 2 and f["sequence_parallel"]),
+        "identical", allows=_tp_with("sequence_parallel")),
     "norm_grad_averaged": _fp(
         ["after_bwd_avg"], _NORM_GRAD, "reduce the norm gradient with SUM, not AVG: it grows "
-        "by exactly W", allows=lambda f: f["world_size"] >= 2 and f["sequence_parallel"]),
+        "by exactly W", allows=_tp_with("sequence_parallel")),
     "missing_kv_grad_reduce": _fp(
         ["kv_short"], ["kv_replicas", "grads_off"],
         "all-reduce wk/wv gradients over each KV replica group: the replicas stay identical",
-        allows=lambda f: f["world_size"] >= 2 and f["kv_replicated"]),
+        allows=_tp_with("kv_replicated")),
     "dropout_rng_desync": _fp(
         ["rng_states"], ["losses_disagree", "outside_partials"],
         "re-sync the default RNG state over the TP group before the step (or give the data "
         "loader its own generator): the RNG checksums and the ranks' losses agree",
-        allows=lambda f: f["world_size"] >= 2 and f["dropout"], forward=True),
+        allows=_tp_with("dropout"), forward=True),
     "qk_norm_grad_not_reduced": _fp(
         ["after_bwd_short", "qk_norm_replicas"], ["grads_off"],
         "all-reduce the q/k-norm weights' gradients over the TP group after backward: their "
-        "replicas stay identical", allows=lambda f: f["world_size"] >= 2 and f["qk_norm"]),
+        "replicas stay identical", allows=_tp_with("qk_norm")),
     "loss_reduced_over_world": _fp(
         ["loss_over_world", "logged_loss_w_times"], ["loss_off", "curve_off"],
         "all-reduce the loss metric over the DP submesh: the logged loss falls by exactly W",
@@ -572,7 +572,7 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
     matches = [m for m, sig in signatures.items() if sig == failing and sig]
     printed = {}  # cause -> does the run's error equal that cause's exact error?
     if forward is not None:
-        from .fingerprints import FINGERPRINTS as EXACT
+        from .fingerprints import EXACT_ERROR_TESTS as EXACT
         printed = {m: EXACT[m](forward, result["seed"], cfg) for m in matches if m in EXACT}
         ruled_out = [m for m, ok in printed.items() if not ok]
         matches = [m for m in matches if m not in ruled_out]
@@ -620,19 +620,27 @@ def _tier0(candidates: list[dict], cfg) -> list[dict]:
 
 def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
              forward=None, tier0: bool = False) -> list[dict]:
-    """Candidate causes of what ``observations`` show, best first (see the module docstring).
+    """Candidate causes of what ``observations`` show, best first; at least one entry.
+
+    Each: ``{"cause", "with": [...], "score", "evidence": [...], "confirm", "citation",
+    "tied_with": [...], "tier", "cannot_see": [...]}``. ``with``: the other causes of its
+    explanation (two bugs at once); ``tied_with``: the causes of the other explanations that
+    fit as well, and of sets a cause adds nothing visible to; ``tier``: the tier the
+    diagnosis used; ``cannot_see``: at tier 1, the causes only tier 2 sees (``lowest_tier``).
+    Evidence is phrased in classes (``"W times"``, ``"fewer than the plan"``), never in
+    rounding digits. ``[{"cause": NO_KNOWN_CAUSE, ...}]`` when nothing fits.
 
     ``observations``: ``tpattn.observe``'s dict, or a ``tpattn.run`` result (the five
-    measures; ``cfg`` is then its shape, default the seed's, and ``signatures`` may give the
-    modes' failing-measure tuples to match, else they are measured at seed 11). With
-    ``forward`` (the run's TP ``forward(x, params, cfg)``, fixture view), a missing reduction
-    whose signature matches is also tested by its numerical fingerprint
-    (``tpattn.diagnosis.fingerprints``): kept, one point higher, when the error is exactly what it
-    leaves, ruled out when not.
-    Returns at least one entry; ``[{"cause": "no known cause", ...}]`` when nothing fits.
-    ``tier0=True`` also says, for each candidate of the registry, whether the type checker
-    catches it before anything runs (``tpattn.diagnosis.typecheck`` at ``cfg``, or the observed setup's
-    world size and head counts): an added ``"tier0"`` entry; nothing else changes.
+    measures, a dense model was available: the failing set is matched against each mode's
+    signature; ``cfg`` is then its shape, default the original fixture's, and ``signatures``
+    may give the modes' failing-measure tuples to match, else they are measured at seed 11).
+    With ``forward`` (the run's TP ``forward(x, params, cfg)``, fixture view), a missing
+    reduction whose signature matches is also tested by its exact error
+    (``fingerprints.EXACT_ERROR_TESTS``): kept, one point higher, when the error is exactly
+    what it leaves, ruled out when not. ``tier0=True`` adds to each registry candidate a
+    ``"tier0"`` entry: whether the type checker catches it before anything runs
+    (``tpattn.diagnosis.typecheck`` at ``cfg``, or the observed setup's world size and head
+    counts); nothing else changes.
     """
     found = _diagnose(observations, cfg, signatures, forward)
     if not tier0:

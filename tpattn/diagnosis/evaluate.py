@@ -1,17 +1,11 @@
 """How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
 
-The fingerprints are tuned on ``TUNING`` (``tests/diagnosis/test_diagnose.py``'s two shapes,
-seeds 0-9; the layout modes on seeds 21, 34 of their own shapes); ``HELD_OUT`` are other
-shapes and world sizes (written before the tuning), and callers pass other seeds (500-504).
-Every case runs at tier 1 (the live job alone: ``observe(..., reference=False)``) and tier 2
-(with the mode's correct twin as the known-good run).
-
-One answer's class (``classify``): ``right`` (the true bug is the top candidate, alone),
-``tied`` (it is named at the top and the answer names a tie), ``blind`` ("no known cause",
-and the answer lists the true bug among those the tier cannot see: honest), ``missed`` ("no
-known cause" without saying so), ``wrong`` (another cause, or a second one, named without a
-tie: a confident wrong name). Two bugs at once (``pairs``, classed by ``pair_class``) and bugs
-outside the registry (``MADE_UP``, built with ``Injection``'s test knobs) are counted too.
+The fingerprints are tuned on ``TUNING`` (and ``TUNING_MESH``); ``HELD_OUT`` and its kin are
+other shapes and world sizes, written before the tuning, run at other seeds (500-504). Every
+case runs at tier 1 (the live job alone: ``observe(..., reference=False)``) and tier 2 (with
+the mode's correct twin as the known-good run); ``classify`` puts each answer in one of
+``CLASSES``. Two bugs at once (``pairs``, ``pair_class``) and bugs outside the registry
+(``MADE_UP``, built with ``Injection``'s test knobs) are counted too.
 """
 from __future__ import annotations
 
@@ -31,14 +25,15 @@ __all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH
            "confusion", "pairs", "two_bug_cases", "made_up_cases",
            "summary"]
 
-#: Shapes the fingerprints were not written on: (name, Config, the modes it hosts; None: every
-#: plain-TP mode whose needs it meets).
-#: The seed's two bugs, which every layout has; and the modes of a sequence-parallel shape.
-_SEED_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
-_SP_MODES = _SEED_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
+#: The original fixture's two bugs, which every layout has; the modes of a sequence-parallel
+#: shape.
+_FIXTURE_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
+_SP_MODES = _FIXTURE_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
 #: The checkpoint-loading modes (a fused QKV checkpoint loaded into ranks; not in
 #: ``runnable_modes()``: ``zoo.AROUND_THE_BLOCK``).
 LOADING_MODES = AROUND_THE_BLOCK
+#: Shapes the fingerprints were not written on: (name, Config, the modes it hosts; None: every
+#: plain-TP mode whose needs it meets).
 HELD_OUT = [
     ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8), None),
     ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
@@ -46,17 +41,17 @@ HELD_OUT = [
     ("SP W4", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8, world_size=4,
                      sequence_parallel=True), _SP_MODES),
     ("KV W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8, world_size=4),
-     _SEED_BUGS + ("missing_kv_grad_reduce",)),
+     _FIXTURE_BUGS + ("missing_kv_grad_reduce",)),
     ("SP W4 hq16 kv8", Config(seq=8, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
                               world_size=4, sequence_parallel=True), _SP_MODES),
     ("KV gather W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8,
-                            world_size=4, kv_strategy="gather_activations"), _SEED_BUGS),
+                            world_size=4, kv_strategy="gather_activations"), _FIXTURE_BUGS),
     ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
                             world_size=8), None),
 ]
 #: The checkpoint-loading modes' held-out shapes (written before their fingerprints): the
-#: plain-TP shapes of ``HELD_OUT`` and shapes of their own. Kept apart from ``HELD_OUT`` so
-#: the earlier figures stay what they were (``bench/diagnosis_tiers.py --loading``).
+#: plain-TP shapes of ``HELD_OUT`` and shapes of their own, reported on their own
+#: (``bench/diagnosis_tiers.py --loading``).
 LOADING_HELD_OUT = [
     ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8),
      LOADING_MODES),
@@ -75,26 +70,26 @@ LOADING_HELD_OUT = [
 ]
 #: Held-out shapes with the model options of chapter "Around the block" (``Config.dropout``,
 #: ``Config.qk_norm``), W2 and W4, written before the fingerprints of their bugs were tuned:
-#: each hosts the seed's two bugs and the bugs of its options. Kept apart from ``HELD_OUT``
-#: so the earlier figures stay what they were (``bench/diagnosis_tiers.py --model``).
+#: each hosts the original fixture's two bugs and the bugs of its options, reported on their
+#: own (``bench/diagnosis_tiers.py --model``).
 _DROP = ("dropout_rng_desync",)
 _QKN = ("qk_norm_grad_not_reduced",)
 MODEL_HELD_OUT = [
     ("drop W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
-                               dropout=0.1), _SEED_BUGS + _DROP),
+                               dropout=0.1), _FIXTURE_BUGS + _DROP),
     ("qk-norm W2 hq4 kv2", Config(seq=5, hidden=24, query_heads=4, kv_heads=2, head_dim=6,
-                                  qk_norm=True), _SEED_BUGS + _QKN),
+                                  qk_norm=True), _FIXTURE_BUGS + _QKN),
     ("drop qk-norm W4 hq8 kv4", Config(seq=4, hidden=32, query_heads=8, kv_heads=4,
                                        head_dim=8, world_size=4, dropout=0.2, qk_norm=True),
-     _SEED_BUGS + _DROP + _QKN),
+     _FIXTURE_BUGS + _DROP + _QKN),
     ("qk-norm W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
-                                   world_size=4, qk_norm=True), _SEED_BUGS + _QKN),
+                                   world_size=4, qk_norm=True), _FIXTURE_BUGS + _QKN),
     ("drop W4 hq8 kv8", Config(seq=6, hidden=16, query_heads=8, kv_heads=8, head_dim=4,
-                               world_size=4, dropout=0.05), _SEED_BUGS + _DROP),
+                               world_size=4, dropout=0.05), _FIXTURE_BUGS + _DROP),
 ]
 #: The TP x DP mesh's shapes (``Config.data_parallel``), written before the mesh modes'
-#: fingerprints were tuned and kept apart from ``HELD_OUT`` (whose figures they leave as
-#: they were): (name, Config, the mesh modes it hosts). Callers pass seeds 500-504.
+#: fingerprints were tuned, reported on their own: (name, Config, the mesh modes it hosts).
+#: Callers pass seeds ``MESH_SEEDS``.
 _MESH_MODES = ("loss_reduced_over_world", "loss_full_tensor_tp_only", "dp_grad_group_of_one")
 HELD_OUT_MESH = [
     ("TP2xDP2", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
@@ -133,14 +128,18 @@ MADE_UP = {
     "rank 1's attention partial x 1.05": Injection(partial_scale=(1.0, 1.05)),
 }
 #: Made-up loading bugs next to the checkpoint-loading modes (a fused checkpoint, so their
-#: fingerprints are allowed), kept apart from ``MADE_UP`` so its figures stay comparable:
-#: every rank's whole shard (``wo`` too) from another rank.
+#: fingerprints are allowed), reported on their own: every rank's whole shard (``wo`` too)
+#: from another rank.
 MADE_UP_LOADING = {
     "fused checkpoint loaded in the wrong rank order": Injection(shard="fused",
                                                                  shard_offset=1),
     "grouped checkpoint loaded in the wrong rank order": Injection(shard="grouped",
                                                                    shard_offset=1),
 }
+#: One answer's class: ``right`` (the true bug is the top candidate, alone), ``tied`` (named
+#: at the top, in a tie), ``blind`` ("no known cause", listing the true bug among those the
+#: tier cannot see: honest), ``missed`` ("no known cause" without saying so), ``wrong``
+#: (another cause, or a second one, named without a tie: a confident wrong name).
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
 #: The held-out seeds of ``HELD_OUT_MESH``.
 MESH_SEEDS = (500, 501, 502, 503, 504)

@@ -1,26 +1,12 @@
-"""Impostors and numerical fingerprints: bugs with a missing reduction's signature, and the
-exact error each missing reduction leaves, which tells them apart (chapter 10).
+"""Impostors and exact errors: bugs with a missing reduction's signature, and the exact error
+each missing reduction leaves, which tells them apart (chapter 10).
 
-A *signature* is the set of the five measures that fail. Three impostors, built from the
-package's pieces, share one with a missing reduction while both reductions are present:
-
-- ``split_group_tp``: each rank's query heads read the other rank's KV head (``wk``/``wv``
-  shards swapped) — a forward bug: the signature of a missing g (✗✗✗✗✗);
-- ``f_mean_tp``: f's backward averages ``dn`` over the ranks instead of summing it — a
-  backward bug in front of the sharded region: the signature of a missing f (✓✓✗✗✗);
-- ``g_sums_ybar_tp``: g's backward sums ``ȳ`` over the ranks (an all-reduce where g's
-  backward is the identity: every rank's partial receives ``W·ȳ``) — a backward bug *inside*
-  the sharded region, and still the signature of a missing f (dW is a max over every
-  parameter, the sharded ones included).
-
-A *fingerprint* is the error a missing reduction leaves, exactly (chapters 8 and 9):
-
-- ``g_fingerprint``: dense − TP output equals ``Σ_{r≠0} P_r``, the partials rank 0 never got;
-- ``f_fingerprint``: dense − TP ``dX`` equals ranks ``1..W-1``'s terms ``J_rᵀ ȳ`` pushed back
-  through RMSNorm.
-
-Every TP forward here is ``forward(x, params) -> y`` on the fixture's view, x and y
-``[S, B, hidden]``, params the dense parameter dict of ``init_params``.
+A *signature* is the set of the five measures that fail. ``IMPOSTORS`` keep both reductions
+yet share one: ``split_group_tp`` a missing g's (✗✗✗✗✗), ``f_mean_tp`` and ``g_sums_ybar_tp``
+a missing f's (✓✓✗✗✗). ``g_fingerprint``: dense − TP output equals ``Σ_{r≠0} P_r``, the
+partials rank 0 never got; ``f_fingerprint``: dense − TP ``dX`` equals ranks ``1..W-1``'s
+terms ``J_rᵀ ȳ`` pushed back through RMSNorm. Every TP forward here is ``forward(x, params)
+-> y`` on the fixture's view, x and y ``[S, B, hidden]``, params ``init_params``' dict.
 """
 from __future__ import annotations
 
@@ -37,7 +23,7 @@ from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials, tp_forward
 
 __all__ = ["split_group_tp", "f_mean_tp", "g_sums_ybar_tp", "g_missing_tp", "f_missing_tp",
            "IMPOSTORS", "start", "measures", "rank_paths", "g_fingerprint", "f_fingerprint",
-           "FINGERPRINTS"]
+           "EXACT_ERROR_TESTS"]
 
 
 def split_group_tp(x: torch.Tensor, p: dict, cfg: Config | None = None) -> torch.Tensor:
@@ -144,5 +130,5 @@ def f_fingerprint(forward, seed: int, cfg: Config | None = None) -> bool:
 
 
 #: the missing reduction -> the test of its exact error
-FINGERPRINTS = {"missing_output_reduce": g_fingerprint,
-                "missing_input_grad_reduce": f_fingerprint}
+EXACT_ERROR_TESTS = {"missing_output_reduce": g_fingerprint,
+                     "missing_input_grad_reduce": f_fingerprint}

@@ -1,54 +1,16 @@
 """What an engineer can see of a TP run without a dense model to compare with.
 
-A diverging run has per-rank losses, parameter checksums, gradient norms and a trace of its
-collectives, not a dense twin. ``observe(mode, seed, cfg)`` trains the block on simulated ranks
-(each rank its own tensors, loss and backward, ``simulate="ranks"``) for a few steps and
-returns only such observables, as plain JSON-able numbers:
-
-- ``rank_losses``: every rank's loss at step 0 as the job logs it (do the ranks agree? with
-  ``logged_loss="all_reduced"`` they do by construction);
-- ``batch_checksums``: every rank's sum of the batch it loaded (did they get the same data?
-  Under sequence parallelism each rank loads the whole batch and its block takes its own
-  ``S/W`` tokens, ``zoo.block_inputs``);
-- ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the sum
-  of the checkpoint slice that rank should hold (0: it loaded the right numbers);
-- ``replica_checksums``: per replicated parameter (``norm``, ``bias``), every rank's sum after
-  step 1 and after the last step (replicas must stay identical); with replicated KV heads
-  (``kv_heads < world_size``, ``kv_strategy="replicate_weights"``) also ``wk`` and ``wv`` per
-  replica group, keyed ``"wk (ranks 0, 1)"``: the sums of that group's ranks;
-- ``ledger`` and ``planned_ledger``: the collectives of step 0, in order, each with its phase,
-  group and reduce op (``"sum"``, ``"avg"``, ``None`` for a gather: ``LEDGER_KEYS``), against
-  those the correct program issues;
-- ``logged_grad_norm``: the global gradient norm the run logs (what clipping uses);
-- ``rank_grad_norms``: per rank, each of its parameters' gradient norm at step 0 (after the
-  gradient reductions: what a per-rank log of gradient norms shows);
-- ``loss_curve``: rank 0's loss at each step;
-- with ``Config.dropout > 0`` only: ``rng_state_checksums``, every rank's checksum of its
-  default random generator's state when the step starts (after loading its batch; what
-  Megatron-DeepSpeed PR 276 compared: ``torch_rng_state`` across TP ranks). With
-  ``Config.qk_norm``, ``replica_checksums`` also holds ``q_norm`` and ``k_norm``, and the
-  ledger their after-backward all-reduce. ``setup`` then names the options (``dropout``,
-  ``qk_norm``);
-- on a TP x DP mesh (``Config.data_parallel > 1``; ``setup["data_parallel"]``):
-  ``loss_shares``, every rank's own share of the global mean at step 0 (what it adds to the
-  logged loss's all-reduce), and in ``replica_checksums`` every parameter of each TP rank on
-  every DP replica (``"dp wq (tp rank 0)"``: the replicas must stay identical);
-- and, *when a known-good run is available* (an earlier commit, TP = 1):
-  ``reference``: its ``rank_losses``, ``logged_grad_norm`` and ``loss_curve``, and
-  ``grad_norm_ratio``: each parameter's gradient norm over the good run's (step 0);
-  ``bias_grad_shift_cosine`` (only with a bias): the cosine between the bias gradient's
-  change and the bias itself; ``output_outside_partials`` (not under sequence parallelism):
-  the part of rank 0's step-0 output change from the good run's that no combination of the
-  good run's rank partials (its outputs before g) and bias makes, relative (0: a wrong
-  reduction or bias count moved the output; a changed partial leaves a part outside).
-
-The good run here is the mode's correct twin (``Injection.correct``): same setup and layout
-(sequence parallelism, replicated KV heads: the ``Config``), no bug.
-Tensors are float; checksums are sums (float64 accumulation of the float32 values).
+``observe(mode, seed, cfg)`` trains the block on simulated ranks (each rank its own tensors,
+loss and backward) for ``STEPS`` steps and returns only what a real job could log, as plain
+JSON-able numbers: losses, checksums of batches, shards and replicas, the collectives against
+the correct program's, gradient norms and the loss curve; with a known-good run (here the
+mode's correct twin, ``Injection.correct``: the same ``Config``, no bug) also how the run
+differs from it. Checksums are sums (float64 accumulation of the float32 values).
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -210,106 +172,154 @@ def _outside_partials(output: torch.Tensor, good_output: torch.Tensor, shards, x
     return float((d - fit).norm() / d.norm())
 
 
-def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
-                      steps: int = STEPS, reference: bool = True,
-                      batched: bool = False, logged_loss: str = "per_rank",
-                      train=simulated_train) -> dict:
-    """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up).
-    ``train``: what holds the ranks, ``simulated_train`` (every rank in this process) or
-    ``tpattn.diagnosis.observe_real.DistributedTrain`` (this process is one real rank)."""
+class _Runs(NamedTuple):
+    """An observation's two runs from one checkpoint ``base``: the live one (``shards`` as
+    loaded, ``batches``) and its good twin (``expected`` shards, ``good_batches``)."""
+    base: dict
+    shards: list
+    expected: list
+    batches: list
+    good_batches: list
+    good_inj: Injection
+    run: dict
+    good: dict
+
+
+def _check_arguments(seed: int, steps: int, logged_loss: str) -> None:
     check_seed(seed)
     if logged_loss not in LOGGED_LOSSES:
         raise ValueError(f"logged_loss must be one of {', '.join(LOGGED_LOSSES)} "
                          f"(got {logged_loss!r})")
-    cfg = Config() if cfg is None else cfg
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
-    if not isinstance(batched, bool):
-        raise ValueError(f"batched must be True or False (got {batched!r})")
+
+
+def _train_both(inj: Injection, seed: int, cfg: Config, steps: int, train) -> _Runs:
+    """The live run of ``inj`` and its good twin (``inj.correct()``), from one checkpoint
+    (the twin has the same setup: the same numbers); the twin's shards are the slices every
+    rank should hold. No bug: the good run is the live run."""
     good_inj = inj.correct()
-    # One checkpoint for both runs (the twin has the same setup: the same numbers);
-    # the twin's shards are the slices every rank should hold.
     base = make_params(cfg, seed, inj)
-    shards0 = _detached(shard(base, cfg, inj))
+    shards = _detached(shard(base, cfg, inj))
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
     seeded = {"seed": seed} if cfg.dropout > 0 else {}  # the ranks' random streams
     mesh = cfg.data_parallel  # every DP replica holds the TP shards: mesh order
-    run = train(shards0 * mesh, block_inputs(batches, cfg), cfg, inj, steps, **seeded)
+    run = train(shards * mesh, block_inputs(batches, cfg), cfg, inj, steps, **seeded)
     good_batches = batches if inj.inputs == good_inj.inputs else \
         rank_batches(cfg, seed, good_inj)
-    if good_inj == inj:  # no bug: the good run is this run
-        good = run
-    else:
-        good = train(expected * mesh, block_inputs(good_batches, cfg), cfg, good_inj, steps,
-                     last_update=False, **seeded)
-    first, good_first = run["first"], good["first"]
+    good = run if good_inj == inj else train(
+        expected * mesh, block_inputs(good_batches, cfg), cfg, good_inj, steps,
+        last_update=False, **seeded)
+    return _Runs(base, shards, expected, batches, good_batches, good_inj, run, good)
+
+
+def _reference_observables(runs: _Runs, inj: Injection, seed: int, cfg: Config,
+                           logged_loss: str) -> dict:
+    """What needs the known-good run: ``reference``, ``grad_norm_ratio``, and where they
+    apply ``output_outside_partials`` and ``bias_grad_shift_cosine``."""
+    first, good_first, w = runs.run["first"], runs.good["first"], cfg.world_size
+    grads = unshard(first["grads"][:w], cfg, inj)
+    good_grads = unshard(good_first["grads"][:w], cfg, runs.good_inj)
+    obs = {"reference": {"rank_losses": _logged(good_first["losses"], logged_loss),
+                         "logged_grad_norm": good_first["grad_norm"],
+                         "loss_curve": runs.good["curve"]},
+           "grad_norm_ratio": {k: float(grads[k].norm() / good_grads[k].norm())
+                               for k in good_grads}}
+    if not cfg.sequence_parallel and cfg.data_parallel == 1:
+        good_xs = [x for x, _ in block_inputs(runs.good_batches, cfg)]
+        rng = simulated_streams(cfg, seed, runs.good_inj) if cfg.dropout > 0 else None
+        obs["output_outside_partials"] = _outside_partials(
+            first["outputs"][0], good_first["outputs"][0], runs.expected, good_xs, cfg,
+            runs.good_inj, rng)
+    if "bias" in grads:
+        shift = (grads["bias"] - good_grads["bias"]).double()
+        b = runs.base["bias"].double()
+        obs["bias_grad_shift_cosine"] = float(shift @ b / (shift.norm() * b.norm() + 1e-30))
+    return obs
+
+
+def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
+                      steps: int = STEPS, reference: bool = True, logged_loss: str = "per_rank",
+                      train=simulated_train) -> dict:
+    """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up).
+    ``train``: what holds the ranks, ``simulated_train`` (every rank in this process) or
+    ``tpattn.diagnosis.observe_real.DistributedTrain`` (this process is one real rank)."""
+    _check_arguments(seed, steps, logged_loss)
+    cfg = Config() if cfg is None else cfg
+    runs = _train_both(inj, seed, cfg, steps, train)
+    first, good_first = runs.run["first"], runs.good["first"]
     obs = {
         "setup": {**inj.setup, "world_size": cfg.world_size, "query_heads": cfg.query_heads,
                   "kv_heads": cfg.kv_heads, "sequence_parallel": cfg.sequence_parallel,
                   "logged_loss": logged_loss},
         "rank_losses": _logged(first["losses"], logged_loss),
-        "batch_checksums": [_checksum(x) + _checksum(t) for x, t in batches],
+        "batch_checksums": [_checksum(x) + _checksum(t) for x, t in runs.batches],
         "shard_checksums": {name: [_checksum(s[name]) - _checksum(e[name])
-                                   for s, e in zip(shards0, expected)]
+                                   for s, e in zip(runs.shards, runs.expected)]
                             for name in ("wq", "wk", "wv", "wo")},
-        "shard_scale": {name: float(base[name].abs().sum())
+        "shard_scale": {name: float(runs.base[name].abs().sum())
                         for name in ("wq", "wk", "wv", "wo")},
-        "replica_checksums": run["replicas"],
+        "replica_checksums": runs.run["replicas"],
         "ledger": [{k: e[k] for k in LEDGER_KEYS} for e in first["ledger"]],
         "planned_ledger": [{k: e[k] for k in LEDGER_KEYS} for e in good_first["ledger"]],
         "logged_grad_norm": first["grad_norm"],
         "rank_grad_norms": [{k: float(g.double().norm()) for k, g in grads.items()}
                             for grads in first["grads"]],
-        "loss_curve": run["curve"],
+        "loss_curve": runs.run["curve"],
     }
     if cfg.dropout > 0:
         obs["setup"]["dropout"] = cfg.dropout
-        obs["rng_state_checksums"] = run["rng_checksums"]
+        obs["rng_state_checksums"] = runs.run["rng_checksums"]
     if cfg.qk_norm:
         obs["setup"]["qk_norm"] = True
-    if mesh > 1:  # a TP x DP mesh: its degree and every rank's share of the global mean
-        obs["setup"]["data_parallel"] = mesh
-        obs["loss_shares"] = _shares(first["outputs"], block_inputs(batches, cfg), cfg)
-    w = cfg.world_size
+    if cfg.data_parallel > 1:  # a TP x DP mesh: its degree and every rank's share of the mean
+        obs["setup"]["data_parallel"] = cfg.data_parallel
+        obs["loss_shares"] = _shares(first["outputs"], block_inputs(runs.batches, cfg), cfg)
     if reference:
-        grads = unshard(first["grads"][:w], cfg, inj)
-        good_grads = unshard(good_first["grads"][:w], cfg, good_inj)
-        obs["reference"] = {"rank_losses": _logged(good_first["losses"], logged_loss),
-                            "logged_grad_norm": good_first["grad_norm"],
-                            "loss_curve": good["curve"]}
-        obs["grad_norm_ratio"] = {k: float(grads[k].norm() / good_grads[k].norm())
-                                  for k in good_grads}
-        if not cfg.sequence_parallel and mesh == 1:
-            good_xs = [x for x, _ in block_inputs(good_batches, cfg)]
-            rng = simulated_streams(cfg, seed, good_inj) if cfg.dropout > 0 else None
-            obs["output_outside_partials"] = _outside_partials(
-                first["outputs"][0], good_first["outputs"][0], expected, good_xs, cfg, good_inj,
-                rng)
-        if "bias" in grads:
-            shift = (grads["bias"] - good_grads["bias"]).double()
-            b = base["bias"].double()
-            obs["bias_grad_shift_cosine"] = float(shift @ b / (shift.norm() * b.norm() + 1e-30))
+        obs.update(_reference_observables(runs, inj, seed, cfg, logged_loss))
     return obs
 
 
 def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
-            reference: bool = True, batched: bool = False,
-            logged_loss: str = "per_rank", train=simulated_train) -> dict:
-    """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks (see the
-    module docstring); ``reference=False`` leaves out what needs a known-good run.
-    ``train``: as in ``observe_injection`` (real ranks: ``tpattn.diagnosis.observe_real``).
-    ``cfg`` must meet the mode's needs (``zoo.check_needs``: e.g. ``sequence_parallel=True``
-    for the norm-gradient modes, ``kv_heads < world_size`` for ``missing_kv_grad_reduce``),
-    else ``ValueError`` naming the field and the rule.
-    ``batched``: accepted for compatibility; there is one simulation, the engine's ranks as
-    a batch dimension (``tpattn.parallel.simulated``), whatever its value.
-    ``logged_loss``: how the job logs its loss (``LOGGED_LOSSES``); ``"all_reduced"`` makes
-    ``rank_losses`` agree by construction, as a framework that all-reduces the loss shows."""
+            reference: bool = True, logged_loss: str = "per_rank",
+            train=simulated_train) -> dict:
+    """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks:
+
+    - ``setup``: the injection's setup, ``world_size``, ``query_heads``, ``kv_heads``,
+      ``sequence_parallel``, ``logged_loss`` (and ``dropout``, ``qk_norm``, ``data_parallel``
+      when set);
+    - ``rank_losses``: every rank's step-0 loss as the job logs it (``logged_loss``, one of
+      ``LOGGED_LOSSES``; ``"all_reduced"`` makes them agree by construction);
+    - ``batch_checksums``: every rank's sum of the batch it loaded (under sequence
+      parallelism each rank loads the whole batch; its block takes its own ``S/W`` tokens);
+    - ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the
+      sum of the checkpoint slice it should hold (0: the right numbers); ``shard_scale``:
+      each parameter's ``sum |w|``;
+    - ``replica_checksums``: ``replica_sums`` after step 1 (``after_1``) and the last step
+      (``after_k``): what must stay identical across ranks;
+    - ``ledger`` and ``planned_ledger``: step 0's collectives in order (``LEDGER_KEYS``), and
+      those of the correct program;
+    - ``logged_grad_norm`` (what clipping uses); ``rank_grad_norms``: per rank, each
+      parameter's gradient norm at step 0 after the reductions; ``loss_curve``: rank 0's
+      loss per step;
+    - with dropout, ``rng_state_checksums``: every rank's default generator state when the
+      step starts (what Megatron-DeepSpeed PR 276 compared across TP ranks); on a TP x DP
+      mesh, ``loss_shares``: every rank's own share of the global mean at step 0;
+    - with ``reference=True``, against the known-good run: ``reference`` (its
+      ``rank_losses``, ``logged_grad_norm``, ``loss_curve``), ``grad_norm_ratio`` (each
+      parameter's gradient norm over the good run's), ``bias_grad_shift_cosine`` (with a
+      bias: the cosine between the bias gradient's change and the bias) and, neither under
+      sequence parallelism nor on a mesh, ``output_outside_partials``: the part of rank 0's
+      output change that no combination of the good run's rank partials (before g) and bias
+      makes, relative (0: a wrong reduction or bias count; above 0: a changed partial).
+
+    ``cfg`` must meet the mode's needs (``zoo.check_needs``), else ``ValueError`` naming the
+    field and the rule. ``train``: as in ``observe_injection`` (real ranks:
+    ``tpattn.diagnosis.observe_real``)."""
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
         raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
                          f"an injection of this block")
-    return observe_injection(entry.injection, seed, cfg, steps, reference, batched, logged_loss,
-                             train)
+    return observe_injection(entry.injection, seed, cfg, steps, reference, logged_loss, train)

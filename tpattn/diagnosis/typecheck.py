@@ -1,32 +1,13 @@
 """Tier 0: the sharded block under ``spmd_types``' type checker, before any number is compared.
 
-``spmd_types`` (meta-pytorch/spmd_types, BSD) gives every tensor a *local SPMD type* per mesh
-axis: ``I`` invariant (the same on every rank, gradient too), ``R`` replicate (the same on
-every rank, gradient pending a sum), ``V`` varying (differs per rank) or ``P`` partial (the
-value is the pending sum over ranks). Ops check that their operands' types mix; collectives
-change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g).
-
-``typecheck(mode, cfg)`` runs the SAME per-rank block the real ranks run
-(``tpattn.parallel.engine.rank_block`` through ``tpattn.real.ranks.real_rank_block``, every
-variant), forward and backward, with ``TypedCollectives`` in place of the ledger, on a fake
-process group of ``cfg.world_size`` ranks (backend
-``"fake"``: no rank runs, no collective moves data; this process plays rank 0). The inputs and
-parameters are declared with the types correct TP gives them::
-
-    x, target        I   (SP: x and target V, each rank its own tokens)
-    norm (, bias)    I   (SP: R, its gradient summed after backward;
-                          without that sum, I)
-    wq, wk, wv, wo   V   (replicated KV heads: a 2-D mesh ("kv", "rep"),
-                          wk/wv V on "kv" and I on "rep"; the replica
-                          reduce converts them to R, its gradient summed)
-
-Verdicts (``VERDICTS``): ``"type-checks"`` (correct TP), ``"caught"`` (a bug mode that raises
-``SpmdTypeError``; ``message`` is the checker's own text, ``where`` the lines of the block
-where it was raised and its caller, which name the tensors), ``"not a type error"`` (a bug mode that
-type-checks because what it breaks is a value or a layout, not a type: ``WHY`` says why for
-each mode) and ``"missed"`` (a bug mode that drops a collective yet type-checks: the local
-types do not see it in that setting). ``import tpattn`` never imports spmd_types; this module
-does (install ``spmd-types``, pinned in requirements.txt).
+``spmd_types`` (meta-pytorch/spmd_types, BSD) gives every tensor a local SPMD type per mesh
+axis: ``I`` invariant (the same on every rank, gradient too), ``R`` replicate (the same,
+gradient pending a sum), ``V`` varying or ``P`` partial (a pending sum over ranks);
+collectives change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g).
+``typecheck(mode, cfg)`` runs the per-rank block the real ranks run (``real_rank_block``),
+forward and backward, with ``TypedCollectives`` on a fake process group of
+``cfg.world_size`` ranks (no rank runs, no data moves; this process plays rank 0). ``import
+tpattn`` never imports spmd_types; this module does (``spmd-types``, in requirements.txt).
 """
 from __future__ import annotations
 
@@ -49,11 +30,14 @@ from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_b
 from tpattn.block.params import init_params, shard_params
 from tpattn.real.ranks import real_rank_block
 
-__all__ = ["VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
+__all__ = ["TYPECHECK_VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
            "TABLE_SETUPS", "typecheck_table"]
 
-#: Every verdict ``typecheck`` returns.
-VERDICTS = ("type-checks", "caught", "not a type error", "missed")
+#: Every verdict ``typecheck`` returns: ``"type-checks"`` (correct TP), ``"caught"`` (a bug
+#: mode that raises ``SpmdTypeError``), ``"not a type error"`` (a bug mode that type-checks
+#: because it breaks a value or a layout, not a type: ``WHY``) and ``"missed"`` (a bug mode
+#: that drops a collective yet type-checks: the local types do not see it in that setting).
+TYPECHECK_VERDICTS = ("type-checks", "caught", "not a type error", "missed")
 
 #: Per mode: why the type checker does or does not see it (one line each; ``typecheck``
 #: returns the line of the verdict it reached: ``"caught"`` or the other).
@@ -246,9 +230,16 @@ def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> N
                     else typ for axis in ops.axes})
 
 
-def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
-    """The mode's per-rank block on rank 0, its inputs and parameters declared: returns a
-    thunk that runs forward, the loss and backward."""
+def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool):
+    """Rank 0's side of the mode's program: ``(injection, parameters, their types, x, target,
+    the type of x and target)``; types are tuples of spmd_types' I/R/V, one per axis, as
+    correct TP gives them::
+
+        x, target        I   (SP: V, each rank its own tokens)
+        norm (, bias)    I   (SP: R, its gradient summed after backward; without that sum, I)
+        wq, wk, wv, wo   V   (replicated KV heads: a 2-D mesh ("kv", "rep"), wk/wv V on "kv"
+                              and I on "rep"; the replica reduce converts them to R)
+    """
     from spmd_types import I, R, V
 
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
@@ -281,15 +272,28 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
                      (V, I) if name in ("wk", "wv") and ops.replica is not None
                      else (V,) for name in params}
             x_type = (I,)
+    return inj, params, types, x0, target, x_type
 
-    streams, masks = {}, {}
-    if cfg.dropout > 0:  # rank 0's masks, drawn before the checker runs, then declared
-        from tpattn.parallel.rng import simulated_streams
 
-        drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
-        masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
-                 "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
-        streams = {"rng": _DrawnMasks(masks["attention"][0], masks["residual"][0])}
+def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
+    """With dropout, rank 0's masks drawn before the checker runs: ``(streams, masks)``,
+    ``streams`` for ``real_rank_block``, ``masks`` name → ``(mask, its type)``; else empty."""
+    if cfg.dropout <= 0:
+        return {}, {}
+    from spmd_types import I, V
+    from tpattn.parallel.rng import simulated_streams
+
+    drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
+    masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
+             "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
+    return {"rng": _DrawnMasks(masks["attention"][0], masks["residual"][0])}, masks
+
+
+def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
+    """The mode's per-rank block on rank 0, its inputs and parameters declared: returns a
+    thunk that runs forward, the loss and backward."""
+    inj, params, types, x0, target, x_type = _rank0_inputs(mode, cfg, seed, ops, twin)
+    streams, masks = _rank0_masks(cfg, seed, inj)
 
     def forward(x):
         return real_rank_block(x, params, cfg, inj, ops, rank=0, **streams)
@@ -304,7 +308,7 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
         for t, typ in declared.values():
             _declare(t, ops, *typ)
         if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
-            from spmd_types import P, reinterpret
+            from spmd_types import P, V, reinterpret
 
             share = F.mse_loss(forward(x), target, reduction="sum") / numel
             loss = reinterpret(share, ops.tp, src=V, dst=P)
@@ -350,7 +354,7 @@ def _validate(mode, cfg, seed):
     check_seed(seed)
     if not isinstance(mode, str):
         raise ValueError(f"mode must be a mode name (got {mode!r})")
-    entry = resolve(mode, cfg)  # a seed's-check mode: check_mode's rules on cfg
+    entry = resolve(mode, cfg)  # check_mode's rules on cfg
     inj = entry.injection
     if cfg.data_parallel > 1 or set(entry.needs) & set(MESH_NEEDS):
         raise ValueError(f"typecheck checks one TP group (a fake process group of world_size "
@@ -373,7 +377,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
     group of ``cfg.world_size`` ranks (``cfg`` defaults to ``Config()``).
 
     Returns ``{"mode", "world_size", "sequence_parallel", "kv_layout", "verdict", "message",
-    "where", "why"}``: ``verdict`` one of ``VERDICTS``; ``message`` the checker's own
+    "where", "why"}``: ``verdict`` one of ``TYPECHECK_VERDICTS``; ``message`` the checker's own
     ``SpmdTypeError`` text (``None`` when it type-checks); ``where`` the block's lines that
     raised (``module.function: code``, naming the tensors; ``None``); ``why`` one line
     (``WHY``). The numbers ``seed`` draws do not matter to types (they only fill shapes).
@@ -395,7 +399,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
     inj = _validate(mode, cfg, seed)
     message = where = None
     with fake_process_group(cfg) as ops:
-        if twin and inj.reduction_only:  # the seed's check's modes: their twin is correct TP
+        if twin and inj.reduction_only:  # the original fixture's modes: their twin is correct TP
             mode_run = EQUIVALENCE
         else:
             mode_run = mode
@@ -426,9 +430,9 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
             "verdict": verdict, "message": message, "where": where, "why": why}
 
 
-#: The setup each registry mode is checked at in ``typecheck_table``: the seed's shape
-#: (``Config()``) unless the mode needs another (sequence parallelism, fewer KV heads than
-#: ranks, two KV heads per rank).
+#: The setup each registry mode is checked at in ``typecheck_table``: the original fixture's
+#: shape (``Config()``) unless the mode needs another (sequence parallelism, fewer KV heads
+#: than ranks, two KV heads per rank).
 TABLE_SETUPS = {
     "missing_norm_grad_reduce": Config(seq=8, sequence_parallel=True),
     "norm_grad_averaged": Config(seq=8, sequence_parallel=True),

@@ -10,6 +10,6 @@ from .tables import *  # noqa: F401,F403
 from .tables import __all__ as _tables
 
 #: The modules of figures, in the order their names are looked up.
-FIGURE_MODULES = ("style", "overview", "layers", "sharding", "ranks", "sp", "kv", "flow")
+_FIGURE_MODULES = ("style", "overview", "layers", "heads", "sharding", "ranks", "sp", "kv", "flow")
 
-__getattr__, __dir__ = lazy_names(__name__, globals(), _tables, FIGURE_MODULES)
+__getattr__, __dir__ = lazy_names(__name__, globals(), _tables, _FIGURE_MODULES)

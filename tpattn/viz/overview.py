@@ -33,6 +33,42 @@ def _heads_text(heads: range) -> str:
     return str(heads.start) if len(heads) == 1 else f"{heads.start}–{heads.stop - 1}"
 
 
+def _rank_lane(ax, cfg: Config, rank: int, y: float, mid: float) -> None:
+    """Rank ``rank``'s lane of the block map at height ``y``: its wq/wk/wv rows and heads,
+    RoPE and attention, its wo columns → a partial ``[S, B, hidden]``."""
+    boxed = functools.partial(box, pad=0.3)
+    color = rank_color(rank)
+    q_heads, kv_heads = rank_heads(cfg, rank)
+    arrow(ax, (34.5, mid), (38.7, y), color=color)
+    ax.text(38.7, y + 4.3, f"rank {rank}", color=color, fontsize=8.5, weight="bold",
+            ha="left", va="bottom")
+    boxed(ax, 44, y, 10, 7, f"wq, wk, wv rows\nq heads {_heads_text(q_heads)}\n"
+          f"kv head{'s' if len(kv_heads) > 1 else ''} {_heads_text(kv_heads)}", color, size=8)
+    arrow(ax, (49.4, y), (52.3, y), color=color)
+    boxed(ax, 58.5, y, 10.5, 7, f"RoPE, {repeat_kv.__name__},\ncausal {attention.__name__}",
+          color, size=8)
+    arrow(ax, (64.1, y), (67.0, y), color=color)
+    boxed(ax, 72.0, y, 9.0, 7, f"wo columns\n→ partial {rank}\n[{cfg.seq}, {cfg.batch}, "
+          f"{cfg.hidden}]", color, size=8)
+    arrow(ax, (76.9, y), (80.0, mid), color=color)
+
+
+def _g_and_residual(ax, mid: float, top: float) -> None:
+    """The block map's right end: g sums the partials, ``+ x`` (the residual path along
+    ``top``) gives ``y``."""
+    g_name = reduce_output_partials.__name__.replace("output_", "output_\n")
+    box(ax, 85.5, mid, 10.5, 11, f"g\n{g_name}\nfwd: all-reduce (Σ)\nbwd: identity",
+        _F_G_COLOR, face="#f3eef8", size=8, pad=0.3)
+    box(ax, 94.6, mid, 2.4, 3, "+", DENSE_COLOR, size=11, weight="bold", pad=0.3)
+    arrow(ax, (91.1, mid), (93.2, mid))
+    ax.text(99.6, mid, "y", ha="center", va="center", fontsize=11, weight="bold")
+    arrow(ax, (96.1, mid), (98.6, mid))
+    ax.plot([4, 4, 94.6], [mid + 3.4, top, top], color=DENSE_COLOR, lw=1.1)
+    arrow(ax, (94.6, top), (94.6, mid + 1.9))
+    ax.text(50, top + 0.8, "residual: + x  (backward: dy reaches dX directly; dX itself is never all-reduced)",
+            ha="center", va="bottom", fontsize=8, color=DENSE_COLOR)
+
+
 def block_map_figure(cfg: Config | None = None):
     """The attention block split across ``cfg.world_size`` TP ranks (default ``Config()``):
     ``x`` → RMSNorm → **f** (``copy_to_ranks``) → one lane per rank (its wq/wk/wv rows and
@@ -64,33 +100,8 @@ def block_map_figure(cfg: Config | None = None):
     ax.text(22.15, mid + 0.8, "n", ha="center", va="bottom", fontsize=8.5, style="italic")
 
     for rank, y in enumerate(lane_y):
-        color = rank_color(rank)
-        q_heads, kv_heads = rank_heads(cfg, rank)
-        arrow(ax, (34.5, mid), (38.7, y), color=color)
-        ax.text(38.7, y + 4.3, f"rank {rank}", color=color, fontsize=8.5, weight="bold",
-                ha="left", va="bottom")
-        boxed(ax, 44, y, 10, 7, f"wq, wk, wv rows\nq heads {_heads_text(q_heads)}\n"
-             f"kv head{'s' if len(kv_heads) > 1 else ''} {_heads_text(kv_heads)}", color, size=8)
-        arrow(ax, (49.4, y), (52.3, y), color=color)
-        boxed(ax, 58.5, y, 10.5, 7, f"RoPE, {repeat_kv.__name__},\ncausal {attention.__name__}",
-             color, size=8)
-        arrow(ax, (64.1, y), (67.0, y), color=color)
-        boxed(ax, 72.0, y, 9.0, 7, f"wo columns\n→ partial {rank}\n[{s}, {b}, {hidden}]", color, size=8)
-        arrow(ax, (76.9, y), (80.0, mid), color=color)
-
-    # g: the partials summed
-    g_name = reduce_output_partials.__name__.replace("output_", "output_\n")
-    boxed(ax, 85.5, mid, 10.5, 11, f"g\n{g_name}\nfwd: all-reduce (Σ)\nbwd: identity",
-         _F_G_COLOR, face="#f3eef8", size=8)
-    boxed(ax, 94.6, mid, 2.4, 3, "+", DENSE_COLOR, size=11, weight="bold")
-    arrow(ax, (91.1, mid), (93.2, mid))
-    ax.text(99.6, mid, "y", ha="center", va="center", fontsize=11, weight="bold")
-    arrow(ax, (96.1, mid), (98.6, mid))
-    # residual: x around everything
-    ax.plot([4, 4, 94.6], [mid + 3.4, top, top], color=DENSE_COLOR, lw=1.1)
-    arrow(ax, (94.6, top), (94.6, mid + 1.9))
-    ax.text(50, top + 0.8, "residual: + x  (backward: dy reaches dX directly; dX itself is never all-reduced)",
-            ha="center", va="bottom", fontsize=8, color=DENSE_COLOR)
+        _rank_lane(ax, cfg, rank, y, mid)
+    _g_and_residual(ax, mid, top)
 
     ax.text(29, bottom, "without f's all-reduce: forward and loss\nidentical, gradients wrong (ch. 9)",
             ha="center", va="top", fontsize=8, color=FAIL_COLOR)

@@ -9,15 +9,15 @@ import torch
 
 from tpattn.check.core import MEASURES, MODES, TOLERANCE
 from tpattn.config import Config
-from .frames import HeadsPicture, draw_heads
+from .frames import draw_heads
+from .heads import heads_picture
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
-from .tables import MEASURE_LABELS, SHORT_MEASURE_LABELS, format_measure, measures_table
+from .tables import MEASURE_LABELS
 
 __all__ = [
-    "MEASURE_LABELS", "SHORT_MEASURE_LABELS", "ZERO_FLOOR", "MODE_COLORS",
-    "format_measure", "measures_table",
+    "ZERO_FLOOR", "MODE_COLORS",
     "zero_floor", "value_label",
-    "heads_to_ranks_figure", "heads_picture", "heads_layout",
+    "heads_to_ranks_figure",
     "weight_shards_figure",
     "measures_figure", "compare_measures_figure",
     "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
@@ -45,49 +45,6 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
     contiguous blocks). Fewer KV heads than ranks (default ``query_ranks``): the
     ``replica_groups_figure``. Draws ``heads_picture(cfg, query_ranks)``."""
     return draw_heads(heads_picture(cfg, query_ranks))
-
-
-def heads_picture(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
-    """What ``heads_to_ranks_figure`` draws: ``heads_layout``, or ``replica_groups_layout``
-    for fewer KV heads than ranks (default ``query_ranks``)."""
-    if cfg.kv_heads < cfg.world_size and query_ranks is None:
-        from .kv import replica_groups_layout
-
-        return replica_groups_layout(cfg)
-    return heads_layout(cfg, query_ranks)
-
-
-def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
-    """What ``heads_to_ranks_figure(cfg, query_ranks)`` draws, without replica groups
-    (``ValueError`` for a ``query_ranks`` that is not a rank per query head)."""
-    if query_ranks is not None and (len(query_ranks) != cfg.query_heads or any(
-            not 0 <= int(r) < cfg.world_size for r in query_ranks)):
-        raise ValueError(f"query_ranks must give a rank in [0, {cfg.world_size}) for each of "
-                         f"the {cfg.query_heads} query heads (got {list(query_ranks)!r})")
-    hq, hkv, world = cfg.query_heads, cfg.kv_heads, cfg.world_size
-    if query_ranks is None:
-        query_ranks = [h // cfg.local_query_heads for h in range(hq)]
-    kv_ranks = [j // cfg.local_kv_heads for j in range(hkv)]
-    fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5
-    box_w, box_h, q_y, kv_y = 0.8, 0.5, 1.6, 0.0
-    kv_x = [cfg.group_size * j + (cfg.group_size - 1) / 2 for j in range(hkv)]
-    lines, split = [], 0
-    for h in range(hq):
-        j = h // cfg.group_size
-        crosses = int(query_ranks[h]) != kv_ranks[j]
-        split += crosses
-        lines.append((float(h), q_y - box_h / 2, kv_x[j], kv_y + box_h / 2,
-                      FAIL_COLOR if crosses else "#888888", crosses, 1.6 if crosses else 1.0))
-    boxes = [(float(h), q_y, box_w, box_h, rank_color(int(r)), f"q{h}", fontsize)
-             for h, r in enumerate(query_ranks)]
-    boxes += [(x, kv_y, box_w, box_h, rank_color(r), f"kv{j}", fontsize)
-              for j, (x, r) in enumerate(zip(kv_x, kv_ranks))]
-    verdict = (f"{split} query head(s) on another rank than their KV head" if split
-               else "every rank holds complete query/KV groups")
-    return HeadsPicture((min(12.0, max(6.0, 0.55 * hq + 2.5)), 2.9), (-2.2, hq - 0.3),
-                        (-0.55, 2.1), (("query\nheads", q_y), ("KV\nheads", kv_y)),
-                        f"{hq} query heads, {hkv} KV heads, {world} ranks", verdict,
-                        FAIL_COLOR if split else "black", tuple(lines), tuple(boxes), (), world)
 
 
 def weight_shards_figure(cfg: Config):

@@ -14,10 +14,10 @@ from tpattn.diagnosis.hunt import choices, describe, hunt_case, judge
 from tpattn.diagnosis.observe import observe
 from .core import Explorer, html_output, single_thread
 
-__all__ = ["bug_hunt_explorer", "HUNTS", "hunt_panel"]
+__all__ = ["bug_hunt_explorer", "PRECOMPUTED_HUNTS", "hunt_panel"]
 
 #: The hunts the HTML book precomputes.
-HUNTS = (1, 2, 3, 4, 6, 9, 10, 25)
+PRECOMPUTED_HUNTS = (1, 2, 3, 4, 6, 9, 10, 25)
 #: The answer control's "nothing chosen yet" option.
 UNANSWERED = "(choose a cause)"
 
@@ -51,7 +51,7 @@ def hunt_panel(hunt: int, guess: str) -> tuple[str, str]:
     return markup, "\n".join(text)
 
 
-def bug_hunt_explorer(hunt: int = 1, hunts=HUNTS) -> Explorer:
+def bug_hunt_explorer(hunt: int = 1, hunts=PRECOMPUTED_HUNTS) -> Explorer:
     """Live bug hunt: ``hunt`` (any integer >= 0) and the reader's answer; the static twin,
     every ``hunts`` × answer (text only: no figures)."""
     answers = [UNANSWERED] + choices()

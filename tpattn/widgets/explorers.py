@@ -1,31 +1,29 @@
 """The book's explorers, each a live ``Explorer`` with its static twin (the same ``draw`` at
 the states below): ``rope_explorer`` (chapter 3), ``attention_explorer`` (4),
 ``sharding_explorer`` (6), ``seed_mode_explorer`` (8–10) and ``sp_explorer`` (12, on
-simulated ranks with ``SP_MODES``); ``heads_explorer`` is the
-sharding and kv explorers' common part. Every number comes from the package and every
-figure from ``tpattn.viz``."""
+simulated ranks with ``SP_MODES``). Every number comes from the package and every figure
+from ``tpattn.viz``."""
 from __future__ import annotations
-
-import functools
-from typing import Callable
 
 import ipywidgets as widgets
 
 from tpattn.check.core import EQUIVALENCE, MODES, SEEDS, SP_MODES
 from tpattn.config import Config
 from tpattn.block.layers import rope_angles
-from tpattn.viz.frames import HeadsPicture, heads_svg
 from tpattn.viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
                           rope_rotation_figure, set_attention_state, set_rope_position)
-from tpattn.viz.sharding import heads_picture, measures_table
-from .core import (Explorer, StandingFigure, config_controls, drawn_config, html_output,
-                   mode_control, png_output, seed_control, single_thread, text_output)
+from tpattn.viz.heads import heads_picture
+from tpattn.viz.tables import measures_table
+from .core import (Explorer, StandingFigure, config_controls, html_output, mode_control,
+                   png_output, seed_control, single_thread, text_output)
+from .heads import control_states, heads_explorer, layout_states
+from .kv import kv_caption
 from .measures import MeasuresPlot, live_run, measures_html
 
 __all__ = [
     "rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
     "sp_explorer", "SP_EXPLORER_CONFIG",
-    "heads_explorer", "control_states", "layout_states", "ROPE_POSITIONS", "ATTENTION_LAYOUTS",
+    "ROPE_POSITIONS", "ATTENTION_LAYOUTS",
     "ATTENTION_SEEDS", "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS",
 ]
 
@@ -39,14 +37,8 @@ ATTENTION_SEEDS = (11, 17)
 SHARDING_LAYOUTS = ((4, 2, 2), (4, 2, 1), (8, 4, 2), (8, 8, 4), (8, 2, 4), (6, 4, 2))
 #: The heads→ranks figure stays readable up to this many query heads.
 MAX_DRAWN_HEADS = 64
-#: Chapter 12's block: the seed's shapes with 8 tokens, so that 2 ranks hold 4 each.
+#: Chapter 12's block: the original fixture's shapes with 8 tokens, so that 2 ranks hold 4 each.
 SP_EXPLORER_CONFIG = Config(seq=8, sequence_parallel=True)
-
-
-def control_states(name: str, values, group: str | None = None) -> tuple[str, list]:
-    """A static twin's group (named ``group``, default ``name``): control ``name`` at each of
-    ``values``."""
-    return group or name, [(str(value), {name: value}) for value in values]
 
 
 # --- chapter 3: RoPE -----------------------------------------------------------------------
@@ -130,34 +122,9 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
 
 # --- chapters 6 and 13: heads to ranks -----------------------------------------------------
 
-def layout_states(layouts) -> tuple[str, list]:
-    """A static twin's group of ``(query_heads, kv_heads, world_size)`` layouts."""
-    return "layout", [("{} q · {} kv · {} ranks".format(*layout),
-                       dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
-                      for layout in layouts]
-
-
-def heads_explorer(kind: str, controls: dict, max_heads: int, caption: Callable[[Config], str],
-                   picture: Callable[[Config], HeadsPicture], states) -> Explorer:
-    """Controls → ``drawn_config(max_heads, **values)`` → its caption and the SVG of
-    ``picture(cfg)``; an invalid layout shows the ``ValueError``'s message. A layout shown
-    again reuses its outputs (``explorer.shown``, an ``lru_cache``)."""
-    @functools.lru_cache(maxsize=32)
-    def shown(cfg: Config) -> tuple[dict, dict]:
-        what = f"{cfg.query_heads} q, {cfg.kv_heads} kv, {cfg.world_size} ranks"
-        return text_output(caption(cfg)), html_output(heads_svg(picture(cfg)), f"<{what}>")
-
-    explorer = Explorer(kind, controls, lambda **values: list(shown(drawn_config(
-        max_heads, **values))), states, kind=kind)
-    explorer.shown = shown
-    return explorer
-
-
 def sharding_caption(cfg: Config) -> str:
     """Which heads each rank holds (with replicas: ``kv_caption``)."""
     if cfg.kv_heads < cfg.world_size:  # replicas: chapter 13's caption
-        from .kv import kv_caption
-
         return kv_caption(cfg)
     q, kv = cfg.local_query_heads, cfg.local_kv_heads
     span = lambda prefix, first, n: (f"{prefix}{first}" if n == 1  # noqa: E731

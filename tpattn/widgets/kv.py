@@ -6,9 +6,9 @@ import ipywidgets as widgets
 
 from tpattn.config import KV_STRATEGIES, Config
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
-from tpattn.viz.kv import replica_groups_layout
+from tpattn.viz.heads import replica_groups_layout
 from .core import Explorer, config_controls
-from .explorers import control_states, heads_explorer, layout_states
+from .heads import control_states, heads_explorer, layout_states
 
 __all__ = ["KV_LAYOUTS", "kv_caption", "kv_explorer"]
 

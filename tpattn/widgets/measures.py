@@ -11,9 +11,9 @@ from typing import Mapping
 from tpattn.bugs.modes import run
 from tpattn.check.core import MEASURES, TOLERANCE
 from tpattn.config import Config
-from tpattn.viz.sharding import MEASURE_LABELS, format_measure, measures_figure
-# measures_figure's own rules for where 0 is drawn and how a bar is labelled
-from tpattn.viz.sharding import value_label, zero_floor
+# measures_figure, with its own rules for where 0 is drawn and how a bar is labelled
+from tpattn.viz.sharding import measures_figure, value_label, zero_floor
+from tpattn.viz.tables import MEASURE_LABELS, format_measure
 from tpattn.viz.style import FAIL_COLOR, PASS_COLOR
 from .core import StandingFigure, single_thread
 
