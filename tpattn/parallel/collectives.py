@@ -118,8 +118,10 @@ class SimulatedRanks:
         self.dp_ranks = [i // cfg.world_size for i in range(cfg.ranks)]
 
     def groups(self, group: str = "tp") -> list[list[int]]:
-        """The entries of each group of ``group`` (``"tp"``, ``"dp"``, ``"world"``), each list
-        in group order: TP groups are consecutive entries, DP groups one ``tp_rank`` each."""
+        """The entries of each group of ``group``, each list in group order: ``"tp"``
+        consecutive entries, ``"dp"`` one ``tp_rank`` each, ``"world"`` every entry,
+        ``"kv_replicas"`` each KV replica group (``cfg.kv_replicas`` consecutive entries of a
+        TP group: the ranks that share one KV head), ``"self"`` each entry alone."""
         w, d = self.world_size, self.data_parallel
         if group == "tp":
             return [[i * w + t for t in range(w)] for i in range(d)]
@@ -127,7 +129,13 @@ class SimulatedRanks:
             return [[i * w + t for i in range(d)] for t in range(w)]
         if group == "world":
             return [list(range(w * d))]
-        raise ValueError(f"group must be 'tp', 'dp' or 'world' (got {group!r})")
+        if group == "kv_replicas":
+            r = self.cfg.kv_replicas
+            return [list(range(s, s + r)) for s in range(0, w * d, r)]
+        if group == "self":
+            return [[i] for i in range(w * d)]
+        raise ValueError(f"group must be 'tp', 'dp', 'world', 'kv_replicas' or 'self' "
+                         f"(got {group!r})")
 
     def position(self, entry: int, group: str = "tp") -> int:
         """Entry ``entry``'s rank inside its group of ``group``."""
