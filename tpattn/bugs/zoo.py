@@ -55,7 +55,7 @@ from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING
 from tpattn.check.core import tp_step as check_tp_step
 from tpattn.config import Config
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
-from tpattn.parallel.engine import ScaleGrad as GradScale
+from tpattn.parallel.wrong import ScaleGrad as GradScale
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 

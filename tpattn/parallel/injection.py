@@ -104,6 +104,11 @@ class Injection:
             and Injection(f=self.f, g=self.g, norm_grad=self.norm_grad,
                           kv_grad=self.kv_grad) == self
 
+    def program(self):
+        """The ``Program`` this injection runs (``tpattn.parallel.wrong.program_of``)."""
+        from .wrong import program_of  # wrong -> program -> collectives: below, not above
+        return program_of(self)
+
     @property
     def setup(self) -> dict:
         """What the engineer knows about the model and the training setup (not the bug)."""

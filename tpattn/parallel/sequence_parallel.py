@@ -58,7 +58,7 @@ import torch
 
 from tpattn.config import Config
 from tpattn.block.layers import rms_norm
-from .engine import ScaleGrad
+from .wrong import ScaleGrad
 
 __all__ = ["NORM_GRAD_REDUCTIONS", "rank_tokens", "ScaleGrad", "ring_bytes",
            "communication_ledger", "norm_activation_bytes"]
