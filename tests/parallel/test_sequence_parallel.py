@@ -227,7 +227,7 @@ def test_ledger_same_bytes_one_over_w_activations(cfg):
     norm_rows = [r for r in rows if r["variant"] == "SP" and r["elements"] == cfg.hidden]
     assert tp == sp_block > 0  # an all-reduce is a reduce-scatter plus an all-gather
     assert [r["collective"] for r in norm_rows] == ["all_reduce"]
-    assert norm_rows[0]["bytes_per_rank"] == ring_bytes("all_reduce", cfg.hidden * 4, cfg.world_size)
+    assert norm_rows[0]["bytes_per_rank"] == ring_bytes("all_reduce", cfg.hidden, cfg.world_size, 4)
     no_sp = Config(**{**cfg.as_dict(), "sequence_parallel": False})
     assert norm_activation_bytes(cfg) * cfg.world_size == norm_activation_bytes(no_sp)
 

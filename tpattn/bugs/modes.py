@@ -53,7 +53,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 
     ``shard_fn`` replaces the injection's cut (default ``shard_params``: the cut each mode's
     injection describes). ``tolerance="auto"`` and ``init="fan_in"`` cover the
-    ``reduction_only`` injections (the seed's check's modes); any other mode takes only
+    ``reduction_only`` injections (the original fixture's check's modes); any other mode takes only
     ``"seed"``."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
@@ -78,7 +78,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture", tolerance: str = "seed",
                init: str = "seed") -> list[dict]:
-    """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
+    """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the original fixture."""
     cfg = Config() if cfg is None else cfg
     modes = [resolve(m, cfg).name for m in modes]
     seeds = [check_seed(s) for s in seeds]

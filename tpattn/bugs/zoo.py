@@ -49,10 +49,10 @@ from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING
                                MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
                                OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
-                               clip_coef, dense_step, dropout_masks, grad_norm,
+                               clip_coef, dense_step, dropout_masks,
                                load_rank_shard, make_inputs, make_params, rank_batches,
                                shard, unshard)
-from tpattn.check.core import tp_step as check_tp_step
+from tpattn.check.core import tp_step
 from tpattn.config import Config
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
 from tpattn.parallel.wrong import ScaleGrad as GradScale
@@ -60,8 +60,8 @@ from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
-           "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
-           "check_needs", "check_mode", "modes_for", "tp_step",
+           "mode_names", "list_modes", "runnable_modes", "reported_modes",
+           "check_needs", "check_mode", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
            "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "AROUND_THE_BLOCK",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
@@ -548,12 +548,12 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
     return (dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed)),
-            tp_step(seed, cfg, inj, simulate), base)
+            tp_side(seed, cfg, inj, simulate), base)
 
 
-def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
+def tp_side(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
     """``check.core.tp_step`` of the injection from seed ``seed``'s start (``make_params``,
     ``rank_batches``): the TP side ``run`` compares, in ``check.one_step``'s dict."""
     x0, target = make_inputs(cfg, seed)
-    return check_tp_step(x0, target, make_params(cfg, seed, inj), cfg, inj, simulate,
+    return tp_step(x0, target, make_params(cfg, seed, inj), cfg, inj, simulate,
                          batches=rank_batches(cfg, seed, inj), rng_seed=seed)

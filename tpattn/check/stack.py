@@ -123,7 +123,7 @@ def _unshard_stack(rank_flats: list[dict[str, torch.Tensor]], cfg: Config) -> di
 def _stack_start(seed: int, program, cfg: Config | None, layers: int, simulate: str):
     """The validated start both ``run_stack`` and ``train_stack`` take: ``(cfg, x0, target,
     base, inj)`` — the fixture's batch ``[S, B, hidden]``, the stack's parameters and the
-    program of every block (``program.injection``: one of the seed's, ``reduction_only``)."""
+    program of every block (``program.injection``: one of the original fixture's, ``reduction_only``)."""
     inj = getattr(program, "injection", None)
     if not isinstance(inj, Injection) or not inj.reduction_only:
         raise ValueError(f"program must be a registry entry of the seed's check "
@@ -141,7 +141,7 @@ def run_stack(seed: int, program, cfg: Config | None = None, layers: int = 3,
               simulate: str = "fixture") -> dict:
     """One step of a dense stack and of a TP stack (``program.injection`` in every block)
     from the same inputs and weights, compared block by block. ``program``: the mode's
-    registry entry (``tpattn.bugs.modes.resolve(mode)``), one of the seed's check's.
+    registry entry (``tpattn.bugs.modes.resolve(mode)``), one of the original fixture's check's.
 
     Inputs are the fixture's (``make_inputs(cfg, seed)``), block 0's weights the fixture's.
     ``simulate``: ``"fixture"`` (rank 0's view, as ``tpattn.run``'s default) or ``"ranks"``

@@ -6,9 +6,8 @@ Every tensor carries a leading local-rank dimension ``R`` (``comm.ranks``)::
     norm [R, hidden]    wq [R, Hq/W*D, hidden]    wk, wv [R, rows, hidden]
     wo   [R, hidden, Hq/W*D]    bias [R, hidden]    q_norm, k_norm [R, head_dim]
 
-``rank_block`` runs the Functions of a ``Program`` (default correct TP; an ``Injection`` is
-turned into its program) on a backend ``comm`` (``tpattn.parallel.collectives``);
-``train_step`` is one training step of it. Ranks' matmuls are one batched matmul.
+``rank_block`` runs a ``Program``'s Functions (default correct TP; an ``Injection`` becomes
+its program) on a backend ``comm`` (``collectives``); ``train_step`` is one step of it.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from .wrong import ScaleGrad
 
 __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
            "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad", "head_norm", "mesh_sync",
-           "as_program", "attend"]
+           "as_program", "attend", "grad_norm"]
 
 #: Ledger label of the gradient norm's all-reduce.
 GRAD_NORM_LABEL = "sum of squared gradient norms"
@@ -166,12 +165,19 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
                                                               grads["k_norm"], comm)
     if cfg.data_parallel > 1:
         grads, losses = mesh_sync(losses, grads, cfg, prog, comm)
-    norm = reduce_scalar(prog.grad_squares(grads, comm), comm, GRAD_NORM_LABEL).sqrt()
-    norms = norm.reshape(-1).expand(r)  # each rank its TP group's (one value on plain TP)
+    norms = grad_norm(grads, comm, prog).reshape(-1).expand(r)  # each rank its TP group's (one value on plain TP)
     coefs = [min(1.0, MAX_GRAD_NORM / (float(n) + 1e-6)) if prog.clip else 1.0 for n in norms]
     return {"outputs": y.detach(), "losses": losses.detach(), "input_grads": xs.grad,
             "grads": grads, "weights": prog.update(ps, grads, lr, coefs, comm),
             "grad_norm": float(norms[0]), "ledger": comm.ledger}
+
+
+def grad_norm(grads: dict[str, torch.Tensor], comm, prog=CORRECT) -> torch.Tensor:
+    """The global gradient norm of the ranks' gradients ``[R, ...]`` by name: each rank's
+    squares (``prog.grad_squares``: every tensor once), summed over its TP group (one
+    all-reduce); a scalar, or ``[R]`` on a TP x DP mesh."""
+    squares = as_program(prog).grad_squares(grads, comm)
+    return reduce_scalar(squares, comm, GRAD_NORM_LABEL).sqrt()
 
 
 def mesh_sync(shares: torch.Tensor, grads: dict[str, torch.Tensor], cfg: Config, prog,

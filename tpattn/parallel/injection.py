@@ -95,11 +95,11 @@ class Injection:
 
     @property
     def reduction_only(self) -> bool:
-        """True when the program is correct TP on the seed's setup with only the seed's
+        """True when the program is correct TP on the original fixture's setup with only the original fixture's
         reductions changed: f ``"sum"``/``"none"``, g 1/0, any ``norm_grad`` (sequence
         parallelism), any ``kv_grad`` (replicated KV heads); every other knob at its default.
-        These are the programs the seed's one-graph block (``tp.tp_forward``), the automatic
-        tolerance and the seed's real-rank check run (the seed's three modes, SP's and KV's)."""
+        These are the programs the original fixture's one-graph block (``tp.tp_forward``), the automatic
+        tolerance and the original fixture's real-rank check run (the original fixture's three modes, SP's and KV's)."""
         return self.f in ("sum", "none") and self.g in (0, 1) \
             and Injection(f=self.f, g=self.g, norm_grad=self.norm_grad,
                           kv_grad=self.kv_grad) == self

@@ -140,7 +140,10 @@ def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> 
     all-reduce of N elements ``2(p-1)/p * N``; all-gather (N = output) and reduce-scatter
     (N = input) ``(p-1)/p * N``. ``group_size`` p divides N here, so the result is exact."""
     p = group_size
-    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[kind]
+    factors = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+    if kind not in factors:
+        raise ValueError(f"kind must be one of {', '.join(factors)} (got {kind!r})")
+    factor = factors[kind]
     return factor * (p - 1) * elements // p * element_size
 
 

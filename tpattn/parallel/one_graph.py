@@ -93,12 +93,14 @@ class OneGraphRanks:
 
 def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
     """``params.shard_params``'s shards of the dense ``p`` as ``[W, ...]`` views, no copy
-    (every rank holds whole KV heads: ``kv_heads >= world_size``): ``norm`` expanded, the
-    rows of ``wq``/``wk``/``wv`` and the columns of ``wo`` viewed rank-major."""
+    (every rank holds whole KV heads: ``kv_heads >= world_size``): ``norm`` (and ``bias``,
+    ``q_norm``, ``k_norm`` when ``p`` has them) expanded, the rows of ``wq``/``wk``/``wv`` and
+    the columns of ``wo`` viewed rank-major."""
     w, hidden = cfg.world_size, p["wq"].shape[1]
     return {"norm": _broadcast(p["norm"], w),
             **{k: p[k].view(w, -1, hidden) for k in ("wq", "wk", "wv")},
-            "wo": p["wo"].view(hidden, w, -1).transpose(0, 1)}
+            "wo": p["wo"].view(hidden, w, -1).transpose(0, 1),
+            **{k: _broadcast(p[k], w) for k in ("bias", "q_norm", "k_norm") if k in p}}
 
 
 def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,

@@ -40,14 +40,14 @@ The block under SP, three ways:
   collectives ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13's names for
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; gloo has both on CPU).
 
-**Rank 0's view under SP** (``simulate="fixture"``). The seed's model has one copy of every
+**Rank 0's view under SP** (``simulate="fixture"``). The original fixture's model has one copy of every
 tensor; a rank's piece is a view of it, a collective that runs costs nothing (autograd sums the
 gradients of every use of a tensor), and a *dropped* collective is modelled as rank 0 sees it:
 only rank 0's contribution reaches the shared tensor, ranks 1.. are detached. Under SP that
 gives: without the reduce-scatter every token's output is ``x + P_0`` (rank 0's partial);
 without the all-gather's backward, ``dn`` holds rank 0's contribution only; without the norm
 all-reduce, ``norm``'s gradient is rank 0's tokens' share. The forward output, loss and dX are
-the ranks' shards put together. For the seed's three modes this is exactly the TP fixture's
+the ranks' shards put together. For the original fixture's three modes this is exactly the TP fixture's
 model (SP changes where tensors live, not the arithmetic of one graph), and it is *not* what
 real ranks compute for a dropped reduce-scatter or all-gather backward — there rank r uses its
 own partial and its own ``dn`` on its own tokens; ``simulate="ranks"`` models that.
@@ -58,6 +58,7 @@ import torch
 
 from tpattn.config import Config
 from tpattn.block.layers import rms_norm
+from .kv_heads import ring_bytes
 from .wrong import ScaleGrad
 
 __all__ = ["NORM_GRAD_REDUCTIONS", "rank_tokens", "ScaleGrad", "ring_bytes",
@@ -75,17 +76,6 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
 
 
 # --- what the collectives cost ----------------------------------------------------------
-
-def ring_bytes(collective: str, full_bytes: float, world_size: int) -> float:
-    """Bytes each rank sends in a ring implementation of ``collective`` over a tensor of
-    ``full_bytes`` (the whole, un-scattered tensor): ``all_reduce`` 2(W-1)/W of it,
-    ``all_gather`` and ``reduce_scatter`` (W-1)/W — an all-reduce *is* a reduce-scatter
-    followed by an all-gather."""
-    share = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
-    if collective not in share:
-        raise ValueError(f"collective must be one of {', '.join(share)} (got {collective!r})")
-    return share[collective] * (world_size - 1) * full_bytes / world_size
-
 
 def communication_ledger(cfg: Config) -> list[dict]:
     """The collectives one correct training step of the block issues, without and with SP.
@@ -105,7 +95,7 @@ def communication_ledger(cfg: Config) -> list[dict]:
             ("SP", "reduce_scatter", "backward", act, "dn (all-gather's backward)"),
             ("SP", "all_reduce", "after backward", hid, "norm weight's gradient")]
     return [{"variant": v, "collective": c, "phase": p, "what": what, "elements": n,
-             "bytes_per_rank": ring_bytes(c, n * item, w)} for v, c, p, n, what in rows]
+             "bytes_per_rank": float(ring_bytes(c, n, w, item))} for v, c, p, n, what in rows]
 
 
 def norm_activation_bytes(cfg: Config) -> int:

@@ -20,7 +20,7 @@ per rank).
 
 In one process the "collectives" are plain tensor code, and autograd does the backward half:
 a tensor used by several ranks receives the *sum* of their gradients (f's all-reduce), and a sum
-hands its gradient unchanged to every term (g's identity). This is the seed's one-graph model,
+hands its gradient unchanged to every term (g's identity). This is the original fixture's one-graph model,
 rank 0's view; ``tpattn.parallel.engine`` writes the block once per rank with the collectives
 passed in (every simulated rank its own tensors: ``tpattn.parallel.collectives``; real
 processes: ``tpattn.real.ranks``).
