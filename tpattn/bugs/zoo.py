@@ -63,7 +63,8 @@ __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mo
            "mode_names", "list_modes", "runnable_modes", "reported_modes",
            "check_needs", "check_mode", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
-           "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "AROUND_THE_BLOCK",
+           "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "NEEDS", "MODEL_OPTION_NEEDS",
+           "AROUND_THE_BLOCK",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
            "rank_batches", "dense_step", "clip_coef"]
 
@@ -87,6 +88,25 @@ MESH_NEEDS = ("data_parallel >= 2", "data_parallel == world_size")
 #: held-out figures keep their cases; ``tpattn.diagnosis.evaluate.HELD_OUT`` hosts them on
 #: shapes of their own.
 AROUND_THE_BLOCK = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
+
+
+def _met(cfg: Config) -> bool:
+    """A need the mode's own setup meets (``bias``, ``grad_clip``, ``fused_qkv``)."""
+    return True
+
+
+#: Each ``needs`` condition as a predicate of the ``Config`` (a need not listed: ``_met``).
+NEEDS = {"world_size >= 2": lambda cfg: cfg.world_size >= 2,
+         "sequence_parallel": lambda cfg: cfg.sequence_parallel,
+         "kv_heads >= 2 * world_size": lambda cfg: cfg.kv_heads >= 2 * cfg.world_size,
+         "query_heads > kv_heads": lambda cfg: cfg.query_heads > cfg.kv_heads,
+         "kv_heads < world_size": lambda cfg: cfg.kv_heads < cfg.world_size,
+         "data_parallel >= 2": lambda cfg: cfg.data_parallel >= 2,
+         "data_parallel == world_size": lambda cfg: cfg.data_parallel == cfg.world_size,
+         "dropout > 0": lambda cfg: cfg.dropout > 0, "qk_norm": lambda cfg: cfg.qk_norm,
+         "bias": _met, "grad_clip": _met, "fused_qkv": _met}
+#: The needs that are a model option of the ``Config`` (``--dropout P``, ``--qk-norm``).
+MODEL_OPTION_NEEDS = ("dropout > 0", "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -491,7 +511,7 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
     if entry.injection is None:
         raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
                          f"registered it without one (tpattn.bugs.zoo.register)")
-    if entry.injection.reduction_only:  # the seed's check's modes: its rules and layouts
+    if mode in ALL_MODES:  # the original fixture's check's modes: its rules and layouts
         check_mode(mode, cfg)
     elif not set(entry.needs) & set(MESH_NEEDS):  # the zoo's other injections: plain TP
         if cfg.sequence_parallel:
@@ -501,23 +521,17 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
             raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
                              f"not replicate KV heads: kv_heads must be >= world_size (got "
                              f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
-    rules = {"world_size >= 2": cfg.world_size >= 2, "sequence_parallel": cfg.sequence_parallel,
-             "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
-             "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
-             "kv_heads < world_size": cfg.kv_heads < cfg.world_size,
-             "data_parallel >= 2": cfg.data_parallel >= 2,
-             "data_parallel == world_size": cfg.data_parallel == cfg.world_size}
-    options = {"dropout > 0": cfg.dropout > 0, "qk_norm": cfg.qk_norm}
     for need in entry.needs:
-        if need in options and not options[need]:
+        if NEEDS.get(need, _met)(cfg):
+            continue
+        if need in MODEL_OPTION_NEEDS:
             raise ValueError(f"mode {mode!r} needs {need}: the model option its bug lives in "
                              f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
                              f"--dropout P, --qk-norm)")
-        if not rules.get(need, True):
-            mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
-                    f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
-            raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
-                             f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
+        mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
+                f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
+        raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
+                         f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
     return entry
 
 

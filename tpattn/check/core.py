@@ -437,17 +437,12 @@ def _ranks_view(base, cfg: Config, inj: Injection, cut, gather, batches, rng_see
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
             inj: Injection, simulate: str = "fixture", shard_fn=None, batches=None,
             rng_seed: int | None = None) -> dict:
-    """The TP side of the check: one step of the sharded block wired as ``inj``, in
-    ``one_step``'s dict (rank 0's view; full-size ``grads``/``weights``).
-
-    x0, target: ``[S, B * data_parallel, hidden]``; ``base``: the starting parameters
-    (``make_params``); ``shard_fn(params, cfg)``: the cut into rank shards (default the
-    injection's, ``shard``); ``batches``: every rank's ``(x, target)``, mesh order (default:
-    replica d's batch columns of ``(x0, target)``, ``replica_batch``); ``rng_seed``: the
-    run's seed, required with dropout. ``simulate="ranks"``, a TP x DP mesh, a model option
-    or a loader that hands every rank one rank's rows run the simulated ranks
-    (``_ranks_view``); otherwise the one graph of ``simulate="fixture"`` (``fixture_step``,
-    or for the ``original_program`` s ``tp.tp_forward``).
+    """The TP side of the check: one step of the block wired as ``inj``, in ``one_step``'s
+    dict (rank 0's view). x0, target: ``[S, B * data_parallel, hidden]``; ``base``:
+    ``make_params``'s; ``shard_fn``: the cut (default ``shard(., ., inj)``); ``batches``:
+    every rank's ``(x, target)``, mesh order (default ``replica_batch``); ``rng_seed``: the
+    run's seed (dropout). ``"ranks"``, a mesh, a model option or an aliasing loader run the
+    simulated ranks; else one graph (``fixture_step``; ``original_program``: ``tp_forward``).
     """
     if not isinstance(inj, Injection):
         raise ValueError(f"inj must be an Injection, the mode's program "

@@ -25,7 +25,7 @@ import torch
 
 import torch.nn.functional as F
 
-from .core import (LR, PARAM_SEED_OFFSET, check_seed, check_simulate, make_inputs,
+from .core import (ALL_MODES, LR, PARAM_SEED_OFFSET, check_seed, check_simulate, make_inputs,
                    max_abs_diff, one_step, ranks_step)
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
@@ -123,9 +123,10 @@ def _unshard_stack(rank_flats: list[dict[str, torch.Tensor]], cfg: Config) -> di
 def _stack_start(seed: int, program, cfg: Config | None, layers: int, simulate: str):
     """The validated start both ``run_stack`` and ``train_stack`` take: ``(cfg, x0, target,
     base, inj)`` — the fixture's batch ``[S, B, hidden]``, the stack's parameters and the
-    program of every block (``program.injection``: one of the original fixture's, ``reduction_only``)."""
+    program of every block (``program.injection``: one of the original fixture's check's modes,
+    ``ALL_MODES``)."""
     inj = getattr(program, "injection", None)
-    if not isinstance(inj, Injection) or not inj.reduction_only:
+    if not isinstance(inj, Injection) or getattr(program, "name", None) not in ALL_MODES:
         raise ValueError(f"program must be a registry entry of the seed's check "
                          f"(tpattn.bugs.modes.resolve(mode)) (got {program!r})")
     check_seed(seed)

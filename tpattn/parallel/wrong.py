@@ -1,9 +1,8 @@
 """Wrong stages: each a substitution for one stage of the correct ``Program``.
 
 ``program_of(inj)`` is the one place an ``Injection``'s knobs become stages; the bug
-registry (``tpattn.bugs.zoo``) names the knob of each mode. The last section holds the
-made-up bugs of the held-out evaluation (``partial_scale``, ``rank_lr_scale``), no
-registry bugs.
+registry (``tpattn.bugs.zoo``) names the knob of each mode. The made-up bugs of the held-out
+evaluation (``partial_scale``, ``rank_lr_scale``) are ``tpattn.bugs.made_up``'s.
 """
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from dataclasses import replace
 
 import torch
 
-from tpattn.block.sgd import sgd_step
 from .collectives import (G_LABEL, AGAIN, F_LABEL, NORM_GRAD_LABEL, CopyToRanks,
                           GatherSequence, ReduceFromRanks, own_tokens, reduce_dp_grads,
                           reduce_loss)
@@ -20,7 +18,7 @@ from .program import CORRECT, Program
 __all__ = ["ScaleGrad", "GatherSequenceNoReduce", "no_collective", "f_averaged", "f_twice",
            "g_twice", "tiled_heads", "replicas_kept", "bias_before_g", "no_bias_after_g",
            "norm_grad_averaged", "norm_grad_kept", "qk_norm_grads_kept", "grad_squares_per_rank",
-           "scaled_partials", "lr_scaled", "program_of"]
+           "MADE_UP", "program_of"]
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -124,25 +122,9 @@ def _gather_stage(f: str, group: str):
         (lambda n, comm: GatherSequence.apply(n, comm, group))
 
 
-# --- made-up bugs of the held-out evaluation (no registry entry) -----------------------------
-
-def scaled_partials(scale):
-    """A ``before_g`` stage: every partial times ``scale``, or rank r's times ``scale[r]``."""
-    def before_g(partial: torch.Tensor, p: dict, comm) -> torch.Tensor:
-        if isinstance(scale, tuple):
-            return partial * partial.new_tensor([scale[r] for r in comm.ranks]).view(-1, 1, 1, 1)
-        return partial * scale
-    return before_g
-
-
-def lr_scaled(scales: tuple):
-    """An ``update`` stage: TP rank r's SGD step with its learning rate times ``scales[r]``."""
-    def update(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dict:
-        per_rank = [sgd_step({k: t[i] for k, t in ps.items()},
-                             {k: g[i] for k, g in grads.items()}, lr, scales[rank] * coefs[i])
-                    for i, rank in enumerate(comm.ranks)]
-        return {k: torch.stack([w[k] for w in per_rank]) for k in ps}
-    return update
+#: The made-up bugs' stage factories by ``Injection`` field (``tpattn.bugs.made_up`` fills
+#: it): ``"partial_scale"`` -> a ``before_g`` stage, ``"rank_lr_scale"`` -> an ``update``.
+MADE_UP: dict = {}
 
 
 def program_of(inj) -> Program:
@@ -160,7 +142,7 @@ def program_of(inj) -> Program:
     if inj.kv_grad == "none":
         s["replica_reduce"] = replicas_kept
     if inj.partial_scale != 1.0:
-        s["before_g"] = scaled_partials(inj.partial_scale)
+        s["before_g"] = MADE_UP["partial_scale"](inj.partial_scale)
     if inj.bias is None:  # a program without the bias: any "bias" in p is left out
         s["add_bias"] = no_bias_after_g
     if inj.bias == "every_rank":
@@ -176,5 +158,5 @@ def program_of(inj) -> Program:
     if inj.norm == "per_rank":
         s["grad_squares"] = grad_squares_per_rank
     if inj.rank_lr_scale:
-        s["update"] = lr_scaled(inj.rank_lr_scale)
+        s["update"] = MADE_UP["rank_lr_scale"](inj.rank_lr_scale)
     return replace(CORRECT, **s)
