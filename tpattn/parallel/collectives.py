@@ -14,7 +14,7 @@ import torch
 
 from tpattn.config import Config
 
-__all__ = ["SimulatedRanks", "rank_sum", "own_tokens", "CopyToRanks", "ReduceFromRanks",
+__all__ = ["SimulatedRanks", "rank_sum", "check_op", "own_tokens", "CopyToRanks", "ReduceFromRanks",
            "GatherSequence", "ScatterSequence", "GatherKV", "ReduceReplicaGrads",
            "reduce_norm_grad", "reduce_qk_norm_grads", "reduce_dp_grads", "replica_share",
            "reduce_loss", "reduce_scalar", "F_LABEL", "G_LABEL", "AGAIN", "DP_GRAD_LABEL",
@@ -39,6 +39,13 @@ def rank_sum(t: torch.Tensor) -> torch.Tensor:
     for r in range(1, t.shape[0]):
         total = total + t[r]
     return total.unsqueeze(0)
+
+
+def check_op(op: str) -> str:
+    """``op`` if it is a reduction f can run (``"sum"``, ``"avg"``), else ``ValueError``."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
+    return op
 
 
 def own_tokens(full: torch.Tensor, comm, group: str = "tp") -> torch.Tensor:
@@ -120,14 +127,12 @@ class SimulatedRanks:
 # --- the block's collectives: each one Function over the primitives --------------------------
 
 class CopyToRanks(torch.autograd.Function):
-    """f: ``n`` ``[R, S, B, hidden]`` unchanged; backward every rank gets its TP group's sum
-    of dn (``op="avg"``: the sum / W, an all-reduce with op AVG)."""
+    """f: ``n`` ``[R, S, B, hidden]`` unchanged; backward its TP group's sum of dn (``"avg"``:
+    / W)."""
 
     @staticmethod
     def forward(ctx, n, comm, label=F_LABEL, op="sum"):
-        if op not in ("sum", "avg"):
-            raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
-        ctx.comm, ctx.label, ctx.op = comm, label, op
+        ctx.comm, ctx.label, ctx.op = comm, label, check_op(op)
         return n.view_as(n)
 
     @staticmethod

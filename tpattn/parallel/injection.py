@@ -1,7 +1,8 @@
 """``Injection``: how the sharded block is wired and trained (the defaults are correct TP).
 
-Every mode of the bug registry (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection``; the engine
-(``tpattn.parallel.engine``) reads its fields, nothing compares mode names::
+Every mode of the bug registry (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection``;
+``program()`` turns its fields into the stages the engine runs (``parallel.wrong.program_of``),
+nothing compares mode names::
 
     f      backward of the copy to ranks (under sequence parallelism: of the
            all-gather): "sum" (correct), "none", "mean", "twice"
@@ -45,11 +46,11 @@ block"):
     qk_norm_grad  with ``Config.qk_norm``, the TP all-reduce of the q/k-norm
            weights' gradients: "sum" (correct) or "none"
 
-Three knobs are no registry bug; they let a test make up bugs outside the registry:
-``rank_lr_scale`` (one learning-rate factor per rank; 0 keeps that rank's pre-step weights),
-``partial_scale`` (every rank's attention partial times a factor before g, or a tuple of one
-factor per rank) and ``shard_offset`` (rank r loads the shards
-of rank ``(r + k) mod W``).
+Three knobs are no registry bug: the made-up bugs of the held-out evaluation
+(``tpattn.bugs.made_up``): ``rank_lr_scale`` (one learning-rate factor per rank; 0 keeps that
+rank's pre-step weights), ``partial_scale`` (every rank's attention partial times a factor
+before g, or a tuple of one factor per rank) and ``shard_offset`` (rank r loads the shards of
+rank ``(r + k) mod W``).
 """
 from __future__ import annotations
 
