@@ -1,10 +1,7 @@
 """The block's shape: one frozen, validated ``Config``.
 
-Every other module takes a ``Config`` and trusts it, so every rule a shape must obey is checked
-here, at construction time, with a ``ValueError`` that names the field and the rule. A bad shape
-never reaches torch as a cryptic ``view`` error.
-
-Tensor layout used throughout the package (Megatron's sequence-first layout)::
+Every rule a shape must obey is checked here, at construction, with a ``ValueError`` that
+names the field and the rule. Tensor layout (Megatron's sequence-first)::
 
     x            [S, B, hidden]                S = seq, B = batch
     q            [S, B, query_heads, head_dim]

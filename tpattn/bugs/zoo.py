@@ -1,42 +1,12 @@
 """The bug zoo: a registry of tensor-parallel bugs, each one injectable, and how faithfully
 each reproduces a public report.
 
-Every entry of ``REGISTRY`` is a ``BugMode``: a name (a valid ``--mode``), a one-line
-description, how it is injected (an ``Injection``: which knob of the sharded block it turns),
-the public report it is compared with (repository + issue/PR number), its ``fidelity`` to that
-report (one of ``FIDELITIES``, with a one-line ``fidelity_note``) and what the setup ``needs``
-(``bias``, ``world_size >= 2``, ...). Every mode ``tpattn.run`` accepts is an entry here,
-the seed's three, sequence parallelism's and replicated KV heads' included: ``tpattn.run``
-(``tpattn.bugs.modes``) looks the name up once and checks the entry's injection
-(``tpattn.check.core.check_injection``). ``check_mode`` and ``modes_for`` state the rules of
-the seed's check's modes (the ``reduction_only`` injections). Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
-
-Each mode's ``Injection`` (``tpattn.parallel.injection``, whose docstring lists the knobs:
-f, g, bias, shard, kv, inputs, norm, clip, kv_grad, norm_grad) says how the sharded block is
-wired; ``tpattn.parallel.engine.rank_block`` is that block.
-
-Both ``simulate`` semantics of ``tpattn.run`` are supported: ``"fixture"`` (one process, dense
-tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every simulated rank its
-own leaf tensors, output, loss and backward, as real ranks run: the engine on
-``tpattn.parallel.simulated``; ``tpattn.real.ranks`` runs the same injections on real
-processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view (the
-engine on ``tpattn.parallel.one_graph.OneGraphRanks``; the seed's ``tp.tp_forward`` for the
-seed's three modes). The parameters, cut and batches of an injection (``make_params``,
-``shard``, ``unshard``, ``load_rank_shard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
-``clip_coef``) live in ``tpattn.check.core`` and are re-exported here.
-
-Other modules contribute modes with ``register``. Some entries are injections that need a
-layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
-``norm_grad_averaged`` (``norm_grad``) need ``sequence_parallel=True``,
-``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
-``kv_strategy="replicate_weights"``). Two need a model option: ``dropout_rng_desync``
-(``rng``) needs ``dropout > 0``, ``qk_norm_grad_not_reduced`` (``qk_norm_grad``) needs
-``qk_norm``. ``tpattn.run`` runs them in both simulations (``tpattn.observe``
-watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
-tables run on plain-TP shapes. It leaves out the plain-TP modes of the chapter "Around the
-block" too (``AROUND_THE_BLOCK``: a fused QKV checkpoint loaded into ranks, through
-``tpattn.block.fused_qkv.load_qkv_weight``), so the earlier chapters' hunts and tables keep
-their cases.
+Every entry of ``REGISTRY`` is a ``BugMode``: a name (a valid ``--mode``), a description, its
+``Injection`` (the knob of the sharded block it turns: ``Injection.program`` makes it one
+substituted stage), the public report, its ``fidelity`` and what it ``needs`` (``NEEDS``: a
+predicate of the ``Config`` each). Every mode ``tpattn.run`` accepts is an entry here, the
+original fixture's three included; ``register`` adds modes from other modules. Only
+``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
 """
 from __future__ import annotations
 

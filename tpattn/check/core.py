@@ -52,8 +52,8 @@ SP_MODES = MODES + SP_ONLY_MODES
 #: The replica-group reduce of wk/wv dropped (only where KV heads are replicated:
 #: ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``; see ``tpattn.parallel.kv_heads``).
 MISSING_KV_GRAD_REDUCE = "missing_kv_grad_reduce"
-#: Every mode the original fixture's own check covers (``tpattn.bugs.modes.modes_for`` says which apply
-#: to a Config); the bug registry (``tpattn.bugs.zoo.REGISTRY``) holds each one's ``Injection``.
+#: Every mode the original fixture's own check covers (``tpattn.bugs.modes.modes_for`` says
+#: which apply to a Config); the bug registry (``tpattn.bugs.zoo.REGISTRY``) holds each one's ``Injection``.
 ALL_MODES = MODES + SP_ONLY_MODES + (MISSING_KV_GRAD_REDUCE,)
 #: The seeds of the original fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
@@ -62,9 +62,9 @@ LR = 0.05
 #: ``init_params`` draws from ``seed + PARAM_SEED_OFFSET`` (inputs come from ``seed`` itself).
 PARAM_SEED_OFFSET = 100
 _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
-#: How ``run`` simulates the TP side. ``fixture``: the original fixture's model, one output (rank 0's view:
-#: under a missing g only rank 0's partial exists and only its shard learns). ``ranks``: every
-#: simulated rank computes its own output, loss and backward, as real ranks do.
+#: How ``run`` simulates the TP side. ``fixture``: the original fixture's model, one output
+#: (rank 0's view: under a missing g only rank 0's partial exists and only its shard learns).
+#: ``ranks``: every simulated rank computes its own output, loss and backward, as real ranks do.
 SIMULATIONS = ("fixture", "ranks")
 
 

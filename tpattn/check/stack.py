@@ -1,23 +1,11 @@
 """A stack of attention blocks: what one block's check does not show.
 
-The fixture checks one block. A model is ``L`` blocks in a row, each with its own parameters,
-block ``l``'s output the next block's input::
-
-    x ─► block 0 ─► block 1 ─► … ─► block L-1 ─► y ─► loss
-
-In the backward pass the order reverses: block ``l``'s input gradient ``dX_l`` *is* block
-``l-1``'s output gradient. So a bug that only corrupts ``dX`` in one block (a missing f:
-``norm`` and ``dX`` wrong, ``wq``/``wk``/``wv``/``wo`` exact, in one block) hands a wrong
-upstream gradient to every block below it, and their weight gradients are all wrong after one
-step. ``run_stack`` measures that, block by block.
-
-The TP stack has the same program in every block: a ``reduction_only`` ``Injection`` (g and
-f kept or dropped), given as the mode's registry entry (``tpattn.bugs.modes.resolve``). ``simulate="fixture"`` runs
-``tp_forward`` (the fixture's model, rank 0's view) in every block and ``check.one_step`` takes
-the step; ``simulate="ranks"`` runs the engine's block (every rank its own copies, output,
-loss and backward, as real ranks do) and ``check.ranks_step`` takes it. The dense stack is
-``dense_forward`` in every block. Parameters live in one flat dict, ``"<block>.<name>"``
-(``"0.norm"``, ``"1.wq"``, …).
+A model is ``L`` blocks in a row; block ``l``'s input gradient is block ``l-1``'s output
+gradient, so a bug that only corrupts ``dX`` in one block (a missing f) makes every block
+below it learn wrong. ``run_stack`` measures that block by block, with one of the original
+fixture's check's modes in every block (``tpattn.bugs.modes.resolve``): ``simulate=
+"fixture"`` runs ``tp_forward`` and ``check.one_step``, ``"ranks"`` the engine's block and
+``check.ranks_step``. Parameters live in one flat dict, ``"<block>.<name>"``.
 """
 from __future__ import annotations
 

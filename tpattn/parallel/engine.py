@@ -165,7 +165,7 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
                                                               grads["k_norm"], comm)
     if cfg.data_parallel > 1:
         grads, losses = mesh_sync(losses, grads, cfg, prog, comm)
-    norms = grad_norm(grads, comm, prog).reshape(-1).expand(r)  # each rank its TP group's (one value on plain TP)
+    norms = grad_norm(grads, comm, prog).reshape(-1).expand(r)  # each rank its TP group's
     coefs = [min(1.0, MAX_GRAD_NORM / (float(n) + 1e-6)) if prog.clip else 1.0 for n in norms]
     return {"outputs": y.detach(), "losses": losses.detach(), "input_grads": xs.grad,
             "grads": grads, "weights": prog.update(ps, grads, lr, coefs, comm),

@@ -1,27 +1,12 @@
 """The ranks' random streams for dropout, as Megatron's model-parallel RNG tracker keeps them.
 
-Megatron-LM's ``tensor_parallel/random.py`` (``model_parallel_cuda_manual_seed``) seeds two
-streams on every rank: the default one with ``seed`` (the same on every TP rank, and on every
-DP replica without ``data_parallel_random_init``), and the tracker's
-``"model-parallel-rng"`` with ``seed + 2718 + tp_rank`` (a different one per TP rank).
-Dropout outside the sharded region (the residual dropout, on a tensor every TP rank holds
-whole) draws from the default stream, so every TP rank drops the same elements; dropout
-inside it (the attention probabilities of the rank's own heads) draws from the
-model-parallel stream, so each rank's heads get their own mask.
-
-``RankStreams`` holds both generators for each rank one process holds (every simulated rank,
-or one real rank whose default stream is torch's global default generator, the one
-``nn.Dropout`` reads). A mask is drawn as ``bernoulli(1 - p)`` in float32 (``keep_mask``),
-scaled by ``1 / (1 - p)`` and cast to the run's dtype; the engine
-(``tpattn.parallel.engine.rank_block``) multiplies the attention probabilities and the block's
-output by them. ``replica_masks`` draws the masks of the correct program for one DP replica,
-assembled over the TP ranks (the dense reference applies them); ``tile_masks`` repeats them
-along the batch for a global batch of several replicas (the same streams on every replica).
-
-``Injection.rng = "rank0_drift"``: before the step, tp_rank 0's default generator is consumed
-by the creation of a ``torch.utils.data.DataLoader`` iterator (``_BaseDataLoaderIter`` draws
-its workers' ``base_seed`` with ``random_(generator=loader.generator)``), as the loader built
-on tp_rank 0 only does in bigscience-workshop/Megatron-DeepSpeed PR 276.
+Every rank has a default stream seeded with ``seed`` (the same on every TP rank: the residual
+dropout, outside the sharded region) and a model-parallel stream ``seed + 2718 + tp_rank``
+(its own heads' attention dropout), as ``model_parallel_cuda_manual_seed`` in Megatron-LM's
+``tensor_parallel/random.py``. ``RankStreams`` holds both for the ranks one process holds;
+``replica_masks`` / ``tile_masks`` draw the correct program's masks for the dense side.
+``Injection.rng = "rank0_drift"``: tp_rank 0's default stream is consumed once more before the
+step, as a DataLoader built on tp_rank 0 only (Megatron-DeepSpeed PR 276) does.
 """
 from __future__ import annotations
 
