@@ -174,8 +174,8 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
 
 def grad_norm(grads: dict[str, torch.Tensor], comm, prog=CORRECT) -> torch.Tensor:
     """The global gradient norm of the ranks' gradients ``[R, ...]`` by name: each rank's
-    squares (``prog.grad_squares``: every tensor once), summed over its TP group (one
-    all-reduce); a scalar, or ``[R]`` on a TP x DP mesh."""
+    squares (``prog.grad_squares``), summed over its TP group (one all-reduce); a scalar, or
+    ``[R]`` on a TP x DP mesh."""
     squares = as_program(prog).grad_squares(grads, comm)
     return reduce_scalar(squares, comm, GRAD_NORM_LABEL).sqrt()
 

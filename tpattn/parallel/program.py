@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 
-from tpattn.block.kv_layout import has_replicas
 from tpattn.block.layers import repeat_kv
 from tpattn.block.sgd import sgd_step
 from .collectives import (CopyToRanks, GatherKV, GatherSequence, ReduceFromRanks,
@@ -43,21 +42,14 @@ def add_bias_after_g(out: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
-    """Each rank's sum of squared gradients ``[R, ...]`` -> ``[R]`` (float64), each tensor
-    counted once: a ``REPLICATED`` parameter on TP rank 0 only, a replicated KV head's
-    ``wk``/``wv`` on the first rank of its replica group only."""
-    entries = range(len(comm.ranks))
+    """Each rank's sum of squared gradients ``[R, ...]`` -> ``[R]`` (float64), a
+    ``REPLICATED`` parameter on TP rank 0 only (a replicated KV head's copies on every rank
+    of its group: the logged norm ``tpattn.diagnosis`` reads)."""
     first = torch.tensor(comm.ranks) == 0
-    kv_first = torch.tensor([comm.position(i, "kv_replicas") == 0 for i in entries]) \
-        if has_replicas(comm.cfg) else None
     squares = 0.0
     for name, g in grads.items():
         s = g.double().pow(2).flatten(1).sum(1)
-        if name in REPLICATED:
-            s = s * first
-        elif name in ("wk", "wv") and kv_first is not None:
-            s = s * kv_first
-        squares = squares + s
+        squares = squares + (s * first if name in REPLICATED else s)
     return torch.as_tensor(squares)
 
 
