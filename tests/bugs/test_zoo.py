@@ -153,7 +153,7 @@ def test_the_zoo_block_is_the_packages_block_on_the_seeds_modes(mode, simulate):
             x0, target = make_inputs(cfg, seed)
             base = zoo.make_params(cfg, seed, inj)
             engine = fixture_step(x0, target, base, cfg, inj, shard_params) \
-                if simulate == "fixture" else zoo.tp_step(seed, cfg, inj, "ranks")
+                if simulate == "fixture" else zoo.tp_side(seed, cfg, inj, "ranks")
             ours = five_measures(seed, mode, zoo.dense_step(x0, target, base, cfg, inj), engine)
             seeds = tpattn.run(seed, mode, cfg, simulate=simulate)
             assert ours["passed"] is seeds["passed"]
@@ -165,7 +165,7 @@ def _sides(mode, seed=11, cfg=CFG, simulate="ranks"):
     inj = zoo.get_mode(mode).injection
     x0, target = make_inputs(cfg, seed)
     base = zoo.make_params(cfg, seed, inj)
-    return zoo.dense_step(x0, target, base, cfg, inj), zoo.tp_step(seed, cfg, inj, simulate), base
+    return zoo.dense_step(x0, target, base, cfg, inj), zoo.tp_side(seed, cfg, inj, simulate), base
 
 
 def _close(a, b, rel=1e-5):
@@ -248,7 +248,7 @@ def test_tiled_repeat_kv_hides_when_each_rank_holds_one_kv_head():
         tpattn.run(11, "repeat_kv_tiled")
     x0, target = make_inputs(CFG, 11)
     base = zoo.make_params(CFG, 11, zoo.Injection())
-    tp = zoo.tp_step(11, CFG, zoo.Injection(kv="tile"), "ranks")
+    tp = zoo.tp_side(11, CFG, zoo.Injection(kv="tile"), "ranks")
     dense = zoo.dense_step(x0, target, base, CFG, zoo.Injection())
     assert tpattn.check.core.five_measures(11, "x", dense, tp)["passed"]
 
