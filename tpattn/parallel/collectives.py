@@ -38,8 +38,8 @@ collective as ``{"collective", "phase", "group", "label", "op"}`` when it runs (
 ones during backward; ``op``: the reduction the program asked for, ``"sum"`` or ``"avg"``,
 ``None`` for a gather). ``f`` and ``g`` may be replaced by a reader's own ``torch.autograd.Function``
 subclasses whose ``apply(*tensors)`` maps one tensor per rank to one per rank (the exercises'
-contract). ``tpattn.real.ranks.DistributedRanks`` has the same methods for one real
-torch.distributed rank (``R = 1``; its ``CollectiveLedger`` records the collectives).
+contract). ``tpattn.real.backend.RealRanks`` is this class for one real torch.distributed
+rank (``R = 1``): it overrides only ``group_sum``, ``group_cat``, ``scatter_sum`` and ``position``.
 """
 from __future__ import annotations
 
@@ -118,8 +118,10 @@ class SimulatedRanks:
         self.dp_ranks = [i // cfg.world_size for i in range(cfg.ranks)]
 
     def groups(self, group: str = "tp") -> list[list[int]]:
-        """The entries of each group of ``group`` (``"tp"``, ``"dp"``, ``"world"``), each list
-        in group order: TP groups are consecutive entries, DP groups one ``tp_rank`` each."""
+        """The entries of each group of ``group`` (``"tp"``, ``"dp"``, ``"world"``,
+        ``"kv_replicas"``), each list in group order: TP groups are consecutive entries, DP
+        groups one ``tp_rank`` each, KV replica groups ``cfg.kv_replicas`` consecutive entries
+        (the TP ranks that share one KV head)."""
         w, d = self.world_size, self.data_parallel
         if group == "tp":
             return [[i * w + t for t in range(w)] for i in range(d)]
@@ -127,7 +129,10 @@ class SimulatedRanks:
             return [[i * w + t for i in range(d)] for t in range(w)]
         if group == "world":
             return [list(range(w * d))]
-        raise ValueError(f"group must be 'tp', 'dp' or 'world' (got {group!r})")
+        if group == "kv_replicas":
+            r = self.cfg.kv_replicas
+            return [list(range(i, i + r)) for i in range(0, w * d, r)]
+        raise ValueError(f"group must be 'tp', 'dp', 'world' or 'kv_replicas' (got {group!r})")
 
     def position(self, entry: int, group: str = "tp") -> int:
         """Entry ``entry``'s rank inside its group of ``group``."""
@@ -248,30 +253,20 @@ class SimulatedRanks:
         def forward(t):
             return self.group_cat(t, -1).contiguous()
 
-        def backward(g):
+        def backward(g):  # rank r's chunk r of the last dim of the rank sum
             self.record("backward", "reduce-scatter of K/V activation grads",
                         "reduce_scatter")
-            total = self.group_sum(g)
-            return torch.stack([total[i, ..., r * c:(r + 1) * c]
-                                for i, r in enumerate(self.ranks)])
+            return self.scatter_sum(g.movedim(-1, 1)).movedim(1, -1).contiguous()
         return _Collective.apply(local, forward, backward)
 
     def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
         """``(wk, wv)`` ``[R, rows, hidden]`` unchanged; backward every rank gets the sum of
         its KV replica group's gradients (rank order)."""
-        r = self.cfg.kv_replicas
-
-        def group_sum(g):
-            groups = g.view(-1, r, *g.shape[1:])
-            total = groups[:, 0]
-            for i in range(1, r):
-                total = total + groups[:, i]
-            return total.unsqueeze(1).expand_as(groups).reshape(g.shape).contiguous()
-
-        def reduce(gk, gv):
+        def reduce(gk, gv):  # one collective of both, concatenated
             self.record("backward", "all-reduce of wk/wv grads in the replica group",
                         group="kv_replicas")
-            return group_sum(gk), group_sum(gv)
+            total = self.group_sum(torch.cat([gk, gv], dim=1), "kv_replicas")
+            return total[:, :gk.shape[1]].contiguous(), total[:, gk.shape[1]:].contiguous()
         return _ReplicaReduce.apply(wk, wv, reduce)
 
     def reduce_norm_grad(self, grad: torch.Tensor, how: str = "sum") -> torch.Tensor:
@@ -298,9 +293,8 @@ class SimulatedRanks:
         """The sum over ranks of ``value`` ``[R]`` (a step-phase all-reduce over the TP group):
         a scalar; on a TP x DP mesh ``[R]``, each entry its TP group's sum."""
         self.record("step", label)
-        if self.data_parallel == 1:
-            return rank_sum(value.reshape(value.shape[0], -1))[0, 0]
-        return self.group_sum(value.reshape(value.shape[0], -1))[:, 0]
+        total = self.group_sum(value.reshape(value.shape[0], -1))[:, 0]
+        return total[0] if self.data_parallel == 1 else total
 
     def reduce_dp_grads(self, grads: dict[str, torch.Tensor],
                         group: str = "dp") -> dict[str, torch.Tensor]:
