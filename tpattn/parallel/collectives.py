@@ -119,9 +119,10 @@ class SimulatedRanks:
 
     def groups(self, group: str = "tp") -> list[list[int]]:
         """The entries of each group of ``group`` (``"tp"``, ``"dp"``, ``"world"``,
-        ``"kv_replicas"``), each list in group order: TP groups are consecutive entries, DP
-        groups one ``tp_rank`` each, KV replica groups ``cfg.kv_replicas`` consecutive entries
-        (the TP ranks that share one KV head)."""
+        ``"kv_replicas"``, ``"self"``), each list in group order: TP groups are consecutive
+        entries, DP groups one ``tp_rank`` each, KV replica groups ``cfg.kv_replicas``
+        consecutive entries (the TP ranks that share one KV head), ``"self"`` each entry
+        alone."""
         w, d = self.world_size, self.data_parallel
         if group == "tp":
             return [[i * w + t for t in range(w)] for i in range(d)]
@@ -132,7 +133,10 @@ class SimulatedRanks:
         if group == "kv_replicas":
             r = self.cfg.kv_replicas
             return [list(range(i, i + r)) for i in range(0, w * d, r)]
-        raise ValueError(f"group must be 'tp', 'dp', 'world' or 'kv_replicas' (got {group!r})")
+        if group == "self":
+            return [[i] for i in range(w * d)]
+        raise ValueError(f"group must be 'tp', 'dp', 'world', 'kv_replicas' or 'self' "
+                         f"(got {group!r})")
 
     def position(self, entry: int, group: str = "tp") -> int:
         """Entry ``entry``'s rank inside its group of ``group``."""
@@ -305,9 +309,7 @@ class SimulatedRanks:
         if group not in ("dp", "self"):
             raise ValueError(f"group must be 'dp' or 'self' (got {group!r})")
         self.record("after backward", DP_GRAD_LABEL, group=group)
-        if group == "self":
-            return {k: g.clone() for k, g in grads.items()}
-        return {k: self.group_sum(g, "dp") for k, g in grads.items()}
+        return {k: self.group_sum(g, group) for k, g in grads.items()}
 
     def replica_share(self, share: torch.Tensor) -> torch.Tensor:
         """Under sequence parallelism on a mesh: every rank's share ``[R]`` of its own tokens

@@ -2,11 +2,11 @@
 
 ``RealRanks`` keeps every collective of ``tpattn.parallel.collectives.SimulatedRanks`` (so it
 records the same ledger entries) and overrides only the group primitives: ``group_sum`` is an
-``all_reduce``, ``group_cat`` an ``all_gather``, ``scatter_sum`` a ``reduce_scatter_single``,
-``position`` the rank in the group, and the logged loss over ``"tp"`` a Replicate DTensor's
-``full_tensor()``. The groups (``build_groups``) come from ``init_device_mesh`` over
-``("dp", "tp")`` plus one ``dist.new_group`` per KV replica group. A primitive issues only
-what the plan says comes next, and names its ledger entry when it fails.
+``all_reduce``, ``group_cat`` an ``all_gather``, ``scatter_sum`` a ``reduce_scatter_single``
+and ``position`` the rank in the group. Its groups (``build_groups``) come from
+``init_device_mesh`` over ``("dp", "tp")``, plus ``dist.new_group`` for the KV replica groups
+and the groups of one. A primitive issues only what the plan says comes next, and names its
+ledger entry when it fails.
 """
 from __future__ import annotations
 
@@ -42,19 +42,22 @@ class CollectiveError(RuntimeError):
 def build_groups(cfg: Config, device_type: str = "cpu", timeout: float = 60.0) -> dict:
     """Inside an initialized default group of ``cfg.ranks`` processes: ``"mesh"`` (the
     ``("dp", "tp")`` DeviceMesh, global rank ``dp * W + tp``), this rank's ``"tp"``, ``"dp"``
-    and ``"world"`` groups, and with replicated KV heads its ``"kv_replicas"`` group (every
-    rank makes every replica group, in order: ``new_group`` is collective)."""
+    and ``"world"`` groups, with replicated KV heads its ``"kv_replicas"`` group and on a
+    TP x DP mesh its ``"self"`` group of one (every rank makes every such group, in order:
+    ``new_group`` is collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (cfg.data_parallel, cfg.world_size),
                             mesh_dim_names=("dp", "tp"))
     groups = {"mesh": mesh, "tp": mesh.get_group("tp"), "dp": mesh.get_group("dp"),
               "world": dist.group.WORLD}
-    if kv_grad_bug_applies(cfg):
-        for members in SimulatedRanks(cfg).groups("kv_replicas"):
+    named = (["kv_replicas"] if kv_grad_bug_applies(cfg) else []) \
+        + (["self"] if cfg.data_parallel > 1 else [])
+    for name in named:
+        for members in SimulatedRanks(cfg).groups(name):
             handle = dist.new_group(members, timeout=timedelta(seconds=timeout))
             if dist.get_rank() in members:
-                groups["kv_replicas"] = handle
+                groups[name] = handle
     return groups
 
 
@@ -144,17 +147,6 @@ class RealRanks(SimulatedRanks):
         self.issue(dist.reduce_scatter_single, local, full, group=group,
                    elements=full.numel())
         return local.unsqueeze(0)
-
-    def reduce_loss(self, share: torch.Tensor, group: str = "dp") -> torch.Tensor:
-        """The logged loss (``SimulatedRanks.reduce_loss``); for ``"tp"`` the loss as a
-        Replicate DTensor on the TP mesh, ``full_tensor()`` (no reduction)."""
-        if group != "tp":
-            return super().reduce_loss(share, group)
-        from torch.distributed.tensor import DTensor, Replicate
-
-        loss = DTensor.from_local(share.detach().reshape(()), self.process_groups["mesh"]["tp"],
-                                  [Replicate()])
-        return loss.full_tensor().reshape(1)
 
 
 def gather_step(step: dict, comm: RealRanks, targets: torch.Tensor) -> dict:
