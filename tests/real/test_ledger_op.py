@@ -1,40 +1,41 @@
 """The reduce op in the real ranks' ledger: an averaged reduction is issued as SUM then a
-division (gloo has no AVG) and recorded as ``"avg"``, what the program asked for; a summed
-one is recorded as ``"sum"`` (``RealRanks``' ledger is the simulated ranks' own)."""
+division (gloo has no AVG) and recorded as ``"avg"``, what the program asked for, exactly as
+the simulated ranks record it; the numbers are the simulated ranks' too."""
 import pytest
 import torch
 
 from tpattn import Config
+from tpattn.check.core import LR
+from tpattn.parallel.simulated import simulated_step
 from tpattn.real.backend import RealRanks, build_groups
 from tpattn.real.launch import run_on_ranks
+from tpattn.real.ranks import job_setup, planned_ledger, rank_step
 
 pytestmark = pytest.mark.timeout(120)
 
+#: A program that averages f's all-reduce, and one that averages SP's norm-gradient reduce.
+AVERAGED = (("input_grad_reduce_averaged", Config()),
+            ("norm_grad_averaged", Config(seq=8, sequence_parallel=True)))
 
-def reduce_with(rank, op, device, on_progress):
-    """f (``copy_to_ranks``, as ``engine.rank_block`` calls it) and the SP norm gradient's
-    reduce, each with ``op``; rank r contributes r + 1. Returns the ledger's entries and what
-    each reduction gave."""
+
+def averaged_steps(rank, plan, device, on_progress):
+    """Each program of ``AVERAGED`` on this real rank: its ledger and the gathered gradients."""
     on_progress(0)
-    cfg = Config()
-    comm = RealRanks(cfg, build_groups(cfg), rank)
-    n = torch.zeros(1, 2, 3, requires_grad=True)
-    out = comm.copy_to_ranks(n, op=op)
-    (out * (rank + 1)).sum().backward()
-    norm = comm.reduce_norm_grad(torch.full((1, 3), float(rank + 1)),
-                                 "mean" if op == "avg" else "sum")
-    return comm.ledger, n.grad.unique().tolist(), norm.unique().tolist()
+    out = []
+    for mode, cfg in AVERAGED:
+        comm = RealRanks(cfg, build_groups(cfg), rank, planned_ledger(mode, cfg), mode)
+        step, _, _ = rank_step(11, mode, cfg, comm)
+        comm.check_plan()
+        out.append((comm.ledger, step["input_grads"], step["grads"]["norm"]))
+    return out
 
 
-@pytest.mark.parametrize("op, value", [("sum", 3.0), ("avg", 1.5)])
-def test_the_real_ledger_records_the_op_the_program_asked_for(op, value):
-    results, _ = run_on_ranks(reduce_with, 2, op, timeout=30.0, backend="gloo")
-    for entries, dn, norm in results:
-        assert dn == [value] and norm == [value]  # 1 + 2, or its mean
-        assert [(e["phase"], e["group"], e["op"]) for e in entries] == [
-            ("backward", "tp", op), ("after backward", "tp", op)]
-
-
-def test_a_bad_op_is_a_value_error():
-    with pytest.raises(ValueError, match="op must be 'sum' or 'avg'"):
-        RealRanks(Config(), {}, 0).copy_to_ranks(torch.ones(1, 1), op="max")
+def test_the_real_ledger_records_the_op_the_program_asked_for():
+    results, _ = run_on_ranks(averaged_steps, 2, None, timeout=30.0, backend="gloo")
+    for (mode, cfg), (ledger, input_grads, norm_grad) in zip(AVERAGED, results[0]):
+        inj, _, shards, batches = job_setup(11, mode, cfg)
+        simulated = simulated_step(shards, batches, cfg, inj, LR)
+        assert ledger == simulated["ledger"]
+        assert "avg" in [e["op"] for e in ledger]
+        assert torch.allclose(input_grads, simulated["input_grads"], rtol=0, atol=1e-6)
+        assert torch.allclose(norm_grad, simulated["grads"]["norm"], rtol=0, atol=1e-6)
