@@ -38,8 +38,8 @@ from .launch import (RankFailure, default_backend, describe_error, pin_gloo_to_l
 
 __all__ = [
     "job_setup", "planned_ledger", "rank_step", "rank_check", "rank_disagreement", "ledger_row",
-    "run_rank", "dtensor_jobs", "RunPlan", "run_distributed", "RealRankReport", "RankFailure", "default_backend",
-    "DEFAULT_TIMEOUT", "FAULT_KINDS", "validate_run", "launched_by_torchrun",
+    "run_rank", "dtensor_jobs", "RunPlan", "run_distributed", "RealRankReport", "RankFailure",
+    "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS", "validate_run", "launched_by_torchrun",
     "run_under_torchrun",
 ]
 
