@@ -102,17 +102,15 @@ class RealRanks(SimulatedRanks):
         step, in neither). Raises ``CollectiveError`` naming it when it fails, or without
         issuing it when the ledger has left the plan."""
         pg = self.process_groups[group]
-        label = GATHER_LABEL
-        if elements is not None:
-            entry = self.ledger[-1]
-            label = entry["label"]
-            self.traffic.append({"label": label, "phase": entry["phase"],
-                                 "kind": entry["collective"],
-                                 "group_size": dist.get_world_size(pg), "elements": elements})
-        where = f"{label} (collective #{len(self.ledger)} of {self.job})"
+        entry = self.ledger[-1] if elements is not None else {"label": GATHER_LABEL}
+        where = f"{entry['label']} (collective #{len(self.ledger)} of {self.job})"
         strayed = self.deviation()
         if strayed:  # never issue out of plan: a peer would pair it with another collective
             raise CollectiveError(f"{where} not issued: this rank left the plan", strayed)
+        if elements is not None:
+            self.traffic.append({"label": entry["label"], "phase": entry["phase"],
+                                 "kind": entry["collective"],
+                                 "group_size": dist.get_world_size(pg), "elements": elements})
         try:
             return collective(*args, group=pg)
         except Exception as e:  # name the collective; keep what the backend said
