@@ -200,11 +200,9 @@ class GatherKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        comm, c = ctx.comm, grad.shape[-1] // ctx.comm.world_size
-        comm.record("backward", "reduce-scatter of K/V activation grads", "reduce_scatter")
-        total = comm.group_sum(grad, "tp")
-        return torch.stack([total[i, ..., r * c:(r + 1) * c]
-                            for i, r in enumerate(comm.ranks)]), None
+        ctx.comm.record("backward", "reduce-scatter of K/V activation grads", "reduce_scatter")
+        chunks = ctx.comm.scatter_sum(grad.movedim(-1, 1), "tp")  # rank r: chunk r, last dim
+        return chunks.movedim(1, -1).contiguous(), None
 
 
 class ReduceReplicaGrads(torch.autograd.Function):

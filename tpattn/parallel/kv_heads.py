@@ -67,9 +67,9 @@ def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: tor
 # ``replica_group`` is this rank's replica-group process group, made with ``dist.new_group``.
 
 #: Labels of the KV collectives (they name the collective in errors and in the ledger).
-KV_GRAD_ALL_REDUCE = "backward all-reduce of wk/wv grads in the replica group"
-KV_ALL_GATHER = "forward all-gather of K/V activations"
-KV_REDUCE_SCATTER = "backward reduce-scatter of K/V activation grads"
+KV_GRAD_ALL_REDUCE = "all-reduce of wk/wv grads in the replica group"
+KV_ALL_GATHER = "all-gather of K/V activations"
+KV_REDUCE_SCATTER = "reduce-scatter of K/V activation grads"
 
 
 class ReplicaGradReduce(torch.autograd.Function):
