@@ -287,8 +287,6 @@ def test_modes_other_modules_provide_run_in_check_run():
 def test_resolve_looks_every_mode_up_once_and_its_injection_says_how_it_runs():
     from tpattn.bugs.modes import resolve
     from tpattn.check.core import ALL_MODES
-    from tpattn.real.ranks import planned_collectives
-    from tpattn.real.zoo_real import planned_collectives as registry_plan
 
     assert resolve("equivalence") is zoo.REGISTRY["equivalence"]
     assert resolve("equivalence").injection == zoo.Injection()
@@ -302,8 +300,6 @@ def test_resolve_looks_every_mode_up_once_and_its_injection_says_how_it_runs():
     assert not zoo.Injection(g=2).reduction_only and zoo.Injection(f="none", g=0).reduction_only
     bugs = [m for m in zoo.runnable_modes() if not resolve(m).injection.reduction_only]
     assert len(bugs) == len(zoo.runnable_modes()) - len(tpattn.MODES)
-    # every caller resolves alike: the distributed plan of a zoo setup is the zoo's plan
-    assert all(planned_collectives(m) == registry_plan(m) for m in bugs)
     with pytest.raises(ValueError, match="needs replicated KV heads"):  # validated first
         resolve("missing_kv_grad_reduce", tpattn.Config())
     with pytest.raises(ValueError, match="mode must be one of .* registry mode"):

@@ -193,10 +193,3 @@ def mesh_sync(shares: torch.Tensor, grads: dict[str, torch.Tensor], cfg: Config,
         share = replica_share(share, comm)
     return grads, prog.loss(share, comm).reshape(shares.shape[0])
 
-
-def reduce_qk_norm_grads(grads: dict[str, torch.Tensor], cfg: Config, prog, comm) -> None:
-    """With ``cfg.qk_norm``: ``prog.qk_norm_grads`` on ``grads["q_norm"]``, ``grads["k_norm"]``
-    ``[R, head_dim]``, in place (``tpattn.real.zoo_real``'s name for it)."""
-    if cfg.qk_norm:
-        grads["q_norm"], grads["k_norm"] = as_program(prog).qk_norm_grads(
-            grads["q_norm"], grads["k_norm"], comm)
