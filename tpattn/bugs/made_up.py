@@ -1,14 +1,14 @@
 """Made-up bugs of the held-out evaluation (``tpattn.diagnosis.evaluate``): no registry entry.
 
 ``Injection.partial_scale`` and ``Injection.rank_lr_scale`` name these substitutions;
-``parallel.wrong.program_of`` looks them up in ``parallel.wrong.MADE_UP``, filled here.
+``parallel.wrong.program_of`` looks them up in ``parallel.wrong.MADE_UP_STAGES``, filled here.
 """
 from __future__ import annotations
 
 import torch
 
 from tpattn.block.sgd import sgd_step
-from tpattn.parallel.wrong import MADE_UP
+from tpattn.parallel.wrong import MADE_UP_STAGES
 
 __all__ = ["scaled_partials", "lr_scaled"]
 
@@ -34,4 +34,4 @@ def lr_scaled(scales: tuple):
     return update
 
 
-MADE_UP.update(partial_scale=scaled_partials, rank_lr_scale=lr_scaled)
+MADE_UP_STAGES.update(partial_scale=scaled_partials, rank_lr_scale=lr_scaled)

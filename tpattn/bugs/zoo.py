@@ -121,6 +121,12 @@ class BugMode:
 
 
 def _entries() -> list[BugMode]:
+    """Every registry mode of one TP group, in listing order."""
+    return _reduction_entries() + _setup_entries() + _layout_entries() + _model_entries()
+
+
+def _reduction_entries() -> list[BugMode]:
+    """Correct TP and the bugs of f and g themselves."""
     return [
         BugMode(EQUIVALENCE, "correct TP: g sums the output partials, f sums dn", None,
                 injection=Injection(), how="both reductions", fix="-",
@@ -172,6 +178,12 @@ def _entries() -> list[BugMode]:
                 fix="all-reduce the partials once",
                 fidelity_note="no public report found: the forward twin of "
                 "input_grad_reduced_twice, a plausible bug"),
+    ]
+
+
+def _setup_entries() -> list[BugMode]:
+    """The bugs of the step and of loading: the norm, the bias, the fused checkpoint."""
+    return [
         BugMode("grad_norm_counts_replicas",
                 "replicated parameters counted W times in the global gradient norm "
                 "(clipping wrong, every gradient right)",
@@ -206,6 +218,12 @@ def _entries() -> list[BugMode]:
                 "all q heads, then all k, then all v) without regard to heads: incorrect "
                 "inference results, no error; the PR splits each known layout by heads (the "
                 "zoo's is that GLM layout, cut into contiguous slices, in training)"),
+    ]
+
+
+def _layout_entries() -> list[BugMode]:
+    """The bugs of the KV layout, the inputs and sequence parallelism."""
+    return [
         BugMode("repeat_kv_tiled",
                 "repeat_kv tiles the KV heads instead of interleaving them: query heads "
                 "read the wrong KV head",
@@ -256,6 +274,12 @@ def _entries() -> list[BugMode]:
                 "shards instead of summing (and was registered before deepspeed.initialize); "
                 "the PR sums, and says it does not fix the run's convergence issue, whose "
                 "slowly changing LayerNorm weights it reports as still open"),
+    ]
+
+
+def _model_entries() -> list[BugMode]:
+    """The bugs of the KV replicas and the model options (dropout, qk-norm)."""
+    return [
         BugMode(MISSING_KV_GRAD_REDUCE,
                 "replicated KV heads without the all-reduce of their gradients",
                 "bigcode-project/Megatron-LM issue 11; fixed by PR 12",
@@ -311,7 +335,12 @@ def _mesh_entries() -> list[BugMode]:
     """The bugs of a TP x DP mesh (``Config.data_parallel``; the engine's ``mesh_sync``):
     the logged loss and the gradient sync over the wrong group, and sequence parallelism's
     gather over the other mesh dimension."""
-    dp = "data_parallel >= 2"
+    return _loss_group_entries() + _grad_group_entries()
+
+
+def _loss_group_entries() -> list[BugMode]:
+    """The logged loss reduced over the wrong group of a TP x DP mesh."""
+    dp = MESH_NEEDS[0]
     return [
         BugMode("loss_reduced_over_world",
                 "TP x DP: the logged loss all-reduced over the world mesh, not the DP group",
@@ -343,6 +372,13 @@ def _mesh_entries() -> list[BugMode]:
                 "3159's note ('under-reported by dp_shard x cp') and PR 3204's tests (a "
                 "Replicate-on-TP loss over an orthogonal batch mesh); here the skipped "
                 "dimension is DP of a TP x DP mesh, each replica logging its share"),
+    ]
+
+
+def _grad_group_entries() -> list[BugMode]:
+    """The DP gradient sync and SP's gather over the wrong group of the mesh."""
+    dp = MESH_NEEDS[0]
+    return [
         BugMode("dp_grad_group_of_one",
                 "TP x DP: the data-parallel gradient all-reduce runs over a group of one "
                 "rank, a silent no-op",
@@ -372,6 +408,12 @@ def _mesh_entries() -> list[BugMode]:
                 "linear_kv without tp_group, so their SP all-gather runs over the global MPU "
                 "TP group and mixes replicas (linear_proj keeps its group); here it is the "
                 "self-attention block's Q/K/V input and the wrong group is DP's"),
+    ]
+
+
+def _loading_entries() -> list[BugMode]:
+    """The bugs of loading a fused or grouped QKV checkpoint (around the block)."""
+    return [
         BugMode("qkv_loaded_from_rank0",
                 "every rank narrows rank 0's rows of a fused [Wq; Wk; Wv] checkpoint: "
                 "the shapes are right, the numbers rank 0's",
@@ -404,7 +446,7 @@ def _mesh_entries() -> list[BugMode]:
 
 
 #: name -> BugMode, in listing order.
-REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries() + _mesh_entries()}
+REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries() + _mesh_entries() + _loading_entries()}
 
 
 def register(mode: BugMode) -> None:

@@ -18,7 +18,7 @@ from .program import CORRECT, Program
 __all__ = ["ScaleGrad", "GatherSequenceNoReduce", "no_collective", "f_averaged", "f_twice",
            "g_twice", "tiled_heads", "replicas_kept", "bias_before_g", "no_bias_after_g",
            "norm_grad_averaged", "norm_grad_kept", "qk_norm_grads_kept", "grad_squares_per_rank",
-           "MADE_UP", "program_of"]
+           "MADE_UP_STAGES", "program_of"]
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -124,7 +124,7 @@ def _gather_stage(f: str, group: str):
 
 #: The made-up bugs' stage factories by ``Injection`` field (``tpattn.bugs.made_up`` fills
 #: it): ``"partial_scale"`` -> a ``before_g`` stage, ``"rank_lr_scale"`` -> an ``update``.
-MADE_UP: dict = {}
+MADE_UP_STAGES: dict = {}
 
 
 def program_of(inj) -> Program:
@@ -142,7 +142,7 @@ def program_of(inj) -> Program:
     if inj.kv_grad == "none":
         s["replica_reduce"] = replicas_kept
     if inj.partial_scale != 1.0:
-        s["before_g"] = MADE_UP["partial_scale"](inj.partial_scale)
+        s["before_g"] = MADE_UP_STAGES["partial_scale"](inj.partial_scale)
     if inj.bias is None:  # a program without the bias: any "bias" in p is left out
         s["add_bias"] = no_bias_after_g
     if inj.bias == "every_rank":
@@ -158,5 +158,5 @@ def program_of(inj) -> Program:
     if inj.norm == "per_rank":
         s["grad_squares"] = grad_squares_per_rank
     if inj.rank_lr_scale:
-        s["update"] = MADE_UP["rank_lr_scale"](inj.rank_lr_scale)
+        s["update"] = MADE_UP_STAGES["rank_lr_scale"](inj.rank_lr_scale)
     return replace(CORRECT, **s)

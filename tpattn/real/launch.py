@@ -23,9 +23,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "run_on_ranks", "default_backend", "rank_device",
+__all__ = ["DEFAULT_TIMEOUT", "RankFailure", "run_on_ranks", "default_backend", "rank_device",
            "pin_gloo_to_loopback", "backend_message", "describe_error"]
 
+#: Seconds any collective (and the rendezvous) may wait before the run fails.
+DEFAULT_TIMEOUT = 60.0
 #: After the first failure, how long the other ranks may take to report what they saw (up to
 #: min(timeout, 5 s) while every report so far is a failed collective, i.e. a consequence).
 FAILURE_GRACE_S = 1.0

@@ -33,8 +33,8 @@ from tpattn.parallel.rng import process_streams, simulated_streams
 from tpattn.parallel.sequence_parallel import ring_bytes
 from tpattn.parallel.simulated import mesh_view, rank0_view, replica_views, simulated_step
 from .backend import RealRanks, build_groups, gather_step
-from .launch import (RankFailure, default_backend, describe_error, pin_gloo_to_loopback,
-                     rank_device, run_on_ranks)
+from .launch import (DEFAULT_TIMEOUT, RankFailure, default_backend, describe_error,
+                     pin_gloo_to_loopback, rank_device, run_on_ranks)
 
 __all__ = [
     "job_setup", "planned_ledger", "rank_step", "rank_check", "rank_disagreement", "ledger_row",
@@ -43,8 +43,6 @@ __all__ = [
     "run_under_torchrun",
 ]
 
-#: Seconds any collective (and the rendezvous) may wait before the run fails.
-DEFAULT_TIMEOUT = 60.0
 #: Test-only fault injection (``run_distributed(fault=...)``): what the faulty rank does.
 FAULT_KINDS = ("raise", "exit_early", "skip_collective")
 #: The phases of the block's own collectives (``RealRankReport.traffic``, the ledger rows).
