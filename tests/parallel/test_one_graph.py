@@ -113,7 +113,7 @@ def test_plain_tp_engine_path_is_the_rank_batched_block(cfg, mode):
 
 
 def _zoo_old_step(x0, target, base, cfg, inj, seed):
-    """The zoo's fixture step with the old ``forward_fixture`` (as ``zoo.tp_step`` runs it)."""
+    """The zoo's fixture step with the old ``forward_fixture`` (as ``zoo.tp_side`` runs it)."""
     from tpattn.block.params import clone_trainable
     from tpattn.block.sgd import sgd_step
     import torch.nn.functional as F

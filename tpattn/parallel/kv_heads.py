@@ -5,7 +5,7 @@ its replica group (``SimulatedRanks.groups("kv_replicas")``). ``Config.kv_strate
 ``replicate_weights`` (each rank a copy of the head's wk/wv rows; backward all-reduce of their
 gradients in the group, ``ReduceReplicaGrads``) or ``gather_activations`` (no copies: each
 rank's slice of K/V all-gathered, ``GatherKV``; Megatron-LM PR 2565). This module: one rank's
-pieces of the gather option, the Functions ``tpattn.real.ranks`` uses, and the memory and bytes
+pieces of the gather option, the KV collectives' ledger labels, and the memory and bytes
 of each strategy (``kv_costs``, ``kv_collectives``, ``ring_bytes``).
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ __all__ = [
     "has_replicas", "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
     "is_first_kv_copy",
     "kv_grad_bug_applies", "local_kv", "attend_gathered",
-    "ReplicaGradReduce", "AllGatherKV",
     "kv_collectives", "kv_costs", "ring_bytes",
     "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes",
 ]
@@ -61,53 +60,10 @@ def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: tor
     return F.linear(ctx.reshape(s, b, -1), shard["wo"])
 
 
-# --- real ranks (tpattn.real.ranks) ---------------------------------------------------------
-#
-# The ledger (``tpattn.real.ranks.CollectiveLedger``) issues and counts every collective; its
-# ``replica_group`` is this rank's replica-group process group, made with ``dist.new_group``.
-
 #: Labels of the KV collectives (they name the collective in errors and in the ledger).
 KV_GRAD_ALL_REDUCE = "all-reduce of wk/wv grads in the replica group"
 KV_ALL_GATHER = "all-gather of K/V activations"
 KV_REDUCE_SCATTER = "reduce-scatter of K/V activation grads"
-
-
-class ReplicaGradReduce(torch.autograd.Function):
-    """The replica-group reduce on a real rank — forward: identity on this rank's copies of
-    wk and wv; backward: one all-reduce (over the replica group) of both gradients, flattened
-    into one buffer, so every copy receives the head's full gradient.
-
-    ``apply(wk, wv, ledger)`` returns ``(wk, wv)`` (views).
-    """
-
-    @staticmethod
-    def forward(ctx, wk: torch.Tensor, wv: torch.Tensor, ledger):
-        ctx.ledger = ledger
-        return wk.view_as(wk), wv.view_as(wv)
-
-    @staticmethod
-    def backward(ctx, grad_wk: torch.Tensor, grad_wv: torch.Tensor):
-        flat = torch.cat([grad_wk.reshape(-1), grad_wv.reshape(-1)])
-        ctx.ledger.all_reduce(flat, "backward", KV_GRAD_ALL_REDUCE, group=ctx.ledger.replica_group)
-        gk, gv = flat.split([grad_wk.numel(), grad_wv.numel()])
-        return gk.view_as(grad_wk), gv.view_as(grad_wv), None
-
-
-class AllGatherKV(torch.autograd.Function):
-    """The K/V all-gather on a real rank — forward: ``all_gather_single`` over the TP
-    group on the last dim; backward: ``reduce_scatter_single`` (sum) of the gradient.
-
-    ``apply(local, ledger)``: local ``[S, B, 2c]``; returns ``[S, B, W*2c]`` (rank order).
-    """
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, ledger):
-        ctx.ledger = ledger
-        return ledger.all_gather_last_dim(local, "forward", KV_ALL_GATHER)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.ledger.reduce_scatter_last_dim(grad, "backward", KV_REDUCE_SCATTER), None
 
 
 # --- what each strategy costs --------------------------------------------------------------
