@@ -198,48 +198,59 @@ class TypedCollectives:
 # --- the typed stages: rank 0's [1, ...] tensors through TypedCollectives ---------------------
 
 def _f(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f: identity forward, typed all-reduce of dn in backward."""
     return ops.copy_to_ranks(n[0]).unsqueeze(0)
 
 
 def _f_averaged(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f whose backward all-reduce divides by W."""
     return ops.copy_to_ranks(n[0], "avg").unsqueeze(0)
 
 
 def _f_twice(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f applied twice."""
     return _f(_f(n, ops), ops)
 
 
 def _g(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """g: typed all-reduce of the partials."""
     return ops.reduce_output(partial[0]).unsqueeze(0)
 
 
 def _g_twice(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """g applied twice."""
     return _g(_g(partial, ops), ops)
 
 
 def _sp_gather(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather along the sequence (backward reduce-scatter)."""
     return ops.gather_sequence(n[0]).unsqueeze(0)
 
 
 def _sp_gather_no_reduce(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather whose backward keeps this rank's chunk."""
     return ops.gather_sequence(n[0], reduce_grad=False).unsqueeze(0)
 
 
 def _sp_gather_averaged(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather whose backward is divided by W."""
     return ScaleGrad.apply(_sp_gather(n, ops), 1.0 / ops.world_size)
 
 
 def _sp_scatter(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's reduce-scatter along the sequence."""
     return ops.reduce_scatter_sequence(partial[0]).unsqueeze(0)
 
 
 def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """No reduce-scatter: rank 0's tokens of its own partials."""
     from tpattn.parallel.sequence_parallel import rank_tokens
 
     return full[:, rank_tokens(ops.cfg, 0)]
 
 
 def _kv_gather(local: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """The K/V all-gather on the last dim."""
     return ops.gather_kv(local[0]).unsqueeze(0)
 
 
