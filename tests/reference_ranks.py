@@ -15,7 +15,7 @@ from tpattn.block.layers import attention, repeat_kv, rms_norm
 from tpattn.block.params import clone_trainable
 from tpattn.parallel.engine import REPLICATED, ScaleGrad
 from tpattn.parallel.sequence_parallel import rank_tokens
-from tpattn.bugs.zoo import Injection, clip_coef, grad_norm
+from tpattn.bugs.zoo import Injection, clip_coef
 
 NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
 
@@ -142,6 +142,18 @@ def forward_ranks(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
     if inj.bias == "after_g":
         outs = [o + s["bias"] for o, s in zip(outs, shards)]
     return [x + o for x, o in zip(xs, outs)]
+
+
+def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
+    """The global gradient norm from every rank's gradients (one dict per rank), float64: a
+    ``REPLICATED`` parameter on rank 0 only unless ``inj.norm == "per_rank"``."""
+    total = 0.0
+    for rank, g in enumerate(grads):
+        for name, t in g.items():
+            if name in REPLICATED and rank > 0 and inj.norm == "once":
+                continue
+            total = total + t.double().pow(2).sum()
+    return torch.as_tensor(total).sqrt()
 
 
 def ranks_train_step(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,

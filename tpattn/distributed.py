@@ -48,6 +48,24 @@ def _config_for_processes(args, torchrun: bool) -> Config:
     return cfg
 
 
+def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
+    """Run ``plan`` on real ranks: this process as one of torchrun's, or ranks started here;
+    ``diagnose`` adds ``observations`` and ``diagnoses`` (rank 0's dict)."""
+    rank_fn = run_rank
+    if diagnose:
+        from tpattn.diagnosis.observe_real import diagnose_rank as rank_fn
+    backend = default_backend(plan.cfg.ranks)
+    if torchrun:
+        return run_under_torchrun(plan, backend, rank_fn)
+    if diagnose:
+        return run_on_ranks(rank_fn, plan.cfg.ranks, plan, timeout=plan.timeout, backend=backend,
+                            preload=("tpattn.diagnosis.observe_real",))[0][0]
+    seeds = tuple(dict.fromkeys(s for _, s in plan.jobs))
+    modes = tuple(dict.fromkeys(m for m, _ in plan.jobs))
+    return {"results": run_distributed(plan.cfg.world_size, seeds, modes, plan.cfg,
+                                       timeout=plan.timeout, dtensor=False).results}
+
+
 def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
     """Run the CLI; returns the exit code (0 done, 1 ``--strict`` failure or a rank failed,
     2 bad arguments). Under torchrun only rank 0 prints the JSON."""
@@ -76,19 +94,8 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
     except ValueError as e:
         return fail(2, e)
     if args.mode != "inspect":
-        rank_fn = run_rank
-        if args.diagnose:
-            from tpattn.diagnosis.observe_real import diagnose_rank as rank_fn
         try:
-            if torchrun:
-                report = run_under_torchrun(plan, default_backend(cfg.ranks), rank_fn)
-            elif args.diagnose:
-                report = run_on_ranks(rank_fn, cfg.ranks, plan, timeout=timeout,
-                                      backend=default_backend(cfg.ranks),
-                                      preload=("tpattn.diagnosis.observe_real",))[0][0]
-            else:
-                report = {"results": run_distributed(cfg.world_size, seeds, modes, cfg,
-                                                     timeout=timeout, dtensor=False).results}
+            report = _run_plan(plan, args.diagnose, torchrun)
         except RankFailure as e:  # started by us: the launcher's line names the rank
             return fail(1, e)
         except RuntimeError as e:  # under torchrun: this rank failed (in a collective, or itself)

@@ -19,7 +19,7 @@ from tpattn.bugs import zoo
 from tpattn.cli import main as cli_main
 from tpattn.diagnosis.diagnose import DEVIATIONS, NO_KNOWN_CAUSE, features, register_fingerprint
 from tpattn.diagnosis.observe import observe_injection
-from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel import collectives
 
 SHAPES = {
     "W2, 2 KV heads per rank": Config(query_heads=8, kv_heads=4),
@@ -161,7 +161,7 @@ def test_bad_observations_are_a_value_error():
     with pytest.raises(ValueError, match="fingerprint must be a Fingerprint"):
         register_fingerprint("my_bug", (["a condition"], "a confirmation"))
     with pytest.raises(ValueError, match="op must be 'sum' or 'avg'"):
-        SimulatedRanks(Config()).copy_to_ranks(torch.zeros(2, 1, 1, 4), op="mean")
+        collectives.check_op("mean")
 
 
 def test_cli_diagnose_adds_a_diagnosis_to_each_result(capsys):

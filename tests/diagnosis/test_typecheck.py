@@ -59,14 +59,13 @@ EXPECTED = {
 
 #: The block's line each caught mode is raised at (it names the tensors that do not mix).
 WHERE = {
-    MISSING_OUTPUT_REDUCE: "engine.rank_block: return x + out",
-    MISSING_INPUT_GRAD_REDUCE: 'engine._attend: q = apply_rope(_heads(_project(n, p["wq"]), d))',
-    "input_grad_reduced_twice":
-        'engine.rank_block: n = comm.copy_to_ranks(n, "all-reduce of dn (again)")',
-    "output_reduced_twice": "engine.rank_block: out = comm.reduce_output(out, G_LABEL",
-    "row_bias_on_every_rank": 'engine.rank_block: out = out + p["bias"]',
+    MISSING_OUTPUT_REDUCE: "engine.rank_block: return x + prog.add_bias(out, p)",
+    MISSING_INPUT_GRAD_REDUCE: 'engine.attend: q = _heads(_project(n, p["wq"]), d)',
+    "input_grad_reduced_twice": "engine.rank_block: n = prog.f(n, comm)",
+    "output_reduced_twice": "engine.rank_block: out = prog.g(partials, comm)",
+    "row_bias_on_every_rank": 'wrong.bias_before_g: return partial + p["bias"]',
     "missing_norm_grad_reduce": "rms_norm: return x * torch.rsqrt(",
-    MISSING_KV_GRAD_REDUCE: "engine._attend: k, v = _project(n, wk), _project(n, wv)",
+    MISSING_KV_GRAD_REDUCE: "engine._kv: return _project(n, wk), _project(n, wv)",
     "qk_norm_grad_not_reduced": "engine.head_norm: return rms_norm(",
 }
 
@@ -132,7 +131,8 @@ def test_missing_f_names_the_tensors_and_the_rule():
 
 def test_missing_g_is_raised_at_the_residual_add_and_its_hint_names_fs_fix():
     result = typecheck(MISSING_OUTPUT_REDUCE)
-    assert result["where"] == "tpattn.parallel.engine.rank_block: return x + out"
+    assert result["where"] == ("tpattn.parallel.engine.rank_block: "
+                               "return x + prog.add_bias(out, p)")
     assert "cannot mix with other types. Found types: [I, V]" in result["message"]
     # the hint suggests f's convert on the invariant operand (x), not the missing all-reduce
     assert "src=I, dst=R" in result["message"] and "all_reduce" not in result["message"]

@@ -175,3 +175,23 @@ def test_the_registry_and_run_share_one_injection_per_seed_mode():
         for simulate in ("fixture", "ranks"):
             assert tpattn.run(11, mode, simulate=simulate) == check_injection(
                 11, mode, zoo.get_mode(mode).injection, simulate=simulate)
+
+
+def test_the_correct_block_reads_as_the_correct_block():
+    import inspect
+
+    from tpattn.parallel import collectives, engine
+    from tpattn.parallel.program import CORRECT
+    from tpattn.parallel.wrong import program_of
+
+    block = inspect.getsource(engine.rank_block)
+    assert "inj" not in block and len(block.splitlines()) <= 40
+    for f_or_g in (collectives.CopyToRanks, collectives.ReduceFromRanks):
+        assert len(inspect.getsource(f_or_g).splitlines()) <= 15
+    # each knob of a registry bug is one substituted stage; the correct program keeps them all
+    assert program_of(zoo.Injection(f="none")).f is not CORRECT.f
+    assert program_of(zoo.Injection(g=0)).g is not CORRECT.g
+    assert program_of(zoo.Injection(kv="tile")).repeat_kv is not CORRECT.repeat_kv
+    same = program_of(zoo.Injection(bias="after_g"))
+    assert all(getattr(same, k) is getattr(CORRECT, k) for k in ("f", "g", "sp_gather",
+                                                                  "sp_scatter", "add_bias"))

@@ -23,6 +23,7 @@ from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import OneGraphRanks, one_graph_forward
 from tpattn.parallel.tp import tp_forward
 from tests import reference_one_graph as ref
+from tests import reference_ranks as ranks_ref
 from tests.rounding import assert_within_sum_bound
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -112,7 +113,7 @@ def test_plain_tp_engine_path_is_the_rank_batched_block(cfg, mode):
 
 
 def _zoo_old_step(x0, target, base, cfg, inj, seed):
-    """The zoo's fixture step with the old ``forward_fixture`` (as ``zoo.tp_step`` runs it)."""
+    """The zoo's fixture step with the old ``forward_fixture`` (as ``zoo.tp_side`` runs it)."""
     from tpattn.block.params import clone_trainable
     from tpattn.block.sgd import sgd_step
     import torch.nn.functional as F
@@ -128,7 +129,7 @@ def _zoo_old_step(x0, target, base, cfg, inj, seed):
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     per_rank = zoo.shard(grads, cfg, replace(inj, shard="heads" if inj.shard == "fused_naive"
                                               else inj.shard))
-    coef = zoo.clip_coef(zoo.grad_norm(per_rank, inj), inj)
+    coef = zoo.clip_coef(ranks_ref.grad_norm(per_rank, inj), inj)
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad, "grads": grads,
             "weights": sgd_step(p, grads, LR, float(coef))}
 

@@ -27,7 +27,8 @@ from tpattn.check.core import (LR, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSI
 from tpattn.cli import main as cli_main
 from tpattn.block.layers import apply_rope
 from tpattn.block.params import init_params, shard_params, unshard_params
-from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel.collectives import (CopyToRanks, GatherKV, GatherSequence,
+                                         ReduceFromRanks, ScatterSequence, SimulatedRanks)
 from tpattn.parallel.simulated import rank_steps, simulated_step
 from tpattn.parallel.sequence_parallel import communication_ledger, norm_activation_bytes, rank_tokens, ring_bytes
 
@@ -126,9 +127,16 @@ def test_collectives_have_the_right_backward():
     comm = SimulatedRanks(Config(seq=6, query_heads=6, kv_heads=3, world_size=3,
                                  sequence_parallel=True))
     chunks = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)  # [R, S/W, ...]
-    assert torch.autograd.gradcheck(comm.gather_sequence, (chunks,))
+    assert torch.autograd.gradcheck(lambda t: GatherSequence.apply(t, comm), (chunks,))
     partials = torch.randn(3, 6, 3, dtype=torch.float64, requires_grad=True)  # [R, S, ...]
-    assert torch.autograd.gradcheck(comm.reduce_scatter_sequence, (partials,))
+    assert torch.autograd.gradcheck(lambda t: ScatterSequence.apply(t, comm), (partials,))
+    local = torch.randn(3, 2, 1, 2, dtype=torch.float64, requires_grad=True)  # [R, S, B, c]
+    assert torch.autograd.gradcheck(lambda t: GatherKV.apply(t, comm), (local,))
+    n = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)
+    dn = torch.randn(3, 2, 3, dtype=torch.float64)
+    CopyToRanks.apply(n, comm).backward(dn)  # f's backward is g's forward, and back
+    assert torch.equal(n.grad, ReduceFromRanks.apply(dn, comm))
+    assert torch.equal(torch.autograd.grad(ReduceFromRanks.apply(n, comm), n, dn)[0], dn)
 
 
 def test_rope_needs_global_positions():
@@ -219,7 +227,7 @@ def test_ledger_same_bytes_one_over_w_activations(cfg):
     norm_rows = [r for r in rows if r["variant"] == "SP" and r["elements"] == cfg.hidden]
     assert tp == sp_block > 0  # an all-reduce is a reduce-scatter plus an all-gather
     assert [r["collective"] for r in norm_rows] == ["all_reduce"]
-    assert norm_rows[0]["bytes_per_rank"] == ring_bytes("all_reduce", cfg.hidden * 4, cfg.world_size)
+    assert norm_rows[0]["bytes_per_rank"] == ring_bytes("all_reduce", cfg.hidden, cfg.world_size, 4)
     no_sp = Config(**{**cfg.as_dict(), "sequence_parallel": False})
     assert norm_activation_bytes(cfg) * cfg.world_size == norm_activation_bytes(no_sp)
 

@@ -126,3 +126,17 @@ def test_cli_simulate_ranks_and_bad_value(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--simulate" in err
+
+
+def test_kv_replica_groups_are_the_ranks_sharing_a_kv_head_in_every_tp_group():
+    from tpattn.config import Config
+    from tpattn.block.kv_layout import replica_groups
+    from tpattn.parallel.collectives import SimulatedRanks
+
+    cfg = Config(world_size=4, query_heads=4, kv_heads=2, data_parallel=2)
+    groups = SimulatedRanks(cfg).groups("kv_replicas")
+    assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups[:2] == replica_groups(cfg)
+    assert SimulatedRanks(cfg).groups("self") == [[i] for i in range(8)]
+    with pytest.raises(ValueError, match="group must be"):
+        SimulatedRanks(cfg).groups("pp")

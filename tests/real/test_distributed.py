@@ -2,7 +2,7 @@
 
 - the real-rank matrix (2 ranks, and 4 ranks on a shape whose heads divide by 4) agrees with
   ``run_matrix(simulate="ranks")`` within 1e-6 on every measure, with identical verdicts; it
-  differs from the seed's fixture view (``simulate="fixture"``) exactly where it must: the
+  differs from the original fixture's view (``simulate="fixture"``) exactly where it must: the
   gradient measures of ``missing_output_reduce`` (each real rank trains on its own output;
   the fixture drops rank 1's);
 - the collective ledger, the ranks' disagreement, the DTensor cross-check;
@@ -11,7 +11,7 @@
   and leaves no process behind; bad input exits 2 with one line.
 
 Process start dominates the cost, so one module-scoped run per world size serves many tests.
-Tolerance: 1e-6 absolute, the package's ``TOLERANCE``; at the seed's size float32 rounding
+Tolerance: 1e-6 absolute, the package's ``TOLERANCE``; at the original fixture's size float32 rounding
 differences between the two ways of summing are ~1e-7 (measured: ≤ 2.4e-7).
 """
 import json
@@ -22,20 +22,16 @@ import sys
 import time
 
 import pytest
-import torch.nn.functional as F
 
 import tpattn
 from tpattn import (MEASURES, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES, SEEDS,
                     TOLERANCE, Config)
-from tpattn.check.core import LR, PARAM_SEED_OFFSET, make_inputs
+from tpattn.check.core import LR
 from tpattn.cli import main as cli_main
-from tpattn.block.dense import attend_and_project
-from tpattn.real.ranks import (F_ALL_REDUCE, G_ALL_REDUCE, GATHER_RESULTS, CollectiveLedger,
-                                RankFailure, dense_reference, five_measures,
-                                planned_collectives, run_distributed)
+from tpattn.parallel.collectives import F_LABEL, G_LABEL
+from tpattn.real.backend import RealRanks
+from tpattn.real.ranks import RankFailure, planned_ledger, run_distributed
 from tpattn.distributed import main
-from tpattn.block.layers import rms_norm
-from tpattn.block.params import clone_trainable, init_params, shard_params
 
 from tests.conftest import ROOT
 
@@ -93,7 +89,7 @@ def world4(world2):  # after world2: its forkserver is warm, 4 ranks start in ab
 
 @pytest.fixture(scope="module")
 def simulated2():
-    """The seed's fixture model (rank 0's view)."""
+    """The original fixture's model (rank 0's view)."""
     return tpattn.run_matrix()
 
 
@@ -218,22 +214,27 @@ def test_dtensor_cross_check_passes_equivalence(world2, simulated2):
 
 # --- the ledger's plan, without processes ---------------------------------------------------
 
-def test_planned_collectives_drop_the_missing_reduction():
-    assert planned_collectives("equivalence") == [G_ALL_REDUCE, F_ALL_REDUCE, GATHER_RESULTS]
-    assert planned_collectives(MISSING_OUTPUT_REDUCE) == [F_ALL_REDUCE, GATHER_RESULTS]
-    assert planned_collectives(MISSING_INPUT_GRAD_REDUCE) == [G_ALL_REDUCE, GATHER_RESULTS]
+def _labels(mode: str) -> list[str]:
+    return [e["label"] for e in planned_ledger(mode, Config()) if e["phase"] != "step"]
 
 
-def test_ledger_names_a_skipped_collective():
-    ledger = CollectiveLedger()
-    ledger.start_job("seed 11 equivalence", planned_collectives("equivalence"))
-    ledger.history = [G_ALL_REDUCE]
-    assert ledger.deviation() is None  # a prefix of the plan: fine so far
+def test_the_plan_is_the_simulated_ledger_and_drops_the_missing_reduction():
+    assert _labels("equivalence") == [G_LABEL, F_LABEL]
+    assert _labels(MISSING_OUTPUT_REDUCE) == [F_LABEL]
+    assert _labels(MISSING_INPUT_GRAD_REDUCE) == [G_LABEL]
+
+
+def test_the_ledger_names_a_skipped_collective():
+    comm = RealRanks(Config(), {}, 0, planned_ledger("equivalence", Config()),
+                     "seed 11 equivalence")
+    plan = comm.plan
+    comm.ledger = plan[:1]
+    assert comm.deviation() is None  # a prefix of the plan: fine so far
     with pytest.raises(RuntimeError, match="issued 1 of the 3 planned collectives"):
-        ledger.finish_job()
-    ledger.history = [F_ALL_REDUCE]
-    assert ledger.deviation() == (f"it issued {F_ALL_REDUCE} as collective #1 of seed 11 "
-                                  f"equivalence where the plan has {G_ALL_REDUCE}")
+        comm.check_plan()
+    comm.ledger = [plan[1]]
+    assert comm.deviation() == (f"it issued {F_LABEL} as collective #1 of seed 11 "
+                                f"equivalence where the plan has {G_LABEL}")
 
 
 # --- bad input -------------------------------------------------------------------------------
@@ -322,8 +323,8 @@ FAULT_TIMEOUT_S = 3.0
 @pytest.mark.parametrize("kind, expected", [
     ("raise", "rank 1 raised RuntimeError: fault injected for a test"),
     ("exit_early", "rank 1 exited (exit code 0) before finishing its work"),
-    ("skip_collective", f"rank 1 skipped a collective: it issued {F_ALL_REDUCE} as collective #1 "
-                        f"of seed 11 equivalence where the plan has {G_ALL_REDUCE}"),
+    ("skip_collective", f"rank 1 skipped a collective: it issued {F_LABEL} as collective #1 "
+                        f"of seed 11 equivalence where the plan has {G_LABEL}"),
 ])
 def test_a_faulty_rank_fails_the_run_fast_and_leaves_no_process(commands, world2, kind, expected):
     for name in COMMANDS:  # let the other subprocesses finish: only this run's may come and go
@@ -343,30 +344,30 @@ def test_a_faulty_rank_fails_the_run_fast_and_leaves_no_process(commands, world2
     assert _descendants() - before == set()
 
 
-# --- the block the real ranks run -------------------------------------------------------------
+# --- the step the real ranks run -------------------------------------------------------------
 
 @pytest.mark.parametrize("cfg", [Config(world_size=1), Config(seq=8, world_size=1,
                                                                sequence_parallel=True)], ids=str)
-def test_a_real_rank_runs_the_engines_rank_block_on_one_local_rank(cfg, monkeypatch, tmp_path):
-    """Plain TP and SP on a one-process gloo group: the check's forward is
-    ``engine.rank_block`` once per job, on ``[1, ...]`` tensors and ``DistributedRanks``."""
+def test_a_real_rank_runs_the_engines_train_step_on_one_local_rank(cfg, monkeypatch, tmp_path):
+    """Plain TP and SP on a one-process gloo group: each job is ``engine.train_step`` once,
+    on ``[1, ...]`` tensors and ``RealRanks``."""
     import torch.distributed as dist
 
     import tpattn.real.ranks as ranks_module
-    from tpattn.parallel.engine import rank_block
+    from tpattn.parallel.engine import train_step
 
     calls = []
 
-    def counted(x, p, cfg_, inj, comm):
+    def counted(p, x, target, cfg_, inj, comm, lr, rng=None):
         calls.append((x.shape[0], type(comm).__name__, comm.ranks))
-        return rank_block(x, p, cfg_, inj, comm)
+        return train_step(p, x, target, cfg_, inj, comm, lr, rng)
 
-    monkeypatch.setattr(ranks_module, "rank_block", counted)
+    monkeypatch.setattr(ranks_module, "train_step", counted)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
                             rank=0, world_size=1)
     try:
         out = ranks_module.run_rank(0, ranks_module.RunPlan(cfg=cfg, jobs=(("equivalence", 11),)))
     finally:
         dist.destroy_process_group()
-    assert calls == [(1, "DistributedRanks", [0])]
+    assert calls == [(1, "RealRanks", [0])]
     assert out["results"][0]["passed"] and out["results"][0]["forward_max_abs_diff"] < TOLERANCE

@@ -1,43 +1,41 @@
 """The reduce op in the real ranks' ledger: an averaged reduction is issued as SUM then a
-division (gloo has no AVG) and recorded as ``"avg"``, what the program asked for; a summed
-one is recorded as ``"sum"`` (``CollectiveLedger.entries``, as the simulated ranks' ledger)."""
+division (gloo has no AVG) and recorded as ``"avg"``, what the program asked for, exactly as
+the simulated ranks record it; the numbers are the simulated ranks' too."""
 import pytest
 import torch
 
 from tpattn import Config
+from tpattn.check.core import LR
+from tpattn.parallel.simulated import simulated_step
+from tpattn.real.backend import RealRanks, build_groups
 from tpattn.real.launch import run_on_ranks
-from tpattn.real.ranks import F_ALL_REDUCE, CollectiveLedger, DistributedRanks
-from tpattn.real.sp_ranks import AR_NORM, SequenceLedger, finalize_norm_grad
+from tpattn.real.ranks import job_setup, planned_ledger, rank_step
 
 pytestmark = pytest.mark.timeout(120)
 
+#: A program that averages f's all-reduce, and one that averages SP's norm-gradient reduce.
+AVERAGED = (("input_grad_reduce_averaged", Config()),
+            ("norm_grad_averaged", Config(seq=8, sequence_parallel=True)))
 
-def reduce_with(rank, op, device, on_progress):
-    """f (through ``DistributedRanks``, as ``engine.rank_block`` calls it) and the SP norm
-    gradient's reduce, each with ``op``; rank r contributes r + 1. Returns the ledgers'
-    entries and what each reduction gave."""
+
+def averaged_steps(rank, plan, device, on_progress):
+    """Each program of ``AVERAGED`` on this real rank: its ledger and the gathered gradients."""
     on_progress(0)
-    ledger = CollectiveLedger()
-    ledger.start_job("f", [F_ALL_REDUCE])
-    n = torch.zeros(1, 2, 3, requires_grad=True)
-    out = DistributedRanks(Config(), ledger, rank).copy_to_ranks(n, op=op)
-    (out * (rank + 1)).sum().backward()
-    sp = SequenceLedger()
-    sp.start_job("norm", [AR_NORM])
-    norm = finalize_norm_grad(torch.full((3,), float(rank + 1)), sp,
-                              "mean" if op == "avg" else "sum")
-    return ledger.entries, sp.entries, n.grad.unique().tolist(), norm.unique().tolist()
+    out = []
+    for mode, cfg in AVERAGED:
+        comm = RealRanks(cfg, build_groups(cfg), rank, planned_ledger(mode, cfg), mode)
+        step, _, _ = rank_step(11, mode, cfg, comm)
+        comm.check_plan()
+        out.append((comm.ledger, step["input_grads"], step["grads"]["norm"]))
+    return out
 
 
-@pytest.mark.parametrize("op, value", [("sum", 3.0), ("avg", 1.5)])
-def test_the_real_ledger_records_the_op_the_program_asked_for(op, value):
-    results, _ = run_on_ranks(reduce_with, 2, op, timeout=30.0, backend="gloo")
-    for f_entries, norm_entries, dn, norm in results:
-        assert dn == [value] and norm == [value]  # 1 + 2, or its mean
-        assert [(e["phase"], e["group"], e["op"]) for e in f_entries] == [("backward", "tp", op)]
-        assert [(e["phase"], e["op"]) for e in norm_entries] == [("after backward", op)]
-
-
-def test_a_bad_op_is_a_value_error():
-    with pytest.raises(ValueError, match="op must be 'sum' or 'avg'"):
-        CollectiveLedger().all_reduce(torch.ones(1), "backward", F_ALL_REDUCE, op="max")
+def test_the_real_ledger_records_the_op_the_program_asked_for():
+    results, _ = run_on_ranks(averaged_steps, 2, None, timeout=30.0, backend="gloo")
+    for (mode, cfg), (ledger, input_grads, norm_grad) in zip(AVERAGED, results[0]):
+        inj, _, shards, batches = job_setup(11, mode, cfg)
+        simulated = simulated_step(shards, batches, cfg, inj, LR)
+        assert ledger == simulated["ledger"]
+        assert "avg" in [e["op"] for e in ledger]
+        assert torch.allclose(input_grads, simulated["input_grads"], rtol=0, atol=1e-6)
+        assert torch.allclose(norm_grad, simulated["grads"]["norm"], rtol=0, atol=1e-6)

@@ -1,4 +1,4 @@
-"""A TP x DP mesh on real ranks (``tpattn.real.mesh_ranks``): 4 gloo processes, TP 2 x DP 2,
+"""A TP x DP mesh on real ranks (``tpattn.real.ranks`` on ``RealRanks``): 4 gloo processes, TP 2 x DP 2,
 groups from ``init_device_mesh``. Every mesh mode and correct TP give the simulated ranks'
 five measures (within 1e-6 relative, or both below the package's ``TOLERANCE`` where the
 measure is rounding) and the same ledger; torchrun's CLI prints the same JSON."""

@@ -1,4 +1,4 @@
-"""Dropout and qk-norm on real gloo ranks (``tpattn.real.zoo_real``): correct TP passes, the
+"""Dropout and qk-norm on real gloo ranks (``tpattn.real.ranks``): correct TP passes, the
 two bugs fail, and every measure equals the simulated ranks' within 1e-6 relative; the
 replicas' disagreement shows each bug where it lives."""
 import pytest
@@ -6,7 +6,7 @@ import pytest
 import tpattn
 from tpattn import MEASURES, Config
 from tpattn.parallel.collectives import QK_NORM_GRAD_LABEL
-from tpattn.real.ranks import GATHER_RESULTS, planned_collectives, run_distributed
+from tpattn.real.ranks import planned_ledger, run_distributed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,10 +45,12 @@ def test_disagreement_shows_where_each_bug_lives(world2):
 
 
 def test_the_plan_has_the_after_backward_reduce_unless_the_bug_skips_it():
-    assert QK_NORM_GRAD_LABEL in planned_collectives("equivalence", CFG)
-    assert QK_NORM_GRAD_LABEL not in planned_collectives("qk_norm_grad_not_reduced", CFG)
-    assert QK_NORM_GRAD_LABEL not in planned_collectives("equivalence", Config(dropout=0.1))
-    assert planned_collectives("equivalence", CFG)[-1] == GATHER_RESULTS
+    def labels(mode, cfg):
+        return [e["label"] for e in planned_ledger(mode, cfg)]
+    assert QK_NORM_GRAD_LABEL in labels("equivalence", CFG)
+    assert QK_NORM_GRAD_LABEL not in labels("qk_norm_grad_not_reduced", CFG)
+    assert QK_NORM_GRAD_LABEL not in labels("equivalence", Config(dropout=0.1))
+    assert planned_ledger("equivalence", CFG)[-1]["phase"] == "step"  # the gradient norm
 
 
 # --- observables and diagnosis on real ranks ---------------------------------------------

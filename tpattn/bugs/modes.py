@@ -8,27 +8,31 @@ runs. Below this module nothing compares mode names.
 from __future__ import annotations
 
 from tpattn.block.params import shard_params
-from tpattn.check.core import EQUIVALENCE, MODES, SEEDS, check_injection, check_seed, check_simulate
+from tpattn.check.core import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, check_injection, check_seed,
+                               check_simulate)
 from tpattn.check.tolerance import check_tolerance
 from tpattn.config import Config
 
 from .zoo import REGISTRY, BugMode, check_mode, check_needs, modes_for
 
-__all__ = ["check_mode", "check_any_mode", "modes_for", "resolve", "resolve_all", "run",
+__all__ = ["check_mode", "modes_for", "resolve", "resolve_all", "run",
            "run_matrix"]
 
 
 def resolve(mode: str, cfg: Config | None = None) -> BugMode:
-    """The registry entry of ``mode``, looked up once. A ``reduction_only`` injection (the
-    seed's check's modes) must apply to ``cfg`` (``check_mode``); a name the registry does
-    not hold raises ``ValueError`` naming ``modes_for(cfg)`` and ``--list-modes``. Whether
-    another entry can run on ``cfg`` is ``zoo.check_needs``'s question."""
+    """The registry entry of ``mode``, looked up and checked once: one of the original
+    fixture's check's modes must apply to ``cfg`` (``check_mode``), any other runnable mode
+    must meet its needs on ``cfg`` (``zoo.check_needs``; no ``cfg``: the name only). A name
+    the registry does not hold raises ``ValueError`` naming ``modes_for(cfg)`` and
+    ``--list-modes``."""
     entry = REGISTRY.get(mode) if isinstance(mode, str) else None
     if entry is None:
         raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
                          f"(python -m tpattn --list-modes) (got {mode!r})")
-    if entry.injection is not None and entry.injection.reduction_only:
+    if mode in ALL_MODES:
         check_mode(mode, cfg)
+    elif cfg is not None and entry.injection is not None:
+        check_needs(mode, cfg)
     return entry
 
 
@@ -39,12 +43,6 @@ def resolve_all(modes, cfg: Config | None = None) -> list[BugMode]:
     return [resolve(m, cfg) for m in modes]
 
 
-def check_any_mode(mode: str, cfg: Config | None = None) -> str:
-    """Return ``mode`` if ``run`` accepts it for ``cfg`` (``resolve``), else raise its
-    ``ValueError``."""
-    return resolve(mode, cfg).name
-
-
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
         simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed",
         init: str = "seed") -> dict:
@@ -52,17 +50,13 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
     then ``check.core.check_injection`` of its injection (its arguments and result).
 
     ``shard_fn`` replaces the injection's cut (default ``shard_params``: the cut each mode's
-    injection describes). ``tolerance="auto"`` and ``init="fan_in"`` cover the
-    ``reduction_only`` injections (the seed's check's modes); any other mode takes only
-    ``"seed"``."""
+    injection describes). ``tolerance="auto"`` and ``init="fan_in"`` cover the original
+    fixture's check's modes (``ALL_MODES``); any other mode takes only ``"seed"``."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
-    entry = resolve(mode, cfg)
-    inj = entry.injection
-    if inj is None or not inj.reduction_only:
+    if isinstance(mode, str) and mode in REGISTRY and mode not in ALL_MODES:
         if tolerance != "seed":
-            covered = [n for n, m in REGISTRY.items() if m.injection is not None
-                       and m.injection.reduction_only]
+            covered = [n for n in REGISTRY if n in ALL_MODES]
             raise ValueError(f"tolerance must be 'seed' for a bug-registry mode such as {mode} "
                              f"(the auto bound covers {', '.join(covered)})")
         if init != "seed":
@@ -70,7 +64,9 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
                              f"(got {init!r})")
         check_seed(seed)
         check_simulate(simulate)
-        inj = check_needs(mode, cfg).injection
+    inj = resolve(mode, cfg).injection
+    if inj is None:
+        check_needs(mode, cfg)  # raises: the mode has no injection of this block
     return check_injection(seed, mode, inj, cfg, simulate,
                            None if shard_fn is shard_params else shard_fn, tolerance, init)
 
@@ -78,7 +74,8 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture", tolerance: str = "seed",
                init: str = "seed") -> list[dict]:
-    """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the seed."""
+    """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the
+    original fixture does."""
     cfg = Config() if cfg is None else cfg
     modes = [resolve(m, cfg).name for m in modes]
     seeds = [check_seed(s) for s in seeds]

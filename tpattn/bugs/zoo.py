@@ -1,42 +1,12 @@
 """The bug zoo: a registry of tensor-parallel bugs, each one injectable, and how faithfully
 each reproduces a public report.
 
-Every entry of ``REGISTRY`` is a ``BugMode``: a name (a valid ``--mode``), a one-line
-description, how it is injected (an ``Injection``: which knob of the sharded block it turns),
-the public report it is compared with (repository + issue/PR number), its ``fidelity`` to that
-report (one of ``FIDELITIES``, with a one-line ``fidelity_note``) and what the setup ``needs``
-(``bias``, ``world_size >= 2``, ...). Every mode ``tpattn.run`` accepts is an entry here,
-the seed's three, sequence parallelism's and replicated KV heads' included: ``tpattn.run``
-(``tpattn.bugs.modes``) looks the name up once and checks the entry's injection
-(``tpattn.check.core.check_injection``). ``check_mode`` and ``modes_for`` state the rules of
-the seed's check's modes (the ``reduction_only`` injections). Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
-
-Each mode's ``Injection`` (``tpattn.parallel.injection``, whose docstring lists the knobs:
-f, g, bias, shard, kv, inputs, norm, clip, kv_grad, norm_grad) says how the sharded block is
-wired; ``tpattn.parallel.engine.rank_block`` is that block.
-
-Both ``simulate`` semantics of ``tpattn.run`` are supported: ``"fixture"`` (one process, dense
-tensors shared by the ranks, rank 0's output and loss) and ``"ranks"`` (every simulated rank its
-own leaf tensors, output, loss and backward, as real ranks run: the engine on
-``tpattn.parallel.simulated``; ``tpattn.real.ranks`` runs the same injections on real
-processes). The ``"fixture"`` view is ``forward_fixture``, one graph in rank 0's view (the
-engine on ``tpattn.parallel.one_graph.OneGraphRanks``; the seed's ``tp.tp_forward`` for the
-seed's three modes). The parameters, cut and batches of an injection (``make_params``,
-``shard``, ``unshard``, ``load_rank_shard``, ``rank_batches``, ``block_inputs``, ``dense_step``, ``grad_norm``,
-``clip_coef``) live in ``tpattn.check.core`` and are re-exported here.
-
-Other modules contribute modes with ``register``. Some entries are injections that need a
-layout of the ``Config`` (``LAYOUT_NEEDS``): ``missing_norm_grad_reduce`` and
-``norm_grad_averaged`` (``norm_grad``) need ``sequence_parallel=True``,
-``missing_kv_grad_reduce`` (``kv_grad``) needs replicated KV heads (``kv_heads < world_size``,
-``kv_strategy="replicate_weights"``). Two need a model option: ``dropout_rng_desync``
-(``rng``) needs ``dropout > 0``, ``qk_norm_grad_not_reduced`` (``qk_norm_grad``) needs
-``qk_norm``. ``tpattn.run`` runs them in both simulations (``tpattn.observe``
-watches them on the simulated ranks); ``runnable_modes()`` leaves them out: the hunts and
-tables run on plain-TP shapes. It leaves out the plain-TP modes of the chapter "Around the
-block" too (``AROUND_THE_BLOCK``: a fused QKV checkpoint loaded into ranks, through
-``tpattn.block.fused_qkv.load_qkv_weight``), so the earlier chapters' hunts and tables keep
-their cases.
+Every entry of ``REGISTRY`` is a ``BugMode``: a name (a valid ``--mode``), a description, its
+``Injection`` (the knob of the sharded block it turns: ``Injection.program`` makes it one
+substituted stage), the public report, its ``fidelity`` and what it ``needs`` (``NEEDS``: a
+predicate of the ``Config`` each). Every mode ``tpattn.run`` accepts is an entry here, the
+original fixture's three included; ``register`` adds modes from other modules. Only
+``"mechanism"`` entries (``reported_modes()``) count as reproduced reported bugs.
 """
 from __future__ import annotations
 
@@ -49,21 +19,22 @@ from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING
                                MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
                                OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
-                               clip_coef, dense_step, dropout_masks, grad_norm,
+                               clip_coef, dense_step, dropout_masks,
                                load_rank_shard, make_inputs, make_params, rank_batches,
                                shard, unshard)
-from tpattn.check.core import tp_step as check_tp_step
+from tpattn.check.core import tp_step
 from tpattn.config import Config
 from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
-from tpattn.parallel.engine import ScaleGrad as GradScale
+from tpattn.parallel.wrong import ScaleGrad as GradScale
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 
 __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
-           "mode_names", "grad_norm", "list_modes", "runnable_modes", "reported_modes",
-           "check_needs", "check_mode", "modes_for", "tp_step",
+           "mode_names", "list_modes", "runnable_modes", "reported_modes",
+           "check_needs", "check_mode", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
-           "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "AROUND_THE_BLOCK",
+           "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "NEEDS", "MODEL_OPTION_NEEDS",
+           "AROUND_THE_BLOCK",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
            "rank_batches", "dense_step", "clip_coef"]
 
@@ -87,6 +58,25 @@ MESH_NEEDS = ("data_parallel >= 2", "data_parallel == world_size")
 #: held-out figures keep their cases; ``tpattn.diagnosis.evaluate.HELD_OUT`` hosts them on
 #: shapes of their own.
 AROUND_THE_BLOCK = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
+
+
+def _met(cfg: Config) -> bool:
+    """A need the mode's own setup meets (``bias``, ``grad_clip``, ``fused_qkv``)."""
+    return True
+
+
+#: Each ``needs`` condition as a predicate of the ``Config`` (a need not listed: ``_met``).
+NEEDS = {"world_size >= 2": lambda cfg: cfg.world_size >= 2,
+         "sequence_parallel": lambda cfg: cfg.sequence_parallel,
+         "kv_heads >= 2 * world_size": lambda cfg: cfg.kv_heads >= 2 * cfg.world_size,
+         "query_heads > kv_heads": lambda cfg: cfg.query_heads > cfg.kv_heads,
+         "kv_heads < world_size": lambda cfg: cfg.kv_heads < cfg.world_size,
+         "data_parallel >= 2": lambda cfg: cfg.data_parallel >= 2,
+         "data_parallel == world_size": lambda cfg: cfg.data_parallel == cfg.world_size,
+         "dropout > 0": lambda cfg: cfg.dropout > 0, "qk_norm": lambda cfg: cfg.qk_norm,
+         "bias": _met, "grad_clip": _met, "fused_qkv": _met}
+#: The needs that are a model option of the ``Config`` (``--dropout P``, ``--qk-norm``).
+MODEL_OPTION_NEEDS = ("dropout > 0", "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -131,6 +121,12 @@ class BugMode:
 
 
 def _entries() -> list[BugMode]:
+    """Every registry mode of one TP group, in listing order."""
+    return _reduction_entries() + _setup_entries() + _layout_entries() + _model_entries()
+
+
+def _reduction_entries() -> list[BugMode]:
+    """Correct TP and the bugs of f and g themselves."""
     return [
         BugMode(EQUIVALENCE, "correct TP: g sums the output partials, f sums dn", None,
                 injection=Injection(), how="both reductions", fix="-",
@@ -182,6 +178,12 @@ def _entries() -> list[BugMode]:
                 fix="all-reduce the partials once",
                 fidelity_note="no public report found: the forward twin of "
                 "input_grad_reduced_twice, a plausible bug"),
+    ]
+
+
+def _setup_entries() -> list[BugMode]:
+    """The bugs of the step and of loading: the norm, the bias, the fused checkpoint."""
+    return [
         BugMode("grad_norm_counts_replicas",
                 "replicated parameters counted W times in the global gradient norm "
                 "(clipping wrong, every gradient right)",
@@ -216,6 +218,12 @@ def _entries() -> list[BugMode]:
                 "all q heads, then all k, then all v) without regard to heads: incorrect "
                 "inference results, no error; the PR splits each known layout by heads (the "
                 "zoo's is that GLM layout, cut into contiguous slices, in training)"),
+    ]
+
+
+def _layout_entries() -> list[BugMode]:
+    """The bugs of the KV layout, the inputs and sequence parallelism."""
+    return [
         BugMode("repeat_kv_tiled",
                 "repeat_kv tiles the KV heads instead of interleaving them: query heads "
                 "read the wrong KV head",
@@ -266,6 +274,12 @@ def _entries() -> list[BugMode]:
                 "shards instead of summing (and was registered before deepspeed.initialize); "
                 "the PR sums, and says it does not fix the run's convergence issue, whose "
                 "slowly changing LayerNorm weights it reports as still open"),
+    ]
+
+
+def _model_entries() -> list[BugMode]:
+    """The bugs of the KV replicas and the model options (dropout, qk-norm)."""
+    return [
         BugMode(MISSING_KV_GRAD_REDUCE,
                 "replicated KV heads without the all-reduce of their gradients",
                 "bigcode-project/Megatron-LM issue 11; fixed by PR 12",
@@ -321,7 +335,12 @@ def _mesh_entries() -> list[BugMode]:
     """The bugs of a TP x DP mesh (``Config.data_parallel``; the engine's ``mesh_sync``):
     the logged loss and the gradient sync over the wrong group, and sequence parallelism's
     gather over the other mesh dimension."""
-    dp = "data_parallel >= 2"
+    return _loss_group_entries() + _grad_group_entries()
+
+
+def _loss_group_entries() -> list[BugMode]:
+    """The logged loss reduced over the wrong group of a TP x DP mesh."""
+    dp = MESH_NEEDS[0]
     return [
         BugMode("loss_reduced_over_world",
                 "TP x DP: the logged loss all-reduced over the world mesh, not the DP group",
@@ -353,6 +372,13 @@ def _mesh_entries() -> list[BugMode]:
                 "3159's note ('under-reported by dp_shard x cp') and PR 3204's tests (a "
                 "Replicate-on-TP loss over an orthogonal batch mesh); here the skipped "
                 "dimension is DP of a TP x DP mesh, each replica logging its share"),
+    ]
+
+
+def _grad_group_entries() -> list[BugMode]:
+    """The DP gradient sync and SP's gather over the wrong group of the mesh."""
+    dp = MESH_NEEDS[0]
+    return [
         BugMode("dp_grad_group_of_one",
                 "TP x DP: the data-parallel gradient all-reduce runs over a group of one "
                 "rank, a silent no-op",
@@ -382,6 +408,12 @@ def _mesh_entries() -> list[BugMode]:
                 "linear_kv without tp_group, so their SP all-gather runs over the global MPU "
                 "TP group and mixes replicas (linear_proj keeps its group); here it is the "
                 "self-attention block's Q/K/V input and the wrong group is DP's"),
+    ]
+
+
+def _loading_entries() -> list[BugMode]:
+    """The bugs of loading a fused or grouped QKV checkpoint (around the block)."""
+    return [
         BugMode("qkv_loaded_from_rank0",
                 "every rank narrows rank 0's rows of a fused [Wq; Wk; Wv] checkpoint: "
                 "the shapes are right, the numbers rank 0's",
@@ -414,7 +446,7 @@ def _mesh_entries() -> list[BugMode]:
 
 
 #: name -> BugMode, in listing order.
-REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries() + _mesh_entries()}
+REGISTRY: dict[str, BugMode] = {m.name: m for m in _entries() + _mesh_entries() + _loading_entries()}
 
 
 def register(mode: BugMode) -> None:
@@ -514,7 +546,7 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
     if entry.injection is None:
         raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
                          f"registered it without one (tpattn.bugs.zoo.register)")
-    if entry.injection.reduction_only:  # the seed's check's modes: its rules and layouts
+    if mode in ALL_MODES:  # the original fixture's check's modes: its rules and layouts
         check_mode(mode, cfg)
     elif not set(entry.needs) & set(MESH_NEEDS):  # the zoo's other injections: plain TP
         if cfg.sequence_parallel:
@@ -524,23 +556,17 @@ def check_needs(mode: str, cfg: Config) -> BugMode:
             raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
                              f"not replicate KV heads: kv_heads must be >= world_size (got "
                              f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
-    rules = {"world_size >= 2": cfg.world_size >= 2, "sequence_parallel": cfg.sequence_parallel,
-             "kv_heads >= 2 * world_size": cfg.kv_heads >= 2 * cfg.world_size,
-             "query_heads > kv_heads": cfg.query_heads > cfg.kv_heads,
-             "kv_heads < world_size": cfg.kv_heads < cfg.world_size,
-             "data_parallel >= 2": cfg.data_parallel >= 2,
-             "data_parallel == world_size": cfg.data_parallel == cfg.world_size}
-    options = {"dropout > 0": cfg.dropout > 0, "qk_norm": cfg.qk_norm}
     for need in entry.needs:
-        if need in options and not options[need]:
+        if NEEDS.get(need, _met)(cfg):
+            continue
+        if need in MODEL_OPTION_NEEDS:
             raise ValueError(f"mode {mode!r} needs {need}: the model option its bug lives in "
                              f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
                              f"--dropout P, --qk-norm)")
-        if not rules.get(need, True):
-            mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
-                    f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
-            raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
-                             f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
+        mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
+                f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
+        raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
+                         f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
     return entry
 
 
@@ -571,12 +597,12 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
     return (dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed)),
-            tp_step(seed, cfg, inj, simulate), base)
+            tp_side(seed, cfg, inj, simulate), base)
 
 
-def tp_step(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
+def tp_side(seed: int, cfg: Config, inj: Injection, simulate: str = "fixture") -> dict:
     """``check.core.tp_step`` of the injection from seed ``seed``'s start (``make_params``,
     ``rank_batches``): the TP side ``run`` compares, in ``check.one_step``'s dict."""
     x0, target = make_inputs(cfg, seed)
-    return check_tp_step(x0, target, make_params(cfg, seed, inj), cfg, inj, simulate,
+    return tp_step(x0, target, make_params(cfg, seed, inj), cfg, inj, simulate,
                          batches=rank_batches(cfg, seed, inj), rng_seed=seed)

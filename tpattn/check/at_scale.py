@@ -19,8 +19,8 @@ from .magnitude import gradient_magnitudes
 from .tolerance import (amplification, apply_auto, parameter_amplification, per_parameter,
                         perturbed_start, ratios, rounding_floors)
 
-#: TP implementations by name: the seed's per-rank loop (``tp.tp_forward``), or the engine's
-#: one-graph block, ranks as a batch dimension (``one_graph.one_graph_forward``).
+#: TP implementations by name: the original fixture's per-rank loop (``tp.tp_forward``), or the
+#: engine's one-graph block, ranks as a batch dimension (``one_graph.one_graph_forward``).
 TP_PATHS = ("loop", "batched")
 
 

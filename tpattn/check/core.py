@@ -1,8 +1,8 @@
 """The check: one dense step and one TP step from the same start, compared on five measures.
 
 ``check_injection(seed, mode, inj)`` checks the program ``inj`` (an ``Injection``; the bug
-registry looks a mode's up, ``tpattn.run`` = ``tpattn.bugs.modes.run``) and returns the seed
-fixture's dict — same keys, same order, same floats::
+registry looks a mode's up, ``tpattn.run`` = ``tpattn.bugs.modes.run``) and returns the
+original fixture's dict — same keys, same order, same floats::
 
     seed, mode,
     forward_max_abs_diff, loss_abs_diff, input_grad_max_abs_diff,
@@ -25,9 +25,11 @@ from tpattn.block.params import (INIT_STD, PARAM_NAMES, QK_NORM_NAMES, clone_tra
                                  init_params, rank_head_slices, shard_params, unshard_params)
 from tpattn.block.sgd import sgd_step
 from .magnitude import gradient_magnitudes
+from .measures import DIFF_CHUNK, MEASURES, TOLERANCE, five_measures, max_abs_diff
 from .tolerance import (apply_auto, check_kernel_precision, check_tolerance, conditioning,
                         per_parameter, perturbed_start)
-from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
+from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel.engine import MAX_GRAD_NORM, grad_norm, stack_ranks
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 from tpattn.parallel.rng import replica_masks, simulated_streams, tile_masks
@@ -38,7 +40,7 @@ from tpattn.parallel.tp import tp_forward
 EQUIVALENCE = "equivalence"
 MISSING_OUTPUT_REDUCE = "missing_output_reduce"
 MISSING_INPUT_GRAD_REDUCE = "missing_input_grad_reduce"
-#: The three TP variants, in the seed's order.
+#: The three TP variants, in the original fixture's order.
 MODES = (EQUIVALENCE, MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE)
 MISSING_NORM_GRAD_REDUCE = "missing_norm_grad_reduce"
 NORM_GRAD_AVERAGED = "norm_grad_averaged"
@@ -50,29 +52,19 @@ SP_MODES = MODES + SP_ONLY_MODES
 #: The replica-group reduce of wk/wv dropped (only where KV heads are replicated:
 #: ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``; see ``tpattn.parallel.kv_heads``).
 MISSING_KV_GRAD_REDUCE = "missing_kv_grad_reduce"
-#: Every mode the seed's own check covers (``tpattn.bugs.modes.modes_for`` says which apply
-#: to a Config); the bug registry (``tpattn.bugs.zoo.REGISTRY``) holds each one's ``Injection``.
+#: Every mode the original fixture's own check covers (``tpattn.bugs.modes.modes_for`` says
+#: which apply to a Config); the bug registry (``tpattn.bugs.zoo.REGISTRY``) holds each one's ``Injection``.
 ALL_MODES = MODES + SP_ONLY_MODES + (MISSING_KV_GRAD_REDUCE,)
-#: The seeds of the seed fixture's matrix.
+#: The seeds of the original fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
-#: The five measures, in the order they are reported.
-MEASURES = (
-    "forward_max_abs_diff",
-    "loss_abs_diff",
-    "input_grad_max_abs_diff",
-    "parameter_grad_max_abs_diff",
-    "post_step_weight_max_abs_diff",
-)
-#: A measure passes when it is below this (absolute; float32 rounding at the seed's size is ~1e-7).
-TOLERANCE = 1e-6
 #: Learning rate of the one SGD step.
 LR = 0.05
 #: ``init_params`` draws from ``seed + PARAM_SEED_OFFSET`` (inputs come from ``seed`` itself).
 PARAM_SEED_OFFSET = 100
 _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
-#: How ``run`` simulates the TP side. ``fixture``: the seed's model, one output (rank 0's view:
-#: under a missing g only rank 0's partial exists and only its shard learns). ``ranks``: every
-#: simulated rank computes its own output, loss and backward, as real ranks do.
+#: How ``run`` simulates the TP side. ``fixture``: the original fixture's model, one output
+#: (rank 0's view: under a missing g only rank 0's partial exists and only its shard learns).
+#: ``ranks``: every simulated rank computes its own output, loss and backward, as real ranks do.
 SIMULATIONS = ("fixture", "ranks")
 
 
@@ -99,28 +91,6 @@ def make_inputs(cfg: Config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(cfg.seq, cfg.batch * cfg.data_parallel, cfg.hidden)
     target = torch.randn_like(x)
     return x.to(cfg.torch_dtype), target.to(cfg.torch_dtype)
-
-
-#: ``max_abs_diff`` works through tensors larger than this in pieces of this many elements.
-DIFF_CHUNK = 1 << 20
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` as a Python float (NaN if any difference is NaN).
-
-    a, b: tensors of one shape (or broadcastable). Above ``DIFF_CHUNK`` elements the
-    difference is taken piece by piece in one reused buffer: the same elements, the same
-    maximum, without allocating (and page-faulting) a temporary as large as the tensor."""
-    a, b = a.detach(), b.detach()
-    n = a.numel()
-    if n <= DIFF_CHUNK or a.shape != b.shape:
-        return (a - b).abs().max().item()
-    fa, fb = a.reshape(-1), b.reshape(-1)
-    buf = torch.empty(DIFF_CHUNK, dtype=torch.result_type(a, b))
-    peaks = [torch.sub(fa[i:i + DIFF_CHUNK], fb[i:i + DIFF_CHUNK],
-                       out=buf[:min(DIFF_CHUNK, n - i)]).abs_().max()
-             for i in range(0, n, DIFF_CHUNK)]
-    return torch.stack(peaks).max().item()
 
 
 def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float,
@@ -218,24 +188,6 @@ def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torc
     return one_step(lambda x, p: dense_forward(x, p, cfg, masks), x0, target, base)
 
 
-def five_measures(seed: int, mode: str, dense: dict, tp: dict) -> dict:
-    """``run()``'s dict from the two sides' ``one_step`` tensors: the five max-abs differences
-    and ``passed`` (every one below ``TOLERANCE``)."""
-    metrics = {
-        "seed": seed,
-        "mode": mode,
-        "forward_max_abs_diff": max_abs_diff(dense["output"], tp["output"]),
-        "loss_abs_diff": max_abs_diff(dense["loss"], tp["loss"]),
-        "input_grad_max_abs_diff": max_abs_diff(dense["input_grad"], tp["input_grad"]),
-        "parameter_grad_max_abs_diff": max(max_abs_diff(dense["grads"][k], tp["grads"][k])
-                                           for k in dense["grads"]),
-        "post_step_weight_max_abs_diff": max(max_abs_diff(dense["weights"][k], tp["weights"][k])
-                                             for k in dense["weights"]),
-    }
-    metrics["passed"] = all(metrics[m] < TOLERANCE for m in MEASURES)
-    return metrics
-
-
 # --- an injection's program: its parameters, its ranks' inputs, its cut --------------------
 
 #: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
@@ -244,7 +196,7 @@ BIAS_SEED_OFFSET = 200
 #: Under ``inputs="per_rank"`` rank ``r >= 1`` draws its batch from ``seed + this * r``.
 OTHER_BATCH_SEED_OFFSET = 7919
 #: With ``Config.qk_norm`` the q/k-norm weights are drawn from their own generator,
-#: ``seed + this``, so the seed's parameters are the same numbers with or without them.
+#: ``seed + this``, so the original fixture's parameters are the same numbers with or without them.
 QK_NORM_SEED_OFFSET = 300
 
 
@@ -260,7 +212,7 @@ def dropout_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor] | None:
 
 def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> dict[str, torch.Tensor]:
     """``init_params(cfg, seed + PARAM_SEED_OFFSET, init)`` plus, when the setup has one, the
-    output bias ``[hidden]`` from its own generator (``seed + BIAS_SEED_OFFSET``): the seed's
+    output bias ``[hidden]`` from its own generator (``seed + BIAS_SEED_OFFSET``): the original fixture's
     parameters are the same numbers with or without it. With ``cfg.qk_norm``, ``q_norm`` and
     ``k_norm`` ``[head_dim]`` = ``1 + INIT_STD * randn`` from ``seed + QK_NORM_SEED_OFFSET``
     (not ones, so a gradient that misses heads changes the numbers)."""
@@ -378,7 +330,7 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the seed's
+    """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the original fixture's
     batch on every rank, or under ``inputs="per_rank"`` rank ``r >= 1``'s own from
     ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes).
     On a TP x DP mesh every rank of the job, mesh order: replica d's batch columns
@@ -412,19 +364,6 @@ def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
             for i, (x, t) in enumerate(batches)]
 
 
-def grad_norm(grads: list[dict[str, torch.Tensor]], inj: Injection) -> torch.Tensor:
-    """The global gradient norm as the TP code computes it: each rank sums the squares of its
-    own gradients (replicated ones on rank 0 only, or on every rank under ``norm="per_rank"``),
-    then one all-reduce (sum) over the ranks."""
-    total = 0.0
-    for rank, g in enumerate(grads):
-        for name, t in g.items():
-            if name in REPLICATED and rank > 0 and inj.norm == "once":
-                continue
-            total = total + t.double().pow(2).sum()
-    return torch.as_tensor(total).sqrt()
-
-
 def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
     """The factor clipping puts on every gradient: ``min(1, MAX_GRAD_NORM / (norm + 1e-6))``
     under ``inj.clip``, else 1."""
@@ -455,8 +394,8 @@ def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.T
                  cfg: Config, inj: Injection, shard_fn, others=None) -> dict:
     """``one_step`` of the engine's block on ``one_graph.OneGraphRanks`` (rank 0's view, the
     ranks' shards ``shard_fn(p, cfg)``, views of ``p``), with the injection's gradient norm
-    and clipping. ``others``: ranks >= 1's own inputs ``[S, B, hidden]`` (constants;
-    ``inputs="per_rank"``)."""
+    (``engine.grad_norm`` of the ranks' shards) and clipping. ``others``: ranks >= 1's own
+    inputs ``[S, B, hidden]`` (constants; ``inputs="per_rank"``)."""
     p = clone_trainable(base)
     x = x0.clone().requires_grad_(True)
     y = one_graph_forward(x, p, cfg, inj, shard_fn, others)
@@ -465,79 +404,69 @@ def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.T
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard in
                                          ("fused_naive", *LOADERS) else inj.shard))
-    coef = clip_coef(grad_norm(per_rank, inj), inj)
-    weights = sgd_step(p, grads, LR, float(coef))
+    norm = grad_norm(stack_ranks(per_rank), SimulatedRanks(cfg), inj)
+    weights = sgd_step(p, grads, LR, float(clip_coef(norm, inj)))
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": grads, "weights": weights}
+
+
+def cuts_by_heads(inj: Injection) -> bool:
+    """True when the injection's loader hands rank r its own heads' rows (``shard_params``'s
+    cut): the one graph then views the dense tensors rank-major (``one_graph.stacked_views``)."""
+    return inj.shard in ("heads", "fused") and not inj.shard_offset
+
+
+def original_program(inj: Injection, cfg: Config) -> bool:
+    """The original fixture's three programs (f summed or dropped, g once or dropped) on plain
+    TP: ``tp_step`` runs them through ``tp.tp_forward``, which normalizes ``x`` once and so
+    keeps the original fixture's digits bit for bit."""
+    return inj.f in ("sum", "none") and inj.g in (0, 1) and not cfg.sequence_parallel \
+        and replace(inj, f="sum", g=1, norm_grad="sum", kv_grad="sum") == Injection() \
+        and not has_replicas(cfg)
+
+
+def _ranks_view(base, cfg: Config, inj: Injection, cut, gather, batches, rng_seed) -> dict:
+    """The simulated ranks' step (``simulated_step``) of every rank of the job, reported as
+    rank 0 sees it (``rank0_view``; on a TP x DP mesh ``mesh_view``)."""
+    rng = simulated_streams(cfg, rng_seed, inj) if cfg.dropout > 0 else None
+    step = simulated_step(cut(base, cfg) * cfg.data_parallel, block_inputs(batches, cfg), cfg,
+                          inj, LR, rng=rng)
+    return (mesh_view if cfg.data_parallel > 1 else rank0_view)(step, cfg, gather)
 
 
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
             inj: Injection, simulate: str = "fixture", shard_fn=None, batches=None,
             rng_seed: int | None = None) -> dict:
-    """The TP side of the check: one step of the sharded block wired as ``inj``, simulated as
-    ``simulate`` says (see ``SIMULATIONS``), in ``one_step``'s dict (rank 0's view; full-size
-    ``grads``/``weights``).
-
-    x0, target: ``[S, B, hidden]``; ``base``: the starting parameters (``make_params``).
-    ``shard_fn(params, cfg)`` cuts the dense parameters into rank shards (default: the
-    injection's cut, ``shard``). ``batches``: every rank's ``(x, target)`` as loaded
-    (``rank_batches``; default ``(x0, target)`` on every rank).
-
-    ``"ranks"``: the engine on ``collectives.SimulatedRanks``, every rank its own step.
-    On a TP x DP mesh (``cfg.data_parallel > 1``) both simulations run the simulated ranks of
-    the whole mesh and report ``simulated.mesh_view`` (rank 0's report over the replicas):
-    a simulation's shortcut for ``"fixture"``, whose one graph has no mesh. ``batches`` are
-    then every rank's, mesh order (default: replica d's batch columns, ``replica_batch``).
-    ``"fixture"``: the engine on ``one_graph.OneGraphRanks`` (one graph, rank 0's view;
-    under a loader that hands every rank rank 0's rows, ``shard="fused_rank0"``, the simulated
-    ranks' ``rank0_view``, a simulation's shortcut: one graph would share those rows); a
-    ``reduction_only`` injection on plain TP runs the seed's ``tp.tp_forward`` (the same view,
-    the seed's digits: it normalizes ``x`` once, as the dense block does, where the engine
-    normalizes every rank's copy in one call, which rounds ``rsqrt`` differently in bfloat16).
-
-    With a model option on (``cfg.model_options``: ``cfg.dropout > 0`` or ``cfg.qk_norm``) both
-    simulations run the engine on ``SimulatedRanks`` with the ranks' random streams
-    (``rng.simulated_streams(cfg, rng_seed, inj)``; ``rng_seed`` is required with dropout):
-    a simulation's shortcut for ``"fixture"``, whose one graph has no random streams or
-    replicated gradient reduce to model; it reports rank 0's view (``rank0_view``), as
-    ``"ranks"`` does.
+    """The TP side of the check: one step of the block wired as ``inj``, in ``one_step``'s
+    dict (rank 0's view). x0, target: ``[S, B * data_parallel, hidden]``; ``base``:
+    ``make_params``'s; ``shard_fn``: the cut (default ``shard(., ., inj)``); ``batches``:
+    every rank's ``(x, target)``, mesh order (default ``replica_batch``); ``rng_seed``: the
+    run's seed (dropout). ``"ranks"``, a mesh, a model option or an aliasing loader run the
+    simulated ranks; else one graph (``fixture_step``; ``original_program``: ``tp_forward``).
     """
     if not isinstance(inj, Injection):
         raise ValueError(f"inj must be an Injection, the mode's program "
                          f"(tpattn.bugs.modes.resolve(mode).injection) (got {inj!r})")
-    if cfg.data_parallel > 1:  # a TP x DP mesh: the simulated ranks (shortcut below)
-        batches = [replica_batch((x0, target), cfg, d) for d in range(cfg.data_parallel)
-                   for _ in range(cfg.world_size)] if batches is None else batches
-    batches = [(x0, target)] * cfg.world_size if batches is None else batches
-    # the seed's programs cut with shard_params itself (one_graph_forward then views the dense
-    # tensors rank-major, the seed's digits); the zoo's setups with the injection's loader
-    cut = shard_fn or (shard_params if inj.reduction_only and not cfg.model_options
-                       else lambda q, c: shard(q, c, inj))
     if cfg.dropout > 0 and rng_seed is None:
         raise ValueError("rng_seed must be the run's seed when dropout > 0: the ranks' "
                          "random streams are seeded with it")
-    rng = simulated_streams(cfg, rng_seed, inj) if cfg.dropout > 0 else None
-    if cfg.data_parallel > 1:
-        gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
-        step = simulated_step(cut(base, cfg) * cfg.data_parallel, block_inputs(batches, cfg),
-                              cfg, inj, LR, rng=rng)
-        return mesh_view(step, cfg, gather)
-    # a loader whose ranks all narrow one rank's rows (no tp_rank): one graph would share
-    # those rows, and every rank's gradient would land in them; report rank 0's view of the
-    # simulated ranks instead
+    if batches is None:
+        batches = [replica_batch((x0, target), cfg, d) for d in range(cfg.data_parallel)
+                   for _ in range(cfg.world_size)]
+    cut = shard_fn or (lambda q, c: shard(q, c, inj))
     aliased = inj.shard in LOADERS and not LOADERS[inj.shard][2] and shard_fn is None
-    if check_simulate(simulate) == "ranks" or cfg.model_options or aliased:
+    if check_simulate(simulate) == "ranks" or cfg.data_parallel > 1 or cfg.model_options \
+            or aliased:  # one graph would share rows that the ranks' loaders alias
         gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
-        step = simulated_step(cut(base, cfg), block_inputs(batches, cfg), cfg, inj, LR,
-                              rng=rng)
-        return rank0_view(step, cfg, gather)
-    if inj.reduction_only and not cfg.sequence_parallel and not has_replicas(cfg):
+        return _ranks_view(base, cfg, inj, cut, gather, batches, rng_seed)
+    if original_program(inj, cfg):
         return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=inj.g == 1,
                                                 reduce_input_grad=inj.f == "sum",
-                                                shard_fn=cut),
+                                                shard_fn=shard_fn or shard_params),
                         x0, target, base)
     others = [b[0] for b in batches[1:]] if inj.inputs == "per_rank" else None
-    return fixture_step(x0, target, base, cfg, inj, cut, others)
+    views = shard_fn is None and cuts_by_heads(inj) and not has_replicas(cfg)
+    return fixture_step(x0, target, base, cfg, inj, shard_params if views else cut, others)
 
 
 def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = None,
@@ -548,7 +477,7 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
     ``inj`` is the sharded program (``tpattn.parallel.injection.Injection``, looked up from
     the bug registry by ``tpattn.bugs.modes.run``); ``mode`` is only its name, reported as
     ``"mode"``. The dense side has the injection's setup (bias, clipping: ``dense_step``).
-    ``simulate``: ``"fixture"`` (the seed's rank-0 model, bit for bit) or ``"ranks"`` (every
+    ``simulate``: ``"fixture"`` (the original fixture's rank-0 model, bit for bit) or ``"ranks"`` (every
     rank its own output, loss and backward, as ``tpattn.real.ranks`` measures on real
     processes). ``shard_fn(params, cfg)``: how the dense parameters are cut into rank shards
     (default: the injection's cut; chapter 6 passes a layout that splits a query/KV group).
@@ -557,7 +486,7 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
     side is rank 0's report over the DP replicas (``tp_step``: the simulated ranks of the whole
     mesh, for ``"fixture"`` too).
 
-    ``tolerance="seed"``: the seed's absolute ``TOLERANCE`` and the seed's digits
+    ``tolerance="seed"``: the original fixture's absolute ``TOLERANCE`` and the original fixture's digits
     (``tp.tp_forward``). ``tolerance="auto"`` (a ``reduction_only`` injection): a rounding
     bound per measure (``tolerance.auto_bounds``, added as ``bounds``; the gradients and
     weights per parameter, reported for the worst one, named in ``worst_parameter``:
@@ -595,15 +524,15 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:
-    """The seed's ``inspect``: runtime versions, Config, dense and rank-local shapes, the rule.
+    """The original fixture's ``inspect``: runtime versions, Config, dense and rank-local shapes, the rule.
 
-    For the default float32 Config this is the seed's dict exactly; a float64 Config adds
+    For the default float32 Config this is the original fixture's dict exactly; a float64 Config adds
     ``config["dtype"]``.
     """
     cfg = Config() if cfg is None else cfg
     config = cfg.as_dict()
     if config["dtype"] == Config.dtype:
-        del config["dtype"]  # the seed's Config has no dtype field
+        del config["dtype"]  # the original fixture's Config has no dtype field
     if not config["sequence_parallel"]:
         del config["sequence_parallel"]  # nor a sequence_parallel field
     if config["kv_strategy"] == Config.kv_strategy:

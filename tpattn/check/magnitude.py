@@ -1,18 +1,10 @@
 r"""How large the summands of each parameter gradient are: the rounding scale under cancellation.
 
-A computed sum ``s = a_1 + ... + a_n`` is off by about ``u sqrt(n) sum |a_i|`` (the rounding
-analysis in ``tolerance``), not by ``u |s|``: where the summands cancel, ``|s|`` understates
-what rounding reaches. A parameter gradient is a chain of such sums (over tokens, keys, head
-channels, the softmax's row sum), and one that cancels to nearly zero -- ``wk`` with one-channel
-inputs, where every token's normalized input is the same up to sign -- is made of rounding.
-
-``gradient_magnitudes`` runs the dense block's backward once more with every factor replaced by
-its absolute value, the textbook running-error magnitude (``|A| |B|`` in place of ``A B``;
-N. Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1): each entry
-bounds the sum of the magnitudes of the terms its gradient entry is built from, so it is never
-below ``|dL/dp|`` and equals it where nothing cancels. The forward's values are the exact
-ones (float64); the forward's own rounding reaches the gradients like a perturbation of the
-start, which ``tolerance.amplification`` measures.
+A computed sum is off by about ``u sqrt(n) sum |a_i|``, not ``u |s|``: where summands cancel
+(``wk`` with one-channel inputs), ``|s|`` understates rounding. ``gradient_magnitudes`` runs
+the dense backward once more in float64 with every factor replaced by its absolute value
+(``|A| |B|`` for ``A B``; Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed.,
+section 3.1): never below ``|dL/dp|``, equal to it where nothing cancels.
 """
 from __future__ import annotations
 

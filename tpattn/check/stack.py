@@ -1,23 +1,11 @@
 """A stack of attention blocks: what one block's check does not show.
 
-The fixture checks one block. A model is ``L`` blocks in a row, each with its own parameters,
-block ``l``'s output the next block's input::
-
-    x ─► block 0 ─► block 1 ─► … ─► block L-1 ─► y ─► loss
-
-In the backward pass the order reverses: block ``l``'s input gradient ``dX_l`` *is* block
-``l-1``'s output gradient. So a bug that only corrupts ``dX`` in one block (a missing f:
-``norm`` and ``dX`` wrong, ``wq``/``wk``/``wv``/``wo`` exact, in one block) hands a wrong
-upstream gradient to every block below it, and their weight gradients are all wrong after one
-step. ``run_stack`` measures that, block by block.
-
-The TP stack has the same program in every block: a ``reduction_only`` ``Injection`` (g and
-f kept or dropped), given as the mode's registry entry (``tpattn.bugs.modes.resolve``). ``simulate="fixture"`` runs
-``tp_forward`` (the fixture's model, rank 0's view) in every block and ``check.one_step`` takes
-the step; ``simulate="ranks"`` runs the engine's block (every rank its own copies, output,
-loss and backward, as real ranks do) and ``check.ranks_step`` takes it. The dense stack is
-``dense_forward`` in every block. Parameters live in one flat dict, ``"<block>.<name>"``
-(``"0.norm"``, ``"1.wq"``, …).
+A model is ``L`` blocks in a row; block ``l``'s input gradient is block ``l-1``'s output
+gradient, so a bug that only corrupts ``dX`` in one block (a missing f) makes every block
+below it learn wrong. ``run_stack`` measures that block by block, with one of the original
+fixture's check's modes in every block (``tpattn.bugs.modes.resolve``): ``simulate=
+"fixture"`` runs ``tp_forward`` and ``check.one_step``, ``"ranks"`` the engine's block and
+``check.ranks_step``. Parameters live in one flat dict, ``"<block>.<name>"``.
 """
 from __future__ import annotations
 
@@ -25,7 +13,7 @@ import torch
 
 import torch.nn.functional as F
 
-from .core import (LR, PARAM_SEED_OFFSET, check_seed, check_simulate, make_inputs,
+from .core import (ALL_MODES, LR, PARAM_SEED_OFFSET, check_seed, check_simulate, make_inputs,
                    max_abs_diff, one_step, ranks_step)
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
@@ -123,9 +111,10 @@ def _unshard_stack(rank_flats: list[dict[str, torch.Tensor]], cfg: Config) -> di
 def _stack_start(seed: int, program, cfg: Config | None, layers: int, simulate: str):
     """The validated start both ``run_stack`` and ``train_stack`` take: ``(cfg, x0, target,
     base, inj)`` — the fixture's batch ``[S, B, hidden]``, the stack's parameters and the
-    program of every block (``program.injection``: one of the seed's, ``reduction_only``)."""
+    program of every block (``program.injection``: one of the original fixture's check's modes,
+    ``ALL_MODES``)."""
     inj = getattr(program, "injection", None)
-    if not isinstance(inj, Injection) or not inj.reduction_only:
+    if not isinstance(inj, Injection) or getattr(program, "name", None) not in ALL_MODES:
         raise ValueError(f"program must be a registry entry of the seed's check "
                          f"(tpattn.bugs.modes.resolve(mode)) (got {program!r})")
     check_seed(seed)
@@ -141,7 +130,7 @@ def run_stack(seed: int, program, cfg: Config | None = None, layers: int = 3,
               simulate: str = "fixture") -> dict:
     """One step of a dense stack and of a TP stack (``program.injection`` in every block)
     from the same inputs and weights, compared block by block. ``program``: the mode's
-    registry entry (``tpattn.bugs.modes.resolve(mode)``), one of the seed's check's.
+    registry entry (``tpattn.bugs.modes.resolve(mode)``), one of the original fixture's check's.
 
     Inputs are the fixture's (``make_inputs(cfg, seed)``), block 0's weights the fixture's.
     ``simulate``: ``"fixture"`` (rank 0's view, as ``tpattn.run``'s default) or ``"ranks"``

@@ -1,7 +1,7 @@
 r"""How different may correct TP be from dense? A bound per measure, from the computation.
 
-The seed's check uses one absolute threshold, ``check.TOLERANCE = 1e-6``: float32 rounding at
-its toy size (fan-in 16) is ~1e-7. At the Llama-3-8B attention shape (hidden 4096, 32/8
+The original fixture's check uses one absolute threshold, ``check.TOLERANCE = 1e-6``:
+float32 rounding at its toy size (fan-in 16) is ~1e-7. At the Llama-3-8B attention shape (hidden 4096, 32/8
 heads of 128) correct float32 TP differs from dense by ~1e-6 in the forward, and in bfloat16
 by ~3e-2: a fixed threshold is either too tight (fails correct TP) or blind (passes bugs).
 ``tolerance="auto"`` replaces it by a bound for each measure ``m``::
@@ -57,8 +57,8 @@ see ``scale_m`` below).
   step*; the next paragraph is what happens otherwise.
 
 Conditioning. The bound's model is "a relative rho in, a relative rho out". A step can
-amplify: the seed's 0.15 init at hidden 4096 gives attention scores of several hundred, a
-nearly one-hot softmax, and a step that turns a relative ``rho`` perturbation of its start
+amplify: the original fixture's 0.15 init at hidden 4096 gives attention scores of several
+hundred, a nearly one-hot softmax, and a step that turns a relative ``rho`` perturbation of its start
 into ~300 ``rho`` of its gradients. Then how much rounding the CPU's kernels do decides the
 verdict: on an AVX-512 Xeon such a correct TP step measured 2-19x the bound, on an AMD EPYC
 0.13x. ``amplification`` measures it on the machine and kernels that run the check: one more
@@ -87,6 +87,7 @@ import math
 import torch
 
 from tpattn.config import Config
+from .measures import five_measures, max_abs_diff
 
 #: Unit roundoff ``u`` of each Config dtype (half the distance from 1 to the next float).
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8}
@@ -228,7 +229,6 @@ def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict,
     one with the largest ``|dense - tp|_p / bound_p``; the measure becomes that parameter's
     max-abs difference, its bound that parameter's bound, and ``worst_parameter`` (added)
     names it per measure. So ``measure <= bound`` holds iff it holds for every parameter."""
-    from .core import max_abs_diff  # check builds on this module
 
     by_name = parameter_bounds(cfg, dense, lr)
     out, worst = dict(metrics), {}
@@ -271,14 +271,13 @@ def amplification(cfg: Config, dense: dict, probe: dict,
     by a relative ``rho = relative_bound(cfg)``): ``A_m = |probe - dense|_m / (rho scale_m)``,
     for the gradients the largest over the parameters, each against its own scale. A
     well-conditioned step has ``A_m <= ~1`` (a relative ``rho`` in, a relative ``rho`` out:
-    the bound's model). A saturated softmax (the seed's 0.15 init at hidden 4096: scores of
+    the bound's model). A saturated softmax (the original fixture's 0.15 init at hidden 4096: scores of
     several hundred) has ``A`` in the hundreds: any rounding inside the step -- the kernels',
     the TP side's -- comes out that much larger, and how much rounding a CPU's kernels do
     decides whether correct TP passes. The weights' measure has no ``A`` of its own (the probe
     moves the weights themselves); its floor follows the gradients' (``rounding_floors``).
     ``by_name``: ``parameter_amplification``'s result when the caller has it already.
     """
-    from .core import five_measures, max_abs_diff  # check builds on this module
 
     diff = five_measures(0, "probe", dense, probe)
     scales = auto_bounds(cfg, dense, 0.0)
@@ -292,7 +291,6 @@ def amplification(cfg: Config, dense: dict, probe: dict,
 def parameter_amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, float]:
     """``A_p`` of each parameter's gradient, by name: ``|probe - dense|`` of that gradient
     over its own bound (``parameter_bounds``); ``amplification`` reports the largest."""
-    from .core import max_abs_diff  # check builds on this module
 
     grad = parameter_bounds(cfg, dense, 0.0)["parameter_grad_max_abs_diff"]
     return {k: (max_abs_diff(dense["grads"][k], probe["grads"][k]) / b if b else 0.0)

@@ -244,7 +244,7 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                       train=simulated_train) -> dict:
     """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up).
     ``train``: what holds the ranks, ``simulated_train`` (every rank in this process) or
-    ``tpattn.diagnosis.observe_real.DistributedTrain`` (this process is one real rank)."""
+    ``tpattn.diagnosis.observe_real.RealTrain`` (this process is one real rank)."""
     _check_arguments(seed, steps, logged_loss)
     cfg = Config() if cfg is None else cfg
     runs = _train_both(inj, seed, cfg, steps, train)

@@ -4,14 +4,15 @@
 axis: ``I`` invariant (the same on every rank, gradient too), ``R`` replicate (the same,
 gradient pending a sum), ``V`` varying or ``P`` partial (a pending sum over ranks);
 collectives change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g).
-``typecheck(mode, cfg)`` runs the per-rank block the real ranks run (``real_rank_block``),
-forward and backward, with ``TypedCollectives`` on a fake process group of
-``cfg.world_size`` ranks (no rank runs, no data moves; this process plays rank 0). ``import
+``typecheck(mode, cfg)`` runs ``engine.rank_block`` for rank 0 (R = 1), forward and backward,
+with ``typed_program``: the mode's program whose collectives are ``TypedCollectives`` on a fake
+process group of ``cfg.world_size`` ranks (no rank runs, no data moves). ``import
 tpattn`` never imports spmd_types; this module does (``spmd-types``, in requirements.txt).
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import traceback
 import warnings
 from pathlib import Path
@@ -28,7 +29,9 @@ from tpattn.bugs.modes import resolve
 from tpattn.bugs.zoo import MESH_NEEDS
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
 from tpattn.block.params import init_params, shard_params
-from tpattn.real.ranks import real_rank_block
+from tpattn.parallel.engine import rank_block
+from tpattn.parallel.program import Program
+from tpattn.parallel.wrong import ScaleGrad, no_collective
 
 __all__ = ["TYPECHECK_VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
            "TABLE_SETUPS", "typecheck_table"]
@@ -125,16 +128,17 @@ class ContiguousGrad(torch.autograd.Function):
 
 
 class TypedCollectives:
-    """The block's collectives as ``spmd_types``' typed ones: what
-    ``tpattn.real.ranks.DistributedRanks`` calls on the ledger for ``engine.rank_block``.
+    """The block's collectives as ``spmd_types``' typed ones, on rank 0's own tensors (no
+    rank dim); also the ``comm`` ``engine.rank_block`` reads (``cfg``, ``ranks`` = [0]).
 
-    ``mesh``: the ``DeviceMesh``; ``axes``: the process groups of its axes (one for a 1-D TP mesh; ``("kv",
-    "rep")`` for replicated KV heads); ``tp``: the whole TP group; ``replica``: the replica
-    axis (or ``None``). Shapes are those of ``tpattn.real.ranks.CollectiveLedger``'s methods.
+    ``mesh``: the ``DeviceMesh``; ``axes``: the process groups of its axes (one for a 1-D TP
+    mesh; ``("kv", "rep")`` for replicated KV heads); ``tp``: the whole TP group; ``replica``:
+    the replica axis (or ``None``).
     """
 
-    def __init__(self, mesh, axes, tp, replica=None):
+    def __init__(self, cfg: Config, mesh, axes, tp, replica=None):
         self.mesh, self.axes, self.tp, self.replica = mesh, tuple(axes), tp, replica
+        self.cfg, self.world_size, self.ranks = cfg, cfg.world_size, [0]
 
     def rank(self) -> int:
         """This process's rank (0: the fake group's only process)."""
@@ -144,10 +148,9 @@ class TypedCollectives:
         """f: ``convert(n, axis, src=I, dst=R)`` on every axis (no-op forward, all-reduce of
         the gradient in backward); ``op="avg"`` divides that gradient by W (types unchanged)."""
         from spmd_types import I, R, convert
-        from tpattn.bugs.zoo import GradScale
 
         if op == "avg":
-            n = GradScale.apply(n, 1.0 / dist.get_world_size(self.tp))
+            n = ScaleGrad.apply(n, 1.0 / dist.get_world_size(self.tp))
         for axis in self.axes:
             n = convert(n, axis, src=I, dst=R, backward_options=_in_dtype(n))
         return n
@@ -192,6 +195,81 @@ class TypedCollectives:
         return reduce_scatter(partial, self.tp, src=P, dst=S(0))
 
 
+# --- the typed stages: rank 0's [1, ...] tensors through TypedCollectives ---------------------
+
+def _f(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f: identity forward, typed all-reduce of dn in backward."""
+    return ops.copy_to_ranks(n[0]).unsqueeze(0)
+
+
+def _f_averaged(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f whose backward all-reduce divides by W."""
+    return ops.copy_to_ranks(n[0], "avg").unsqueeze(0)
+
+
+def _f_twice(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f applied twice."""
+    return _f(_f(n, ops), ops)
+
+
+def _g(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """g: typed all-reduce of the partials."""
+    return ops.reduce_output(partial[0]).unsqueeze(0)
+
+
+def _g_twice(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """g applied twice."""
+    return _g(_g(partial, ops), ops)
+
+
+def _sp_gather(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather along the sequence (backward reduce-scatter)."""
+    return ops.gather_sequence(n[0]).unsqueeze(0)
+
+
+def _sp_gather_no_reduce(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather whose backward keeps this rank's chunk."""
+    return ops.gather_sequence(n[0], reduce_grad=False).unsqueeze(0)
+
+
+def _sp_gather_averaged(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather whose backward is divided by W."""
+    return ScaleGrad.apply(_sp_gather(n, ops), 1.0 / ops.world_size)
+
+
+def _sp_scatter(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's reduce-scatter along the sequence."""
+    return ops.reduce_scatter_sequence(partial[0]).unsqueeze(0)
+
+
+def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """No reduce-scatter: rank 0's tokens of its own partials."""
+    from tpattn.parallel.sequence_parallel import rank_tokens
+
+    return full[:, rank_tokens(ops.cfg, 0)]
+
+
+def _kv_gather(local: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """The K/V all-gather on the last dim."""
+    return ops.gather_kv(local[0]).unsqueeze(0)
+
+
+def typed_program(inj) -> Program:
+    """``inj``'s program (``Injection.program``) with its collective stages (f, g, SP's
+    gather and scatter, the K/V gather, the replica reduce) issued by ``TypedCollectives``
+    on rank 0's ``[1, ...]`` tensors, wired as ``inj``'s knobs say."""
+    stages = {"f": {"sum": _f, "none": no_collective, "mean": _f_averaged,
+                    "twice": _f_twice}[inj.f],
+              "g": {1: _g, 0: no_collective, 2: _g_twice}[inj.g],
+              "sp_gather": {"none": _sp_gather_no_reduce,
+                            "mean": _sp_gather_averaged}.get(inj.f, _sp_gather),
+              "sp_scatter": _sp_scatter if inj.g else _sp_own_tokens,
+              "kv_gather": _kv_gather}
+    if inj.kv_grad != "none":
+        stages["replica_reduce"] = lambda wk, wv, ops: ops.reduce_replica_grads(wk, wv)
+    return replace(inj.program(), **stages)
+
+
 @contextlib.contextmanager
 def fake_process_group(cfg: Config):
     """A fake process group of ``cfg.world_size`` ranks (this process is rank 0) and its
@@ -212,11 +290,11 @@ def fake_process_group(cfg: Config):
         if kv_grad_bug_applies(cfg):
             mesh = init_device_mesh("cpu", (cfg.kv_heads, cfg.kv_replicas),
                                     mesh_dim_names=("kv", "rep"))
-            yield TypedCollectives(mesh, (mesh.get_group("kv"), mesh.get_group("rep")),
+            yield TypedCollectives(cfg, mesh, (mesh.get_group("kv"), mesh.get_group("rep")),
                                    dist.group.WORLD, mesh.get_group("rep"))
         else:
             mesh = init_device_mesh("cpu", (cfg.world_size,), mesh_dim_names=("tp",))
-            yield TypedCollectives(mesh, (mesh.get_group("tp"),), mesh.get_group("tp"))
+            yield TypedCollectives(cfg, mesh, (mesh.get_group("tp"),), mesh.get_group("tp"))
     finally:
         dist.destroy_process_group()
 
@@ -277,7 +355,7 @@ def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin
 
 def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
     """With dropout, rank 0's masks drawn before the checker runs: ``(streams, masks)``,
-    ``streams`` for ``real_rank_block``, ``masks`` name → ``(mask, its type)``; else empty."""
+    ``streams`` for ``rank_block``, ``masks`` name → ``(mask, its type)``; else empty."""
     if cfg.dropout <= 0:
         return {}, {}
     from spmd_types import I, V
@@ -295,8 +373,11 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
     inj, params, types, x0, target, x_type = _rank0_inputs(mode, cfg, seed, ops, twin)
     streams, masks = _rank0_masks(cfg, seed, inj)
 
-    def forward(x):
-        return real_rank_block(x, params, cfg, inj, ops, rank=0, **streams)
+    prog = typed_program(inj)
+
+    def forward(x):  # R = 1: the stacked views are made under the checker, typed
+        stacked = {k: t.unsqueeze(0) for k, t in params.items()}
+        return rank_block(x.unsqueeze(0), stacked, cfg, prog, ops, **streams)[0]
 
     numel = cfg.seq * cfg.batch * cfg.hidden
     x, target = x0.clone().requires_grad_(True), target.clone()
@@ -334,11 +415,11 @@ class _DrawnMasks:
 
 def _where(error: BaseException) -> str:
     """``module.function: source line`` of the two innermost frames of the block in
-    ``error``'s traceback (tpattn's frames, not this module's nor ``tpattn.real.ranks``'
-    adapter ``DistributedRanks``), outer first and joined by ``" -> "``: the op that raised and
-    the line that called it, which names the tensors (one frame where there is one)."""
+    ``error``'s traceback (tpattn's frames, not this module's typed stages), outer first and
+    joined by ``" -> "``: the op that raised and the line that called it, which names the
+    tensors (one frame where there is one)."""
     package = Path(__file__).resolve().parents[1]
-    skipped = {Path(__file__).resolve(), package / "real" / "ranks.py"}
+    skipped = {Path(__file__).resolve()}
     found = []
     for frame in traceback.extract_tb(error.__traceback__):
         path = Path(frame.filename).resolve()
@@ -390,9 +471,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
                             traceback_filtering)
     from spmd_types.checker import typecheck as spmd_typecheck
 
-    from tpattn.bugs.zoo import GradScale
-
-    for function in (GradScale, ContiguousGrad):  # identity forwards: types pass through
+    for function in (ScaleGrad, ContiguousGrad):  # identity forwards: types pass through
         register_local_autograd_function(function)
 
     cfg = Config() if cfg is None else cfg

@@ -92,7 +92,7 @@ def _first_line(e: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def describe_error(e: BaseException) -> str:
+def reader_error(e: BaseException) -> str:
     """One sentence: where in the reader's code the error arose, and what it was."""
     frames = traceback.extract_tb(e.__traceback__)
     mine = [f for f in frames if _is_reader_file(f.filename)]
@@ -135,7 +135,7 @@ def exercise(name: str, chapter: int):
                                            f"in {name_of(answer)} with your code, then run this "
                                            f"cell again.")
             except Exception as e:  # noqa: BLE001 - the reader's code may raise anything
-                return Result(name, False, describe_error(e) + f" See {CHAPTERS[chapter]}.")
+                return Result(name, False, reader_error(e) + f" See {CHAPTERS[chapter]}.")
             return Result(name, True, message)
 
         checker.chapter = chapter

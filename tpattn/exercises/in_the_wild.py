@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -235,35 +236,33 @@ def check_rng_resync(resync) -> str:
             f"instead: the loader got its own generator.")
 
 
-def _reader_qk_comm(reduce, cfg: Config, where: str):
-    """Simulated ranks whose q/k-norm gradient reduce is the reader's, graded as it runs."""
-    from tpattn.parallel.collectives import SimulatedRanks
-
-    class ReaderReduce(SimulatedRanks):
-        def reduce_qk_norm_grads(self, gq, gk):
-            out = []
-            for name, g in (("q_norm", gq), ("k_norm", gk)):
-                own = [t.clone() for t in g.unbind(0)]
-                got = tensor_list(reduce([t.clone() for t in own]), g.shape[0], [g.shape[1]],
-                                  f"{name} gradient")
-                grade_sum(got, own,
-                          lambda r: f"{where}, rank {r}'s {name} gradient is the ranks' average: "
-                                    f"each rank's part covers different heads, so they add up.",
-                          lambda r: f"{where}, rank {r} keeps only its own heads' part of the "
-                                    f"{name} gradient: the weight is replicated, its gradient "
-                                    f"needs the TP all-reduce (sum) after backward.",
-                          lambda r: f"{where}, rank {r}'s {name} gradient is not the sum of the "
-                                    f"ranks' parts.")
-                out.append(torch.stack([t.detach() for t in got]))
-            return tuple(out)
-
-    return ReaderReduce(cfg, [])
+def _reader_qk_stage(reduce, where: str):
+    """A ``Program.qk_norm_grads`` stage that runs the reader's ``reduce`` on every rank's
+    q/k-norm gradients ``[R, head_dim]``, graded as it runs."""
+    def stage(gq, gk, comm):
+        out = []
+        for name, g in (("q_norm", gq), ("k_norm", gk)):
+            own = [t.clone() for t in g.unbind(0)]
+            got = tensor_list(reduce([t.clone() for t in own]), g.shape[0], [g.shape[1]],
+                              f"{name} gradient")
+            grade_sum(got, own,
+                      lambda r: f"{where}, rank {r}'s {name} gradient is the ranks' average: "
+                                f"each rank's part covers different heads, so they add up.",
+                      lambda r: f"{where}, rank {r} keeps only its own heads' part of the "
+                                f"{name} gradient: the weight is replicated, its gradient "
+                                f"needs the TP all-reduce (sum) after backward.",
+                      lambda r: f"{where}, rank {r}'s {name} gradient is not the sum of the "
+                                f"ranks' parts.")
+            out.append(torch.stack([t.detach() for t in got]))
+        return tuple(out)
+    return stage
 
 
 @exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
 def check_qk_norm_grad_reduce(reduce) -> str:
     """Check ``reduce(grads) -> list``: from every TP rank's ``[head_dim]`` gradient of its
     ``q_norm`` (or ``k_norm``) copy, its own heads' part, the gradient each rank steps with."""
+    from tpattn.parallel.collectives import SimulatedRanks
     from tpattn.parallel.engine import train_step
     count = 0
     for cfg, seed, x0, target, base in cases(QK_NORM_CONFIGS, EXTRA_SEEDS):
@@ -271,8 +270,9 @@ def check_qk_norm_grad_reduce(reduce) -> str:
         where = f"for seed {seed}, {shape_text(cfg)}"
         shards = shard_params(base, cfg)
         stacked = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
+        prog = replace(Injection().program(), qk_norm_grads=_reader_qk_stage(reduce, where))
         step = train_step(stacked, torch.stack([x0] * w), torch.stack([target] * w), cfg,
-                          Injection(), _reader_qk_comm(reduce, cfg, where), LR)
+                          prog, SimulatedRanks(cfg, []), LR)
         apart = max(max_abs_diff(step["weights"][k][r], step["weights"][k][0])
                     for k in ("q_norm", "k_norm") for r in range(w))
         if apart > 0:

@@ -23,33 +23,32 @@ from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
 
 
 def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
-    """Rank 0's step of ``mode`` through the real ranks' block, with a ledger that records what
-    each collective is handed and sends nothing (one process). Returns ``(counts, carried)``:
-    the all-reduces per phase, and the bytes carried per collective label."""
-    from tpattn.check.core import one_step
-    from tpattn.real.ranks import CollectiveLedger, real_rank_block
+    """One rank's step of ``mode`` as the real ranks run it. Returns ``(counts, carried)``:
+    the all-reduces per phase of the planned ledger (``tpattn.real.ranks.planned_ledger``),
+    and the bytes one rank hands each all-reduce, by ledger label (simulated ranks whose
+    ``group_sum`` measures rank 0's tensor)."""
+    from tpattn.parallel.collectives import SimulatedRanks
+    from tpattn.parallel.engine import train_step
+    from tpattn.real.ranks import job_setup, planned_ledger
 
-    class RecordingLedger(CollectiveLedger):
+    class Measured(SimulatedRanks):
         def __init__(self):
-            super().__init__()
+            super().__init__(cfg, [])
             self.carried = {}
 
-        def _record(self, *args):  # sizes come from the tensors themselves, not a group
-            pass
+        def group_sum(self, t, group="tp"):
+            label = self.ledger[-1]["label"]  # a collective records itself, then sums
+            self.carried[label] = self.carried.get(label, 0) + t[0].numel() * t.element_size()
+            return super().group_sum(t, group)
 
-        def _issue(self, label, collective, *args, group=None):
-            self.issued += 1
-            self.history.append(label)
-            t = args[0]
-            self.carried[label] = self.carried.get(label, 0) + t.numel() * t.element_size()
-
-    ledger = RecordingLedger()
-    x0, target = make_inputs(cfg, 11)
-    base = init_params(cfg, 11 + PARAM_SEED_OFFSET)
-    inj = resolve(mode, cfg).injection
-    one_step(lambda x, shard: real_rank_block(x, shard, cfg, inj, ledger, rank=0),
-             x0, target, shard_params(base, cfg)[0])
-    return dict(ledger.counts), ledger.carried
+    counts = {phase: sum(e["collective"] == "all_reduce" and e["phase"] == phase
+                         for e in planned_ledger(mode, cfg)) for phase in ("forward", "backward")}
+    inj, _, shards, batches = job_setup(11, mode, cfg)
+    comm = Measured()
+    train_step({k: torch.stack([s[k] for s in shards]) for k in shards[0]},
+               torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]),
+               cfg, inj, comm, LR)
+    return counts, comm.carried
 
 
 #: Shapes the bytes exercise is graded on: the checked ones, a float64 one and a wider one.
@@ -63,10 +62,10 @@ BYTES_CONFIGS = CHECKED_CONFIGS + (
 def check_bytes_per_step(bytes_per_step) -> str:
     """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes f's and g's all-reduces
     carry on one rank in one training step, as the real ranks hand them to the ledger."""
-    from tpattn.real.ranks import F_ALL_REDUCE, G_ALL_REDUCE
+    from tpattn.parallel.collectives import F_LABEL, G_LABEL
     for cfg in BYTES_CONFIGS:
         carried = _recorded_step(cfg)[1]
-        want = {"f": carried.get(F_ALL_REDUCE, 0), "g": carried.get(G_ALL_REDUCE, 0)}
+        want = {"f": carried.get(F_LABEL, 0), "g": carried.get(G_LABEL, 0)}
         got = keyed(bytes_per_step(cfg), ("f", "g"))
         for name in ("f", "g"):
             value = number(got[name], (int, float),
@@ -105,12 +104,11 @@ def check_ledger_counts(ledger_counts) -> str:
 def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
     """One rank of ``check_real_f_and_g`` (``run_on_ranks``): each seed's step with the reader's
     f and g; rank 0 returns the five measures of the gathered steps, the others None."""
+    import torch.distributed as dist
     from tpattn.block.params import unshard_params
     from tpattn.check.core import one_step
-    from tpattn.real.ranks import CollectiveLedger, gather_step
 
     cfg, seeds, f, g = plan
-    ledger = CollectiveLedger()
     results = []
     for index, seed in enumerate(seeds):
         x0, target = make_inputs(cfg, seed)
@@ -121,10 +119,13 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
             return x + g.apply(attend_and_project(n, shard, cfg))
 
         step = one_step(forward, x0, target, shard_params(base, cfg)[rank])
-        gathered = gather_step(ledger, rank, step, lambda per_rank: unshard_params(per_rank, cfg))
-        if gathered is not None:
+        parts = [None] * cfg.world_size  # every rank's grads and weights, on every rank
+        dist.all_gather_object(parts, {k: step[k] for k in ("grads", "weights")})
+        if rank == 0:
+            full = {k: unshard_params([p[k] for p in parts], cfg) for k in ("grads", "weights")}
             results.append(five_measures(seed, EQUIVALENCE,
-                                         dense_reference(x0, target, base, cfg), gathered[1]))
+                                         dense_reference(x0, target, base, cfg),
+                                         {**step, **full}))
         on_progress(index)
     return results if rank == 0 else None
 

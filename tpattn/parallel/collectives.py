@@ -1,45 +1,12 @@
-"""The block's collectives as a parameter: simulated ranks in one process.
+"""Three primitives per backend, and every collective of the block as an autograd Function.
 
-``tpattn.parallel.engine.rank_block`` is written for the ranks ONE process holds: every tensor
-carries a leading local-rank dimension ``[R, ...]``. It calls the collectives on an object
-passed in, the way Megatron-LM's ``tensor_parallel/mappings.py`` takes the process group::
-
-  copy_to_ranks(n)            f: identity; backward all-reduce of dn
-  reduce_output(partial)      g: all-reduce; backward identity
-  gather_sequence(n, reduce)  SP's f: all-gather along the sequence;
-                              backward reduce-scatter (``reduce=False``:
-                              this rank's tokens of its own gradient)
-  reduce_scatter_sequence(p)  SP's g: reduce-scatter along the sequence;
-                              backward all-gather
-  gather_kv(local)            K/V all-gather on the last dim; backward
-                              reduce-scatter
-  reduce_replica_grads(k, v)  identity; backward all-reduce of the wk/wv
-                              gradients within each KV replica group
-  reduce_norm_grad(g, how)    after backward: SP's norm-gradient all-reduce
-  reduce_qk_norm_grads(q, k)  after backward: the q/k-norm weights' gradient
-                              all-reduce (one collective for both)
-  reduce_dp_grads(grads, grp) after backward, on a TP x DP mesh: the data-
-                              parallel gradient all-reduce ("dp"; "self": a
-                              group of one rank, a no-op)
-  reduce_loss(share, grp)     the logged loss: all-reduce SUM of the shares
-                              over "dp", "world" (the whole mesh), or "tp"
-                              (no reduction: a Replicate DTensor's
-                              full_tensor() on the TP mesh)
-
-``SimulatedRanks`` holds every rank of the job (``R = cfg.ranks = world_size *
-data_parallel``) in mesh order: entry ``i`` is global rank ``i = dp_rank * world_size +
-tp_rank`` (``init_device_mesh(..., (data_parallel, world_size), ("dp", "tp"))``). Each
-collective is a sum or a concatenation over the entries of one group, in group order
-(``t[a] + t[b] + ...``, as the all-reduces of a ring of real ranks are modelled elsewhere in
-the package): the TP collectives over each TP group (``world_size`` consecutive entries), the
-DP gradient all-reduce over each DP group (the entries of one ``tp_rank``). With
-``data_parallel == 1`` there is one TP group, every entry, as plain TP. A ``ledger`` list, when given, records every
-collective as ``{"collective", "phase", "group", "label", "op"}`` when it runs (backward
-ones during backward; ``op``: the reduction the program asked for, ``"sum"`` or ``"avg"``,
-``None`` for a gather). ``f`` and ``g`` may be replaced by a reader's own ``torch.autograd.Function``
-subclasses whose ``apply(*tensors)`` maps one tensor per rank to one per rank (the exercises'
-contract). ``tpattn.real.ranks.DistributedRanks`` has the same methods for one real
-torch.distributed rank (``R = 1``; its ``CollectiveLedger`` records the collectives).
+A backend holds ``R`` ranks (dim 0 of every tensor) and supplies only ``group_sum(t, group)``,
+``group_cat(t, dim, group)``, ``scatter_sum(t, group)`` (a reduce-scatter along the
+sequence), ``record(phase, label, collective, group, op)`` (the ledger), ``groups``,
+``position`` and ``cfg, ledger, ranks, dp_ranks, world_size, data_parallel``. f, g, the
+sequence all-gather / reduce-scatter, the K/V all-gather and the replica-group reduce are
+Functions over them, as Megatron-LM's ``tensor_parallel/mappings.py`` writes them.
+``SimulatedRanks``: every rank of the job in one process, mesh order (``i = dp * W + tp``).
 """
 from __future__ import annotations
 
@@ -47,14 +14,23 @@ import torch
 
 from tpattn.config import Config
 
-__all__ = ["SimulatedRanks", "rank_sum", "F_LABEL", "G_LABEL", "DP_GRAD_LABEL", "LOSS_LABEL",
-           "SP_SHARE_LABEL"]
+__all__ = ["SimulatedRanks", "rank_sum", "check_op", "own_tokens", "CopyToRanks", "ReduceFromRanks",
+           "GatherSequence", "ScatterSequence", "GatherKV", "ReduceReplicaGrads",
+           "reduce_norm_grad", "reduce_qk_norm_grads", "reduce_dp_grads", "replica_share",
+           "reduce_loss", "reduce_scalar", "F_LABEL", "G_LABEL", "AGAIN", "DP_GRAD_LABEL",
+           "LOSS_LABEL", "SP_SHARE_LABEL", "QK_NORM_GRAD_LABEL", "NORM_GRAD_LABEL",
+           "REPLICA_GRAD_LABEL"]
 
-#: Ledger label of the after-backward all-reduce of the q/k-norm weights' gradients.
-QK_NORM_GRAD_LABEL = "all-reduce of the q/k-norm weights' gradients"
-#: Ledger labels of f's and g's all-reduces (a second one adds " (again)").
+#: Ledger labels (a collective applied a second time adds ``AGAIN``).
 F_LABEL = "f: all-reduce of dn"
 G_LABEL = "g: all-reduce of output partials"
+AGAIN = " (again)"
+QK_NORM_GRAD_LABEL = "all-reduce of the q/k-norm weights' gradients"
+NORM_GRAD_LABEL = "all-reduce of the norm weight's gradient"
+REPLICA_GRAD_LABEL = "all-reduce of wk/wv grads in the replica group"
+DP_GRAD_LABEL = "all-reduce of gradients over the DP group"
+LOSS_LABEL = "all-reduce of the logged loss"
+SP_SHARE_LABEL = "all-reduce of the loss shares over the TP group"
 
 
 def rank_sum(t: torch.Tensor) -> torch.Tensor:
@@ -65,61 +41,37 @@ def rank_sum(t: torch.Tensor) -> torch.Tensor:
     return total.unsqueeze(0)
 
 
-class _Collective(torch.autograd.Function):
-    """One simulated collective: ``apply(t, forward_fn, backward_fn)``; each fn maps a
-    ``[R, ...]`` tensor to a ``[R, ...]`` tensor (the forward's output, the input's grad)."""
-
-    @staticmethod
-    def forward(ctx, t, forward_fn, backward_fn):
-        ctx.backward_fn = backward_fn
-        return forward_fn(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.backward_fn(grad), None, None
+def check_op(op: str) -> str:
+    """``op`` if it is a reduction f can run (``"sum"``, ``"avg"``), else ``ValueError``."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
+    return op
 
 
-class _ReplicaReduce(torch.autograd.Function):
-    """Identity forward on ``(wk, wv)``; backward ``reduce_fn(gk, gv)`` on both gradients at
-    once (one collective, as a real rank all-reduces them in one flat buffer)."""
-
-    @staticmethod
-    def forward(ctx, wk, wv, reduce_fn):
-        ctx.reduce_fn = reduce_fn
-        return wk.view_as(wk), wv.view_as(wv)
-
-    @staticmethod
-    def backward(ctx, gk, gv):
-        return (*ctx.reduce_fn(gk, gv), None)
-
-
-#: Ledger labels of the collectives of a TP x DP mesh.
-DP_GRAD_LABEL = "all-reduce of gradients over the DP group"
-LOSS_LABEL = "all-reduce of the logged loss"
-SP_SHARE_LABEL = "all-reduce of the loss shares over the TP group"
+def own_tokens(full: torch.Tensor, comm, group: str = "tp") -> torch.Tensor:
+    """Each rank's ``S/W`` tokens of its own ``[R, S, ...]`` entry: ``[R, S/W, ...]`` (the
+    chunk at the rank's position in its group of ``group``)."""
+    w = comm.world_size
+    return torch.stack([full[i].chunk(w, dim=0)[comm.position(i, group)]
+                        for i in range(full.shape[0])])
 
 
 class SimulatedRanks:
     """Every rank of the job (``cfg.ranks``) in one process, as dim 0 of every tensor, in mesh
-    order (module docstring).
+    order. ``ledger``: a list the collectives are recorded in (``None``: record nothing)."""
 
-    ``ledger``: a list to record the collectives in (``None``: record nothing). ``f``, ``g``:
-    optional ``torch.autograd.Function`` subclasses with ``apply(*tensors)`` (one ``[...]``
-    per rank in, one per rank out) used in place of f and g (plain TP only).
-    """
-
-    def __init__(self, cfg: Config, ledger: list | None = None, f=None, g=None):
-        self.cfg, self.ledger, self.f, self.g = cfg, ledger, f, g
-        self.world_size = cfg.world_size
-        self.data_parallel = cfg.data_parallel
-        #: Each entry's TP rank (its rank in its TP group: the engine's heads and tokens).
+    def __init__(self, cfg: Config, ledger: list | None = None):
+        self.cfg, self.ledger = cfg, ledger
+        self.world_size, self.data_parallel = cfg.world_size, cfg.data_parallel
+        #: Each entry's TP rank and DP rank.
         self.ranks = [i % cfg.world_size for i in range(cfg.ranks)]
-        #: Each entry's DP rank (the replica it belongs to).
         self.dp_ranks = [i // cfg.world_size for i in range(cfg.ranks)]
 
     def groups(self, group: str = "tp") -> list[list[int]]:
-        """The entries of each group of ``group`` (``"tp"``, ``"dp"``, ``"world"``), each list
-        in group order: TP groups are consecutive entries, DP groups one ``tp_rank`` each."""
+        """The entries of each group of ``group``, each list in group order: ``"tp"``
+        consecutive entries, ``"dp"`` one ``tp_rank`` each, ``"world"`` every entry,
+        ``"kv_replicas"`` each KV replica group (``cfg.kv_replicas`` consecutive entries of a
+        TP group: the ranks that share one KV head), ``"self"`` each entry alone."""
         w, d = self.world_size, self.data_parallel
         if group == "tp":
             return [[i * w + t for t in range(w)] for i in range(d)]
@@ -127,7 +79,13 @@ class SimulatedRanks:
             return [[i * w + t for i in range(d)] for t in range(w)]
         if group == "world":
             return [list(range(w * d))]
-        raise ValueError(f"group must be 'tp', 'dp' or 'world' (got {group!r})")
+        if group == "kv_replicas":
+            r = self.cfg.kv_replicas
+            return [list(range(s, s + r)) for s in range(0, w * d, r)]
+        if group == "self":
+            return [[i] for i in range(w * d)]
+        raise ValueError(f"group must be 'tp', 'dp', 'world', 'kv_replicas' or 'self' "
+                         f"(got {group!r})")
 
     def position(self, entry: int, group: str = "tp") -> int:
         """Entry ``entry``'s rank inside its group of ``group``."""
@@ -153,6 +111,11 @@ class SimulatedRanks:
                 out[m] = full
         return torch.stack(out)
 
+    def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
+        """A reduce-scatter along the sequence: each rank's ``S/W`` tokens (its position in
+        its group of ``group``) of its group's sum of ``t`` ``[R, S, ...]``."""
+        return own_tokens(self.group_sum(t, group), self, group).contiguous()
+
     def record(self, phase: str, label: str, collective: str = "all_reduce",
                group: str = "tp", op: str | None = "sum") -> None:
         """Append one entry to the ledger (if there is one)."""
@@ -160,175 +123,149 @@ class SimulatedRanks:
             self.ledger.append({"collective": collective, "phase": phase, "group": group,
                                 "label": label, "op": op})
 
-    def _apply(self, t, forward_fn, backward_fn, backward_entry=None):
-        def backward(grad):
-            if backward_entry is not None:
-                self.record("backward", *backward_entry)
-            return backward_fn(grad)
-        return _Collective.apply(t, forward_fn, backward)
 
-    def copy_to_ranks(self, n: torch.Tensor, label: str = F_LABEL,
-                      op: str = "sum") -> torch.Tensor:
-        """f on ``n`` ``[R, S, B, hidden]``: identity; backward every rank gets the rank sum
-        (``op="avg"``: the sum / W, an all-reduce with op AVG)."""
-        if op not in ("sum", "avg"):
-            raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
-        w = self.world_size if op == "avg" else 1  # x / 1 is x, bit for bit
-        if self.f is not None:
-            out = torch.stack(self.f.apply(*n.unbind(0)))
+# --- the block's collectives: each one Function over the primitives --------------------------
 
-            def on_backward(grad):
-                self.record("backward", label, op=op)
-                return grad / w
-            if out.requires_grad:
-                out.register_hook(on_backward)
-            return out
-        return self._apply(n, lambda t: t.view_as(t),
-                           lambda g: (self.group_sum(g) / w).contiguous(),
-                           (label, "all_reduce", "tp", op))
+class CopyToRanks(torch.autograd.Function):
+    """f: ``n`` ``[R, S, B, hidden]`` unchanged; backward its TP group's sum of dn (``"avg"``:
+    / W)."""
 
-    def reduce_output(self, partial: torch.Tensor, label: str = G_LABEL) -> torch.Tensor:
-        """g on ``partial`` ``[R, S, B, hidden]``: every rank gets the rank sum; backward
-        identity."""
-        self.record("forward", label)
-        if self.g is not None:
-            return torch.stack(self.g.apply(*partial.unbind(0)))
-        return self._apply(partial, lambda t: self.group_sum(t).contiguous(),
-                           lambda g: g)
+    @staticmethod
+    def forward(ctx, n, comm, label=F_LABEL, op="sum"):
+        ctx.comm, ctx.label, ctx.op = comm, label, check_op(op)
+        return n.view_as(n)
 
-    def own_tokens(self, full: torch.Tensor, group: str = "tp") -> torch.Tensor:
-        """Each rank's ``S/W`` tokens of its own ``[R, S, ...]`` entry: ``[R, S/W, ...]``
-        (chunk = the rank's position in its group of ``group``: its TP rank for ``"tp"``)."""
-        w = self.world_size
-        pos = self.ranks if group == "tp" else [self.position(i, group)
-                                                for i in range(full.shape[0])]
-        return torch.stack([full[i].chunk(w, dim=0)[r] for i, r in enumerate(pos)])
+    @staticmethod
+    def backward(ctx, dn):
+        ctx.comm.record("backward", ctx.label, op=ctx.op)
+        total = ctx.comm.group_sum(dn, "tp")
+        return total / ctx.comm.world_size if ctx.op == "avg" else total, None, None, None
 
-    def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
-        """A reduce-scatter along the sequence: each rank's ``S/W`` tokens (its position in
-        its group of ``group``) of its group's sum of ``t`` ``[R, S, ...]``."""
-        return self.own_tokens(self.group_sum(t, group), group).contiguous()
 
-    def gather_sequence(self, n: torch.Tensor, reduce_grad: bool = True,
-                        group: str = "tp") -> torch.Tensor:
-        """SP's f on ``n`` ``[R, S/W, B, hidden]`` -> ``[R, S, B, hidden]`` (every rank's
-        tokens in rank order). Backward: a reduce-scatter (rank r's tokens of the rank sum);
-        ``reduce_grad=False``: rank r's tokens of its own gradient. ``group``: the group both
-        run over (``"dp"``: the other mesh dimension's, of the same size when ``data_parallel
-        == world_size``: the shapes are right, the tokens another replica's)."""
-        self.record("forward", "all-gather of n along the sequence", "all_gather", group,
-                    op=None)
+class ReduceFromRanks(torch.autograd.Function):
+    """g: every rank gets its TP group's sum of ``partial`` ``[R, S, B, hidden]``; backward
+    the identity."""
 
-        def forward(t):
-            return self.group_cat(t, 0, group).contiguous()
+    @staticmethod
+    def forward(ctx, partial, comm, label=G_LABEL):
+        comm.record("forward", label)
+        return comm.group_sum(partial, "tp")
 
-        def backward(g):
-            if reduce_grad:
-                self.record("backward", "reduce-scatter of dn", "reduce_scatter", group)
-                return self.scatter_sum(g, group)
-            return self.own_tokens(g, group).contiguous()
-        return _Collective.apply(n, forward, backward)
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None, None
 
-    def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
-        """SP's g on ``partial`` ``[R, S, B, hidden]`` -> ``[R, S/W, B, hidden]`` (rank r's
-        tokens of the rank sum). Backward: an all-gather of ``dy``."""
-        self.record("forward", "reduce-scatter of output partials", "reduce_scatter")
 
-        def backward(g):
-            self.record("backward", "all-gather of dy", "all_gather", op=None)
-            return self.group_cat(g, 0).contiguous()
-        return _Collective.apply(partial, self.scatter_sum, backward)
+class GatherSequence(torch.autograd.Function):
+    """SP's f: ``n`` ``[R, S/W, B, hidden]`` -> ``[R, S, B, hidden]``, the group's tokens in
+    group order (``group``: ``"tp"``); backward a reduce-scatter of dn."""
 
-    def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
-        """K/V all-gather on ``local`` ``[R, S, B, c]`` -> ``[R, S, B, W*c]`` (rank order on
-        the last dim). Backward: reduce-scatter, rank r gets chunk r of the rank sum."""
-        self.record("forward", "all-gather of K/V activations", "all_gather", op=None)
-        c = local.shape[-1]
+    @staticmethod
+    def forward(ctx, n, comm, group="tp"):
+        ctx.comm, ctx.group = comm, group
+        comm.record("forward", "all-gather of n along the sequence", "all_gather", group, None)
+        return comm.group_cat(n, 0, group)
 
-        def forward(t):
-            return self.group_cat(t, -1).contiguous()
+    @staticmethod
+    def backward(ctx, dn):
+        ctx.comm.record("backward", "reduce-scatter of dn", "reduce_scatter", ctx.group)
+        return ctx.comm.scatter_sum(dn, ctx.group), None, None
 
-        def backward(g):
-            self.record("backward", "reduce-scatter of K/V activation grads",
-                        "reduce_scatter")
-            total = self.group_sum(g)
-            return torch.stack([total[i, ..., r * c:(r + 1) * c]
-                                for i, r in enumerate(self.ranks)])
-        return _Collective.apply(local, forward, backward)
 
-    def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
-        """``(wk, wv)`` ``[R, rows, hidden]`` unchanged; backward every rank gets the sum of
-        its KV replica group's gradients (rank order)."""
-        r = self.cfg.kv_replicas
+class ScatterSequence(torch.autograd.Function):
+    """SP's g: ``partial`` ``[R, S, B, hidden]`` -> ``[R, S/W, B, hidden]``, each rank's tokens
+    of its TP group's sum; backward an all-gather of dy."""
 
-        def group_sum(g):
-            groups = g.view(-1, r, *g.shape[1:])
-            total = groups[:, 0]
-            for i in range(1, r):
-                total = total + groups[:, i]
-            return total.unsqueeze(1).expand_as(groups).reshape(g.shape).contiguous()
+    @staticmethod
+    def forward(ctx, partial, comm):
+        ctx.comm = comm
+        comm.record("forward", "reduce-scatter of output partials", "reduce_scatter")
+        return comm.scatter_sum(partial, "tp")
 
-        def reduce(gk, gv):
-            self.record("backward", "all-reduce of wk/wv grads in the replica group",
-                        group="kv_replicas")
-            return group_sum(gk), group_sum(gv)
-        return _ReplicaReduce.apply(wk, wv, reduce)
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.comm.record("backward", "all-gather of dy", "all_gather", op=None)
+        return ctx.comm.group_cat(dy, 0, "tp"), None
 
-    def reduce_norm_grad(self, grad: torch.Tensor, how: str = "sum") -> torch.Tensor:
-        """SP's ``norm`` gradient after backward, ``grad`` ``[R, hidden]``: ``"sum"`` every
-        rank gets the rank sum, ``"mean"`` the sum / W, ``"none"`` each keeps its own."""
-        if how == "none":
-            return grad.clone()
-        self.record("after backward", "all-reduce of the norm weight's gradient",
-                    op="avg" if how == "mean" else "sum")
-        total = self.group_sum(grad)
-        if how == "mean":
-            total = total / self.world_size
-        return total.clone()
 
-    def reduce_qk_norm_grads(self, gq: torch.Tensor, gk: torch.Tensor):
-        """The q/k-norm weights' gradients ``[R, head_dim]`` each after backward: every rank
-        gets its TP group's sum of both (one all-reduce of the two, concatenated)."""
-        self.record("after backward", QK_NORM_GRAD_LABEL)
-        both = torch.cat([gq, gk], dim=1)
-        total = self.group_sum(both).clone()
-        return total[:, :gq.shape[1]].clone(), total[:, gq.shape[1]:].clone()
+class GatherKV(torch.autograd.Function):
+    """The K/V all-gather: ``local`` ``[R, S, B, c]`` -> ``[R, S, B, W*c]`` (TP rank order);
+    backward a reduce-scatter on the last dim (rank r: chunk r of the group's sum)."""
 
-    def reduce_scalar(self, value: torch.Tensor, label: str) -> torch.Tensor:
-        """The sum over ranks of ``value`` ``[R]`` (a step-phase all-reduce over the TP group):
-        a scalar; on a TP x DP mesh ``[R]``, each entry its TP group's sum."""
-        self.record("step", label)
-        if self.data_parallel == 1:
-            return rank_sum(value.reshape(value.shape[0], -1))[0, 0]
-        return self.group_sum(value.reshape(value.shape[0], -1))[:, 0]
+    @staticmethod
+    def forward(ctx, local, comm):
+        ctx.comm = comm
+        comm.record("forward", "all-gather of K/V activations", "all_gather", op=None)
+        return comm.group_cat(local, -1, "tp")
 
-    def reduce_dp_grads(self, grads: dict[str, torch.Tensor],
-                        group: str = "dp") -> dict[str, torch.Tensor]:
-        """The data-parallel gradient all-reduce after backward (one flat buffer, SUM):
-        ``grads`` by name ``[R, ...]``; every entry gets the sum over its DP group
-        (``group="dp"``), or, over a group of one rank (``"self"``), keeps its own: recorded
-        with group ``"self"``, a silent no-op."""
-        if group not in ("dp", "self"):
-            raise ValueError(f"group must be 'dp' or 'self' (got {group!r})")
-        self.record("after backward", DP_GRAD_LABEL, group=group)
-        if group == "self":
-            return {k: g.clone() for k, g in grads.items()}
-        return {k: self.group_sum(g, "dp") for k, g in grads.items()}
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.comm.record("backward", "reduce-scatter of K/V activation grads", "reduce_scatter")
+        chunks = ctx.comm.scatter_sum(grad.movedim(-1, 1), "tp")  # rank r: chunk r, last dim
+        return chunks.movedim(1, -1).contiguous(), None
 
-    def replica_share(self, share: torch.Tensor) -> torch.Tensor:
-        """Under sequence parallelism on a mesh: every rank's share ``[R]`` of its own tokens
-        summed over its TP group (a step-phase all-reduce): the replica's share, ``[R]``."""
-        self.record("step", SP_SHARE_LABEL)
-        return self.group_sum(share.reshape(-1, 1))[:, 0]
 
-    def reduce_loss(self, share: torch.Tensor, group: str = "dp") -> torch.Tensor:
-        """The logged loss from every rank's share of the global mean ``share`` ``[R]``: the
-        all-reduce SUM over ``group`` (``"dp"``: the true loss; ``"world"``: every rank of the
-        mesh, ``world_size`` times it); ``"tp"``: the loss a Replicate DTensor on the TP mesh
-        reports with ``full_tensor()``, no collective at all (each replica its own share)."""
-        if group not in ("dp", "world", "tp"):
-            raise ValueError(f"group must be 'dp', 'world' or 'tp' (got {group!r})")
-        if group == "tp":
-            return share.clone()
-        self.record("step", LOSS_LABEL, group=group)
-        return self.group_sum(share.reshape(-1, 1), group)[:, 0]
+class ReduceReplicaGrads(torch.autograd.Function):
+    """``(wk, wv)`` ``[R, rows, hidden]`` unchanged; backward every rank gets its KV replica
+    group's sum of both gradients (one all-reduce of the two, flattened)."""
+
+    @staticmethod
+    def forward(ctx, wk, wv, comm):
+        ctx.comm = comm
+        return wk.view_as(wk), wv.view_as(wv)
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        ctx.comm.record("backward", REPLICA_GRAD_LABEL, group="kv_replicas")
+        both = torch.cat([gk.flatten(1), gv.flatten(1)], dim=1)
+        both = ctx.comm.group_sum(both, "kv_replicas")
+        k = gk[0].numel()
+        return both[:, :k].reshape(gk.shape), both[:, k:].reshape(gv.shape), None
+
+
+# --- after backward and in the step: sums over a group, no autograd --------------------------
+
+def reduce_norm_grad(grad: torch.Tensor, comm) -> torch.Tensor:
+    """SP's ``norm`` gradient ``[R, hidden]`` after backward: every rank its TP group's sum."""
+    comm.record("after backward", NORM_GRAD_LABEL)
+    return comm.group_sum(grad, "tp").clone()
+
+
+def reduce_qk_norm_grads(gq: torch.Tensor, gk: torch.Tensor, comm):
+    """The q/k-norm weights' gradients ``[R, head_dim]`` after backward: every rank its TP
+    group's sum of both (one all-reduce of the two, concatenated)."""
+    comm.record("after backward", QK_NORM_GRAD_LABEL)
+    total = comm.group_sum(torch.cat([gq, gk], dim=1), "tp").clone()
+    return total[:, :gq.shape[1]].clone(), total[:, gq.shape[1]:].clone()
+
+
+def reduce_dp_grads(grads: dict[str, torch.Tensor], comm,
+                    group: str = "dp") -> dict[str, torch.Tensor]:
+    """The data-parallel gradient all-reduce (SUM): every gradient ``[R, ...]`` summed over
+    its group of ``group`` (``"self"``: a group of one rank, a no-op)."""
+    comm.record("after backward", DP_GRAD_LABEL, group=group)
+    return {k: comm.group_sum(g, group) for k, g in grads.items()}
+
+
+def replica_share(share: torch.Tensor, comm) -> torch.Tensor:
+    """Under SP on a mesh: every rank's loss share ``[R]`` summed over its TP group."""
+    comm.record("step", SP_SHARE_LABEL)
+    return comm.group_sum(share.reshape(-1, 1), "tp")[:, 0]
+
+
+def reduce_loss(share: torch.Tensor, comm, group: str = "dp") -> torch.Tensor:
+    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group`` (``"dp"``, or
+    ``"world"``); ``"tp"``: no collective, each rank its own share (a Replicate DTensor's
+    ``full_tensor()`` on the TP mesh)."""
+    if group == "tp":
+        return share.clone()
+    comm.record("step", LOSS_LABEL, group=group)
+    return comm.group_sum(share.reshape(-1, 1), group)[:, 0]
+
+
+def reduce_scalar(value: torch.Tensor, comm, label: str) -> torch.Tensor:
+    """``value`` ``[R]`` summed over each TP group (a step-phase all-reduce): a scalar, or on
+    a TP x DP mesh ``[R]``, each entry its TP group's sum."""
+    comm.record("step", label)
+    total = comm.group_sum(value.reshape(value.shape[0], -1), "tp")[:, 0]
+    return total[0] if comm.data_parallel == 1 else total

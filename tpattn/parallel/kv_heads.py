@@ -1,35 +1,12 @@
 """Fewer KV heads than ranks: replica groups, their gradient reduce, and the all-gather option.
 
-When ``kv_heads < world_size`` a rank cannot hold whole KV heads of its own. Rank ``r`` still
-holds query heads ``[r*Hq/W, (r+1)*Hq/W)``; they all read KV head ``r // (W/Hkv)``, which
-``W/Hkv`` ranks now share — its **replica group**. Two ways to give every rank that head
-(``Config.kv_strategy``)::
-
-    replicate_weights   each rank of the group holds a copy of the head's wk/wv
-                        rows and projects K/V itself; backward: all-reduce of the
-                        wk/wv gradients WITHIN the replica group (each copy then
-                        gets the head's full gradient)
-    gather_activations  no copies: rank r holds rows [r*c, (r+1)*c) of wk/wv
-                        (c = Hkv*D/W), projects its slice of K/V, and an
-                        all-gather over the TP group gives every rank all of K/V;
-                        it slices its head. Backward: the all-gather's
-                        reduce-scatter sums each slice's gradient over the ranks
-                        that read it
-
-(Megatron-Core chose the second, NVIDIA/Megatron-LM PR 2565, "Support TP greater than
-num_kv_heads by supporting QKV activation sub-sharding"; it gathers the fused QKV activation,
-here only K/V are gathered.) The collectives *f* and *g* of ``tpattn.parallel.tp`` are unchanged.
-
-Without the replica-group reduce (mode ``missing_kv_grad_reduce``) each copy of a KV head
-learns from its own rank's query heads only: forward, loss, dX, ``norm``, wq and wo stay exact,
-wk/wv gradients are wrong, and the copies of one head drift apart from the first step.
-
-This module holds the layout (``kv_head_of_rank``, ``replica_groups``, ``kv_weight_rows``), one
-rank's pieces of the all-gather option (``local_kv``, ``attend_gathered``; the block itself is
-the engine's, ``tpattn.parallel.engine``, option ``Config.kv_heads < world_size``, in every
-simulation), the autograd Functions for real ranks (``ReplicaGradReduce``,
-``AllGatherKV``, used by ``tpattn.real.ranks``), and the accounting of memory per rank and
-bytes moved per step (``kv_costs``, ``kv_collectives``).
+With ``kv_heads < world_size``, rank r's query heads read KV head ``r // (W/Hkv)``, shared by
+its replica group (``SimulatedRanks.groups("kv_replicas")``). ``Config.kv_strategy``:
+``replicate_weights`` (each rank a copy of the head's wk/wv rows; backward all-reduce of their
+gradients in the group, ``ReduceReplicaGrads``) or ``gather_activations`` (no copies: each
+rank's slice of K/V all-gathered, ``GatherKV``; Megatron-LM PR 2565). This module: one rank's
+pieces of the gather option, the KV collectives' ledger labels, and the memory and bytes
+of each strategy (``kv_costs``, ``kv_collectives``, ``ring_bytes``).
 """
 from __future__ import annotations
 
@@ -48,7 +25,6 @@ __all__ = [
     "has_replicas", "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
     "is_first_kv_copy",
     "kv_grad_bug_applies", "local_kv", "attend_gathered",
-    "ReplicaGradReduce", "AllGatherKV",
     "kv_collectives", "kv_costs", "ring_bytes",
     "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes",
 ]
@@ -84,53 +60,10 @@ def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: tor
     return F.linear(ctx.reshape(s, b, -1), shard["wo"])
 
 
-# --- real ranks (tpattn.real.ranks) ---------------------------------------------------------
-#
-# The ledger (``tpattn.real.ranks.CollectiveLedger``) issues and counts every collective; its
-# ``replica_group`` is this rank's replica-group process group, made with ``dist.new_group``.
-
 #: Labels of the KV collectives (they name the collective in errors and in the ledger).
-KV_GRAD_ALL_REDUCE = "backward all-reduce of wk/wv grads in the replica group"
-KV_ALL_GATHER = "forward all-gather of K/V activations"
-KV_REDUCE_SCATTER = "backward reduce-scatter of K/V activation grads"
-
-
-class ReplicaGradReduce(torch.autograd.Function):
-    """The replica-group reduce on a real rank — forward: identity on this rank's copies of
-    wk and wv; backward: one all-reduce (over the replica group) of both gradients, flattened
-    into one buffer, so every copy receives the head's full gradient.
-
-    ``apply(wk, wv, ledger)`` returns ``(wk, wv)`` (views).
-    """
-
-    @staticmethod
-    def forward(ctx, wk: torch.Tensor, wv: torch.Tensor, ledger):
-        ctx.ledger = ledger
-        return wk.view_as(wk), wv.view_as(wv)
-
-    @staticmethod
-    def backward(ctx, grad_wk: torch.Tensor, grad_wv: torch.Tensor):
-        flat = torch.cat([grad_wk.reshape(-1), grad_wv.reshape(-1)])
-        ctx.ledger.all_reduce(flat, "backward", KV_GRAD_ALL_REDUCE, group=ctx.ledger.replica_group)
-        gk, gv = flat.split([grad_wk.numel(), grad_wv.numel()])
-        return gk.view_as(grad_wk), gv.view_as(grad_wv), None
-
-
-class AllGatherKV(torch.autograd.Function):
-    """The K/V all-gather on a real rank — forward: ``all_gather_single`` over the TP
-    group on the last dim; backward: ``reduce_scatter_single`` (sum) of the gradient.
-
-    ``apply(local, ledger)``: local ``[S, B, 2c]``; returns ``[S, B, W*2c]`` (rank order).
-    """
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, ledger):
-        ctx.ledger = ledger
-        return ledger.all_gather_last_dim(local, "forward", KV_ALL_GATHER)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.ledger.reduce_scatter_last_dim(grad, "backward", KV_REDUCE_SCATTER), None
+KV_GRAD_ALL_REDUCE = "all-reduce of wk/wv grads in the replica group"
+KV_ALL_GATHER = "all-gather of K/V activations"
+KV_REDUCE_SCATTER = "reduce-scatter of K/V activation grads"
 
 
 # --- what each strategy costs --------------------------------------------------------------
@@ -140,7 +73,10 @@ def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> 
     all-reduce of N elements ``2(p-1)/p * N``; all-gather (N = output) and reduce-scatter
     (N = input) ``(p-1)/p * N``. ``group_size`` p divides N here, so the result is exact."""
     p = group_size
-    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[kind]
+    factors = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+    if kind not in factors:
+        raise ValueError(f"kind must be one of {', '.join(factors)} (got {kind!r})")
+    factor = factors[kind]
     return factor * (p - 1) * elements // p * element_size
 
 

@@ -1,45 +1,28 @@
-"""The seed's one-graph semantics (``simulate="fixture"``) as a backend of the engine.
+"""The original fixture's one-graph semantics (``simulate="fixture"``) as a program of the engine.
 
 ``OneGraphRanks`` holds every rank of ``cfg.world_size`` in ONE autograd graph, in rank 0's
 view: the ranks' shards are views of the dense leaf parameters, ``x`` is one leaf seen by every
-rank, and one loss is taken on what rank 0 reports (``output``). Its collectives are plain,
-differentiable tensor ops whose backward autograd writes itself::
-
-  copy_to_ranks(n)            f: identity; autograd sums the ranks' dn where
-                              they meet (the shared x and norm): the all-reduce
-  reduce_output(partial)      g: the sum over the rank dim, broadcast; its
-                              backward hands every partial rank 0's dy
-  gather_sequence(n, reduce)  SP's f: concatenation along the sequence,
-                              broadcast (backward: the sum, each rank's tokens)
-  reduce_scatter_sequence(p)  SP's g: the sum over ranks, each rank's tokens
-  gather_kv(local)            concatenation on the last dim, broadcast
-  reduce_replica_grads(k, v)  identity: replicas are views of the same dense
-                              rows, autograd already sums their gradients
-
-A DROPPED collective is modelled as rank 0 sees it (``rank_views``): without f, ranks >= 1
-work on detached copies of ``x`` and ``norm`` (same values, but their dn never reaches the
-shared tensors); without g, each rank's output is its own partial, and only rank 0's is in
-the loss (only rank 0's shard learns); without the replica-group reduce, ranks that hold a
-non-first copy of a KV head use detached rows; under sequence parallelism, without the
-reduce-scatter every token's output is rank 0's partial (``own_tokens``), and the norm
-weight's gradient reduce is dropped (ranks >= 1 detached) or averaged (``ScaleGrad``).
-A collective applied twice: a second f multiplies the (already summed) dn by W, a second g
-multiplies the output by W with an identity backward (an all-reduce of W equal tensors).
-
-``one_graph_forward`` is the block in this view; ``tpattn.parallel.tp.tp_forward`` is the
-book's short version of it for plain TP (and the seed's digits).
+rank, and one loss is taken on what rank 0 reports (``output``). Its collectives
+(``one_graph_program``) are plain differentiable tensor ops whose backward autograd writes:
+f is the identity (autograd sums the ranks' dn where they meet), g a sum over the rank dim.
+A dropped collective is modelled as rank 0 sees it (``rank_views``: detached copies on ranks
+>= 1); a second f multiplies dn by W, a second g the output by W (identity backward).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from tpattn.config import Config
 from tpattn.block.kv_layout import has_replicas, replica_index
 from tpattn.block.params import shard_params
-from .collectives import F_LABEL, G_LABEL
-from .engine import ScaleGrad, rank_block
+from .engine import rank_block
+from .program import Program
+from .wrong import ScaleGrad, no_collective, replicas_kept
 
-__all__ = ["OneGraphRanks", "ScaleForward", "stacked_views", "one_graph_forward"]
+__all__ = ["OneGraphRanks", "ScaleForward", "stacked_views", "one_graph_forward",
+           "one_graph_program"]
 
 
 class ScaleForward(torch.autograd.Function):
@@ -63,8 +46,7 @@ def _broadcast(t: torch.Tensor, r: int) -> torch.Tensor:
 class OneGraphRanks:
     """Every rank of ``cfg.world_size`` in one graph, rank 0's view (module docstring).
 
-    The same methods as ``collectives.SimulatedRanks``; no ledger (``ledger`` is ``None``):
-    this view has no messages to count.
+    No ledger (``ledger`` is ``None``): this view has no messages to count.
     """
 
     def __init__(self, cfg: Config):
@@ -108,60 +90,17 @@ class OneGraphRanks:
         ``[S, B, hidden]``, or under sequence parallelism every rank's tokens put together."""
         return y.reshape(-1, *y.shape[2:]) if self.cfg.sequence_parallel else y[0]
 
-    def copy_to_ranks(self, n: torch.Tensor, label: str = F_LABEL,
-                      op: str = "sum") -> torch.Tensor:
-        """f on ``n`` ``[W, S, B, hidden]``: the identity (autograd's sum at the shared
-        tensors is the all-reduce); ``op="avg"`` scales every rank's dn by 1/W (their sum
-        is then the average); a second f (any other ``label``) scales dn by W."""
-        if op not in ("sum", "avg"):
-            raise ValueError(f"op must be 'sum' or 'avg' (got {op!r})")
-        if label != F_LABEL:
-            return ScaleGrad.apply(n, float(self.world_size))
-        return ScaleGrad.apply(n, 1.0 / self.world_size) if op == "avg" else n
-
-    def reduce_output(self, partial: torch.Tensor, label: str = G_LABEL) -> torch.Tensor:
-        """g on ``partial`` ``[W, S, B, hidden]``: every rank gets the rank sum; a second g
-        (any other ``label``) multiplies by W, backward identity."""
-        if label != G_LABEL:
-            return ScaleForward.apply(partial, float(self.world_size))
-        return _broadcast(partial.sum(0), self.world_size)
-
-    def own_tokens(self, full: torch.Tensor) -> torch.Tensor:
-        """Without SP's g: rank r's ``S/W`` tokens of rank 0's ``[S, ...]`` entry (what
-        rank 0 sees of every token): ``[W, S/W, ...]``."""
-        return full[0].view(self.world_size, -1, *full.shape[2:])
-
-    def gather_sequence(self, n: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
-        """SP's f on ``n`` ``[W, S/W, B, hidden]`` -> ``[W, S, B, hidden]``; without its
-        backward (``reduce_grad=False``) ranks >= 1 see a detached copy."""
-        full = n.reshape(-1, *n.shape[2:])
-        if reduce_grad:
-            return _broadcast(full, self.world_size)
-        return torch.cat([full.unsqueeze(0), _broadcast(full.detach(), self.world_size - 1)])
-
-    def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
-        """SP's g on ``partial`` ``[W, S, B, hidden]`` -> ``[W, S/W, B, hidden]``: rank r's
-        tokens of the rank sum."""
-        return partial.sum(0).view(self.world_size, -1, *partial.shape[2:])
-
-    def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
-        """K/V all-gather on ``local`` ``[W, S, B, c]`` -> ``[W, S, B, W*c]`` (rank order)."""
-        return _broadcast(torch.cat(local.unbind(0), dim=-1), self.world_size)
-
-    def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
-        """``(wk, wv)`` unchanged: replicas are views of one dense row block, so autograd
-        already sums their gradients (the replica-group all-reduce)."""
-        return wk, wv
-
 
 def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
     """``params.shard_params``'s shards of the dense ``p`` as ``[W, ...]`` views, no copy
-    (every rank holds whole KV heads: ``kv_heads >= world_size``): ``norm`` expanded, the
-    rows of ``wq``/``wk``/``wv`` and the columns of ``wo`` viewed rank-major."""
+    (every rank holds whole KV heads: ``kv_heads >= world_size``): ``norm`` (and ``bias``,
+    ``q_norm``, ``k_norm`` when ``p`` has them) expanded, the rows of ``wq``/``wk``/``wv`` and
+    the columns of ``wo`` viewed rank-major."""
     w, hidden = cfg.world_size, p["wq"].shape[1]
     return {"norm": _broadcast(p["norm"], w),
             **{k: p[k].view(w, -1, hidden) for k in ("wq", "wk", "wv")},
-            "wo": p["wo"].view(hidden, w, -1).transpose(0, 1)}
+            "wo": p["wo"].view(hidden, w, -1).transpose(0, 1),
+            **{k: _broadcast(p[k], w) for k in ("bias", "q_norm", "k_norm") if k in p}}
 
 
 def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
@@ -182,4 +121,53 @@ def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, 
     comm = OneGraphRanks(cfg)
     plain = shard_fn is shard_params and not has_replicas(cfg)
     xs, ps = comm.rank_views(x, stacked_views(p, cfg) if plain else shard_fn(p, cfg), inj, others)
-    return comm.output(rank_block(xs, ps, cfg, inj, comm))
+    return comm.output(rank_block(xs, ps, cfg, one_graph_program(inj), comm))
+
+
+def _sum_to_all(partial: torch.Tensor, comm) -> torch.Tensor:
+    """g in one graph: the sum over the rank dim ``[W, ...]``, seen by every rank."""
+    return _broadcast(partial.sum(0), comm.world_size)
+
+
+def _gather(n: torch.Tensor, comm) -> torch.Tensor:
+    """SP's all-gather in one graph: ``[W, S/W, ...]`` -> every rank's tokens ``[W, S, ...]``."""
+    return _broadcast(n.reshape(-1, *n.shape[2:]), comm.world_size)
+
+
+def _gather_no_reduce(n: torch.Tensor, comm) -> torch.Tensor:
+    """The all-gather without its backward reduce: ranks >= 1 see a detached copy."""
+    full = n.reshape(-1, *n.shape[2:])
+    return torch.cat([full.unsqueeze(0), _broadcast(full.detach(), comm.world_size - 1)])
+
+
+def _scatter(partial: torch.Tensor, comm) -> torch.Tensor:
+    """SP's reduce-scatter in one graph: rank r's tokens of the rank sum ``[W, S/W, ...]``."""
+    return partial.sum(0).view(comm.world_size, -1, *partial.shape[2:])
+
+
+def _own_tokens(full: torch.Tensor, comm) -> torch.Tensor:
+    """Without SP's g: rank r's tokens of rank 0's entry (what rank 0 sees of every token)."""
+    return full[0].view(comm.world_size, -1, *full.shape[2:])
+
+
+def _gather_kv(local: torch.Tensor, comm) -> torch.Tensor:
+    """The K/V all-gather in one graph: ``[W, S, B, c]`` -> ``[W, S, B, W*c]``."""
+    return _broadcast(torch.cat(local.unbind(0), dim=-1), comm.world_size)
+
+
+def one_graph_program(inj) -> Program:
+    """The injection's ``Program`` (``Injection.program``) with the collectives of one graph:
+    f the identity (``mean``: dn / W; ``twice``: dn * W), g the rank sum (twice: times W),
+    SP's gather and scatter as concatenation and sum, the replica reduce the identity."""
+    prog = inj.program()
+    f = {"sum": no_collective, "none": no_collective,
+         "mean": lambda n, comm: ScaleGrad.apply(n, 1.0 / comm.world_size),
+         "twice": lambda n, comm: ScaleGrad.apply(n, float(comm.world_size))}[inj.f]
+    g = {1: _sum_to_all, 0: no_collective,
+         2: lambda t, comm: ScaleForward.apply(_sum_to_all(t, comm), float(comm.world_size))}
+    gather = _gather_no_reduce if inj.f == "none" else _gather
+    if inj.f == "mean":
+        gather = lambda n, comm: ScaleGrad.apply(_gather(n, comm), 1.0 / comm.world_size)
+    return replace(prog, f=f, g=g[inj.g], sp_gather=gather,
+                   sp_scatter=_scatter if inj.g else _own_tokens, kv_gather=_gather_kv,
+                   replica_reduce=replicas_kept)

@@ -6,19 +6,45 @@ meet only in the collectives. ``rank0_view`` is what rank 0 reports of it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tpattn.config import Config
 from tpattn.block.params import unshard_params
-from .collectives import SimulatedRanks
-from .engine import rank_block, stack_ranks, train_step
+from .collectives import F_LABEL, G_LABEL, SimulatedRanks
+from .engine import as_program, rank_block, stack_ranks, train_step
+from .program import Program
 
 __all__ = ["simulated_step", "simulated_forward", "forward_rank_list", "rank_steps",
-           "gather_steps", "rank0_view", "mesh_view", "replica_views"]
+           "gather_steps", "rank0_view", "mesh_view", "replica_views", "with_reader_fg"]
 
 
 def _stacked(per_rank):
     return per_rank if isinstance(per_rank, dict) else stack_ranks(per_rank)
+
+
+def with_reader_fg(prog, f=None, g=None) -> Program:
+    """``prog`` (a ``Program`` or ``Injection``) with a reader's f and g: ``torch.autograd.
+    Function`` subclasses whose ``apply(*tensors)`` maps one ``[...]`` per rank to one per
+    rank (``None``: the program's own). The ledger records them as f's and g's."""
+    prog = as_program(prog)
+    if f is None and g is None:
+        return prog
+    stages = {}
+    if f is not None:
+        def reader_f(n, comm):
+            out = torch.stack(f.apply(*n.unbind(0)))
+            if out.requires_grad:
+                out.register_hook(lambda grad: comm.record("backward", F_LABEL))
+            return out
+        stages["f"] = reader_f
+    if g is not None:
+        def reader_g(partial, comm):
+            comm.record("forward", G_LABEL)
+            return torch.stack(g.apply(*partial.unbind(0)))
+        stages["g"] = reader_g
+    return replace(prog, **stages)
 
 
 def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
@@ -28,13 +54,14 @@ def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
 
     shards: every rank's parameters (a list of per-rank dicts, or one stacked dict
     ``[R, ...]``); batches: every rank's ``(x, target)`` (``[S_r, B, hidden]`` each).
-    ``f``, ``g``: optional reader's collectives (``collectives.SimulatedRanks``); ``rng``:
+    ``f``, ``g``: optional reader's collectives (``with_reader_fg``); ``rng``:
     the ranks' random streams (``rng.RankStreams``, needed with dropout). Returns
     ``train_step``'s dict (stacked tensors; ``ledger`` the collectives, in order)."""
     x = torch.stack([b[0] for b in batches])
     target = torch.stack([b[1] for b in batches])
-    comm = SimulatedRanks(cfg, [], f=f, g=g)
-    return train_step(_stacked(shards), x, target, cfg, inj, comm, lr, rng)
+    comm = SimulatedRanks(cfg, [])
+    return train_step(_stacked(shards), x, target, cfg, with_reader_fg(inj, f, g), comm, lr,
+                      rng)
 
 
 def simulated_forward(shards, xs, cfg: Config, inj, rng=None) -> torch.Tensor:
@@ -97,7 +124,7 @@ def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tenso
                       cfg: Config, inj, f=None, g=None) -> list[torch.Tensor]:
     """``engine.rank_block`` with one tensor per rank in and out (differentiable: gradients
     reach each rank's own ``xs`` and ``shards`` leaves). xs: one ``[S_r, B, hidden]`` per
-    rank; returns one per rank. ``f``, ``g``: as in ``collectives.SimulatedRanks``."""
+    rank; returns one per rank. ``f``, ``g``: as in ``with_reader_fg``."""
     p = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
-    y = rank_block(torch.stack(list(xs)), p, cfg, inj, SimulatedRanks(cfg, f=f, g=g))
+    y = rank_block(torch.stack(list(xs)), p, cfg, with_reader_fg(inj, f, g), SimulatedRanks(cfg))
     return list(y.unbind(0))

@@ -1,29 +1,12 @@
-"""Tensor-parallel attention over *simulated* ranks (one process, one list entry per rank).
+"""Tensor-parallel attention over simulated ranks: one list entry per rank, one autograd graph.
 
-Each rank holds complete query/KV head groups: column-parallel Q/K/V (its rows of wq, wk, wv),
-row-parallel output projection (its columns of wo). Two collectives make the sharded block
-equal the dense one — Megatron-LM's *f* and *g* (``tensor_parallel/mappings.py``:
-``copy_to_tensor_model_parallel_region`` and ``reduce_from_tensor_model_parallel_region``;
-current Megatron-Core also issues f's backward all-reduce inside the column-parallel layer,
-``LinearWithGradAccumulationAndAsyncCommunication`` in ``tensor_parallel/layers.py``, when
-``allreduce_dgrad`` is set)::
-
-          f                                                  g
-    n ── copy ──┬─ rank 0: Q/K/V shard ─ attention ─ wo ─┬─ sum ─ (+ x)
-                └─ rank 1: Q/K/V shard ─ attention ─ wo ─┘
-    backward:  sum of the ranks' dn             copy to every rank
-
-f's backward sums ``dn = ∂L/∂n``, the gradient at the input of the sharded region (after
-RMSNorm), over the ranks. The input gradient ``dX = ∂L/∂x`` is the residual's ``dy`` plus
-RMSNorm's backward of that sum; it is never all-reduced (summing it would count ``dy`` once
-per rank).
-
-In one process the "collectives" are plain tensor code, and autograd does the backward half:
-a tensor used by several ranks receives the *sum* of their gradients (f's all-reduce), and a sum
-hands its gradient unchanged to every term (g's identity). This is the seed's one-graph model,
-rank 0's view; ``tpattn.parallel.engine`` writes the block once per rank with the collectives
-passed in (every simulated rank its own tensors: ``tpattn.parallel.collectives``; real
-processes: ``tpattn.real.ranks``).
+Each rank holds whole query/KV head groups: column-parallel Q/K/V rows, row-parallel ``wo``
+columns. Megatron-LM's f (``copy_to_tensor_model_parallel_region``) and g
+(``reduce_from_tensor_model_parallel_region``, ``tensor_parallel/mappings.py``) join them. In
+one graph autograd does their backward: a tensor used by every rank receives the sum of their
+gradients (f's all-reduce of dn), a sum hands its gradient to every term (g's identity). This
+is the original fixture's model, rank 0's view; ``tpattn.parallel.engine`` runs the block per
+rank with the collectives as Functions (``tpattn.parallel.collectives``).
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Cross-check with PyTorch's own tensor-parallel API (DTensor).
 
-The same attention block as an ``nn.Module`` — ``wq, wk, wv, wo`` are ``nn.Linear(bias=False)``
-holding ``init_params``' weights, ``norm`` is a parameter — parallelized by
-``torch.distributed.tensor.parallel.parallelize_module``::
-
-    wq, wk, wv   ColwiseParallel   weight Shard(0): each rank keeps the rows
-                                   of its heads
-    wo           RowwiseParallel   weight Shard(1): each rank keeps the
-                                   columns of its heads
-
-PyTorch places the collectives itself: ``RowwiseParallel`` sums the output partials in
-forward (our *g*), and the replicated input of each ``ColwiseParallel`` layer sums its gradient
-in backward (our *f*). Nothing here is written for TP by hand; the forward only has to read its
-head counts from the (local) weights — ``view(s, b, -1, head_dim)`` — because every rank sees
-``local_query_heads``/``local_kv_heads`` heads, never the global counts.
-
-Must run on every rank of an initialized default process group (see ``tpattn.real.ranks``).
-Importing this module loads ``torch.distributed.tensor`` (seconds): ``import tpattn`` does not.
+``AttentionBlock``: the dense block as an ``nn.Module`` (``wq, wk, wv, wo`` are
+``nn.Linear(bias=False)``), sharded by ``parallelize_module`` with Megatron's plan: wq, wk, wv
+``ColwiseParallel`` (weight ``Shard(0)``), wo ``RowwiseParallel`` (weight ``Shard(1)``).
+PyTorch places the collectives itself: Rowwise sums the partials in forward (g), each
+Colwise layer's replicated input sums its gradient in backward (f). The forward reads head
+counts from the (local) weights. Run on every rank of an initialized default process group;
+importing this module loads ``torch.distributed.tensor`` (seconds): ``import tpattn`` does not.
 """
 from __future__ import annotations
 
@@ -27,14 +17,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from tpattn.check.core import EQUIVALENCE, LR, PARAM_SEED_OFFSET, make_inputs
+from tpattn.check.core import (EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference,
+                               five_measures, make_inputs)
 from tpattn.config import Config
-from tpattn.check.core import dense_reference, five_measures
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
 
-__all__ = ["AttentionBlock", "parallelize_block", "dtensor_check"]
+__all__ = ["AttentionBlock", "parallelize_block", "full_value", "dtensor_check"]
 
 
 class AttentionBlock(nn.Module):
@@ -88,7 +78,7 @@ def parallelize_block(block: AttentionBlock, world_size: int,
     return parallelize_module(block, mesh, plan)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (an all-gather), or a plain tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -116,10 +106,10 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
               "backward": _count_all_reduce(backward_comms)}
 
     params = {"norm": block.norm, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
-    grads = {k: _full(params[k].grad) for k in PARAM_NAMES}
+    grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}
     stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
     tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad, "grads": grads,
-          "weights": {k: _full(stepped[k]) for k in PARAM_NAMES}}
+          "weights": {k: full_value(stepped[k]) for k in PARAM_NAMES}}
     return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), ledger
 
 

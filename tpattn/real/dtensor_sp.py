@@ -1,21 +1,12 @@
 """Cross-check of sequence parallelism with PyTorch's own API (DTensor).
 
-The block of ``tpattn.parallel.sequence_parallel`` as an ``nn.Module`` whose ``norm`` is a module
-(``RMSNorm``), parallelized by ``parallelize_module`` on a 1-D device mesh::
-
-    norm         SequenceParallel(sequence_dim=0)
-                     weight Replicate, input/output Shard(0)
-    wq, wk, wv   ColwiseParallel(input_layouts=Shard(0))
-                     all-gather the tokens first
-    wo           RowwiseParallel(output_layouts=Shard(0))
-                     reduce-scatter to the tokens
-
-Our layout is sequence-first, so the sequence is dimension 0 (PyTorch's defaults assume
-batch-first, dimension 1). Nothing here reduces the ``norm`` gradient by hand: the weight is a
-``Replicate`` DTensor used on ``Shard(0)`` tokens, so autograd's sum over the tokens is a
-``Partial`` placement, and DTensor all-reduces it when the gradient is made ``Replicate``.
-
-Must run on every rank of an initialized default process group (see ``tpattn.real.ranks``).
+``SequenceParallelBlock`` (``norm`` a module) parallelized on a 1-D mesh: ``norm``
+``SequenceParallel(sequence_dim=0)`` (tokens ``Shard(0)``), wq/wk/wv
+``ColwiseParallel(input_layouts=Shard(0))`` (all-gather the tokens), wo
+``RowwiseParallel(output_layouts=Shard(0))`` (reduce-scatter to the tokens). The sequence is
+dim 0 (our layout is sequence-first). Nothing reduces the ``norm`` gradient by hand: it is a
+``Partial`` placement, all-reduced when the step reads it. Run on every rank of an initialized
+default process group.
 """
 from __future__ import annotations
 
@@ -25,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from tpattn.check.core import EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs
 from tpattn.config import Config
-from .dtensor_check import AttentionBlock
+from .dtensor_check import AttentionBlock, full_value
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
@@ -92,10 +83,6 @@ def norm_grad_placement(block: SequenceParallelBlock) -> str:
     return ", ".join(str(p) for p in grad.placements) if hasattr(grad, "placements") else "plain"
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _counts(mode: CommDebugMode, phase: str) -> Counter:
     counts = Counter()
     for op, n in mode.get_comm_counts().items():
@@ -132,10 +119,10 @@ def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu")
         (F.mse_loss(y, target[tokens], reduction="sum") / target.numel()).backward()
     placement = norm_grad_placement(block)
     params = {"norm": block.norm.weight, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
-    grads = {k: _full(params[k].grad) for k in PARAM_NAMES}  # a Partial grad: summed on reading
+    grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}  # a Partial grad: summed on reading
     with CommDebugMode() as step_comms:  # the SGD step on the DTensors
         stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
-    weights = {k: _full(stepped[k]) for k in PARAM_NAMES}
+    weights = {k: full_value(stepped[k]) for k in PARAM_NAMES}
     pieces = [torch.empty_like(y) for _ in range(w)], [torch.empty_like(x) for _ in range(w)]
     dist.all_gather(pieces[0], y.detach().contiguous())
     dist.all_gather(pieces[1], x.grad.contiguous())

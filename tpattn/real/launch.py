@@ -1,19 +1,12 @@
 """Start one process per rank, watch them, fail fast: the plumbing under ``tpattn.real.ranks``.
 
-``run_on_ranks(rank_fn, world_size, plan, ...)`` starts ``world_size`` processes that join one
-process group (rendezvous on a ``TCPStore`` this process owns on 127.0.0.1, port picked by the
-OS, so parallel runs never collide), calls ``rank_fn(rank, plan, device, on_progress)`` in each
-and returns their results. It never hangs and never leaves a process behind:
-
-- every collective waits at most ``timeout`` seconds (gloo's own default is 30 minutes);
-- the first rank that raises, exits without reporting or stops reporting ends the run: the
-  other ranks get a short grace to report what they saw, every rank process is stopped, and
-  ``RankFailure`` says in one line which rank caused it;
-- a rank process exits by itself when the process that started it is gone.
-
-A rank's exception may carry two attributes that help the diagnosis: ``in_collective``
-(it is a collective's failure — usually a *consequence* of another rank's problem) and
-``deviation`` (this rank had issued collectives out of plan before — the *cause*).
+``run_on_ranks(rank_fn, world_size, plan, ...)`` starts processes that join one process group
+(a ``TCPStore`` on 127.0.0.1, port picked by the OS), calls ``rank_fn(rank, plan, device,
+on_progress)`` in each and returns their results. Every collective waits at most ``timeout``
+seconds; the first rank that raises, exits without reporting or stops reporting ends the run
+with ``RankFailure`` naming it, and no process is left behind. A rank's exception may carry
+``in_collective`` (a collective failed: usually a consequence) and ``deviation`` (this rank
+left the plan before: the cause).
 """
 from __future__ import annotations
 
@@ -30,9 +23,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "run_on_ranks", "default_backend", "rank_device",
+__all__ = ["DEFAULT_TIMEOUT", "RankFailure", "run_on_ranks", "default_backend", "rank_device",
            "pin_gloo_to_loopback", "backend_message", "describe_error"]
 
+#: Seconds any collective (and the rendezvous) may wait before the run fails.
+DEFAULT_TIMEOUT = 60.0
 #: After the first failure, how long the other ranks may take to report what they saw (up to
 #: min(timeout, 5 s) while every report so far is a failed collective, i.e. a consequence).
 FAILURE_GRACE_S = 1.0

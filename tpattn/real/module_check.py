@@ -32,12 +32,10 @@ import torch.nn.functional as F
 
 from tpattn.block.sgd import sgd_step
 from tpattn.check.core import LR, MEASURES, TOLERANCE, five_measures, max_abs_diff
-from .launch import default_backend, run_on_ranks
+from .launch import DEFAULT_TIMEOUT, default_backend, run_on_ranks
 
 __all__ = ["ModuleCheck", "check_module", "check_plans", "DEFAULT_TIMEOUT"]
 
-#: Seconds any collective (and the rendezvous) may wait before the run fails.
-DEFAULT_TIMEOUT = 60.0
 #: The regression target is drawn from this seed (the same on every rank).
 TARGET_SEED = 0
 

@@ -1,0 +1,37 @@
+"""Made-up bugs of the held-out evaluation (``tpattn.diagnosis.evaluate``): no registry entry.
+
+``Injection.partial_scale`` and ``Injection.rank_lr_scale`` name these substitutions;
+``parallel.wrong.program_of`` looks them up in ``parallel.wrong.MADE_UP_STAGES``, filled here.
+"""
+from __future__ import annotations
+
+import torch
+
+from tpattn.block.sgd import sgd_step
+from tpattn.parallel.wrong import MADE_UP_STAGES
+
+__all__ = ["scaled_partials", "lr_scaled"]
+
+
+def scaled_partials(scale):
+    """A ``before_g`` stage: every rank's partial ``[R, S, B, hidden]`` times ``scale``, or
+    TP rank r's times ``scale[r]`` (a tuple)."""
+    def before_g(partial: torch.Tensor, p: dict, comm) -> torch.Tensor:
+        if isinstance(scale, tuple):
+            return partial * partial.new_tensor([scale[r] for r in comm.ranks]).view(-1, 1, 1, 1)
+        return partial * scale
+    return before_g
+
+
+def lr_scaled(scales: tuple):
+    """An ``update`` stage: TP rank r's SGD step with its learning rate times ``scales[r]``
+    (0: the rank keeps its pre-step weights)."""
+    def update(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dict:
+        per_rank = [sgd_step({k: t[i] for k, t in ps.items()},
+                             {k: g[i] for k, g in grads.items()}, lr, scales[rank] * coefs[i])
+                    for i, rank in enumerate(comm.ranks)]
+        return {k: torch.stack([w[k] for w in per_rank]) for k in ps}
+    return update
+
+
+MADE_UP_STAGES.update(partial_scale=scaled_partials, rank_lr_scale=lr_scaled)
