@@ -62,7 +62,7 @@ class Config:
       sharded region: a different random stream on every TP rank) and residual dropout (outside
       it: the same stream on every TP rank), as Megatron's model-parallel RNG tracker draws them;
     - ``qk_norm`` is a bool: RMSNorm on every query and key head before RoPE (weights
-      ``[head_dim]``, replicated on every TP rank, as Qwen3, OLMo 2 and Gemma 3 do).
+      ``[head_dim]``, replicated on every TP rank, as Qwen3 and Gemma 3 do).
 
     ``dropout > 0`` and ``qk_norm`` need plain TP layouts: no ``sequence_parallel``, and
     ``kv_heads >= world_size``.
