@@ -1,0 +1,85 @@
+"""How much a reader reads in the intro and Parts I–III: words, code, shown package source.
+
+Per page (in the table of contents' order): words of markdown, non-blank lines of code cells,
+lines of shown package source (the stored ``show_source`` outputs), and the longest single
+shown object in lines. Totals at the end. Reads the stored notebooks; runs nothing.
+
+    .venv/bin/python bench/reading_load.py [--parts "Part I" "Part II" "Part III"] [--smoke]
+
+``--smoke``: the same table for the intro and chapter 1 only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOWN = re.compile(r"^# tpattn/\S+ · \S+$")
+WORD = re.compile(r"[\w'’-]+")
+
+
+def pages(parts: list[str]) -> list[Path]:
+    """The notebooks of the root page and of the parts whose caption starts with one of ``parts``."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]] + [c["file"] for p in toc["parts"]
+                             if any(p["caption"].startswith(x + ":") for x in parts)
+                             for c in p["chapters"]]
+    out = []
+    for f in files:
+        nb, md = ROOT / f"{f}.ipynb", ROOT / f"{f}.md"
+        out.append(nb if nb.exists() else md)
+    return out
+
+
+def shown_objects(text: str) -> list[int]:
+    """Line counts of each object in one ``show_source`` text output."""
+    sizes = []
+    for line in text.splitlines():
+        if SHOWN.match(line):
+            sizes.append(0)
+        elif sizes:
+            sizes[-1] += 1
+    return [n for n in sizes]
+
+
+def load(path: Path) -> dict:
+    """Words, code lines, shown-source lines and the longest shown object of one page."""
+    if path.suffix == ".md":
+        return {"words": len(WORD.findall(path.read_text())), "code": 0, "shown": 0, "longest": 0}
+    words = code = 0
+    objects: list[int] = []
+    for cell in json.loads(path.read_text())["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            words += len(WORD.findall(src))
+        elif cell["cell_type"] == "code":
+            code += sum(1 for line in src.splitlines() if line.strip())
+            if "show_source" in src:
+                for out in cell.get("outputs", []):
+                    text = "".join(out.get("data", {}).get("text/plain", ""))
+                    objects += shown_objects(text.strip("'\""))
+    return {"words": words, "code": code, "shown": sum(objects), "longest": max(objects, default=0)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", nargs="+", default=["Part I", "Part II", "Part III"])
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args(argv)
+    paths = pages(a.parts)[:2] if a.smoke else pages(a.parts)
+    rows = [(p.relative_to(ROOT).as_posix(), load(p)) for p in paths]
+    print(f"{'page':<40}{'words':>8}{'code':>7}{'shown':>7}{'longest':>9}")
+    for name, r in rows:
+        print(f"{name:<40}{r['words']:>8}{r['code']:>7}{r['shown']:>7}{r['longest']:>9}")
+    tot = {k: sum(r[k] for _, r in rows) for k in ("words", "code", "shown")}
+    longest = max(r["longest"] for _, r in rows)
+    print(f"{'total':<40}{tot['words']:>8}{tot['code']:>7}{tot['shown']:>7}{longest:>9}")
+    print(f"code + shown source: {tot['code'] + tot['shown']} lines")
+
+
+if __name__ == "__main__":
+    main()
