@@ -1,6 +1,7 @@
 """How much a reader reads in the intro and Parts I–III: words, code, shown package source.
 
-Per page (in the table of contents' order): words of markdown, non-blank lines of code cells,
+Per page (in the table of contents' order): words of markdown (outside ``<details>`` toggles,
+whose words are counted apart), non-blank lines of code cells,
 lines of shown package source (the stored ``show_source`` outputs), and the longest single
 shown object in lines. Totals at the end. Reads the stored notebooks; runs nothing.
 
@@ -20,6 +21,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SHOWN = re.compile(r"^# tpattn/\S+ · \S+$")
 WORD = re.compile(r"[\w'’-]+")
+DETAILS = re.compile(r"<details>.*?</details>", re.S)
+
+
+def words(markdown: str) -> tuple[int, int]:
+    """Words outside and inside ``<details>`` toggles."""
+    inside = sum(len(WORD.findall(m)) for m in DETAILS.findall(markdown))
+    return len(WORD.findall(DETAILS.sub("", markdown))), inside
 
 
 def pages(parts: list[str]) -> list[Path]:
@@ -49,20 +57,22 @@ def shown_objects(text: str) -> list[int]:
 def load(path: Path) -> dict:
     """Words, code lines, shown-source lines and the longest shown object of one page."""
     if path.suffix == ".md":
-        return {"words": len(WORD.findall(path.read_text())), "code": 0, "shown": 0, "longest": 0}
-    words = code = 0
+        shown_words, toggled = words(path.read_text())
+        return {"words": shown_words, "toggled": toggled, "code": 0, "shown": 0, "longest": 0}
+    n_words = toggled = code = 0
     objects: list[int] = []
     for cell in json.loads(path.read_text())["cells"]:
         src = "".join(cell["source"])
         if cell["cell_type"] == "markdown":
-            words += len(WORD.findall(src))
+            w, t = words(src)
+            n_words, toggled = n_words + w, toggled + t
         elif cell["cell_type"] == "code":
             code += sum(1 for line in src.splitlines() if line.strip())
             if "show_source" in src:
                 for out in cell.get("outputs", []):
                     text = "".join(out.get("data", {}).get("text/plain", ""))
                     objects += shown_objects(text.strip("'\""))
-    return {"words": words, "code": code, "shown": sum(objects), "longest": max(objects, default=0)}
+    return {"words": n_words, "toggled": toggled, "code": code, "shown": sum(objects), "longest": max(objects, default=0)}
 
 
 def main(argv=None) -> None:
@@ -72,12 +82,13 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     paths = pages(a.parts)[:2] if a.smoke else pages(a.parts)
     rows = [(p.relative_to(ROOT).as_posix(), load(p)) for p in paths]
-    print(f"{'page':<40}{'words':>8}{'code':>7}{'shown':>7}{'longest':>9}")
+    cols = ("words", "toggled", "code", "shown", "longest")
+    print(f"{'page':<40}" + "".join(f"{c:>9}" for c in cols))
     for name, r in rows:
-        print(f"{name:<40}{r['words']:>8}{r['code']:>7}{r['shown']:>7}{r['longest']:>9}")
-    tot = {k: sum(r[k] for _, r in rows) for k in ("words", "code", "shown")}
-    longest = max(r["longest"] for _, r in rows)
-    print(f"{'total':<40}{tot['words']:>8}{tot['code']:>7}{tot['shown']:>7}{longest:>9}")
+        print(f"{name:<40}" + "".join(f"{r[c]:>9}" for c in cols))
+    tot = {c: sum(r[c] for _, r in rows) for c in cols[:-1]}
+    tot["longest"] = max(r["longest"] for _, r in rows)
+    print(f"{'total':<40}" + "".join(f"{tot[c]:>9}" for c in cols))
     print(f"code + shown source: {tot['code'] + tot['shown']} lines")
 
 

@@ -36,7 +36,7 @@ FIGURES = {
     "notebook_times.py": [rf"smoke\.ipynb +{NUMBER} s"],
     "omp_wait.py": [rf"OMP_WAIT_POLICY=\(unset\) +wall +{NUMBER} s +CPU +{NUMBER} s",
                     rf"OMP_WAIT_POLICY=PASSIVE +wall +{NUMBER} s +CPU +{NUMBER} s"],
-    "reading_load.py": [r"book/01_fixture\.ipynb +\d+ +\d+ +\d+ +\d+",
+    "reading_load.py": [r"book/01_fixture\.ipynb +\d+ +\d+ +\d+ +\d+ +\d+",
                         r"code \+ shown source: \d+ lines"],
     "real_ranks.py": [rf"run_distributed\(2\), one seed, every mode: startup {NUMBER} s",
                       rf"run_matrix\(\) in-process: {NUMBER} s"],
