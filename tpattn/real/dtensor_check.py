@@ -1,12 +1,8 @@
 """Cross-check with PyTorch's own tensor-parallel API (DTensor).
 
-``AttentionBlock``: the dense block as an ``nn.Module`` (``wq, wk, wv, wo`` are
-``nn.Linear(bias=False)``), sharded by ``parallelize_module`` with Megatron's plan: wq, wk, wv
-``ColwiseParallel`` (weight ``Shard(0)``), wo ``RowwiseParallel`` (weight ``Shard(1)``).
-PyTorch places the collectives itself: Rowwise sums the partials in forward (g), each
-Colwise layer's replicated input sums its gradient in backward (f). The forward reads head
-counts from the (local) weights. Run on every rank of an initialized default process group;
-importing this module loads ``torch.distributed.tensor`` (seconds): ``import tpattn`` does not.
+``AttentionBlock``, the dense block as an ``nn.Module``, sharded by ``parallelize_module``
+with Megatron's plan (wq, wk, wv ``ColwiseParallel``, wo ``RowwiseParallel``): PyTorch places
+the collectives. Importing this module loads ``torch.distributed.tensor`` (seconds).
 """
 from __future__ import annotations
 
@@ -23,18 +19,14 @@ from tpattn.config import Config
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
+from .module_check import full_value
 
-__all__ = ["AttentionBlock", "parallelize_block", "full_value", "dtensor_check"]
+__all__ = ["AttentionBlock", "parallelize_block", "dtensor_check"]
 
 
 class AttentionBlock(nn.Module):
-    """``dense_forward`` as an ``nn.Module``, so that ``parallelize_module`` can shard it.
-
-    The forward is the package's layer functions in ``dense_forward``'s order; head counts are
-    read from the projections' (possibly rank-local) output width, never from ``cfg``, and the
-    sequence length from ``wq``'s output (``dtensor_sp.SequenceParallelBlock``, a subclass,
-    gathers the tokens inside ``wq``). Subclasses change only ``make_norm``/``normalize``.
-    """
+    """``dense_forward`` as an ``nn.Module`` for ``parallelize_module``: head counts and the
+    sequence length are read from the (rank-local) projections' outputs."""
 
     def __init__(self, params: dict[str, torch.Tensor], cfg: Config):
         super().__init__()
@@ -78,19 +70,9 @@ def parallelize_block(block: AttentionBlock, world_size: int,
     return parallelize_module(block, mesh, plan)
 
 
-def full_value(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (an all-gather), or a plain tensor as is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """The five measures of ``run(seed, "equivalence", cfg)`` with the TP side done by DTensor.
-
-    Call on every rank. Returns ``(metrics, ledger)``: ``metrics`` has ``run()``'s keys and order
-    (mode ``"equivalence"``), computed on every rank; ``ledger`` counts the all-reduces DTensor
-    issued in forward and in backward (``CommDebugMode``), as
-    ``{"forward": int, "backward": int}``.
-    """
+    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's TP, and
+    the all-reduces it issued, ``{"forward": n, "backward": n}``."""
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
