@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tpattn.config import Config
+from .kv_layout import check_rank
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
            "convert_qkv_weight",
@@ -83,17 +84,9 @@ def convert_qkv_weight(w: torch.Tensor, cfg: Config, src: str, dst: str) -> torc
     return fuse_qkv_weight(*split_qkv_weight(w, cfg, src), cfg, dst)
 
 
-def _check_rank(tp_rank, cfg: Config) -> int:
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) \
-            or not 0 <= tp_rank < cfg.world_size:
-        raise ValueError(f"tp_rank must be an integer in [0, world_size={cfg.world_size}) "
-                         f"(got {tp_rank!r})")
-    return tp_rank
-
-
 def rank_row_block(cfg: Config, tp_rank: int) -> slice:
     """Rank ``tp_rank``'s rows of a grouped checkpoint: ``[r*R/W, (r+1)*R/W)``, ``R`` its rows."""
-    _check_rank(tp_rank, cfg)
+    check_rank(cfg, tp_rank, "tp_rank")
     if cfg.kv_heads % cfg.world_size:
         raise ValueError(f"kv_heads must be a multiple of world_size for a rank to hold "
                          f"complete groups (got kv_heads={cfg.kv_heads}, "
@@ -125,7 +118,7 @@ def load_qkv_weight(loaded_weight: torch.Tensor, cfg: Config, layout: str = "pla
     tp_rank = kwargs.get("tp_rank", 0)
     _check_layout(layout)
     _check_fused(loaded_weight, cfg, "loaded_weight")
-    _check_rank(tp_rank, cfg)
+    check_rank(cfg, tp_rank, "tp_rank")
     if cfg.kv_heads < cfg.world_size:
         raise ValueError(f"kv_heads must be >= world_size for load_qkv_weight (got "
                          f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")

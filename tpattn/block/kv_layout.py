@@ -6,9 +6,9 @@ from tpattn.config import KV_STRATEGIES, Config
 
 REPLICATE_WEIGHTS, GATHER_ACTIVATIONS = KV_STRATEGIES
 
-__all__ = ["REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "has_replicas", "kv_head_of_rank",
-           "replica_groups", "replica_index", "kv_weight_rows", "is_first_kv_copy",
-           "kv_grad_bug_applies"]
+__all__ = ["REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "has_replicas", "check_rank",
+           "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
+           "is_first_kv_copy", "kv_grad_bug_applies"]
 
 
 def has_replicas(cfg: Config) -> bool:
@@ -16,16 +16,18 @@ def has_replicas(cfg: Config) -> bool:
     return cfg.kv_heads < cfg.world_size
 
 
-def _check_rank(cfg: Config, rank: int) -> int:
+def check_rank(cfg: Config, rank, name: str = "rank") -> int:
+    """``rank`` if it is an integer in ``[0, world_size)``, else ``ValueError`` naming ``name``."""
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cfg.world_size:
-        raise ValueError(f"rank must be an integer in [0, world_size={cfg.world_size}) (got {rank!r})")
+        raise ValueError(f"{name} must be an integer in [0, world_size={cfg.world_size}) "
+                         f"(got {rank!r})")
     return rank
 
 
 def kv_head_of_rank(cfg: Config, rank: int) -> int:
     """The (first) KV head of rank ``rank``: ``rank // (W/Hkv)`` if replicated, else
     ``rank * Hkv/W``."""
-    _check_rank(cfg, rank)
+    check_rank(cfg, rank)
     if has_replicas(cfg):
         return rank // cfg.kv_replicas
     return rank * cfg.local_kv_heads
@@ -39,7 +41,7 @@ def replica_groups(cfg: Config) -> list[list[int]]:
 
 def replica_index(cfg: Config, rank: int) -> int:
     """Position of ``rank`` in its replica group (0: the group's first rank)."""
-    return _check_rank(cfg, rank) % cfg.kv_replicas
+    return check_rank(cfg, rank) % cfg.kv_replicas
 
 
 def kv_weight_rows(cfg: Config, rank: int) -> slice:
@@ -49,7 +51,7 @@ def kv_weight_rows(cfg: Config, rank: int) -> slice:
     d = cfg.head_dim
     if has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS:
         c = cfg.kv_heads * d // cfg.world_size
-        return slice(_check_rank(cfg, rank) * c, (rank + 1) * c)
+        return slice(check_rank(cfg, rank) * c, (rank + 1) * c)
     first, count = kv_head_of_rank(cfg, rank), cfg.local_kv_heads
     return slice(first * d, (first + count) * d)
 

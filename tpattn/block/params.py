@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tpattn.config import Config
-from .kv_layout import is_first_kv_copy, kv_weight_rows
+from .kv_layout import check_rank, is_first_kv_copy, kv_weight_rows
 
 #: Standard deviation of the original fixture's weight init.
 INIT_STD = 0.15
@@ -52,8 +52,7 @@ def rank_head_slices(cfg: Config, rank: int) -> tuple[slice, slice]:
     """The rows of wq (columns of wo) and of wk/wv that TP rank ``rank`` owns: query heads
     ``[r*Hq/W, (r+1)*Hq/W)``, and ``kv_layout.kv_weight_rows`` (its own KV heads, which its
     query heads read, or with ``kv_heads < world_size`` a copy or a slice of one)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cfg.world_size:
-        raise ValueError(f"rank must be an integer in [0, world_size={cfg.world_size}) (got {rank!r})")
+    check_rank(cfg, rank)
     d, q = cfg.head_dim, cfg.local_query_heads
     return slice(rank * q * d, (rank + 1) * q * d), kv_weight_rows(cfg, rank)
 

@@ -137,10 +137,9 @@ def _losses(y: torch.Tensor, target: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
                cfg: Config, prog, comm, lr: float, rng=None) -> dict:
-    """One step on ``comm``'s ranks: forward, losses, backward, the after-backward reduces,
-    the gradient norm, clipping if ``prog.clip``, SGD. p: stacked (not modified); x, target
-    ``[R, S_r, B, hidden]``. Returns ``outputs``, ``losses``, ``input_grads``, ``grads``,
-    ``weights``, ``grad_norm``, ``ledger``."""
+    """One step on ``comm``'s ranks (forward, backward, reduces, norm, clipping, SGD): p
+    stacked, x, target ``[R, S_r, B, hidden]`` -> ``outputs``, ``losses``, ``input_grads``,
+    ``grads``, ``weights``, ``grad_norm``, ``ledger``."""
     prog = as_program(prog)
     r = x.shape[0]
     ps = {k: t.detach().clone().requires_grad_(True) for k, t in p.items()}

@@ -77,11 +77,8 @@ def kv_collectives(cfg: Config) -> list[dict]:
 
 
 def kv_costs(cfg: Config) -> dict:
-    """Per rank and step, under each strategy the shape allows: ``{strategy: {...}}`` with
-    ``weight_elements``/``weight_bytes`` (its shards), ``kv_weight_elements`` (wk + wv),
-    ``kv_activation_elements`` (K/V it holds; after the gather, every head's),
-    ``kv_bytes_moved`` and ``fg_bytes_moved`` (``ring_bytes`` of the KV collectives, of f and g).
-    """
+    """Per rank and step, for each strategy the shape allows: ``weight_elements``/``_bytes``,
+    ``kv_weight_elements``, ``kv_activation_elements``, ``kv_bytes_moved``, ``fg_bytes_moved``."""
     from dataclasses import replace
 
     size = torch.empty((), dtype=cfg.torch_dtype).element_size()

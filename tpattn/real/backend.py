@@ -56,9 +56,8 @@ def build_groups(cfg: Config, device_type: str = "cpu", timeout: float = 60.0) -
 
 
 class RealRanks(SimulatedRanks):
-    """``SimulatedRanks`` for global rank ``rank``: tensors ``[1, ...]``, real collectives.
-    ``plan``: the ledger it should record (``None``: unchecked); ``job`` names the run in errors;
-    ``traffic``: per collective ``{"label", "phase", "kind", "group_size", "elements"}``."""
+    """``SimulatedRanks`` for rank ``rank``, tensors ``[1, ...]``; ``plan``: its expected ledger,
+    ``traffic``: ``{"label", "phase", "kind", "group_size", "elements"}`` per collective."""
 
     def __init__(self, cfg: Config, groups: dict, rank: int, plan: list | None = None,
                  job: str = ""):

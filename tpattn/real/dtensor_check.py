@@ -6,6 +6,8 @@ the collectives. Importing this module loads ``torch.distributed.tensor`` (secon
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +23,7 @@ from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
 from .module_check import full_value
 
-__all__ = ["AttentionBlock", "parallelize_block", "dtensor_check"]
+__all__ = ["AttentionBlock", "parallelize_block", "dtensor_check", "comm_counts"]
 
 
 class AttentionBlock(nn.Module):
@@ -84,8 +86,8 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
     loss = F.mse_loss(y, target)
     with CommDebugMode() as backward_comms:
         loss.backward()
-    ledger = {"forward": _count_all_reduce(forward_comms),
-              "backward": _count_all_reduce(backward_comms)}
+    ledger = {p: comm_counts(c, p)[f"{p} all_reduce"]
+              for p, c in (("forward", forward_comms), ("backward", backward_comms))}
 
     params = {"norm": block.norm, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
     grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}
@@ -95,6 +97,12 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
     return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), ledger
 
 
-def _count_all_reduce(mode) -> int:
-    """All-reduces (functional or c10d) a ``CommDebugMode`` recorded."""
-    return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op))
+def comm_counts(mode: CommDebugMode, phase: str) -> Counter:
+    """``{"<phase> <kind>": n}`` of the all-gathers, reduce-scatters and all-reduces ``mode``
+    recorded."""
+    counts = Counter()
+    for op, n in mode.get_comm_counts().items():
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            if kind in str(op):
+                counts[f"{phase} {kind}"] += n
+    return counts

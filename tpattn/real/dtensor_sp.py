@@ -7,8 +7,6 @@ is a ``Partial`` placement, all-reduced when the step reads it.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,7 +18,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from tpattn.check.core import EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs
 from tpattn.config import Config
-from .dtensor_check import AttentionBlock
+from .dtensor_check import AttentionBlock, comm_counts
 from .module_check import full_value
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
@@ -74,15 +72,6 @@ def norm_grad_placement(block: SequenceParallelBlock) -> str:
     return ", ".join(str(p) for p in grad.placements) if hasattr(grad, "placements") else "plain"
 
 
-def _counts(mode: CommDebugMode, phase: str) -> Counter:
-    counts = Counter()
-    for op, n in mode.get_comm_counts().items():
-        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            if kind in str(op):
-                counts[f"{phase} {kind}"] += n
-    return counts
-
-
 def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
     """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's SP block
     (output and dX gathered), and its collectives ``{"forward all_gather": n, ..., "SGD step
@@ -113,6 +102,6 @@ def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu")
     output = torch.cat(pieces[0])
     tp = {"output": output, "loss": F.mse_loss(output, target), "input_grad": torch.cat(pieces[1]),
           "grads": grads, "weights": weights}
-    ledger = {**_counts(forward_comms, "forward"), **_counts(backward_comms, "backward"),
-              **_counts(step_comms, "SGD step"), "norm_grad_placement": placement}
+    ledger = {**comm_counts(forward_comms, "forward"), **comm_counts(backward_comms, "backward"),
+              **comm_counts(step_comms, "SGD step"), "norm_grad_placement": placement}
     return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), dict(ledger)

@@ -216,10 +216,8 @@ def _supervise(procs, messages, timeout: float):
 
 
 def _diagnose(errors, silent_exit, stalled) -> RankFailure:
-    """One line: the rank that caused the failure, then what the others saw. Blame, in
-    order: the first rank to exit silently (its peers' errors are consequences), a rank that
-    raised on its own, one that strayed from the plan, one that stopped reporting, else the
-    first whose collective failed."""
+    """One line blaming, in order, the first rank to exit silently, one that raised on its
+    own, one that left the plan, one that stopped reporting, else the first failed collective."""
     own = {r: e["message"] for r, e in errors.items() if not e["in_collective"]}
     strayed = {r: e["deviation"] for r, e in errors.items() if e["deviation"]}
     if silent_exit:

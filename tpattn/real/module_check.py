@@ -30,11 +30,9 @@ TARGET_SEED = 0
 
 @dataclass
 class ModuleCheck:
-    """What ``check_module`` found (rank 0's view): ``measures`` (``run()``'s five, sharded vs
-    whole, ``mode`` the plan's label, and ``passed``); ``ledger`` (``{"forward": {kind: n},
-    "backward": {kind: n}}``); ``replica_disagreement`` (max abs difference from rank 0's copy of
-    ``output``, ``input_grad``, ``grad:<p>``, ``weight:<p>`` of each replicated parameter);
-    ``sharded`` (parameter -> placements); ``timings`` (seconds, not deterministic)."""
+    """``check_module``'s findings: ``measures`` (and ``passed``), ``ledger`` (``{"forward":
+    {kind: n}, "backward": ...}``), ``replica_disagreement`` (per replicated tensor, vs rank 0),
+    ``sharded`` (placements), ``timings`` (not deterministic)."""
 
     world_size: int
     backend: str

@@ -78,10 +78,8 @@ def rank_step(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
 
 
 def rank_disagreement(seed: int, mode: str, step: dict, cfg: Config, unshard_fn) -> dict:
-    """Max abs difference of ranks 1.. from rank 0 where they should agree
-    (``<name>_max_rank_diff``: output and dX without SP, ``norm`` gradient and weight, q/k-norm
-    weights; SP: ``norm_grad_by_rank``), between KV replicas (``kv_replica_*_max_diff``) and DP
-    replicas (``dp_replica_*_max_diff``). step: stacked."""
+    """Max abs difference from rank 0 where ranks should agree (``<name>_max_rank_diff``; SP:
+    also ``norm_grad_by_rank``), across KV replicas and DP replicas (``*_replica_*_max_diff``)."""
     out = {"seed": seed, "mode": mode}
     if cfg.data_parallel > 1:
         views = replica_views(step, cfg, unshard_fn)
@@ -203,9 +201,8 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
 
 
 def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
-    """The DTensor cross-check (``dtensor_check``, SP: ``dtensor_sp``) of each seed on every
-    rank: ``run()`` dicts (``{"seed", "error"}`` where PyTorch's TP API fails on replicated KV
-    heads) and its one ledger row."""
+    """The DTensor cross-check of each seed on every rank: ``run()`` dicts (``{"seed",
+    "error"}`` where it fails on replicated KV heads) and its ledger row."""
     cfg = plan.cfg
     if cfg.sequence_parallel:
         from .dtensor_sp import dtensor_sp_check as check  # loads torch.distributed.tensor
@@ -234,10 +231,8 @@ def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
 
 @dataclass
 class RealRankReport:
-    """What a real-rank run found (rank 0's view): ``results`` (``run()`` dicts, mode-major),
-    ``rank_disagreement``, ``ledger`` (``ledger_row`` per mode, plus a DTensor row), ``dtensor``
-    (``dtensor_jobs``' dicts), ``timings`` (``startup_s``, ``compute_s``, ``total_s``; not
-    deterministic), ``traffic`` (rank 0's block collectives in each mode's first job)."""
+    """Rank 0's view of a run: ``results`` (mode-major), ``rank_disagreement``, ``ledger``,
+    ``dtensor``, ``timings`` (not deterministic), ``traffic`` (each mode's first job)."""
 
     world_size: int
     backend: str
