@@ -1,37 +1,25 @@
-"""Fused QKV checkpoints: two layouts of one weight, and the loader that narrows a rank's rows.
+"""Fused QKV checkpoints ``[(Hq + 2*Hkv)*D, hidden]`` in two row orders, and a rank's loader.
 
-A fused QKV weight is ``[(Hq + 2*Hkv)*D, hidden]`` (``nn.Linear`` layout, ``y = x @ w.T``).
-Its rows come in one of two orders (``FUSED_LAYOUTS``)::
-
-    plain    [Wq; Wk; Wv]: every query head's rows, then every key head's, then
-             every value head's (GLM's, HF's concatenation)
-    grouped  for each KV group g = 0 .. Hkv-1: [q rows of g's Hq/Hkv query heads;
-             k_g; v_g] (Megatron-Core's ``linear_qkv``, Falcon-40B's
-             ``query_key_value``)
-
-``fuse_qkv_weight`` and ``split_qkv_weight`` convert between the package's ``wq``/``wk``/``wv``
-and either layout, ``convert_qkv_weight`` between the layouts; all are reshapes,
-concatenations and slices, so gradients flow through.
-
-``load_qkv_weight`` is a rank's loader: it narrows the rows of one TP rank out of the full
-checkpoint. In the grouped layout a rank's groups are one contiguous block of rows (``1/W``
-of them), which ``read_rank_qkv`` splits into the rank's query, key and value rows: per group
-(``read_as="grouped"``, correct) or as if they were ``[Q; K; V]`` (``read_as="plain"``).
-The rank is read from ``kwargs`` with a default of 0, as vllm-gguf-plugin's
-``load_qkv_weight`` read it (vllm-project/vllm-gguf-plugin issue 103): a caller that does
-not pass ``tp_rank`` gets rank 0's rows on every rank.
+``plain`` is ``[Wq; Wk; Wv]`` (GLM's, HF's concatenation); ``grouped`` is, for each KV group
+g, ``[q rows of g's query heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's).
+``fuse_qkv_weight``, ``split_qkv_weight`` and ``convert_qkv_weight`` are differentiable
+reshapes. ``load_qkv_weight`` narrows one rank's rows; in the grouped layout a rank's groups
+are one contiguous block that ``read_rank_qkv`` splits per group (correct) or as
+``[Q; K; V]``. The rank is ``kwargs.get("tp_rank", 0)``, as vllm-gguf-plugin's
+``load_qkv_weight`` read it (its issue 103): a caller without ``tp_rank`` gets rank 0's rows.
 """
 from __future__ import annotations
 
 import torch
 
 from tpattn.config import Config
+from .kv_layout import check_rank
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
            "convert_qkv_weight",
            "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
 
-#: The row orders of a fused QKV checkpoint (module docstring).
+#: The row orders of a fused QKV checkpoint.
 FUSED_LAYOUTS = ("plain", "grouped")
 
 
@@ -55,8 +43,7 @@ def _check_fused(w: torch.Tensor, cfg: Config, name: str = "w") -> None:
 
 def fuse_qkv_weight(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config,
                     layout: str = "grouped") -> torch.Tensor:
-    """The fused checkpoint ``[(Hq + 2*Hkv)*D, hidden]`` of ``wq`` ``[Hq*D, hidden]``,
-    ``wk``, ``wv`` ``[Hkv*D, hidden]`` in ``layout`` (``FUSED_LAYOUTS``); differentiable."""
+    """``wq`` ``[Hq*D, hidden]``, ``wk``, ``wv`` ``[Hkv*D, hidden]`` fused in ``layout``."""
     _check_layout(layout)
     want = {"wq": (cfg.query_heads * cfg.head_dim, cfg.hidden),
             "wk": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
@@ -81,8 +68,7 @@ def _split_groups(rows: torch.Tensor, groups: int, cfg: Config):
 
 
 def split_qkv_weight(w: torch.Tensor, cfg: Config, layout: str = "grouped"):
-    """The inverse of ``fuse_qkv_weight``: ``(wq, wk, wv)`` from the fused ``w``
-    ``[(Hq + 2*Hkv)*D, hidden]`` in ``layout``; differentiable (views where possible)."""
+    """``fuse_qkv_weight``'s inverse: ``(wq, wk, wv)`` from the fused ``w`` in ``layout``."""
     _check_layout(layout)
     _check_fused(w, cfg)
     if layout == "plain":
@@ -92,26 +78,15 @@ def split_qkv_weight(w: torch.Tensor, cfg: Config, layout: str = "grouped"):
 
 
 def convert_qkv_weight(w: torch.Tensor, cfg: Config, src: str, dst: str) -> torch.Tensor:
-    """The fused weight ``w`` ``[(Hq + 2*Hkv)*D, hidden]`` in layout ``src`` rewritten in
-    layout ``dst`` (``FUSED_LAYOUTS``; e.g. plain ``[Wq; Wk; Wv]`` to per-group): a
-    permutation of its rows, differentiable."""
+    """The fused weight ``w`` in layout ``src`` with its rows permuted into layout ``dst``."""
     _check_layout(src, "src")
     _check_layout(dst, "dst")
     return fuse_qkv_weight(*split_qkv_weight(w, cfg, src), cfg, dst)
 
 
-def _check_rank(tp_rank, cfg: Config) -> int:
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) \
-            or not 0 <= tp_rank < cfg.world_size:
-        raise ValueError(f"tp_rank must be an integer in [0, world_size={cfg.world_size}) "
-                         f"(got {tp_rank!r})")
-    return tp_rank
-
-
 def rank_row_block(cfg: Config, tp_rank: int) -> slice:
-    """The contiguous rows of a grouped checkpoint that hold rank ``tp_rank``'s
-    ``Hkv/W`` complete groups: ``[r*R/W, (r+1)*R/W)`` with ``R = (Hq + 2*Hkv)*D``."""
-    _check_rank(tp_rank, cfg)
+    """Rank ``tp_rank``'s rows of a grouped checkpoint: ``[r*R/W, (r+1)*R/W)``, ``R`` its rows."""
+    check_rank(cfg, tp_rank, "tp_rank")
     if cfg.kv_heads % cfg.world_size:
         raise ValueError(f"kv_heads must be a multiple of world_size for a rank to hold "
                          f"complete groups (got kv_heads={cfg.kv_heads}, "
@@ -122,11 +97,8 @@ def rank_row_block(cfg: Config, tp_rank: int) -> slice:
 
 def read_rank_qkv(rows: torch.Tensor, cfg: Config, read_as: str = "grouped"):
     """A rank's ``(wq, wk, wv)`` (``[Hq/W*D, hidden]``, ``[Hkv/W*D, hidden]`` x 2) from its
-    block of fused rows ``[(Hq + 2*Hkv)/W*D, hidden]``: per KV group ``[q x g; k; v]``
-    (``read_as="grouped"``), or the first ``Hq/W*D`` rows as queries, the next ``Hkv/W*D`` as
-    keys and the rest as values (``"plain"``: what an op that assumes ``[Q; K; V]`` per
-    device does with two groups or more). With one group per rank both readings are the same
-    rows."""
+    fused rows ``[(Hq + 2*Hkv)/W*D, hidden]``: per KV group ``[q x g; k; v]`` (``"grouped"``)
+    or as ``[Q; K; V]`` (``"plain"``; the same rows with one group per rank)."""
     _check_layout(read_as, "read_as")
     q, kv = cfg.local_query_heads * cfg.head_dim, cfg.local_kv_heads * cfg.head_dim
     if tuple(rows.shape) != (q + 2 * kv, cfg.hidden):
@@ -139,20 +111,14 @@ def read_rank_qkv(rows: torch.Tensor, cfg: Config, read_as: str = "grouped"):
 
 def load_qkv_weight(loaded_weight: torch.Tensor, cfg: Config, layout: str = "plain",
                     read_as: str | None = None, **kwargs):
-    """One rank's ``(wq, wk, wv)`` narrowed from the full fused checkpoint ``loaded_weight``
-    ``[(Hq + 2*Hkv)*D, hidden]`` in ``layout`` (``FUSED_LAYOUTS``); differentiable slices.
-
-    The rank is ``kwargs.get("tp_rank", 0)``: called without ``tp_rank`` it loads rank 0's
-    rows, whatever rank it runs on; the shapes are right either way. ``"plain"``: the query
-    rows of the rank's heads (``Hq/W`` heads from ``r*Hq/W``), then the key and value rows of
-    its KV heads, each narrowed inside its own part. ``"grouped"``: the rank's contiguous
-    block of rows (``rank_row_block``), read by ``read_rank_qkv`` as ``read_as`` says
-    (default: ``layout``). Requires ``kv_heads >= world_size`` (every rank its own KV heads).
-    """
+    """Rank ``kwargs.get("tp_rank", 0)``'s ``(wq, wk, wv)`` narrowed from the fused
+    ``loaded_weight`` in ``layout``: ``"plain"`` its heads' rows inside each part,
+    ``"grouped"`` its ``rank_row_block`` read by ``read_rank_qkv`` as ``read_as`` (default
+    ``layout``). Needs ``kv_heads >= world_size``."""
     tp_rank = kwargs.get("tp_rank", 0)
     _check_layout(layout)
     _check_fused(loaded_weight, cfg, "loaded_weight")
-    _check_rank(tp_rank, cfg)
+    check_rank(cfg, tp_rank, "tp_rank")
     if cfg.kv_heads < cfg.world_size:
         raise ValueError(f"kv_heads must be >= world_size for load_qkv_weight (got "
                          f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")

@@ -1,7 +1,4 @@
-"""The block's layers, as plain functions on tensors: RMSNorm, RoPE, GQA, causal attention.
-
-Layout is sequence-first, ``[S, B, H, D]`` (seq, batch, heads, head_dim), as in Megatron.
-"""
+"""The block's layers as functions: RMSNorm, RoPE, GQA, causal attention; ``[S, B, H, D]``."""
 from __future__ import annotations
 
 import math
@@ -10,23 +7,15 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square normalization over the last dimension.
-
-    ``y = x / sqrt(mean(x**2) + eps) * weight``
-
-    x: ``[..., hidden]``; weight: ``[hidden]``; returns ``[..., hidden]``.
-    """
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim: x ``[..., hidden]``,
+    weight ``[hidden]``."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def rope_angles(seq: int, head_dim: int, dtype=torch.float32, device=None,
                 offset: int = 0) -> torch.Tensor:
-    """Rotation angle of channel pair ``i`` at position ``m``: ``m / 10000**(i / (head_dim/2))``.
-
-    Positions are ``offset, offset + 1, ..., offset + seq - 1`` (``offset`` > 0: a slice of a
-    longer sequence, e.g. one rank's tokens under sequence parallelism).
-    Returns ``[S, 1, 1, head_dim // 2]``, ready to broadcast over ``[S, B, H, head_dim // 2]``.
-    """
+    """The angle of channel pair ``i`` at position ``m``: ``m / 10000**(i / (head_dim/2))``,
+    positions ``offset .. offset + seq - 1``; ``[S, 1, 1, head_dim // 2]``."""
     half = head_dim // 2
     pos = torch.arange(offset, offset + seq, dtype=dtype, device=device).view(seq, 1, 1, 1)
     freq = torch.arange(half, dtype=dtype, device=device).view(1, 1, 1, half)
@@ -34,16 +23,9 @@ def rope_angles(seq: int, head_dim: int, dtype=torch.float32, device=None,
 
 
 def apply_rope(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Rotary position embedding, rotate-half layout.
-
-    Channel ``i`` is paired with channel ``i + D/2``; the pair at position ``m`` is rotated by
-    the angle ``rope_angles(S, D)[m, i]``. Row ``s`` of ``x`` is position ``offset + s``
-    (default 0: ``x`` starts the sequence).
-
-    x: ``[S, B, H, D]`` with ``D`` even; returns ``[S, B, H, D]``.
-    """
-    # bfloat16 cannot hold the angles (spacing 0.25 rad at position 32): compute
-    # them in float32 and round only cos/sin to x's dtype. float32/float64 are unchanged.
+    """Rotary embedding, rotate-half: channel ``i`` paired with ``i + D/2``, row ``s`` at
+    position ``offset + s``. x: ``[S, B, H, D]``, D even; returns ``[S, B, H, D]``."""
+    # bfloat16 cannot hold the angles: compute them in float32, round only cos/sin
     angle_dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
     theta = rope_angles(x.shape[0], x.shape[-1], dtype=angle_dtype, device=x.device, offset=offset)
     cos, sin = theta.cos().to(x.dtype), theta.sin().to(x.dtype)
@@ -53,11 +35,8 @@ def apply_rope(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped-query attention: repeat each KV head for the ``groups`` query heads it serves.
-
-    x: ``[S, B, H_kv, D]``; returns ``[S, B, H_kv * groups, D]`` where query head ``h`` reads
-    KV head ``h // groups``.
-    """
+    """GQA: each KV head repeated for its ``groups`` query heads (query head ``h`` reads KV
+    head ``h // groups``). x: ``[S, B, Hkv, D]``; returns ``[S, B, Hkv * groups, D]``."""
     return x.repeat_interleave(groups, dim=2)
 
 
@@ -67,11 +46,7 @@ def causal_mask(seq: int, device=None) -> torch.Tensor:
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Causal softmax attention weights.
-
-    q, k: ``[S, B, H, D]`` (same head count); returns ``[B, H, S, S]``, rows sum to 1,
-    zero above the diagonal.
-    """
+    """Causal softmax weights: q, k ``[S, B, H, D]`` -> ``[B, H, S, S]``."""
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(q.shape[-1])
     mask = causal_mask(q.shape[0], device=q.device)
     scores = scores.masked_fill(mask.view(1, 1, *mask.shape), float("-inf"))
@@ -80,12 +55,8 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               drop: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal scaled dot-product attention.
-
-    q, k, v: ``[S, B, H, D]`` (K/V already repeated to the query head count); ``drop``: an
-    attention-dropout mask ``[B, H, S, S]`` (kept elements ``1/(1-p)``, dropped 0) multiplied
-    into the probabilities, or ``None``. Returns the context ``[S, B, H, D]``.
-    """
+    """Causal attention: q, k, v ``[S, B, H, D]`` -> context ``[S, B, H, D]``; ``drop``: a
+    dropout mask ``[B, H, S, S]`` multiplied into the probabilities, or ``None``."""
     probs = attention_probs(q, k)
     if drop is not None:
         probs = probs * drop

@@ -1,13 +1,6 @@
-"""The package's one SGD update, as mixed-precision TP trains it.
-
-Mixed-precision bfloat16 training keeps float32 *master weights* in the optimizer (Megatron-LM's
-float16 optimizers with ``main_grad``; FSDP's mixed precision): the forward and backward run in
-bfloat16, the update ``w - lr g`` runs in float32 on the float32 copy (a model loaded in
-bfloat16 and stepped as it is updates bfloat16 weights instead). Updating in bfloat16
-itself would round the step away (bfloat16's spacing near ``|w| = 0.15`` is ``2**-10``, larger
-than most ``lr * g``), and a check comparing bfloat16 weights after the step would see only
-that rounding.
-"""
+"""The package's one SGD update, with float32 master weights for bfloat16 parameters (as
+Megatron-LM's and FSDP's mixed precision keep them: bfloat16's spacing near 0.15 is
+``2**-10``, larger than most ``lr * g``)."""
 from __future__ import annotations
 
 import torch
@@ -19,15 +12,8 @@ MASTER_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32,
 
 def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float,
              scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """One SGD step ``w' = w - (lr * scale) * g`` for every name of ``params``; a new dict.
-
-    params, grads: tensors by name, ``grads[k]`` of ``params[k]``'s shape (any shape, e.g.
-    ``wq`` ``[Hq*D, hidden]``, ``norm`` ``[hidden]``); ``scale`` multiplies the learning rate
-    (e.g. ``1 / accumulation steps``). float32/float64: ``p - lr * scale * g`` in that dtype,
-    bit for bit the original fixture's update. bfloat16: the float32 master weights
-    ``p.float() - lr * scale * g.float()`` (``MASTER_DTYPE``): float32 tensors of the same
-    shapes. No autograd graph is recorded; ``params`` and ``grads`` are not modified.
-    """
+    """A new dict ``w - (lr * scale) * g`` per name (any shapes), no graph: float32/float64
+    in that dtype (the original fixture's update), bfloat16 in float32 (``MASTER_DTYPE``)."""
     step = lr * scale
     with torch.no_grad():
         out = {}
@@ -39,17 +25,14 @@ def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr
 
 
 def master_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors an in-place SGD step updates, by name: each parameter detached, in
-    ``MASTER_DTYPE`` (float32/float64: the parameter's own storage, so the step updates it;
-    bfloat16: a float32 copy)."""
+    """Each parameter detached in ``MASTER_DTYPE`` (float32/float64: its own storage)."""
     return {k: p.detach().to(_master_dtype(k, p)) for k, p in params.items()}
 
 
 def sgd_step_in_place(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                       lr: float) -> dict[str, torch.Tensor]:
-    """``sgd_step``'s update done in place, ``m -= lr * g`` on ``master_weights(params)``, for
-    tensors that must be stepped where they are (e.g. DTensors, whose placements it keeps);
-    returns the stepped master weights. Float32/float64 parameters are themselves updated."""
+    """``m -= lr * g`` on ``master_weights(params)`` (DTensors keep their placements);
+    returns the stepped master weights."""
     masters = master_weights(params)
     with torch.no_grad():
         for k, m in masters.items():

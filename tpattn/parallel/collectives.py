@@ -19,7 +19,7 @@ __all__ = ["SimulatedRanks", "rank_sum", "check_op", "own_tokens", "CopyToRanks"
            "reduce_norm_grad", "reduce_qk_norm_grads", "reduce_dp_grads", "replica_share",
            "reduce_loss", "reduce_scalar", "F_LABEL", "G_LABEL", "AGAIN", "DP_GRAD_LABEL",
            "LOSS_LABEL", "SP_SHARE_LABEL", "QK_NORM_GRAD_LABEL", "NORM_GRAD_LABEL",
-           "REPLICA_GRAD_LABEL"]
+           "REPLICA_GRAD_LABEL", "KV_GATHER_LABEL", "KV_SCATTER_LABEL"]
 
 #: Ledger labels (a collective applied a second time adds ``AGAIN``).
 F_LABEL = "f: all-reduce of dn"
@@ -28,6 +28,8 @@ AGAIN = " (again)"
 QK_NORM_GRAD_LABEL = "all-reduce of the q/k-norm weights' gradients"
 NORM_GRAD_LABEL = "all-reduce of the norm weight's gradient"
 REPLICA_GRAD_LABEL = "all-reduce of wk/wv grads in the replica group"
+KV_GATHER_LABEL = "all-gather of K/V activations"
+KV_SCATTER_LABEL = "reduce-scatter of K/V activation grads"
 DP_GRAD_LABEL = "all-reduce of gradients over the DP group"
 LOSS_LABEL = "all-reduce of the logged loss"
 SP_SHARE_LABEL = "all-reduce of the loss shares over the TP group"
@@ -49,16 +51,16 @@ def check_op(op: str) -> str:
 
 
 def own_tokens(full: torch.Tensor, comm, group: str = "tp") -> torch.Tensor:
-    """Each rank's ``S/W`` tokens of its own ``[R, S, ...]`` entry: ``[R, S/W, ...]`` (the
-    chunk at the rank's position in its group of ``group``)."""
+    """Each rank's ``S/W`` tokens (its position in ``group``) of its entry: ``[R, S, ...]``
+    -> ``[R, S/W, ...]``."""
     w = comm.world_size
     return torch.stack([full[i].chunk(w, dim=0)[comm.position(i, group)]
                         for i in range(full.shape[0])])
 
 
 class SimulatedRanks:
-    """Every rank of the job (``cfg.ranks``) in one process, as dim 0 of every tensor, in mesh
-    order. ``ledger``: a list the collectives are recorded in (``None``: record nothing)."""
+    """Every rank of the job in one process, dim 0 in mesh order; ``ledger``: the list the
+    collectives are recorded in (``None``: none)."""
 
     def __init__(self, cfg: Config, ledger: list | None = None):
         self.cfg, self.ledger = cfg, ledger
@@ -68,10 +70,8 @@ class SimulatedRanks:
         self.dp_ranks = [i // cfg.world_size for i in range(cfg.ranks)]
 
     def groups(self, group: str = "tp") -> list[list[int]]:
-        """The entries of each group of ``group``, each list in group order: ``"tp"``
-        consecutive entries, ``"dp"`` one ``tp_rank`` each, ``"world"`` every entry,
-        ``"kv_replicas"`` each KV replica group (``cfg.kv_replicas`` consecutive entries of a
-        TP group: the ranks that share one KV head), ``"self"`` each entry alone."""
+        """The entries of each group of ``group`` in group order: ``"tp"`` consecutive, ``"dp"``
+        one per DP rank, ``"world"``, ``"kv_replicas"`` (the ranks sharing a KV head), ``"self"``."""
         w, d = self.world_size, self.data_parallel
         if group == "tp":
             return [[i * w + t for t in range(w)] for i in range(d)]
@@ -92,8 +92,7 @@ class SimulatedRanks:
         return next(m.index(entry) for m in self.groups(group) if entry in m)
 
     def group_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
-        """Every entry of ``t`` ``[R, ...]`` replaced by the sum over its group, in group order
-        (one group: ``rank_sum(t)`` on every entry, bit for bit)."""
+        """Every entry of ``t`` ``[R, ...]`` replaced by its group's ``rank_sum``."""
         out = [None] * t.shape[0]
         for members in self.groups(group):
             total = rank_sum(t[members])[0]
@@ -103,7 +102,7 @@ class SimulatedRanks:
 
     def group_cat(self, t: torch.Tensor, dim: int, group: str = "tp") -> torch.Tensor:
         """Every entry of ``t`` ``[R, ...]`` replaced by its group's entries concatenated along
-        ``dim`` of an entry (group order)."""
+        ``dim`` of an entry."""
         out = [None] * t.shape[0]
         for members in self.groups(group):
             full = torch.cat([t[m] for m in members], dim=dim)
@@ -112,8 +111,8 @@ class SimulatedRanks:
         return torch.stack(out)
 
     def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
-        """A reduce-scatter along the sequence: each rank's ``S/W`` tokens (its position in
-        its group of ``group``) of its group's sum of ``t`` ``[R, S, ...]``."""
+        """A reduce-scatter along the sequence: each rank's ``S/W`` tokens of its group's sum
+        of ``t`` ``[R, S, ...]``."""
         return own_tokens(self.group_sum(t, group), self, group).contiguous()
 
     def record(self, phase: str, label: str, collective: str = "all_reduce",
@@ -195,12 +194,12 @@ class GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, comm):
         ctx.comm = comm
-        comm.record("forward", "all-gather of K/V activations", "all_gather", op=None)
+        comm.record("forward", KV_GATHER_LABEL, "all_gather", op=None)
         return comm.group_cat(local, -1, "tp")
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.comm.record("backward", "reduce-scatter of K/V activation grads", "reduce_scatter")
+        ctx.comm.record("backward", KV_SCATTER_LABEL, "reduce_scatter")
         chunks = ctx.comm.scatter_sum(grad.movedim(-1, 1), "tp")  # rank r: chunk r, last dim
         return chunks.movedim(1, -1).contiguous(), None
 
@@ -232,8 +231,7 @@ def reduce_norm_grad(grad: torch.Tensor, comm) -> torch.Tensor:
 
 
 def reduce_qk_norm_grads(gq: torch.Tensor, gk: torch.Tensor, comm):
-    """The q/k-norm weights' gradients ``[R, head_dim]`` after backward: every rank its TP
-    group's sum of both (one all-reduce of the two, concatenated)."""
+    """The q/k-norm gradients ``[R, head_dim]``: each its TP group's sum (one all-reduce)."""
     comm.record("after backward", QK_NORM_GRAD_LABEL)
     total = comm.group_sum(torch.cat([gq, gk], dim=1), "tp").clone()
     return total[:, :gq.shape[1]].clone(), total[:, gq.shape[1]:].clone()
@@ -241,8 +239,7 @@ def reduce_qk_norm_grads(gq: torch.Tensor, gk: torch.Tensor, comm):
 
 def reduce_dp_grads(grads: dict[str, torch.Tensor], comm,
                     group: str = "dp") -> dict[str, torch.Tensor]:
-    """The data-parallel gradient all-reduce (SUM): every gradient ``[R, ...]`` summed over
-    its group of ``group`` (``"self"``: a group of one rank, a no-op)."""
+    """Every gradient ``[R, ...]`` summed over its group of ``group`` (the DP all-reduce)."""
     comm.record("after backward", DP_GRAD_LABEL, group=group)
     return {k: comm.group_sum(g, group) for k, g in grads.items()}
 
@@ -254,9 +251,8 @@ def replica_share(share: torch.Tensor, comm) -> torch.Tensor:
 
 
 def reduce_loss(share: torch.Tensor, comm, group: str = "dp") -> torch.Tensor:
-    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group`` (``"dp"``, or
-    ``"world"``); ``"tp"``: no collective, each rank its own share (a Replicate DTensor's
-    ``full_tensor()`` on the TP mesh)."""
+    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group``; ``"tp"``: each
+    rank's own share, no collective."""
     if group == "tp":
         return share.clone()
     comm.record("step", LOSS_LABEL, group=group)
@@ -264,8 +260,7 @@ def reduce_loss(share: torch.Tensor, comm, group: str = "dp") -> torch.Tensor:
 
 
 def reduce_scalar(value: torch.Tensor, comm, label: str) -> torch.Tensor:
-    """``value`` ``[R]`` summed over each TP group (a step-phase all-reduce): a scalar, or on
-    a TP x DP mesh ``[R]``, each entry its TP group's sum."""
+    """``value`` ``[R]`` summed over each TP group: a scalar, or ``[R]`` on a TP x DP mesh."""
     comm.record("step", label)
     total = comm.group_sum(value.reshape(value.shape[0], -1), "tp")[:, 0]
     return total[0] if comm.data_parallel == 1 else total

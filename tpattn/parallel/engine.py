@@ -1,13 +1,9 @@
 """The sharded attention block, written once, for the ranks one process holds.
 
-Every tensor carries a leading local-rank dimension ``R`` (``comm.ranks``)::
-
-    x    [R, S_r, B, hidden]    S_r = S/W under sequence parallelism, else S
-    norm [R, hidden]    wq [R, Hq/W*D, hidden]    wk, wv [R, rows, hidden]
-    wo   [R, hidden, Hq/W*D]    bias [R, hidden]    q_norm, k_norm [R, head_dim]
-
-``rank_block`` runs a ``Program``'s Functions (default correct TP; an ``Injection`` becomes
-its program) on a backend ``comm`` (``collectives``); ``train_step`` is one step of it.
+Every tensor has a leading rank dim ``R``: x ``[R, S_r, B, hidden]`` (``S_r = S/W`` under
+SP), norm ``[R, hidden]``, wq ``[R, Hq/W*D, hidden]``, wk, wv ``[R, rows, hidden]``, wo
+``[R, hidden, Hq/W*D]``, bias ``[R, hidden]``, q_norm, k_norm ``[R, D]``. ``rank_block`` runs
+a ``Program``'s stages on a backend ``comm``; ``train_step`` is one step of it.
 """
 from __future__ import annotations
 
@@ -36,7 +32,7 @@ def as_program(prog) -> Program:
 
 
 def stack_ranks(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-rank dicts of tensors -> one dict of ``[R, ...]`` tensors (detached copies)."""
+    """Per-rank dicts -> one dict of ``[R, ...]`` tensors (detached copies)."""
     return {k: torch.stack([d[k].detach() for d in per_rank]) for k in per_rank[0]}
 
 
@@ -59,16 +55,14 @@ def _project(n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def head_norm(t: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """qk-norm of every rank's heads: t ``[S, B, R*H, D]`` (rank-major), w each rank's
-    weight ``[R, D]``: RMSNorm over ``D`` with rank r's weight on rank r's heads."""
+    """RMSNorm over ``D`` of every rank's heads t ``[S, B, R*H, D]`` (rank-major), rank r's
+    weight ``w[r]`` ``[D]`` on rank r's heads."""
     return rms_norm(t, w.repeat_interleave(t.shape[2] // w.shape[0], dim=0), cfg.eps)
 
 
-
 def _kv(n: torch.Tensor, p: dict, cfg: Config, comm, prog: Program):
-    """Every rank's K and V ``[R, S, B, Hkv_r*D]``: its own rows of wk/wv (through the
-    replica-group reduce when ranks share a KV head), or with ``gather_activations`` its
-    slice all-gathered and its KV head picked."""
+    """Every rank's K and V ``[R, S, B, Hkv_r*D]``: its wk/wv rows (replicas: through the
+    replica reduce), or under ``gather_activations`` its KV head of the gathered slices."""
     r, s, b, _ = n.shape
     if cfg.kv_heads < cfg.world_size and cfg.kv_strategy == KV_STRATEGIES[1]:
         local = torch.cat([_project(n, p["wk"]), _project(n, p["wv"])], dim=-1)
@@ -85,8 +79,7 @@ def _kv(n: torch.Tensor, p: dict, cfg: Config, comm, prog: Program):
 
 def attend(n: torch.Tensor, p: dict, cfg: Config, comm, prog: Program = CORRECT,
            rng=None) -> torch.Tensor:
-    """Every rank's attention and its columns of wo: n ``[R, S, B, hidden]`` (the whole
-    sequence) -> the partials ``[R, S, B, hidden]`` (qk-norm, dropout: ``cfg``)."""
+    """Every rank's attention and wo columns: n ``[R, S, B, hidden]`` -> partials."""
     r, s, b, _ = n.shape
     d = cfg.head_dim
     q = _heads(_project(n, p["wq"]), d)
@@ -103,9 +96,8 @@ def attend(n: torch.Tensor, p: dict, cfg: Config, comm, prog: Program = CORRECT,
 
 def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, prog,
                comm, rng=None) -> torch.Tensor:
-    """The block on the ranks ``comm`` holds: x ``[R, S_r, B, hidden]``, ``p`` their
-    parameters -> every rank's output ``[R, S_r, B, hidden]``. ``prog``: the ``Program`` (or
-    ``Injection``) it runs; ``rng``: the ranks' random streams, needed when dropout > 0."""
+    """The block on ``comm``'s ranks: x ``[R, S_r, B, hidden]`` -> ``[R, S_r, B, hidden]``.
+    ``prog``: a ``Program`` or ``Injection``; ``rng``: ``RankStreams`` (dropout > 0)."""
     if cfg.dropout > 0 and rng is None:
         raise ValueError(f"rng must be the ranks' random streams (tpattn.parallel.rng."
                          f"RankStreams) when dropout > 0 (got dropout={cfg.dropout})")
@@ -126,9 +118,8 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, prog,
 
 
 def _losses(y: torch.Tensor, target: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Backward of every rank's loss; returns the losses ``[R]``: its MSE, under sequence
-    parallelism the global MSE (each rank backpropagates its share ``sum / numel``), on a
-    TP x DP mesh its share of the global mean."""
+    """Backward of every rank's loss; the losses ``[R]``: its MSE (SP: the global MSE, each
+    rank backpropagating its share; on a mesh: its share of the global mean)."""
     r = y.shape[0]
     sq = (y - target).pow(2)
     if cfg.data_parallel > 1:
@@ -146,11 +137,9 @@ def _losses(y: torch.Tensor, target: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
                cfg: Config, prog, comm, lr: float, rng=None) -> dict:
-    """One step on the ranks ``comm`` holds: forward, every rank's loss, backward, the
-    after-backward reduces (SP's norm, qk-norm, the DP mesh's ``mesh_sync``), the logged
-    gradient norm, clipping if ``prog.clip``, SGD. p: stacked parameters (not modified);
-    x, target ``[R, S_r, B, hidden]``. Returns ``outputs``, ``losses`` ``[R]``,
-    ``input_grads``, ``grads``, ``weights`` (stacked), ``grad_norm`` and ``ledger``."""
+    """One step on ``comm``'s ranks (forward, backward, reduces, norm, clipping, SGD): p
+    stacked, x, target ``[R, S_r, B, hidden]`` -> ``outputs``, ``losses``, ``input_grads``,
+    ``grads``, ``weights``, ``grad_norm``, ``ledger``."""
     prog = as_program(prog)
     r = x.shape[0]
     ps = {k: t.detach().clone().requires_grad_(True) for k, t in p.items()}
@@ -173,19 +162,16 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
 
 
 def grad_norm(grads: dict[str, torch.Tensor], comm, prog=CORRECT) -> torch.Tensor:
-    """The global gradient norm of the ranks' gradients ``[R, ...]`` by name: each rank's
-    squares (``prog.grad_squares``), summed over its TP group (one all-reduce); a scalar, or
-    ``[R]`` on a TP x DP mesh."""
+    """The global gradient norm: each rank's ``prog.grad_squares`` summed over its TP group
+    (a scalar, or ``[R]`` on a mesh)."""
     squares = as_program(prog).grad_squares(grads, comm)
     return reduce_scalar(squares, comm, GRAD_NORM_LABEL).sqrt()
 
 
 def mesh_sync(shares: torch.Tensor, grads: dict[str, torch.Tensor], cfg: Config, prog,
               comm) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """After backward on a TP x DP mesh: the DP gradient all-reduce (``prog.dp_grads``), then
-    the logged loss from every rank's share ``shares`` ``[R]`` (under SP the TP group's
-    shares summed first, ``replica_share``) through ``prog.loss``. Returns the synced
-    ``grads`` and every rank's logged loss ``[R]``."""
+    """After backward on a TP x DP mesh: ``prog.dp_grads``, then the logged loss ``[R]`` from
+    the shares ``[R]`` (SP: summed over the TP group first) through ``prog.loss``."""
     prog = as_program(prog)
     grads = prog.dp_grads(grads, comm)
     share = shares.detach()

@@ -1,12 +1,9 @@
 """The original fixture's one-graph semantics (``simulate="fixture"``) as a program of the engine.
 
-``OneGraphRanks`` holds every rank of ``cfg.world_size`` in ONE autograd graph, in rank 0's
-view: the ranks' shards are views of the dense leaf parameters, ``x`` is one leaf seen by every
-rank, and one loss is taken on what rank 0 reports (``output``). Its collectives
-(``one_graph_program``) are plain differentiable tensor ops whose backward autograd writes:
-f is the identity (autograd sums the ranks' dn where they meet), g a sum over the rank dim.
-A dropped collective is modelled as rank 0 sees it (``rank_views``: detached copies on ranks
->= 1); a second f multiplies dn by W, a second g the output by W (identity backward).
+``OneGraphRanks`` holds every rank in ONE autograd graph, rank 0's view: the shards are views
+of the dense leaves, ``x`` one leaf every rank sees, one loss on what rank 0 reports. Its
+collectives (``one_graph_program``) are plain tensor ops: f the identity (autograd sums dn),
+g a sum over the rank dim; a dropped collective is detached copies on ranks >= 1.
 """
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ __all__ = ["OneGraphRanks", "ScaleForward", "stacked_views", "one_graph_forward"
 
 
 class ScaleForward(torch.autograd.Function):
-    """Forward multiplies by ``scale``; backward is the identity (``apply(t, scale)``: an
-    all-reduce of W equal tensors, as g's forward, whose backward is the identity)."""
+    """Forward times ``scale``, backward the identity (g applied to W equal tensors)."""
 
     @staticmethod
     def forward(ctx, t, scale):
@@ -44,10 +40,7 @@ def _broadcast(t: torch.Tensor, r: int) -> torch.Tensor:
 
 
 class OneGraphRanks:
-    """Every rank of ``cfg.world_size`` in one graph, rank 0's view (module docstring).
-
-    No ledger (``ledger`` is ``None``): this view has no messages to count.
-    """
+    """Every rank of ``cfg.world_size`` in one graph, rank 0's view; no ledger."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.world_size, self.ledger = cfg, cfg.world_size, None
@@ -55,16 +48,9 @@ class OneGraphRanks:
         self.ranks = list(range(cfg.world_size))
 
     def rank_views(self, x: torch.Tensor, shards, inj, others: list[torch.Tensor] | None = None):
-        """The engine's inputs in this view: ``(xs, p)``.
-
-        x: the leaf input ``[S, B, hidden]``; shards: every rank's parameters, views of the
-        dense leaves (``params.shard_params`` or another cut), as a list of per-rank dicts or
-        one dict of ``[W, ...]`` tensors (``stacked_views``); ``others``: ranks >= 1's own
-        inputs ``[S, B, hidden]`` (constants; default: ``x``). Returns xs ``[W, S_r, B,
-        hidden]`` (under sequence parallelism rank r's tokens of ``x``) and the stacked
-        parameters ``[W, ...]``, with the dropped collectives of ``inj`` modelled as rank 0
-        sees them (detached copies on ranks >= 1).
-        """
+        """``(xs [W, S_r, B, hidden], p [W, ...])`` from the leaf ``x`` ``[S, B, hidden]`` and
+        ``shards`` (views of the dense leaves: per-rank dicts or ``stacked_views``), ``inj``'s
+        dropped collectives as detached copies on ranks >= 1. ``others``: ranks >= 1's inputs."""
         cfg, w = self.cfg, self.world_size
         p = dict(shards) if isinstance(shards, dict) else \
             {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
@@ -86,16 +72,14 @@ class OneGraphRanks:
         return xs, p
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
-        """What rank 0 reports of the ranks' outputs ``[W, S_r, B, hidden]``: its own
-        ``[S, B, hidden]``, or under sequence parallelism every rank's tokens put together."""
+        """Rank 0's report of ``y`` ``[W, S_r, B, hidden]``: ``[S, B, hidden]`` (SP: every rank's
+        tokens)."""
         return y.reshape(-1, *y.shape[2:]) if self.cfg.sequence_parallel else y[0]
 
 
 def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
-    """``params.shard_params``'s shards of the dense ``p`` as ``[W, ...]`` views, no copy
-    (every rank holds whole KV heads: ``kv_heads >= world_size``): ``norm`` (and ``bias``,
-    ``q_norm``, ``k_norm`` when ``p`` has them) expanded, the rows of ``wq``/``wk``/``wv`` and
-    the columns of ``wo`` viewed rank-major."""
+    """``shard_params``' shards of the dense ``p`` as ``[W, ...]`` views (``kv_heads >=
+    world_size``): replicated tensors expanded, wq/wk/wv rows and wo columns rank-major."""
     w, hidden = cfg.world_size, p["wq"].shape[1]
     return {"norm": _broadcast(p["norm"], w),
             **{k: p[k].view(w, -1, hidden) for k in ("wq", "wk", "wv")},
@@ -106,14 +90,9 @@ def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Te
 def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
                       shard_fn=shard_params, others: list[torch.Tensor] | None = None
                       ) -> torch.Tensor:
-    """``engine.rank_block`` on ``OneGraphRanks``: what rank 0 reports, ``[S, B, hidden]``.
-
-    x: ``[S, B, hidden]``; ``p``: dense parameters (the ranks' shards are ``shard_fn(p, cfg)``,
-    views, so gradients land in ``p``); ``inj``: the program (``Injection``); ``others``:
-    ranks >= 1's own inputs (``inputs="per_rank"``). The one graph has no random streams
-    and no replicated q/k-norm gradient reduce: ``cfg.dropout > 0`` or ``cfg.qk_norm`` raise
-    ``ValueError`` (``check.core.tp_step`` runs the simulated ranks for them).
-    """
+    """``engine.rank_block`` on ``OneGraphRanks``: x ``[S, B, hidden]``, dense ``p`` (shards
+    ``shard_fn(p, cfg)``, views) -> rank 0's ``[S, B, hidden]``. ``others``: ranks >= 1's
+    inputs. No dropout or qk-norm here (``ValueError``: the simulated ranks run them)."""
     if cfg.model_options:
         raise ValueError(f"one_graph_forward models neither dropout nor qk_norm (got "
                          f"dropout={cfg.dropout}, qk_norm={cfg.qk_norm}): run the simulated "
@@ -156,9 +135,8 @@ def _gather_kv(local: torch.Tensor, comm) -> torch.Tensor:
 
 
 def one_graph_program(inj) -> Program:
-    """The injection's ``Program`` (``Injection.program``) with the collectives of one graph:
-    f the identity (``mean``: dn / W; ``twice``: dn * W), g the rank sum (twice: times W),
-    SP's gather and scatter as concatenation and sum, the replica reduce the identity."""
+    """``inj.program()`` with one graph's collectives: f the identity (``mean``: dn / W,
+    ``twice``: dn * W), g the rank sum (twice: times W), SP's as concatenation and sum."""
     prog = inj.program()
     f = {"sum": no_collective, "none": no_collective,
          "mean": lambda n, comm: ScaleGrad.apply(n, 1.0 / comm.world_size),

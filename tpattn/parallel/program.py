@@ -1,8 +1,7 @@
-"""``Program``: the Functions the per-rank block and its step run; the defaults are correct TP.
+"""``Program``: the stages the per-rank block and its step run; the defaults are correct TP.
 
-Each field is one stage, called with the ranks' tensors and the backend ``comm``
-(``tpattn.parallel.collectives``). A bug is a ``Program`` with one stage replaced
-(``tpattn.parallel.wrong``; ``Injection.program`` says which).
+Each field is one stage, called with the ranks' tensors and the backend ``comm``; a bug is a
+``Program`` with one stage replaced (``tpattn.parallel.wrong``).
 """
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ REPLICATED = ("norm", "bias", "q_norm", "k_norm")
 
 
 def repeat_heads(t: torch.Tensor, groups: int, ranks: int) -> torch.Tensor:
-    """``repeat_kv`` on every rank's KV heads ``[S, B, R*Hkv, D]`` (rank-major: the global
-    repeat-interleave is each rank's own)."""
+    """``repeat_kv`` on every rank's KV heads ``[S, B, R*Hkv, D]`` (rank-major)."""
     return repeat_kv(t, groups)
 
 
@@ -36,15 +34,13 @@ def keep_partials(partial: torch.Tensor, p: dict, comm) -> torch.Tensor:
 
 
 def add_bias_after_g(out: torch.Tensor, p: dict) -> torch.Tensor:
-    """``out`` ``[R, S_r, B, hidden]`` plus the row-parallel bias ``[R, hidden]``, once, after
-    g (no ``"bias"`` in ``p``: ``out``)."""
+    """``out`` ``[R, S_r, B, hidden]`` plus the bias ``[R, hidden]`` if ``p`` has one."""
     return out + p["bias"].unsqueeze(1).unsqueeze(1) if "bias" in p else out
 
 
 def grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
-    """Each rank's sum of squared gradients ``[R, ...]`` -> ``[R]`` (float64), a
-    ``REPLICATED`` parameter on TP rank 0 only (a replicated KV head's copies on every rank
-    of its group: the logged norm ``tpattn.diagnosis`` reads)."""
+    """Each rank's squared gradients summed, ``[R]`` float64; ``REPLICATED`` ones on TP rank
+    0 only (a replicated KV head's copies on every rank: the logged norm)."""
     first = torch.tensor(comm.ranks) == 0
     squares = 0.0
     for name, g in grads.items():
@@ -54,8 +50,7 @@ def grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
 
 
 def sgd_ranks(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dict:
-    """Every rank's SGD step (``sgd.sgd_step``, gradient times ``coefs[i]``): the new weights,
-    stacked ``[R, ...]``."""
+    """Every rank's ``sgd_step`` (scale ``coefs[i]``): the new weights ``[R, ...]``."""
     per_rank = [sgd_step({k: t[i] for k, t in ps.items()}, {k: g[i] for k, g in grads.items()},
                          lr, coefs[i]) for i in range(len(comm.ranks))]
     return {k: torch.stack([w[k] for w in per_rank]) for k in ps}
@@ -63,8 +58,8 @@ def sgd_ranks(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dic
 
 @dataclass(frozen=True)
 class Program:
-    """The stages of the block (``f`` ... ``add_bias``) and of its step (``norm_grad`` ...
-    ``update``); ``clip``: clip the gradient norm (a setup, not a bug)."""
+    """The block's stages (``f`` .. ``add_bias``), the step's (``norm_grad`` .. ``update``),
+    ``clip`` (a setup, not a bug)."""
 
     f: Callable = CopyToRanks.apply
     g: Callable = ReduceFromRanks.apply

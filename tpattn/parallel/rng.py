@@ -1,35 +1,12 @@
 """The ranks' random streams for dropout, as Megatron's model-parallel RNG tracker keeps them.
 
-Megatron-LM's ``tensor_parallel/random.py`` (``model_parallel_cuda_manual_seed``) seeds two
-streams on every rank: the default one with ``seed`` (the same on every TP rank, and on every
-DP replica without ``data_parallel_random_init``), and the tracker's
-``"model-parallel-rng"`` with ``seed + 2718 + tp_rank`` (a different one per TP rank).
-Without sequence parallelism, dropout outside the sharded region (the residual dropout, on
-a tensor every TP rank holds whole) draws from the default stream, so every TP rank drops the
-same elements; dropout inside it (the attention probabilities of the rank's own heads) draws
-from the model-parallel stream, so each rank's heads get their own mask. Under sequence
-parallelism each rank holds different tokens of the residual stream, and Megatron forks the
-model-parallel stream for the whole transformer block (its residual dropout included); this
-module models the case without it.
-
-``RankStreams`` holds both generators for each rank one process holds (every simulated rank,
-or one real rank whose default stream is torch's global default generator, the one
-``nn.Dropout`` reads). A mask is drawn as ``bernoulli(1 - p)`` in float32 (``keep_mask``),
-scaled by ``1 / (1 - p)`` and cast to the run's dtype; the engine
-(``tpattn.parallel.engine.rank_block``) multiplies the attention probabilities and the block's
-output by them. ``replica_masks`` draws the masks of the correct program for one DP replica,
-assembled over the TP ranks (the dense reference applies them); ``tile_masks`` repeats them
-along the batch for a global batch of several replicas (the same streams on every replica).
-
-``Injection.rng = "rank0_drift"``: before the step, tp_rank 0's default generator is consumed
-by the creation of a ``torch.utils.data.DataLoader`` iterator (``_BaseDataLoaderIter`` draws
-its workers' ``base_seed`` into a CPU tensor with ``random_(generator=loader.generator)``), as
-the loader built on tp_rank 0 only does in bigscience-workshop/Megatron-DeepSpeed PR 276.
-That draw advances torch's *CPU* default generator. The package's ranks compute on the CPU,
-so their ``nn.Dropout`` reads that generator and the residual masks differ across TP ranks.
-Dropout of CUDA tensors reads the CUDA generator instead, which the draw leaves alone: on a
-GPU the drift desyncs CPU draws only (shuffles, masks built on the CPU), and CUDA masks
-desync when a CUDA random op runs on some TP ranks alone or the ranks seed CUDA differently.
+Every rank has a default stream seeded with ``seed`` (the same on every TP rank: the residual
+dropout, outside the sharded region, drops the same elements) and a model-parallel stream
+seeded with ``seed + 2718 + tp_rank`` (attention dropout on the rank's own heads). A mask is
+``bernoulli(1 - p)`` in float32, times ``1 / (1 - p)``, in the run's dtype (``keep_mask``).
+``Injection.rng = "rank0_drift"``: tp_rank 0's default generator is consumed once by a
+``DataLoader`` iterator's base-seed draw (Megatron-DeepSpeed PR 276: a loader built on
+tp_rank 0 only); on the CPU that desyncs the residual masks across TP ranks.
 """
 from __future__ import annotations
 
@@ -38,44 +15,36 @@ import torch
 from tpattn.config import Config
 
 __all__ = ["RankStreams", "MODEL_PARALLEL_SEED_OFFSET", "keep_mask", "simulated_streams",
-           "process_streams",
-           "replica_masks", "tile_masks", "drift_by_loader", "state_checksum"]
+           "process_streams", "replica_masks", "tile_masks", "drift_by_loader", "state_checksum"]
 
 #: Megatron's offset of the model-parallel seed: ``seed + 2718 + tp_rank``.
 MODEL_PARALLEL_SEED_OFFSET = 2718
 
 
 def keep_mask(shape, p: float, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """A dropout mask ``shape``: each element ``1/(1-p)`` with probability ``1 - p``, else 0,
-    drawn as ``bernoulli(1 - p)`` in float32 from ``generator``, then cast to ``dtype``."""
+    """A dropout mask ``shape``: ``1/(1-p)`` with probability ``1 - p``, else 0 (drawn in
+    float32 from ``generator``, cast to ``dtype``)."""
     keep = torch.empty(shape, dtype=torch.float32).bernoulli_(1.0 - p, generator=generator)
     return keep.div_(1.0 - p).to(dtype)
 
 
 def drift_by_loader(generator: torch.Generator | None = None) -> None:
-    """Consume one draw of ``generator`` (``None``: torch's global default generator) the way
-    the data loader does: create an iterator of a ``DataLoader`` over a small dataset
-    (``num_workers=0``; the iterator draws the workers' base seed all the same)."""
+    """Consume one draw of ``generator`` (``None``: torch's global one) as a ``DataLoader``
+    iterator does (it draws its workers' base seed, even with ``num_workers=0``)."""
     from torch.utils.data import DataLoader  # imported when a run drifts
 
     iter(DataLoader(list(range(4)), batch_size=2, generator=generator))
 
 
 def state_checksum(generator: torch.Generator) -> float:
-    """A checksum of a generator's state: ``sum_i (i + 1) * byte_i`` over its state bytes
-    (equal states give equal checksums; float64, exact below 2**53)."""
+    """``sum_i (i + 1) * byte_i`` over a generator's state bytes (float64, exact)."""
     state = generator.get_state().double()
     return float((state * torch.arange(1, state.numel() + 1, dtype=torch.float64)).sum())
 
 
 class RankStreams:
-    """The two random streams of each rank one process holds, in ``comm.ranks`` order.
-
-    ``defaults``: each rank's default generator (same seed on every TP rank);
-    ``model_parallel``: each rank's ``seed + 2718 + tp_rank`` generator. ``attention_masks``
-    and ``residual_masks`` draw the next masks of every rank (each call advances the streams:
-    a new step, new masks).
-    """
+    """Each rank's ``defaults`` and ``model_parallel`` generators (``comm.ranks`` order);
+    each ``*_masks`` call draws every rank's next masks."""
 
     def __init__(self, defaults: list[torch.Generator], model_parallel: list[torch.Generator]):
         if len(defaults) != len(model_parallel):
@@ -84,29 +53,27 @@ class RankStreams:
         self.defaults, self.model_parallel = list(defaults), list(model_parallel)
 
     def attention_masks(self, cfg: Config) -> torch.Tensor:
-        """Every rank's attention-dropout mask from its model-parallel stream, heads
-        rank-major: ``[B, R * Hq/W, S, S]``."""
+        """Every rank's attention mask (model-parallel stream), heads rank-major:
+        ``[B, R * Hq/W, S, S]``."""
         shape = (cfg.batch, cfg.local_query_heads, cfg.seq, cfg.seq)
         return torch.cat([keep_mask(shape, cfg.dropout, g, cfg.torch_dtype)
                           for g in self.model_parallel], dim=1)
 
     def residual_masks(self, cfg: Config) -> torch.Tensor:
-        """Every rank's residual-dropout mask from its default stream: ``[R, S, B, hidden]``."""
+        """Every rank's residual mask (default stream): ``[R, S, B, hidden]``."""
         shape = (cfg.seq, cfg.batch, cfg.hidden)
         return torch.stack([keep_mask(shape, cfg.dropout, g, cfg.torch_dtype)
                             for g in self.defaults])
 
     def default_checksums(self) -> list[float]:
-        """``state_checksum`` of every rank's default generator (what the report compared:
-        ``torch_rng_state`` across TP ranks)."""
+        """``state_checksum`` of every rank's default generator."""
         return [state_checksum(g) for g in self.defaults]
 
 
 def simulated_streams(cfg: Config, seed: int, inj=None, tp_ranks=None) -> RankStreams:
-    """Every simulated rank's streams (``tp_ranks``: the TP rank of each, default every rank
-    of the job in mesh order, ``r % world_size``): default generators seeded with ``seed``, model-parallel ones with
-    ``seed + 2718 + tp_rank``; under ``inj.rng == "rank0_drift"`` tp_rank 0's default
-    generator is then consumed by a ``DataLoader`` iterator (``drift_by_loader``)."""
+    """Every simulated rank's streams (``tp_ranks``: each one's TP rank, default ``r %
+    world_size`` over ``cfg.ranks``); ``inj.rng == "rank0_drift"``: tp_rank 0's default
+    generator then drifts (``drift_by_loader``)."""
     tp_ranks = [r % cfg.world_size for r in range(cfg.ranks)] if tp_ranks is None \
         else list(tp_ranks)
     defaults = [torch.Generator().manual_seed(seed) for _ in tp_ranks]
@@ -120,11 +87,9 @@ def simulated_streams(cfg: Config, seed: int, inj=None, tp_ranks=None) -> RankSt
 
 
 def process_streams(cfg: Config, seed: int, tp_rank: int, inj=None) -> RankStreams:
-    """The streams of one real rank (this process, TP rank ``tp_rank``): torch's global RNG
-    seeded with ``seed`` (``torch.manual_seed``, as every rank does) is the default stream,
-    the one ``nn.Dropout`` reads, and a ``seed + 2718 + tp_rank`` generator the
-    model-parallel one. Under ``inj.rng == "rank0_drift"`` tp_rank 0 alone then creates a
-    ``DataLoader`` iterator with the default generator (``drift_by_loader(None)``)."""
+    """This process's streams (TP rank ``tp_rank``): torch's global generator seeded with
+    ``seed`` (the one ``nn.Dropout`` reads), and a model-parallel generator; tp_rank 0
+    drifts under ``inj.rng == "rank0_drift"``."""
     torch.manual_seed(seed)
     parallel = torch.Generator().manual_seed(seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     if inj is not None and inj.rng == "rank0_drift" and tp_rank == 0:
@@ -133,17 +98,15 @@ def process_streams(cfg: Config, seed: int, tp_rank: int, inj=None) -> RankStrea
 
 
 def replica_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
-    """The masks the correct program draws in one step of one DP replica, assembled over the
-    TP ranks: ``attention`` ``[B, Hq, S, S]`` (rank r's heads from rank r's model-parallel
-    stream) and ``residual`` ``[S, B, hidden]`` (the default stream, the same on every rank)."""
+    """One DP replica's masks of one correct step, over its TP ranks: ``attention``
+    ``[B, Hq, S, S]`` and ``residual`` ``[S, B, hidden]`` (what the dense reference applies)."""
     streams = simulated_streams(cfg, seed, tp_ranks=range(cfg.world_size))
     return {"attention": streams.attention_masks(cfg),
             "residual": streams.residual_masks(cfg)[0]}
 
 
 def tile_masks(masks: dict[str, torch.Tensor], data_parallel: int) -> dict[str, torch.Tensor]:
-    """``replica_masks`` of one replica for a global batch of ``data_parallel`` replicas
-    (every replica draws the same masks): tiled along the batch, ``attention``
-    ``[dp*B, Hq, S, S]`` and ``residual`` ``[S, dp*B, hidden]``."""
+    """``replica_masks`` tiled along the batch for ``data_parallel`` replicas (each draws
+    the same): ``[dp*B, Hq, S, S]`` and ``[S, dp*B, hidden]``."""
     return {"attention": masks["attention"].repeat(data_parallel, 1, 1, 1),
             "residual": masks["residual"].repeat(1, data_parallel, 1)}

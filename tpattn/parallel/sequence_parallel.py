@@ -1,12 +1,8 @@
-"""Sequence parallelism (SP): the TP block with the residual stream sharded along the sequence.
+"""Sequence parallelism (SP; Korthikanti et al. 2022, Megatron-LM's ``--sequence-parallel``).
 
-Korthikanti et al. 2022 (arXiv:2205.05198), Megatron-LM's ``--sequence-parallel``: each rank
-holds its ``S/W`` tokens; f becomes an all-gather along the sequence (backward reduce-scatter),
-g a reduce-scatter (backward all-gather), both ``collectives.GatherSequence`` /
-``ScatterSequence`` in the engine's one block. RoPE needs global positions (``rank_tokens``);
-the ``norm`` weight's gradient is a partial sum, all-reduced after backward. This module: the
-token layout and what SP's collectives cost (``communication_ledger``,
-``norm_activation_bytes``).
+Each rank holds ``S/W`` tokens; f becomes an all-gather along the sequence, g a
+reduce-scatter (``collectives.GatherSequence``/``ScatterSequence``), the ``norm`` gradient
+is all-reduced after backward. This module: the token layout and what SP's collectives cost.
 """
 from __future__ import annotations
 
@@ -34,13 +30,8 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
 # --- what the collectives cost ----------------------------------------------------------
 
 def communication_ledger(cfg: Config) -> list[dict]:
-    """The collectives one correct training step of the block issues, without and with SP.
-
-    One row per collective: ``variant`` (``"TP"``/``"SP"``), ``collective``, ``phase``,
-    ``elements`` of the whole tensor and ``bytes_per_rank`` sent (``ring_bytes``). TP: g's and
-    f's all-reduces of ``[S, B, hidden]``. SP: two all-gathers and two reduce-scatters of the
-    same size, plus the all-reduce of the ``norm`` gradient (``[hidden]``).
-    """
+    """The collectives of one correct step without and with SP, one row each: ``variant``,
+    ``collective``, ``phase``, ``what``, ``elements``, ``bytes_per_rank`` (``ring_bytes``)."""
     w, item = cfg.world_size, torch.empty((), dtype=cfg.torch_dtype).element_size()
     act, hid = cfg.seq * cfg.batch * cfg.hidden, cfg.hidden
     rows = [("TP", "all_reduce", "forward", act, "g: sum of output partials"),
@@ -55,8 +46,7 @@ def communication_ledger(cfg: Config) -> list[dict]:
 
 
 def norm_activation_bytes(cfg: Config) -> int:
-    """Bytes one rank's RMSNorm saves for backward (its activations; the weight excluded),
-    measured with ``torch.autograd.graph.saved_tensors_hooks`` on ``cfg.local_seq`` tokens."""
+    """Bytes one rank's RMSNorm saves for backward on ``cfg.local_seq`` tokens (weight excluded)."""
     x = torch.randn(cfg.local_seq, cfg.batch, cfg.hidden, dtype=cfg.torch_dtype, requires_grad=True)
     weight = torch.ones(cfg.hidden, dtype=cfg.torch_dtype, requires_grad=True)
     saved = []

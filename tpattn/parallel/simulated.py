@@ -1,8 +1,8 @@
-"""The simulated backend: every rank of the group in one process, as dim 0 of every tensor.
+"""The simulated backend's step and views: every rank of the job in one process.
 
-``simulated_step`` is one training step of ``engine.rank_block`` on ``SimulatedRanks``: each
-rank has its own parameters, input, output, loss and backward, as real ranks run; their graphs
-meet only in the collectives. ``rank0_view`` is what rank 0 reports of it.
+``simulated_step`` is ``engine.train_step`` on ``SimulatedRanks``: each rank its own
+parameters, input, loss and backward, graphs meeting only in the collectives;
+``rank0_view`` is what rank 0 reports of it.
 """
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ def _stacked(per_rank):
 
 
 def with_reader_fg(prog, f=None, g=None) -> Program:
-    """``prog`` (a ``Program`` or ``Injection``) with a reader's f and g: ``torch.autograd.
-    Function`` subclasses whose ``apply(*tensors)`` maps one ``[...]`` per rank to one per
-    rank (``None``: the program's own). The ledger records them as f's and g's."""
+    """``prog`` with a reader's f and/or g: Functions whose ``apply(*tensors)`` maps one
+    tensor per rank to one per rank, recorded in the ledger as f's and g's."""
     prog = as_program(prog)
     if f is None and g is None:
         return prog
@@ -49,14 +48,9 @@ def with_reader_fg(prog, f=None, g=None) -> Program:
 
 def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
                    rng=None) -> dict:
-    """``engine.train_step`` on every rank of the job (``cfg.ranks``: ``cfg.world_size``
-    without data parallelism; on a TP x DP mesh every rank in mesh order).
-
-    shards: every rank's parameters (a list of per-rank dicts, or one stacked dict
-    ``[R, ...]``); batches: every rank's ``(x, target)`` (``[S_r, B, hidden]`` each).
-    ``f``, ``g``: optional reader's collectives (``with_reader_fg``); ``rng``:
-    the ranks' random streams (``rng.RankStreams``, needed with dropout). Returns
-    ``train_step``'s dict (stacked tensors; ``ledger`` the collectives, in order)."""
+    """``engine.train_step`` on every rank of ``cfg.ranks`` (mesh order): shards per-rank
+    dicts or stacked ``[R, ...]``, batches ``(x, target)`` ``[S_r, B, hidden]`` per rank;
+    ``f``, ``g``: ``with_reader_fg``; ``rng``: ``RankStreams`` (dropout)."""
     x = torch.stack([b[0] for b in batches])
     target = torch.stack([b[1] for b in batches])
     comm = SimulatedRanks(cfg, [])
@@ -65,15 +59,13 @@ def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
 
 
 def simulated_forward(shards, xs, cfg: Config, inj, rng=None) -> torch.Tensor:
-    """Every rank's output ``[W, S_r, B, hidden]`` of ``xs`` (one per rank), no step
-    (``rng``: the ranks' random streams, needed with dropout)."""
+    """Every rank's output ``[R, S_r, B, hidden]`` of ``xs`` (one per rank), no step."""
     return rank_block(torch.stack(list(xs)), _stacked(shards), cfg, inj, SimulatedRanks(cfg),
                       rng)
 
 
 def rank_steps(step: dict) -> list[dict]:
-    """A ``simulated_step`` as one ``check.one_step``-style dict per rank: ``output``,
-    ``loss``, ``input_grad``, ``grads`` and ``weights`` (that rank's own tensors)."""
+    """A ``simulated_step`` as one ``one_step``-style dict per rank."""
     return [{"output": step["outputs"][r], "loss": step["losses"][r],
              "input_grad": step["input_grads"][r],
              "grads": {k: t[r] for k, t in step["grads"].items()},
@@ -82,10 +74,8 @@ def rank_steps(step: dict) -> list[dict]:
 
 
 def gather_steps(steps: list[dict], cfg: Config, unshard=None) -> dict:
-    """What rank 0 reports of every rank's step (``rank_steps``), in ``check.one_step``'s
-    dict: its own output, loss and dX (under sequence parallelism every rank's tokens put
-    together, the loss the global MSE), and the full-size gradients and weights from every
-    rank's own (``unshard(per_rank_dicts)``, default ``params.unshard_params``)."""
+    """Rank 0's ``one_step``-style report of ``rank_steps``: its output, loss, dX (SP: every
+    rank's tokens) and full-size grads and weights (``unshard``, default ``unshard_params``)."""
     unshard = unshard or (lambda per_rank: unshard_params(per_rank, cfg))
     output, input_grad = steps[0]["output"], steps[0]["input_grad"]
     if cfg.sequence_parallel:
@@ -97,23 +87,20 @@ def gather_steps(steps: list[dict], cfg: Config, unshard=None) -> dict:
 
 
 def rank0_view(step: dict, cfg: Config, unshard=None) -> dict:
-    """``gather_steps`` of a ``simulated_step``: what rank 0 reports."""
+    """``gather_steps`` of a ``simulated_step``."""
     return gather_steps(rank_steps(step), cfg, unshard)
 
 
 def replica_views(step: dict, cfg: Config, unshard=None) -> list[dict]:
-    """On a TP x DP mesh: ``gather_steps`` of each DP replica's TP group (entries
-    ``d*W:(d+1)*W`` of a ``simulated_step``), one ``check.one_step``-style dict per replica."""
+    """``gather_steps`` of each DP replica's TP group of a mesh's ``simulated_step``."""
     steps, w = rank_steps(step), cfg.world_size
     return [gather_steps(steps[d * w:(d + 1) * w], cfg, unshard)
             for d in range(cfg.data_parallel)]
 
 
 def mesh_view(step: dict, cfg: Config, unshard=None) -> dict:
-    """What global rank 0 reports of a TP x DP mesh's ``simulated_step``: the output and dX
-    of every DP replica (``replica_views``) concatenated along the batch dim (``[S, B * DP,
-    hidden]``), the logged loss (rank 0's), the gradients and weights of replica 0 (the
-    replicas agree when the DP gradient all-reduce runs)."""
+    """Global rank 0's report of a mesh's ``simulated_step``: every replica's output and dX
+    along the batch (``[S, B * DP, hidden]``), rank 0's loss, replica 0's grads and weights."""
     views = replica_views(step, cfg, unshard)
     return {"output": torch.cat([v["output"] for v in views], dim=1), "loss": views[0]["loss"],
             "input_grad": torch.cat([v["input_grad"] for v in views], dim=1),
@@ -122,9 +109,8 @@ def mesh_view(step: dict, cfg: Config, unshard=None) -> dict:
 
 def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
                       cfg: Config, inj, f=None, g=None) -> list[torch.Tensor]:
-    """``engine.rank_block`` with one tensor per rank in and out (differentiable: gradients
-    reach each rank's own ``xs`` and ``shards`` leaves). xs: one ``[S_r, B, hidden]`` per
-    rank; returns one per rank. ``f``, ``g``: as in ``with_reader_fg``."""
+    """``engine.rank_block`` on one ``[S_r, B, hidden]`` per rank in and out (differentiable);
+    ``f``, ``g``: ``with_reader_fg``."""
     p = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
     y = rank_block(torch.stack(list(xs)), p, cfg, with_reader_fg(inj, f, g), SimulatedRanks(cfg))
     return list(y.unbind(0))

@@ -1,8 +1,5 @@
-"""Wrong stages: each a substitution for one stage of the correct ``Program``.
-
-``program_of(inj)`` is the one place an ``Injection``'s knobs become stages; the bug
-registry (``tpattn.bugs.zoo``) names the knob of each mode. The made-up bugs of the held-out
-evaluation (``partial_scale``, ``rank_lr_scale``) are ``tpattn.bugs.made_up``'s.
+"""Wrong stages, each a substitution for one stage of the correct ``Program``; ``program_of``
+turns an ``Injection``'s knobs into them (the made-up bugs' stages: ``tpattn.bugs.made_up``).
 """
 from __future__ import annotations
 
@@ -34,14 +31,8 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class GatherSequenceNoReduce(torch.autograd.Function):
+class GatherSequenceNoReduce(GatherSequence):
     """SP's all-gather without its backward reduce: rank r keeps its tokens of its own dn."""
-
-    @staticmethod
-    def forward(ctx, n, comm, group="tp"):
-        ctx.comm, ctx.group = comm, group
-        comm.record("forward", "all-gather of n along the sequence", "all_gather", group, None)
-        return comm.group_cat(n, 0, group)
 
     @staticmethod
     def backward(ctx, dn):
@@ -69,8 +60,7 @@ def g_twice(partial: torch.Tensor, comm) -> torch.Tensor:
 
 
 def tiled_heads(t: torch.Tensor, groups: int, ranks: int) -> torch.Tensor:
-    """``repeat_kv`` as a tile on each rank's KV heads ``[S, B, R*Hkv, D]``: ``[h0, h1, h0,
-    h1]`` where the query heads read ``[h0, h0, h1, h1]``."""
+    """Each rank's KV heads ``[S, B, R*Hkv, D]`` tiled (``[h0, h1, h0, h1]``), not repeated."""
     s, b, _, d = t.shape
     return t.view(s, b, ranks, -1, d).repeat(1, 1, 1, groups, 1).reshape(s, b, -1, d)
 
@@ -122,8 +112,7 @@ def _gather_stage(f: str, group: str):
         (lambda n, comm: GatherSequence.apply(n, comm, group))
 
 
-#: The made-up bugs' stage factories by ``Injection`` field (``tpattn.bugs.made_up`` fills
-#: it): ``"partial_scale"`` -> a ``before_g`` stage, ``"rank_lr_scale"`` -> an ``update``.
+#: The made-up bugs' stage factories by ``Injection`` field (filled by ``bugs.made_up``).
 MADE_UP_STAGES: dict = {}
 
 

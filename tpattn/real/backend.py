@@ -1,12 +1,10 @@
 """One real torch.distributed rank as the engine's backend: ``SimulatedRanks`` with R = 1.
 
-``RealRanks`` keeps every collective of ``tpattn.parallel.collectives.SimulatedRanks`` (so it
-records the same ledger entries) and overrides only the group primitives: ``group_sum`` is an
-``all_reduce``, ``group_cat`` an ``all_gather``, ``scatter_sum`` a ``reduce_scatter_single``
-and ``position`` the rank in the group. Its groups (``build_groups``) come from
-``init_device_mesh`` over ``("dp", "tp")``, plus ``dist.new_group`` for the KV replica groups
-and the groups of one. A primitive issues only what the plan says comes next, and names its
-ledger entry when it fails.
+``RealRanks`` records the same ledger as ``SimulatedRanks`` and overrides only the group
+primitives (``group_sum``: ``all_reduce``, ``group_cat``: ``all_gather``, ``scatter_sum``:
+``reduce_scatter_single``, ``position``). Its groups come from ``init_device_mesh`` over
+``("dp", "tp")`` and ``new_group`` (``build_groups``). A primitive issues only what the plan
+says comes next, and names its ledger entry when it fails.
 """
 from __future__ import annotations
 
@@ -28,9 +26,7 @@ GATHER_LABEL = "all-gather of every rank's step"
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed (timed out, or a peer went away). ``deviation``: how this rank had
-    strayed from the plan before it, or ``None``; ``tpattn.real.launch`` blames a rank that
-    strayed."""
+    """A collective failed; ``deviation``: how this rank had left the plan before, or ``None``."""
 
     in_collective = True
 
@@ -40,11 +36,9 @@ class CollectiveError(RuntimeError):
 
 
 def build_groups(cfg: Config, device_type: str = "cpu", timeout: float = 60.0) -> dict:
-    """Inside an initialized default group of ``cfg.ranks`` processes: ``"mesh"`` (the
-    ``("dp", "tp")`` DeviceMesh, global rank ``dp * W + tp``), this rank's ``"tp"``, ``"dp"``
-    and ``"world"`` groups, with replicated KV heads its ``"kv_replicas"`` group and on a
-    TP x DP mesh its ``"self"`` group of one (every rank makes every such group, in order:
-    ``new_group`` is collective)."""
+    """This rank's ``"mesh"`` (``("dp", "tp")``, rank ``dp * W + tp``), ``"tp"``, ``"dp"``,
+    ``"world"`` groups, and as needed ``"kv_replicas"`` and ``"self"`` (``new_group`` is
+    collective: every rank makes every group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (cfg.data_parallel, cfg.world_size),
@@ -62,14 +56,8 @@ def build_groups(cfg: Config, device_type: str = "cpu", timeout: float = 60.0) -
 
 
 class RealRanks(SimulatedRanks):
-    """``SimulatedRanks`` for global rank ``rank`` of ``groups`` (``build_groups``): every
-    tensor ``[1, ...]``, every group operation a real collective (module docstring).
-
-    ``plan``: the ledger this rank should record (entries in order; ``None``: unchecked),
-    ``job`` names the run in errors. ``traffic``: one row per collective issued,
-    ``{"label", "phase", "kind", "group_size", "elements"}`` (the buffer's element count:
-    the all-reduce's tensor, the all-gather's output, the reduce-scatter's input).
-    """
+    """``SimulatedRanks`` for rank ``rank``, tensors ``[1, ...]``; ``plan``: its expected ledger,
+    ``traffic``: ``{"label", "phase", "kind", "group_size", "elements"}`` per collective."""
 
     def __init__(self, cfg: Config, groups: dict, rank: int, plan: list | None = None,
                  job: str = ""):
@@ -97,10 +85,9 @@ class RealRanks(SimulatedRanks):
             raise RuntimeError("collectives out of plan: " + problem)
 
     def issue(self, collective, *args, group: str = "tp", elements: int | None = None):
-        """``collective(*args, group=...)`` over this rank's group ``group`` for the last
-        ledger entry, counted in ``traffic`` (``elements=None``: the gather of every rank's
-        step, in neither). Raises ``CollectiveError`` naming it when it fails, or without
-        issuing it when the ledger has left the plan."""
+        """``collective(*args, group=...)`` for the last ledger entry (``elements=None``: the
+        step gather), counted in ``traffic``; ``CollectiveError`` naming it if it fails or the
+        ledger has left the plan."""
         pg = self.process_groups[group]
         entry = self.ledger[-1] if elements is not None else {"label": GATHER_LABEL}
         where = f"{entry['label']} (collective #{len(self.ledger)} of {self.job})"
@@ -148,12 +135,8 @@ class RealRanks(SimulatedRanks):
 
 
 def gather_step(step: dict, comm: RealRanks, targets: torch.Tensor) -> dict:
-    """Every rank's ``engine.train_step`` dict put together in mesh order (one
-    ``all_gather_object`` over the world, on the CPU), as ``simulated_step`` returns it for
-    every rank: ``outputs``, ``losses``, ``input_grads`` ``[R, ...]``, ``grads``, ``weights``
-    (stacked), ``grad_norm`` and ``ledger`` (this rank's). ``targets``: every rank's target
-    ``[R, S_r, B, hidden]``; under sequence parallelism (one replica) ``losses`` is then the
-    global MSE on every rank, as the simulated ranks log it."""
+    """Every rank's ``train_step`` dict stacked in mesh order (one ``all_gather_object``), as
+    ``simulated_step`` returns it; ``targets`` ``[R, S_r, B, hidden]`` give SP's global MSE."""
     keys = ("outputs", "losses", "input_grads", "grads", "weights")
     mine = {k: ({n: t.cpu() for n, t in step[k].items()} if isinstance(step[k], dict)
                 else step[k].cpu()) for k in keys}

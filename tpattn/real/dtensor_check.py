@@ -1,14 +1,12 @@
 """Cross-check with PyTorch's own tensor-parallel API (DTensor).
 
-``AttentionBlock``: the dense block as an ``nn.Module`` (``wq, wk, wv, wo`` are
-``nn.Linear(bias=False)``), sharded by ``parallelize_module`` with Megatron's plan: wq, wk, wv
-``ColwiseParallel`` (weight ``Shard(0)``), wo ``RowwiseParallel`` (weight ``Shard(1)``).
-PyTorch places the collectives itself: Rowwise sums the partials in forward (g), each
-Colwise layer's replicated input sums its gradient in backward (f). The forward reads head
-counts from the (local) weights. Run on every rank of an initialized default process group;
-importing this module loads ``torch.distributed.tensor`` (seconds): ``import tpattn`` does not.
+``AttentionBlock``, the dense block as an ``nn.Module``, sharded by ``parallelize_module``
+with Megatron's plan (wq, wk, wv ``ColwiseParallel``, wo ``RowwiseParallel``): PyTorch places
+the collectives. Importing this module loads ``torch.distributed.tensor`` (seconds).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -23,18 +21,14 @@ from tpattn.config import Config
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
+from .module_check import full_value
 
-__all__ = ["AttentionBlock", "parallelize_block", "full_value", "dtensor_check"]
+__all__ = ["AttentionBlock", "parallelize_block", "dtensor_check", "comm_counts"]
 
 
 class AttentionBlock(nn.Module):
-    """``dense_forward`` as an ``nn.Module``, so that ``parallelize_module`` can shard it.
-
-    The forward is the package's layer functions in ``dense_forward``'s order; head counts are
-    read from the projections' (possibly rank-local) output width, never from ``cfg``, and the
-    sequence length from ``wq``'s output (``dtensor_sp.SequenceParallelBlock``, a subclass,
-    gathers the tokens inside ``wq``). Subclasses change only ``make_norm``/``normalize``.
-    """
+    """``dense_forward`` as an ``nn.Module`` for ``parallelize_module``: head counts and the
+    sequence length are read from the (rank-local) projections' outputs."""
 
     def __init__(self, params: dict[str, torch.Tensor], cfg: Config):
         super().__init__()
@@ -78,19 +72,9 @@ def parallelize_block(block: AttentionBlock, world_size: int,
     return parallelize_module(block, mesh, plan)
 
 
-def full_value(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (an all-gather), or a plain tensor as is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """The five measures of ``run(seed, "equivalence", cfg)`` with the TP side done by DTensor.
-
-    Call on every rank. Returns ``(metrics, ledger)``: ``metrics`` has ``run()``'s keys and order
-    (mode ``"equivalence"``), computed on every rank; ``ledger`` counts the all-reduces DTensor
-    issued in forward and in backward (``CommDebugMode``), as
-    ``{"forward": int, "backward": int}``.
-    """
+    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's TP, and
+    the all-reduces it issued, ``{"forward": n, "backward": n}``."""
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
@@ -102,8 +86,8 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
     loss = F.mse_loss(y, target)
     with CommDebugMode() as backward_comms:
         loss.backward()
-    ledger = {"forward": _count_all_reduce(forward_comms),
-              "backward": _count_all_reduce(backward_comms)}
+    ledger = {p: comm_counts(c, p)[f"{p} all_reduce"]
+              for p, c in (("forward", forward_comms), ("backward", backward_comms))}
 
     params = {"norm": block.norm, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
     grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}
@@ -113,6 +97,12 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
     return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), ledger
 
 
-def _count_all_reduce(mode) -> int:
-    """All-reduces (functional or c10d) a ``CommDebugMode`` recorded."""
-    return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op))
+def comm_counts(mode: CommDebugMode, phase: str) -> Counter:
+    """``{"<phase> <kind>": n}`` of the all-gathers, reduce-scatters and all-reduces ``mode``
+    recorded."""
+    counts = Counter()
+    for op, n in mode.get_comm_counts().items():
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            if kind in str(op):
+                counts[f"{phase} {kind}"] += n
+    return counts

@@ -1,16 +1,11 @@
 """Cross-check of sequence parallelism with PyTorch's own API (DTensor).
 
-``SequenceParallelBlock`` (``norm`` a module) parallelized on a 1-D mesh: ``norm``
-``SequenceParallel(sequence_dim=0)`` (tokens ``Shard(0)``), wq/wk/wv
-``ColwiseParallel(input_layouts=Shard(0))`` (all-gather the tokens), wo
-``RowwiseParallel(output_layouts=Shard(0))`` (reduce-scatter to the tokens). The sequence is
-dim 0 (our layout is sequence-first). Nothing reduces the ``norm`` gradient by hand: it is a
-``Partial`` placement, all-reduced when the step reads it. Run on every rank of an initialized
-default process group.
+``SequenceParallelBlock`` on a 1-D mesh: ``norm`` ``SequenceParallel(sequence_dim=0)``,
+wq/wk/wv ``ColwiseParallel(input_layouts=Shard(0))`` (gathers the tokens), wo
+``RowwiseParallel(output_layouts=Shard(0))`` (reduce-scatters them). The ``norm`` gradient
+is a ``Partial`` placement, all-reduced when the step reads it.
 """
 from __future__ import annotations
-
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +18,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from tpattn.check.core import EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs
 from tpattn.config import Config
-from .dtensor_check import AttentionBlock, full_value
+from .dtensor_check import AttentionBlock, comm_counts
+from .module_check import full_value
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
@@ -34,10 +30,7 @@ __all__ = ["RMSNorm", "SequenceParallelBlock", "parallelize_sp_block", "dtensor_
 
 
 class RMSNorm(nn.Module):
-    """``rms_norm`` as a module (``SequenceParallel`` shards a module's input, not a function's).
-
-    x: ``[..., hidden]``; returns ``[..., hidden]``.
-    """
+    """``rms_norm`` as a module (``SequenceParallel`` shards a module's input)."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -49,12 +42,8 @@ class RMSNorm(nn.Module):
 
 
 class SequenceParallelBlock(AttentionBlock):
-    """``AttentionBlock`` with ``norm`` as a module (``RMSNorm``); its forward is
-    ``AttentionBlock.forward``: x ``[S_local, B, hidden]`` (``S/W`` tokens when parallelized)
-    in, the same shape out. The sequence length of Q/K/V is read from the projections' output
-    — after ``ColwiseParallel``'s all-gather it is the whole sequence, while ``x`` (and the
-    residual) hold one rank's tokens; head counts are read from the (local) weights.
-    """
+    """``AttentionBlock`` with ``norm`` a module: x ``[S/W, B, hidden]`` in and out, Q/K/V
+    over the whole sequence (gathered by ``ColwiseParallel``)."""
 
     def make_norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
         """``norm`` as a module: ``SequenceParallel`` shards a module's input."""
@@ -83,26 +72,10 @@ def norm_grad_placement(block: SequenceParallelBlock) -> str:
     return ", ".join(str(p) for p in grad.placements) if hasattr(grad, "placements") else "plain"
 
 
-def _counts(mode: CommDebugMode, phase: str) -> Counter:
-    counts = Counter()
-    for op, n in mode.get_comm_counts().items():
-        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            if kind in str(op):
-                counts[f"{phase} {kind}"] += n
-    return counts
-
-
 def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """The five measures of ``run(seed, "equivalence", cfg)`` (``cfg.sequence_parallel``) with
-    the SP block done by DTensor. Call on every rank.
-
-    Returns ``(metrics, ledger)``: ``metrics`` has ``run()``'s keys (mode ``"equivalence"``),
-    with the output and dX put together from every rank's tokens; ``ledger`` counts the
-    collectives DTensor issued in forward, backward and the SGD step on its DTensors
-    (``{"forward all_gather": n, ..., "SGD step all_reduce": 1}``) and ``norm_grad_placement``,
-    the placement of ``norm``'s gradient after backward (``"P(sum)"``: partial sums, reduced
-    by the step's all-reduce).
-    """
+    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's SP block
+    (output and dX gathered), and its collectives ``{"forward all_gather": n, ..., "SGD step
+    all_reduce": 1, "norm_grad_placement": ...}``."""
     import torch.distributed as dist
 
     device = torch.device(device)
@@ -129,6 +102,6 @@ def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu")
     output = torch.cat(pieces[0])
     tp = {"output": output, "loss": F.mse_loss(output, target), "input_grad": torch.cat(pieces[1]),
           "grads": grads, "weights": weights}
-    ledger = {**_counts(forward_comms, "forward"), **_counts(backward_comms, "backward"),
-              **_counts(step_comms, "SGD step"), "norm_grad_placement": placement}
+    ledger = {**comm_counts(forward_comms, "forward"), **comm_counts(backward_comms, "backward"),
+              **comm_counts(step_comms, "SGD step"), "norm_grad_placement": placement}
     return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), dict(ledger)

@@ -1,17 +1,11 @@
 """Hugging Face's own tensor-parallel runtime as a sharding function for ``check_module``.
 
-``transformers`` shards a model with its own styles (``transformers.distributed.tensor_parallel``:
-``colwise``, ``rowwise``, ``embedding_rowwise``, ``colwise_gather_output``,
-``replicated_with_grad_allreduce`` for Qwen3's per-head ``q_norm``/``k_norm`` ...), applied by
-``from_pretrained(..., tp_plan=...)``. ``hf_tp_runtime(module, mesh)`` runs exactly that path on
-each rank: rank 0 writes the causal LM with ``save_pretrained`` to a directory shared by the
-ranks, and every rank loads it back with ``AutoModelForCausalLM.from_pretrained(directory,
-tp_plan=..., device_mesh=mesh)``. It needs ``transformers`` and ``accelerate``; it downloads
-nothing.
-
-``CausalLMLogits`` makes a causal LM a module of one float tensor, as ``check_module`` wants:
-``inputs_embeds`` ``[B, S, hidden]`` -> logits ``[B, S, vocab]`` (the embedding table is
-then unused, so the check leaves it out).
+``hf_tp_runtime(module, mesh)`` runs ``transformers``' path on each rank: rank 0 writes the
+causal LM with ``save_pretrained`` to a shared directory, and every rank loads it back with
+``from_pretrained(directory, tp_plan=..., device_mesh=mesh)`` (its styles: ``colwise``,
+``rowwise``, ``replicated_with_grad_allreduce`` for Qwen3's ``q_norm``/``k_norm`` ...). Needs
+``transformers`` and ``accelerate``; downloads nothing. ``CausalLMLogits``: a causal LM as a
+module of one tensor, ``inputs_embeds`` ``[B, S, hidden]`` -> logits ``[B, S, vocab]``.
 """
 from __future__ import annotations
 
@@ -38,10 +32,9 @@ class CausalLMLogits(torch.nn.Module):
 
 
 def tiny_causal_lm(kind: str, seed: int = 0, **sizes) -> CausalLMLogits:
-    """A small causal LM built from its config (no download), float32, weights drawn from
-    ``seed``: ``kind`` ``"llama"`` or ``"qwen3"`` (Qwen3 has per-head q/k RMSNorms). Defaults:
-    2 layers, hidden 64, 8 query / 4 KV heads of 8, MLP 128, vocab 128; ``sizes`` overrides
-    config fields."""
+    """A small float32 causal LM from its config, weights from ``seed``: ``kind`` ``"llama"``
+    or ``"qwen3"``; 2 layers, hidden 64, 8 query / 4 KV heads of 8, MLP 128, vocab 128
+    (``sizes`` overrides config fields)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     configs = {"llama": LlamaConfig, "qwen3": Qwen3Config}
@@ -65,14 +58,8 @@ def _quiet_transformers() -> None:
 
 def hf_tp_runtime(module: CausalLMLogits, mesh, tp_plan="auto") -> CausalLMLogits:
     """``module`` sharded over the 1-D ``mesh`` by Hugging Face's runtime, on every rank.
-
-    ``tp_plan``: ``"auto"`` (the model's own ``base_model_tp_plan`` plus its LM head's), or a
-    dict of overrides (full names with ``*`` for the layer number, e.g.
-    ``{"model.layers.*.self_attn.q_norm": "replicate"}``) merged into it. Rank 0 saves the LM
-    in a fresh directory whose name it broadcasts (and removes it once every rank has
-    loaded it); every rank loads it with
-    ``from_pretrained(..., dtype=float32, tp_plan=tp_plan, device_mesh=mesh)``.
-    """
+    ``tp_plan``: ``"auto"`` (the model's own plan), or overrides merged into it (e.g.
+    ``{"model.layers.*.self_attn.q_norm": "replicate"}``)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 

@@ -1,12 +1,9 @@
 """Start one process per rank, watch them, fail fast: the plumbing under ``tpattn.real.ranks``.
 
 ``run_on_ranks(rank_fn, world_size, plan, ...)`` starts processes that join one process group
-(a ``TCPStore`` on 127.0.0.1, port picked by the OS), calls ``rank_fn(rank, plan, device,
-on_progress)`` in each and returns their results. Every collective waits at most ``timeout``
-seconds; the first rank that raises, exits without reporting or stops reporting ends the run
-with ``RankFailure`` naming it, and no process is left behind. A rank's exception may carry
-``in_collective`` (a collective failed: usually a consequence) and ``deviation`` (this rank
-left the plan before: the cause).
+(a ``TCPStore`` on 127.0.0.1) and returns what ``rank_fn(rank, plan, device, on_progress)``
+returns in each. Every collective waits at most ``timeout`` seconds; the first rank that
+raises, exits or stops reporting ends the run with ``RankFailure`` naming it, no process left.
 """
 from __future__ import annotations
 
@@ -125,15 +122,9 @@ def _rank_main(rank_fn, rank: int, world_size: int, port: int, plan, backend: st
 
 def run_on_ranks(rank_fn, world_size: int, plan, *, timeout: float, backend: str,
                  start_method: str = "forkserver", preload: tuple[str, ...] = ()):
-    """Run ``rank_fn(rank, plan, device, on_progress)`` in ``world_size`` fresh processes that
-    share one process group; return ``(results, timings)``.
-
-    ``rank_fn`` must be a module-level function (it is pickled to the ranks) that returns
-    something picklable and calls ``on_progress(step)`` now and then. ``results`` is the list
-    of its return values by rank; ``timings`` has ``startup_s`` (until every rank has joined the
-    group) and ``total_s``. ``start_method="forkserver"`` imports ``preload`` once in a server
-    process that then forks the ranks (later runs from the same process start in well under a
-    second); ``"spawn"`` starts each rank from scratch. Raises ``RankFailure`` on any failure.
+    """``rank_fn(rank, plan, device, on_progress)`` (module-level, picklable result) in
+    ``world_size`` fresh processes of one group: ``(results by rank, {"startup_s", "total_s"})``.
+    ``"forkserver"`` imports ``preload`` once and forks the ranks; ``RankFailure`` on any failure.
     """
     if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
         start_method = "spawn"  # Windows
@@ -174,10 +165,8 @@ def _stop(procs) -> None:
 
 
 def _supervise(procs, messages, timeout: float):
-    """Collect every rank's report; at the first failure, diagnose and raise ``RankFailure``.
-
-    Returns ``(results, ready_times)``, dicts by rank.
-    """
+    """Every rank's report, ``(results, ready_times)`` by rank; ``RankFailure`` at the first
+    failure."""
     world_size = len(procs)
     start = time.monotonic()
     ready, done, errors, silent_exit, stalled = {}, {}, {}, {}, {}
@@ -227,13 +216,8 @@ def _supervise(procs, messages, timeout: float):
 
 
 def _diagnose(errors, silent_exit, stalled) -> RankFailure:
-    """One line: the rank that caused the failure, then what the others saw.
-
-    Blame, in order: the first rank seen to exit without reporting (a dead process breaks its
-    peers' connections, so their errors — "Connection reset by peer" — are consequences); a
-    rank that raised on its own; a rank whose collectives had strayed from the plan (it
-    skipped one); a rank that stopped reporting; else the first rank whose collective failed.
-    """
+    """One line blaming, in order, the first rank to exit silently, one that raised on its
+    own, one that left the plan, one that stopped reporting, else the first failed collective."""
     own = {r: e["message"] for r, e in errors.items() if not e["in_collective"]}
     strayed = {r: e["deviation"] for r, e in errors.items() if e["deviation"]}
     if silent_exit:

@@ -1,24 +1,12 @@
 """The five-measure check for any ``nn.Module`` and any tensor-parallel sharding, on real ranks.
 
-``check_module(module, plan, x)`` starts ``world_size`` processes (``tpattn.real.launch``: gloo on
-CPU, NCCL with one GPU per rank), and on every rank:
-
-1. copies ``module`` twice: one stays whole (the reference), the other is sharded — by
-   ``torch.distributed.tensor.parallel.parallelize_module(copy, mesh, plan)`` when ``plan`` is
-   a PyTorch TP plan, or by ``plan(copy, mesh)`` when it is a sharding function (any TP
-   implementation: Hugging Face's runtime, torchtitan's ``parallelize_*``, one's own);
-2. takes one training step with each from the same start (forward, MSE loss against a fixed
-   random target, backward, SGD on the module's own parameters, so that gradient hooks the
-   sharding installed run), the sharded one under ``CommDebugMode`` (the *ledger*: collectives
-   by kind, forward and backward);
-3. compares them on the five measures of ``tpattn.run`` (``tpattn.check.core.five_measures``),
-   sharded gradients and weights gathered to full size;
-4. compares the ranks' own copies of what should be replicated — the output, the input
-   gradient, and the gradients and weights of every parameter the sharding left replicated —
-   across ranks (*replica disagreement*: 0 when every rank holds the same bits).
-
-Nothing here knows the module: the sharding places the collectives, and the check only says
-whether the sharded module computes what the whole one does.
+``check_module(module, plan, x)`` starts ``world_size`` processes (``tpattn.real.launch``) and
+on every rank takes one training step (MSE against a fixed target, backward, SGD on the
+module's own parameters) with a whole copy and with a copy sharded by ``parallelize_module``
+(``plan`` a PyTorch TP plan) or by ``plan(copy, mesh)`` (a sharding function: Hugging Face's
+runtime, torchtitan's, one's own), the latter under ``CommDebugMode`` (the ledger). It
+compares them on ``tpattn.run``'s five measures (sharded tensors gathered) and compares the
+ranks' copies of every replicated tensor (replica disagreement: 0 when all hold the same bits).
 """
 from __future__ import annotations
 
@@ -34,7 +22,7 @@ from tpattn.block.sgd import sgd_step
 from tpattn.check.core import LR, MEASURES, TOLERANCE, five_measures, max_abs_diff
 from .launch import DEFAULT_TIMEOUT, default_backend, run_on_ranks
 
-__all__ = ["ModuleCheck", "check_module", "check_plans", "DEFAULT_TIMEOUT"]
+__all__ = ["ModuleCheck", "check_module", "check_plans", "full_value", "DEFAULT_TIMEOUT"]
 
 #: The regression target is drawn from this seed (the same on every rank).
 TARGET_SEED = 0
@@ -42,18 +30,9 @@ TARGET_SEED = 0
 
 @dataclass
 class ModuleCheck:
-    """What ``check_module`` found (rank 0's view).
-
-    - ``measures``: ``run()``'s five measures (max abs differences, sharded vs whole module)
-      and ``passed`` (every measure below ``tolerance``); ``mode`` is the plan's ``label``;
-    - ``ledger``: collectives the sharded module issued, ``{"forward": {kind: n},
-      "backward": {kind: n}}`` (``CommDebugMode``; kinds like ``"all_reduce"``);
-    - ``replica_disagreement``: for each tensor every rank should hold whole and identical
-      (``output``, ``input_grad``, ``grad:<param>`` and ``weight:<param>`` of each parameter the
-      plan left replicated), the max abs difference of the other ranks' copies from rank 0's;
-    - ``sharded``: the parameters the plan sharded, with their placements;
-    - ``timings``: seconds (``startup_s``, ``total_s``). Not deterministic: never print them.
-    """
+    """``check_module``'s findings: ``measures`` (and ``passed``), ``ledger`` (``{"forward":
+    {kind: n}, "backward": ...}``), ``replica_disagreement`` (per replicated tensor, vs rank 0),
+    ``sharded`` (placements), ``timings`` (not deterministic)."""
 
     world_size: int
     backend: str
@@ -92,7 +71,7 @@ def _counts(mode) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (an all-gather), or a plain tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -101,11 +80,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-#: The start of torch's warning that ``_rank_step`` silences (a regex for ``filterwarnings``).
+#: torch's warnings about CommDebugMode's hook that ``_rank_step`` silences (regexes).
 COMM_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect "
                      r"to module outputs since no inputs require gradients")
-#: torch's warning when the ledger's hook meets a submodule that returns no tensor (a
-#: Hugging Face model returns a ``ModelOutput``); ``_rank_step`` silences it too.
 COMM_OUTPUT_WARNING = r"For backward hooks to be called, module output should be a Tensor"
 
 
@@ -142,11 +119,9 @@ def _shard(module: torch.nn.Module, sharding, mesh) -> torch.nn.Module:
 
 def _module_step(module: torch.nn.Module, names: list[str], x0: torch.Tensor,
                  target: torch.Tensor, forward_comms: list | None = None) -> dict:
-    """One training step of ``module`` itself (its own parameters, so that gradient hooks a
-    TP runtime put on them run): forward, MSE loss against ``target``, backward, SGD on the
-    parameters ``names``. Returns ``one_step``'s dict (``grads``/``weights`` by name, as the
-    module holds them: a DTensor stays a DTensor). ``forward_comms``: a list that receives the
-    forward's ``CommDebugMode``."""
+    """One step of ``module`` on its own parameters (a TP runtime's gradient hooks run): MSE
+    against ``target``, backward, SGD on ``names``. Returns ``one_step``'s dict (a DTensor stays
+    one); ``forward_comms`` receives the forward's ``CommDebugMode``."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     params = dict(module.named_parameters())
@@ -158,7 +133,7 @@ def _module_step(module: torch.nn.Module, names: list[str], x0: torch.Tensor,
         with CommDebugMode() as comms:
             y = module(x)
         forward_comms.append(comms)
-    y = _local(y) if _is_replicated(y) else _full(y)
+    y = _local(y) if _is_replicated(y) else full_value(y)
     loss = F.mse_loss(y, target)
     loss.backward()
     grads = {k: params[k].grad for k in names}
@@ -175,8 +150,7 @@ def _ledger(forward_comms, step_comms) -> dict:
 
 
 def _rank_step(rank: int, job: _Job, label: str, sharding, mesh, device: torch.device) -> dict:
-    """One sharding on every rank: the whole module's step, the sharded module's, the
-    comparisons (rank 0 returns them)."""
+    """One sharding on every rank: both steps and their comparisons (rank 0 returns them)."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -200,10 +174,8 @@ def _rank_step(rank: int, job: _Job, label: str, sharding, mesh, device: torch.d
     reference = _module_step(whole, used, x0, target)
 
     forward_comms = []
-    # CommDebugMode counts per module with a global full backward pre-hook; torch warns when
-    # it fires on a submodule none of whose inputs needs a gradient (an embedding of
-    # positions, say) or that returns no tensor (an HF ModelOutput). Those warnings are
-    # about this check's hook, not the user's module.
+    # CommDebugMode's global backward hook warns on submodules without grad inputs or tensor
+    # outputs: about this check's hook, not the user's module
     with CommDebugMode() as step_comms, warnings.catch_warnings():
         for message in (COMM_HOOK_WARNING, COMM_OUTPUT_WARNING):
             warnings.filterwarnings("ignore", message=message, category=UserWarning)
@@ -217,8 +189,8 @@ def _rank_step(rank: int, job: _Job, label: str, sharding, mesh, device: torch.d
             **{"grad:" + k: _local(tp["grads"][k]) for k in sorted(replicated)},
             **{"weight:" + k: _local(tp["weights"][k]) for k in sorted(replicated)}}
     # full sizes (an all-gather per sharded tensor), then every rank's replicated copies
-    tp_full = {**tp, "grads": {k: _full(v) for k, v in tp["grads"].items()},
-               "weights": {k: _full(v) for k, v in tp["weights"].items()}}
+    tp_full = {**tp, "grads": {k: full_value(v) for k, v in tp["grads"].items()},
+               "weights": {k: full_value(v) for k, v in tp["weights"].items()}}
     flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in mine.values()])
     parts = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, flat)
@@ -239,34 +211,22 @@ def check_module(module: torch.nn.Module, plan, x: torch.Tensor, *,
                  label: str = "plan", tolerance: float = TOLERANCE,
                  timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> ModuleCheck:
     """Shard ``module`` over ``world_size`` real ranks with ``plan``, take one training step
-    with it and with the whole module, and compare them.
+    with it and with the whole module, and compare them (module docstring).
 
-    module: any ``nn.Module`` whose forward takes one tensor (``x``) and returns one tensor
-    (picklable: the ranks receive a copy; it is never modified). plan: either
-    ``parallelize_module``'s ``parallelize_plan`` (module name -> ``ColwiseParallel()``,
-    ``RowwiseParallel()``, ``SequenceParallel()`` ...), or a *sharding function*
-    ``fn(module, mesh) -> sharded module`` for any other TP implementation (Hugging Face's
-    runtime, ``tpattn.real.hf_runtime.hf_tp_runtime``; torchtitan's ``parallelize_*``; one's
-    own). The function runs on every rank with a copy of ``module`` and the 1-D device mesh of
-    the ranks; it must keep the module's parameter names and be picklable (a module-level
-    function or a ``functools.partial`` of one). ``tolerance``: the measures' pass bound (the
-    package's 1e-6 by default; derive your own for a larger module, e.g.
-    ``tpattn.interop.float32_tolerance``). ``label`` names the plan in ``measures["mode"]``.
-    The loss is the MSE against ``target`` (the output's shape; default: a fixed random one);
-    the step is SGD with the package's learning rate (``tpattn.check.core.LR``) on the
-    module's own parameters, so gradient hooks of the TP implementation run. Only the
-    parameters the forward uses take part (an HF decoder layer's MLP does not).
-
-    Raises ``ValueError`` for bad arguments, and ``tpattn.real.launch.RankFailure`` (one line naming
-    the rank) when a rank fails — e.g. a plan whose shards do not fit the module's shapes.
+    module: picklable, one tensor in (``x``), one out. plan: ``parallelize_module``'s plan
+    (module name -> ``ColwiseParallel()`` ...), or a picklable ``fn(module, mesh) -> sharded
+    module`` keeping the parameter names (e.g. ``hf_runtime.hf_tp_runtime``). ``target``:
+    the MSE target (default a fixed random one); ``tolerance``: the measures' pass bound;
+    ``label`` names the plan. Only parameters the forward uses take part. Raises ``ValueError``
+    for bad arguments, ``launch.RankFailure`` (one line naming the rank) when a rank fails.
     """
     return check_plans(module, {label: plan}, x, target=target, world_size=world_size,
                        tolerance=tolerance, timeout=timeout, backend=backend)[0]
 
 
 def _check_plan(label: str, plan, names: set[str]) -> None:
-    """``ValueError`` unless ``plan`` is a non-empty ``parallelize_module`` plan naming modules
-    of the module, or a picklable sharding function."""
+    """``ValueError`` unless ``plan`` is a plan naming modules of the module, or a picklable
+    sharding function."""
     if callable(plan) and not isinstance(plan, dict):
         try:
             pickle.dumps(plan)
@@ -295,9 +255,8 @@ def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
                 target: torch.Tensor | None = None, world_size: int = 2,
                 tolerance: float = TOLERANCE, timeout: float = DEFAULT_TIMEOUT,
                 backend: str | None = None) -> list[ModuleCheck]:
-    """``check_module`` for several plans or sharding functions (``{label: plan}``), all in ONE
-    set of rank processes (starting them is most of the time); one ``ModuleCheck`` per plan,
-    in order."""
+    """``check_module`` for each of ``{label: plan}`` in one set of rank processes; one
+    ``ModuleCheck`` per plan, in order."""
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if not isinstance(plans, dict) or not plans:

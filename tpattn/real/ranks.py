@@ -1,13 +1,10 @@
 """The check on real ranks: one torch.distributed process per rank, the engine's step on each.
 
-Every process is one rank of ``cfg.ranks`` (a TP group, or a TP x DP mesh). It builds the
-mode's checkpoint and batches from the seed, keeps its own shard and batch, and runs
-``tpattn.parallel.engine.train_step`` on ``tpattn.real.backend.RealRanks``: the simulated
-ranks' program with real collectives. Its ledger must equal the plan, the same program's
-ledger on ``SimulatedRanks``. Rank 0 gathers every rank's step and reports the five measures
-as ``tpattn.run(seed, mode, cfg, "ranks")`` does, how far the ranks' copies of replicated
-tensors disagree, and the collectives (``RealRankReport``). Launch with ``run_distributed``
-or ``torchrun --standalone --nproc-per-node N -m tpattn.distributed``.
+Every process (one rank of ``cfg.ranks``, mesh order) builds the mode's checkpoint and
+batches, keeps its own shard and batch, and runs ``engine.train_step`` on
+``backend.RealRanks``; its ledger must equal the same program's on ``SimulatedRanks``. Rank 0
+reports the five measures as ``tpattn.run(seed, mode, cfg, "ranks")`` does, how far the
+ranks' copies of replicated tensors disagree, and the collectives (``RealRankReport``).
 """
 from __future__ import annotations
 
@@ -36,12 +33,10 @@ from .backend import RealRanks, build_groups, gather_step
 from .launch import (DEFAULT_TIMEOUT, RankFailure, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
 
-__all__ = [
-    "job_setup", "planned_ledger", "rank_step", "rank_check", "rank_disagreement", "ledger_row",
-    "run_rank", "dtensor_jobs", "RunPlan", "run_distributed", "RealRankReport", "RankFailure",
-    "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS", "validate_run", "launched_by_torchrun",
-    "run_under_torchrun",
-]
+__all__ = ["job_setup", "planned_ledger", "rank_step", "rank_check", "rank_disagreement",
+           "ledger_row", "run_rank", "dtensor_jobs", "RunPlan", "run_distributed",
+           "RealRankReport", "RankFailure", "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS",
+           "validate_run", "launched_by_torchrun", "run_under_torchrun"]
 
 #: Test-only fault injection (``run_distributed(fault=...)``): what the faulty rank does.
 FAULT_KINDS = ("raise", "exit_early", "skip_collective")
@@ -53,9 +48,8 @@ DTENSOR_EXPECTED_ALL_REDUCES = {"forward": 1, "backward": 3}
 
 
 def job_setup(seed: int, mode: str, cfg: Config):
-    """``mode``'s program, checkpoint and every rank's shard and block input, as the
-    simulated ranks of ``tpattn.run(seed, mode, cfg, "ranks")`` get them: ``(inj, base,
-    shards, batches)``, ``shards``/``batches`` one per rank of ``cfg.ranks`` (mesh order)."""
+    """``(inj, base, shards, batches)`` of ``mode``, one shard and batch per rank of
+    ``cfg.ranks``, as ``tpattn.run(seed, mode, cfg, "ranks")`` gets them."""
     inj = resolve(mode, cfg).injection
     base = make_params(cfg, seed, inj)
     shards = shard(base, cfg, inj) * cfg.data_parallel
@@ -63,9 +57,7 @@ def job_setup(seed: int, mode: str, cfg: Config):
 
 
 def planned_ledger(mode: str, cfg: Config, seed: int = 11) -> list[dict]:
-    """The collectives every rank issues in one step of ``mode``, in order: the ledger of
-    the same program on ``SimulatedRanks`` (``{"collective", "phase", "group", "label",
-    "op"}`` each)."""
+    """The ledger of one step of ``mode`` on ``SimulatedRanks``: what every rank issues."""
     inj, _, shards, batches = job_setup(seed, mode, cfg)
     rng = simulated_streams(cfg, seed, inj) if cfg.dropout > 0 else None
     return simulated_step(shards, batches, cfg, inj, LR, rng=rng)["ledger"]
@@ -73,10 +65,8 @@ def planned_ledger(mode: str, cfg: Config, seed: int = 11) -> list[dict]:
 
 def rank_step(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
               skip_output_reduce: bool = False):
-    """This rank's ``train_step`` of ``mode`` on ``comm`` (its shard, its batch, with dropout
-    this process's random streams), then every rank's step gathered (``gather_step``).
-    Returns ``(step, inj, base)``. ``skip_output_reduce``: this rank drops g (a test's
-    fault)."""
+    """This rank's ``train_step`` of ``mode`` on ``comm``, then every rank's step gathered:
+    ``(step, inj, base)``. ``skip_output_reduce``: this rank drops g (a test's fault)."""
     inj, base, shards, batches = job_setup(seed, mode, cfg)
     rank = comm.rank
     x, target = (t.to(device).unsqueeze(0) for t in batches[rank])
@@ -88,12 +78,8 @@ def rank_step(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
 
 
 def rank_disagreement(seed: int, mode: str, step: dict, cfg: Config, unshard_fn) -> dict:
-    """How far ranks 1.. hold other numbers than rank 0 where they should agree (max abs
-    difference, ``<name>_max_rank_diff``): output, dX, the ``norm`` gradient and weight (and
-    the q/k-norm weights); under sequence parallelism the ``norm`` gradient and weight and
-    every rank's ``norm_grad_by_rank``; with replicated KV heads the copies of each head
-    (``kv_replica_grad_max_diff``, ``kv_replica_after_step_max_diff``); on a TP x DP mesh the
-    replicas (``dp_replica_grad_max_diff``, ``dp_replica_weight_max_diff``). step: stacked."""
+    """Max abs difference from rank 0 where ranks should agree (``<name>_max_rank_diff``; SP:
+    also ``norm_grad_by_rank``), across KV replicas and DP replicas (``*_replica_*_max_diff``)."""
     out = {"seed": seed, "mode": mode}
     if cfg.data_parallel > 1:
         views = replica_views(step, cfg, unshard_fn)
@@ -119,9 +105,7 @@ def rank_disagreement(seed: int, mode: str, step: dict, cfg: Config, unshard_fn)
 
 def rank_check(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
                skip_output_reduce: bool = False):
-    """One check of ``mode`` on every rank of the group: ``(metrics, disagreement)`` on rank
-    0 (``tpattn.run(seed, mode, cfg, "ranks")``'s dict, ``rank_disagreement``), ``(None,
-    None)`` elsewhere."""
+    """``(metrics, rank_disagreement)`` of ``mode`` on rank 0, ``(None, None)`` elsewhere."""
     step, inj, base = rank_step(seed, mode, cfg, comm, device, skip_output_reduce)
     if comm.rank != 0:
         return None, None
@@ -141,10 +125,8 @@ def _all_reduces(entries: list[dict]) -> dict[str, int]:
 
 
 def ledger_row(mode: str, comm: RealRanks, correct: list[dict]) -> dict:
-    """Rank 0's collectives in one step of ``mode`` (``comm`` after it): on a TP x DP mesh
-    its ``entries``; under sequence parallelism the block's collectives counted by
-    ``"<phase> <kind>"`` and ``bytes_per_rank`` (ring model); else the block's all-reduces
-    per phase, actual and expected (``correct``: correct TP's ledger)."""
+    """Rank 0's collectives of ``mode``: on a mesh its ``entries``; SP: counts by ``"<phase>
+    <kind>"`` and ``bytes_per_rank``; else all-reduces per phase vs ``correct``'s ledger."""
     cfg = comm.cfg
     if cfg.data_parallel > 1:
         return {"variant": "tpattn TP x DP", "mode": mode, "entries": comm.ledger}
@@ -165,12 +147,8 @@ def ledger_row(mode: str, comm: RealRanks, correct: list[dict]) -> dict:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What every rank runs (picklable: spawned ranks receive it).
-
-    ``jobs``: ``(mode, seed)`` pairs, mode-major like ``run_matrix``; ``dtensor_seeds``: seeds of
-    the DTensor cross-check (equivalence); ``fault``: test-only fault injection, see
-    ``run_distributed``.
-    """
+    """What every rank runs (picklable): ``jobs`` ``(mode, seed)`` mode-major, the DTensor
+    cross-check's seeds, the test-only ``fault`` (``run_distributed``)."""
 
     cfg: Config
     jobs: tuple[tuple[str, int], ...]
@@ -180,8 +158,7 @@ class RunPlan:
 
 
 def _fault(plan: RunPlan, rank: int, index: int) -> bool:
-    """The test-only fault of ``plan`` on this rank's first job: raise, or exit at once with
-    a success code; returns whether to skip g's all-reduce."""
+    """The test-only fault on this rank's first job: raise or exit; returns whether to skip g."""
     if not plan.fault or plan.fault["rank"] != rank or index:
         return False
     if plan.fault["kind"] == "raise":
@@ -193,11 +170,8 @@ def _fault(plan: RunPlan, rank: int, index: int) -> bool:
 
 def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_progress=None,
              groups: dict | None = None) -> dict:
-    """Every job of ``plan`` on this rank, inside an initialized default process group
-    (``groups``: ``build_groups``'s, made here by default; ``on_progress(index)`` after each
-    job). Returns on rank 0 the report's lists (``results``, ``rank_disagreement``,
-    ``ledger``, ``dtensor``, ``traffic``; see ``RealRankReport``) and ``compute_s``; on other
-    ranks ``compute_s`` only."""
+    """Every job of ``plan`` on this rank of an initialized group (``groups``:
+    ``build_groups``'s by default). Returns ``compute_s`` and, on rank 0, the report's lists."""
     start, cfg = time.monotonic(), plan.cfg
     groups = groups or build_groups(cfg, torch.device(device).type, plan.timeout)
     out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": [], "traffic": []}
@@ -227,10 +201,8 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
 
 
 def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
-    """The DTensor cross-check of ``plan.dtensor_seeds`` on every rank
-    (``tpattn.real.dtensor_check``, or ``dtensor_sp`` under sequence parallelism): ``run()``
-    dicts (where KV heads are replicated, ``{"seed", "error"}``: PyTorch's TP API fails) and
-    its one ledger row (when a seed ran)."""
+    """The DTensor cross-check of each seed on every rank: ``run()`` dicts (``{"seed",
+    "error"}`` where it fails on replicated KV heads) and its ledger row."""
     cfg = plan.cfg
     if cfg.sequence_parallel:
         from .dtensor_sp import dtensor_sp_check as check  # loads torch.distributed.tensor
@@ -259,19 +231,8 @@ def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
 
 @dataclass
 class RealRankReport:
-    """What a real-rank run found (rank 0's view).
-
-    - ``results``: one ``run()`` dict per (mode, seed), mode-major — compare with ``run_matrix``;
-    - ``rank_disagreement``: per (mode, seed), ``ranks.rank_disagreement``'s dict;
-    - ``ledger``: per mode ``ranks.ledger_row`` (plus one DTensor row when the cross-check
-      ran);
-    - ``dtensor``: ``run()`` dicts of the same block parallelized by PyTorch's TP API (where
-      ``kv_heads < world_size``, ``{"seed", "error"}``: the one line PyTorch's TP API fails with);
-    - ``timings``: seconds — ``startup_s`` (processes up, group joined), ``compute_s`` (rank
-      0's jobs), ``total_s``. Not deterministic: never print them in the book;
-    - ``traffic``: rank 0's block collectives in the first job of each mode, one row each
-      (``mode`` and ``backend.RealRanks.traffic``'s keys).
-    """
+    """Rank 0's view of a run: ``results`` (mode-major), ``rank_disagreement``, ``ledger``,
+    ``dtensor``, ``timings`` (not deterministic), ``traffic`` (each mode's first job)."""
 
     world_size: int
     backend: str
@@ -300,8 +261,7 @@ def _check_fault(fault, world_size: int, cfg: Config, jobs: bool) -> None:
 
 
 def validate_run(world_size, seeds, modes, config, timeout, fault):
-    """``run_distributed``'s arguments checked: ``(cfg, seeds, modes, timeout)``, or
-    ``ValueError`` naming the argument and the rule."""
+    """``run_distributed``'s arguments checked: ``(cfg, seeds, modes, timeout)``."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1 (got {world_size!r})")
     cfg = Config(world_size=world_size) if config is None else config
@@ -334,26 +294,15 @@ def validate_run(world_size, seeds, modes, config, timeout, fault):
 def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | None = None, *,
                     timeout: float = DEFAULT_TIMEOUT, dtensor=True, backend: str | None = None,
                     fault: dict | None = None, start_method: str = "forkserver") -> RealRankReport:
-    """Start the rank processes, run every mode × seed (and the DTensor cross-check) inside
-    ONE process group, and return rank 0's report.
+    """Start ``config.ranks`` processes (default ``Config(world_size=world_size)``), run every
+    mode x seed and the DTensor cross-check in one process group; rank 0's report.
 
-    ``config`` defaults to ``Config(world_size=world_size)`` and must have that world size
-    (the TP degree: with ``config.data_parallel > 1`` the run starts ``config.ranks``
-    processes, a TP x DP mesh, and no DTensor cross-check).
-    ``dtensor``: ``True`` cross-checks every seed with PyTorch's TP API, ``False`` none, or a
-    sequence of seeds. ``backend``: ``default_backend(world_size)`` unless given.
-    ``start_method``: ``"forkserver"`` (one server process imports torch once and forks the
-    ranks: a second run from the same Python process starts in a fraction of a second) or
-    ``"spawn"``. From a script, call it under ``if __name__ == "__main__":`` (as any
-    multiprocessing code); from a notebook, just call it.
-
-    Fails fast (``tpattn.real.launch``): any collective waits at most ``timeout`` seconds; a rank
-    that raises, exits or skips a collective ends the run with ``RankFailure`` (one line,
-    naming the rank), and no rank process is left when this returns or raises.
-
-    ``fault`` is a **test-only hook**: ``{"rank": r, "kind": k}`` makes rank ``r`` misbehave in
-    its first job — ``"raise"`` an exception, ``"exit_early"`` (exit code 0, no report), or
-    ``"skip_collective"`` (skip g's all-reduce while the other ranks do it).
+    ``dtensor``: ``True`` (every seed), ``False``, or seeds (none on a TP x DP mesh).
+    ``start_method``: ``"forkserver"`` (later runs start fast) or ``"spawn"``; from a script,
+    call under ``if __name__ == "__main__":``. Any collective waits at most ``timeout`` s; a rank
+    that raises, exits or skips one ends the run with ``RankFailure`` naming it, no process left.
+    ``fault`` (test-only): ``{"rank": r, "kind": k}``, rank r's first job does ``"raise"``,
+    ``"exit_early"`` (exit code 0) or ``"skip_collective"`` (skips g).
     """
     cfg, seeds, modes, timeout = validate_run(world_size, seeds, modes, config, timeout, fault)
     dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
@@ -379,13 +328,12 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
 # --- the command line: torchrun, or self-spawned ----------------------------------------
 
 def launched_by_torchrun() -> bool:
-    """Whether this process is one of torchrun's ranks (its environment variables are set)."""
+    """Whether torchrun's environment variables are set."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
 def run_under_torchrun(plan: RunPlan, backend: str, rank_fn=run_rank) -> dict:
-    """This process is one of torchrun's ranks: join its group, run the plan (``rank_fn(rank,
-    plan, device)``, default ``run_rank``), leave."""
+    """As one of torchrun's ranks: join its group, ``rank_fn(rank, plan, device)``, leave."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # --standalone / one host
         pin_gloo_to_loopback()
