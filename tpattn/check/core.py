@@ -271,21 +271,15 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
     if inj.shard_offset:
         k = inj.shard_offset % cfg.world_size
         shards = shards[len(shards) - k:] + shards[:len(shards) - k]
-    if inj.shard == "grouped_as_plain":
+    if inj.shard in ("grouped_as_plain", "fused_naive"):  # each rank's rows, in place
         rows = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
-        wq, wk, wv = split_qkv_weight(rows, cfg, "grouped")
+        wq, wk, wv = split_qkv_weight(rows, cfg, "plain" if inj.shard == "fused_naive"
+                                      else "grouped")
         full = {"norm": shards[0]["norm"].detach().clone(), "wq": wq.clone(),
                 "wk": wk.clone(), "wv": wv.clone(),
                 "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
-    elif inj.shard != "fused_naive":
-        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
     else:
-        fused = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
-        q, kv = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        full = {"norm": shards[0]["norm"].detach().clone(), "wq": fused[:q].clone(),
-                "wk": fused[q:q + kv].clone(), "wv": fused[q + kv:].clone(),
-                "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
-        full = {k: full[k] for k in PARAM_NAMES}
+        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
     for name in ("bias",) + QK_NORM_NAMES:  # replicated: rank 0's copy
         if name in shards[0]:
             full[name] = shards[0][name].detach().clone()
@@ -293,9 +287,9 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's ``(x, target)`` ``[S, B, hidden]``, mesh order: the seed's batch, or under
-    ``inputs="per_rank"`` rank r's from ``seed + OTHER_BATCH_SEED_OFFSET * r``; on a mesh,
-    replica d's columns of it (``replica_batch``)."""
+    """Every rank's ``(x, target)`` ``[S, B, hidden]``, mesh order: ``make_inputs``'s batch, or
+    under ``inputs="per_rank"`` rank r's from ``seed + OTHER_BATCH_SEED_OFFSET * r``; on a
+    mesh, replica d's columns of it (``replica_batch``)."""
     first = make_inputs(cfg, seed)
     per_tp = [first] * cfg.world_size if inj.inputs != "per_rank" else [first] + [
         make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r) for r in range(1, cfg.world_size)]
