@@ -1,5 +1,4 @@
-"""Part IV, at scale and in your model (chapters 14-15): the rounding bound, rounding or a bug,
-and sharding a fused QKV checkpoint weight (concatenated or Megatron's interleaved)."""
+"""Part IV (chapters 14-15): the rounding bound, rounding or a bug, sharding a fused QKV weight."""
 from __future__ import annotations
 
 import functools

@@ -1,6 +1,5 @@
-"""Part V, TP bugs from the wild (chapters 16-18): the row-parallel bias, the bugs the forward
-shows, dropout's streams, qk-norm, the TP x DP mesh, loading a checkpoint into ranks, the ledger
-and three bug hunts."""
+"""Part V, TP bugs from the wild (chapters 16-18): the bias, dropout, qk-norm, the mesh, loading,
+the ledger and three bug hunts."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +11,7 @@ import torch
 from tpattn.block.dense import dense_forward
 from tpattn.block.params import clone_trainable, init_params, shard_params
 from tpattn.block.sgd import sgd_step
+from tpattn.bugs import zoo
 from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, TOLERANCE,
                                dense_reference, five_measures, make_inputs, max_abs_diff)
@@ -54,7 +54,6 @@ def _grade_bias_output(forward, x0, base: dict, dense: dict, cfg: Config, where:
 def check_bias_once(forward) -> str:
     """Check ``forward(x, p, cfg) -> [S, B, hidden]``: the sharded block (as ``tp_forward``) with
     the replicated output bias ``p["bias"]`` ``[hidden]`` added once, against dense with it."""
-    from tpattn.bugs import zoo
     from tpattn.check.core import one_step
     inj = zoo.Injection(bias="after_g")
     for cfg in CHECKED_CONFIGS:
@@ -83,7 +82,6 @@ def check_bias_once(forward) -> str:
 def _zoo_forward_hits() -> dict[str, set[bool]]:
     """Per runnable registry bug: whether rank 0's forward output (``zoo.forward_fixture``)
     differs from dense's by ``TOLERANCE`` or more, on each hunt shape (a set of bools)."""
-    from tpattn.bugs import zoo
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = {}
     for mode in zoo.runnable_modes():
@@ -107,7 +105,6 @@ def _zoo_forward_hits() -> dict[str, set[bool]]:
 def check_forward_visible(predict) -> str:
     """Check ``predict() -> set``: the runnable zoo bugs whose forward output (rank 0's view)
     differs from dense's, on both hunt shapes."""
-    from tpattn.bugs import zoo
     names = [m for m in zoo.runnable_modes() if not zoo.get_mode(m).is_correct]
     predicted = as_names(predict(), names, "zoo bug")
     for mode in names:
@@ -552,9 +549,8 @@ _LOADING_HINTS = {
 def _loading_observations() -> tuple:
     """``(name, answer, cfg, seed, shard_checksums, shard_scale)`` of observed runs on two shapes:
     the three loading bugs, correct loads and a made-up wrong rank order (answer None)."""
-    from tpattn.bugs.zoo import get_mode
     from tpattn.diagnosis.observe import observe_injection
-    runs = [(m, m, get_mode(m).injection) for m in LOADING_VERDICTS if m is not None]
+    runs = [(m, m, zoo.get_mode(m).injection) for m in LOADING_VERDICTS if m is not None]
     runs += [("correct (grouped)", None, Injection(shard="grouped")),
              ("correct (fused)", None, Injection(shard="fused")),
              ("shards in the wrong rank order", None, Injection(shard="fused", shard_offset=1))]
@@ -605,7 +601,6 @@ def _observed(mode: str, seed: int, cfg: Config, reference: bool, steps: int = 2
 
 def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
     """Why ``got`` misreads ``obs``'s ledger (a run of ``mode``; ``want``: the right answer)."""
-    from tpattn.bugs import zoo
     counts, plan = ({phase: sum(e["phase"] == phase for e in obs[key])
                      for phase in ("forward", "backward")} for key in ("ledger", "planned_ledger"))
     shown = (f"forward {counts['forward']} (plan {plan['forward']}), backward "
@@ -625,7 +620,6 @@ def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
 def check_ledger_verdict(verdict) -> str:
     """Check ``verdict(obs) -> str | None``: from ``obs["ledger"]`` against
     ``obs["planned_ledger"]``, the bug of ``_LEDGER_BUGS`` the collectives show, or None."""
-    from tpattn.bugs import zoo
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     modes = zoo.runnable_modes()
     for mode in modes:
