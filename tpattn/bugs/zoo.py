@@ -26,7 +26,7 @@ __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mo
            "mode_names", "list_modes", "runnable_modes", "reported_modes",
            "check_needs", "check_mode", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
-           "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "NEEDS", "MODEL_OPTION_NEEDS",
+           "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "Need", "MODEL_OPTION_NEEDS",
            "AROUND_THE_BLOCK",
            "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
            "rank_batches", "dense_step", "clip_coef"]
