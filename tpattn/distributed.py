@@ -15,7 +15,7 @@ from tpattn.real.launch import RankFailure, default_backend, describe_error, run
 from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_distributed,
                                run_rank, run_under_torchrun, validate_run)
 
-__all__ = ["build_distributed_parser", "main"]
+__all__ = ["build_distributed_parser", "distributed_main"]
 
 
 def build_distributed_parser(prog: str):
@@ -60,7 +60,7 @@ def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
                                        timeout=plan.timeout, dtensor=False).results}
 
 
-def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
+def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
     """Run the CLI; returns the exit code (0 done, 1 ``--strict`` failure or a rank failed,
     2 bad arguments). Under torchrun only rank 0 prints the JSON."""
     ap = build_distributed_parser(prog)
@@ -106,6 +106,6 @@ if __name__ == "__main__":
     # __main__ copy from multiprocessing so that it does not re-run it in every rank.
     __spec__ = None
     del __file__
-    from tpattn.distributed import main as _main
+    from tpattn.distributed import distributed_main as _main
 
     sys.exit(_main(prog="tpattn.distributed"))
