@@ -1,13 +1,8 @@
 """tpattn — tensor-parallel attention, built, sharded, checked and broken.
 
-``tpattn.observe(mode, seed)`` and ``tpattn.diagnose(observations)``: what a run shows
-without a dense model, and which bugs of the registry (``tpattn.bugs.zoo``) explain it (the
-functions shadow their modules' names: import the modules' other names from
-``tpattn.diagnosis.observe`` and ``tpattn.diagnosis.diagnose``).
-
-``import tpattn`` loads torch and nothing heavier; plotting (``tpattn.viz``) and widgets
-(``tpattn.widgets``) load only when imported, Hugging Face's ``transformers`` only with
-``tpattn.interop``, and ``tpattn.check_module`` (``tpattn.real.module_check``) on first use.
+``tpattn.observe`` and ``tpattn.diagnose`` shadow their modules' names (import those modules'
+other names from ``tpattn.diagnosis.*``). ``import tpattn`` loads torch and nothing heavier;
+``tpattn.check_module`` is imported on first use.
 """
 from tpattn.config import Config
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm

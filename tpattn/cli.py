@@ -1,8 +1,6 @@
-"""``python -m tpattn`` / ``tpattn``: the seed's command line, plus Config flags.
-
-Prints the seed's JSON (same keys, order and indent). Exit codes: 0 when the run completed
-(a failing check is a result, not an error); 1 with ``--strict`` when an ``equivalence`` run
-did not pass; 2 for bad arguments or an invalid Config (one line on stderr, no traceback).
+"""``python -m tpattn`` / ``tpattn``: the original fixture's command line and JSON, plus Config
+flags. Exit 0 when the run completed (a failing check is a result), 1 with ``--strict`` when an
+``equivalence`` run did not pass, 2 for bad arguments (one line on stderr).
 """
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import re
 import sys
 
 from tpattn.bugs.modes import modes_for, run, run_matrix
-from tpattn.check.core import ALL_MODES, EQUIVALENCE, MODES, SEEDS, SIMULATIONS, inspect_fixture
+from tpattn.check.core import ALL_MODES, EQUIVALENCE, SEEDS, SIMULATIONS, inspect_fixture
 from tpattn.config import DTYPES, KV_STRATEGIES, Config
 from tpattn.block.params import INITS
 from tpattn.check.tolerance import TOLERANCES
@@ -31,10 +29,8 @@ _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim"
 
 
 def unknown_mode_message(mode: str) -> str:
-    """The one-line error for a ``--mode`` that is no mode: at most three nearest modes (those
-    it begins, ``difflib``'s closest, those sharing its first word) and where the full list
-    is, e.g. ``argument --mode: invalid choice: 'missing_f' (nearest: missing_output_reduce,
-    ...; all of them: --list-modes)``."""
+    """The one-line error for an unknown ``--mode``: at most three nearest modes (those it
+    begins, ``difflib``'s closest, those sharing its first word) and ``--list-modes``."""
     import difflib
 
     modes = CLI_MODES + registry_modes()
@@ -48,8 +44,7 @@ def unknown_mode_message(mode: str) -> str:
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (``tpattn: error: …``) and exit 2; an
-    unknown ``--mode`` names the nearest modes instead of all of them."""
+    """argparse whose usage error is one line and exit 2 (an unknown ``--mode``: the nearest)."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
         bad = re.match(r"argument --mode: invalid choice: '(.*?)' \(choose from", message)
@@ -86,8 +81,7 @@ def _add_config_flags(ap: argparse.ArgumentParser, defaults: Config) -> None:
 
 
 def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.ArgumentParser:
-    """The argument parser (also used to document the CLI in the book). ``simulated=False``
-    leaves out ``--simulate`` (``tpattn.real.ranks`` runs real ranks, nothing to choose)."""
+    """The argument parser; ``simulated=False`` (real ranks) leaves out the simulation flags."""
     defaults = Config()
     ap = _OneLineParser(prog=prog, description=(
         "Compare a dense attention block with its tensor-parallel version on five measures "
@@ -102,12 +96,12 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     _add_config_flags(ap, defaults)
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
-                        help="fixture: the seed's model (rank 0's view, the default JSON); "
-                             "ranks: every rank its own output, loss and backward, as real "
-                             "ranks (default: %(default)s)")
+                        help="fixture: the original fixture's model (rank 0's view, the "
+                             "default JSON); ranks: every rank its own output, loss and "
+                             "backward, as real ranks (default: %(default)s)")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when any equivalence run did not pass")
-    if simulated:  # the real-rank CLI compares with the seed's 1e-6
+    if simulated:  # the real-rank CLI compares with the original fixture's 1e-6
         ap.add_argument("--tolerance", choices=TOLERANCES, default="seed",
                         help="seed: absolute 1e-6; auto: a rounding bound per measure from the "
                              "dtype and the sizes of the sums, and a verdict pass / fail / "
@@ -141,9 +135,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def modes_listing() -> list[dict]:
-    """``--list-modes``: ``zoo.list_modes()``, each mode with its ``lowest_tier`` (the lowest
-    diagnosis tier whose observables show it, ``tpattn.diagnosis.diagnose.lowest_tier``) and
-    ``shows`` (what it always shows, with each deviation's tier: ``evidence_of``)."""
+    """``--list-modes``: ``zoo.list_modes()`` with each mode's ``lowest_tier`` and ``shows``."""
     from tpattn.bugs.zoo import list_modes
     from tpattn.diagnosis.diagnose import evidence_of, lowest_tier
 
@@ -184,11 +176,14 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
                 result["diagnosis"] = diagnose(observe(result["mode"], result["seed"], cfg))
     except ValueError as e:
         ap.exit(2, f"{prog}: error: {e}\n")
+    return print_results(out, args.strict)
+
+
+def print_results(out, strict: bool) -> int:
+    """Print ``out`` as JSON; the exit code: 1 if ``strict`` and an equivalence run failed."""
     print(json.dumps(out, indent=2))
     results = out if isinstance(out, list) else [out] if "passed" in out else []
-    if args.strict and any(r["mode"] == EQUIVALENCE and not r["passed"] for r in results):
-        return 1
-    return 0
+    return int(strict and any(r["mode"] == EQUIVALENCE and not r["passed"] for r in results))
 
 
 def console_main() -> None:

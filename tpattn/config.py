@@ -1,13 +1,7 @@
-"""The block's shape: one frozen, validated ``Config``.
+"""The block's shape: one frozen ``Config``, every rule checked on construction.
 
-Every other module takes a ``Config`` and trusts it, so every rule a shape must obey is checked
-here, at construction time, with a ``ValueError`` that names the field and the rule.
-
-Tensor layout used throughout the package (Megatron's sequence-first layout)::
-
-    x            [S, B, hidden]                S = seq, B = batch
-    q            [S, B, query_heads, head_dim]
-    k, v         [S, B, kv_heads, head_dim]
+Layout (Megatron's sequence-first): x ``[S, B, hidden]``, q ``[S, B, query_heads, head_dim]``,
+k, v ``[S, B, kv_heads, head_dim]``.
 """
 from __future__ import annotations
 
@@ -26,46 +20,19 @@ _POSITIVE_INTS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim
 class Config:
     """Shape of one attention block and how it is split across tensor-parallel ranks.
 
-    Defaults are the seed fixture's: 5 tokens, batch 2, hidden 16, 4 query heads sharing
-    2 KV heads (GQA, 2 query heads per KV head), head_dim 4, 2 TP ranks.
+    Defaults are the original fixture's: 5 tokens, batch 2, hidden 16, 4 query heads sharing
+    2 KV heads, head_dim 4, 2 TP ranks. Rules (``ValueError`` otherwise): the sizes are
+    integers ≥ 1, ``eps`` > 0 and finite, ``head_dim`` even (RoPE pairs), ``query_heads %
+    kv_heads == 0``; ``kv_heads % world_size == 0`` when ``kv_heads >= world_size``, else
+    ``world_size % kv_heads == 0`` and ``query_heads % world_size == 0`` (a replica group per
+    KV head; ``kv_strategy`` replicates its weights or gathers its activations); ``dtype`` one
+    of ``DTYPES``; ``sequence_parallel`` needs ``seq % world_size == 0`` and ``kv_heads >=
+    world_size``.
 
-    Rules (checked on construction, ``ValueError`` otherwise):
-
-    - ``seq, batch, hidden, query_heads, kv_heads, head_dim, world_size`` are integers ≥ 1;
-    - ``eps`` is a finite number > 0;
-    - ``head_dim`` is even (RoPE rotates pairs of channels);
-    - ``query_heads % kv_heads == 0`` (each KV head serves a whole group of query heads);
-    - when ``kv_heads >= world_size``: ``kv_heads % world_size == 0`` (every rank holds complete
-      query/KV groups);
-    - when ``kv_heads < world_size``: ``world_size % kv_heads == 0`` (each KV head is shared by
-      a *replica group* of ``world_size / kv_heads`` ranks) and ``query_heads % world_size == 0``
-      (see ``tpattn.parallel.kv_heads``);
-    - ``kv_strategy`` is ``"replicate_weights"`` (each rank of a replica group holds a copy of
-      its KV head's wk/wv rows; their gradients are summed within the group) or
-      ``"gather_activations"`` (no copies: K/V activations are all-gathered; needs
-      ``kv_heads * head_dim % world_size == 0``). It matters only when ``kv_heads < world_size``;
-    - ``dtype`` is ``"float32"``, ``"float64"`` or ``"bfloat16"`` (a ``torch.dtype`` is accepted and
-      stored by name; bfloat16 keeps parameters and activations in bf16);
-    - ``sequence_parallel`` is a bool; when ``True``, ``seq % world_size == 0`` (each rank holds
-      ``seq // world_size`` consecutive tokens of the residual stream, see
-      ``tpattn.parallel.sequence_parallel``).
-
-    Three fields describe what surrounds the block (off by default, so the seed's fixture is
-    unchanged; see chapter "Around the block"):
-
-    - ``data_parallel`` is an integer ≥ 1: the data-parallel degree of a TP × DP mesh. The job
-      has ``world_size * data_parallel`` ranks; ``world_size`` stays the TP degree. Each DP
-      replica trains on its own ``batch`` samples (the global batch is ``batch *
-      data_parallel``); gradients are all-reduced over the DP group and the logged loss over
-      the DP group;
-    - ``dropout`` is a number in ``[0, 1)``: the probability of attention dropout (inside the
-      sharded region: a different random stream on every TP rank) and residual dropout (outside
-      it: the same stream on every TP rank), as Megatron's model-parallel RNG tracker draws them;
-    - ``qk_norm`` is a bool: RMSNorm on every query and key head before RoPE (weights
-      ``[head_dim]``, replicated on every TP rank, as Qwen3 and Gemma 3 do).
-
-    ``dropout > 0`` and ``qk_norm`` need plain TP layouts: no ``sequence_parallel``, and
-    ``kv_heads >= world_size``.
+    Around the block (off by default): ``data_parallel`` (the DP degree of a TP × DP mesh of
+    ``world_size * data_parallel`` ranks), ``dropout`` in ``[0, 1)`` (attention dropout a
+    stream per TP rank, residual dropout one stream, as Megatron's RNG tracker) and
+    ``qk_norm`` (RMSNorm per query/key head, weights replicated); the last two need plain TP.
     """
 
     seq: int = 5
@@ -77,7 +44,7 @@ class Config:
     world_size: int = 2
     eps: float = 1e-6
     dtype: str = "float32"
-    #: ``omit_default``: left out of ``repr`` at its default value (the seed's repr stays).
+    #: ``omit_default``: left out of ``repr`` at its default (the original fixture's repr).
     sequence_parallel: bool = field(default=False, metadata={"omit_default": True})
     kv_strategy: str = field(default="replicate_weights", metadata={"omit_default": True})
     data_parallel: int = field(default=1, metadata={"omit_default": True})
@@ -85,8 +52,7 @@ class Config:
     qk_norm: bool = field(default=False, metadata={"omit_default": True})
 
     def __repr__(self) -> str:
-        """The dataclass repr, without the fields added after the seed while at their
-        default value (``metadata={"omit_default": True}``), so the seed's repr stays."""
+        """The dataclass repr without the ``omit_default`` fields at their default."""
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
                  if not (f.metadata.get("omit_default") and getattr(self, f.name) == f.default)]
         return f"Config({', '.join(shown)})"
@@ -95,10 +61,8 @@ class Config:
         problems = []
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be an integer >= 1 (got {value!r})")
-            elif value < 1:
-                problems.append(f"{name} must be an integer >= 1 (got {value})")
         if problems:  # the divisibility rules below need valid integers
             raise ValueError("invalid Config: " + "; ".join(problems))
 
@@ -126,18 +90,13 @@ class Config:
                 f"world_size={self.world_size})")
         problems += _surrounding_problems(self)
         dtype = self.dtype
-        if isinstance(dtype, torch.dtype):
-            names = {v: k for k, v in DTYPES.items()}
-            if dtype in names:
-                object.__setattr__(self, "dtype", names[dtype])
-            else:
-                problems.append(f"dtype must be one of {sorted(DTYPES)} (got {dtype})")
+        names = {v: k for k, v in DTYPES.items()}
+        if isinstance(dtype, torch.dtype) and dtype in names:
+            object.__setattr__(self, "dtype", names[dtype])
         elif dtype not in DTYPES:
             problems.append(f"dtype must be one of {sorted(DTYPES)} (got {dtype!r})")
         if problems:
             raise ValueError("invalid Config: " + "; ".join(problems))
-
-    # --- derived quantities: named once here so no module re-derives them -----------------
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -156,14 +115,12 @@ class Config:
 
     @property
     def local_kv_heads(self) -> int:
-        """KV heads one TP rank attends with: ``kv_heads / world_size``, or 1 (a replica, or a
-        gathered head) when ``kv_heads < world_size``."""
+        """KV heads one TP rank attends with: ``kv_heads / world_size``, at least 1."""
         return max(1, self.kv_heads // self.world_size)
 
     @property
     def kv_replicas(self) -> int:
-        """Ranks that share one KV head: ``world_size / kv_heads`` when ``kv_heads <
-        world_size``, else 1."""
+        """Ranks that share one KV head: ``world_size / kv_heads``, at least 1."""
         return max(1, self.world_size // self.kv_heads)
 
     @property
@@ -173,14 +130,12 @@ class Config:
 
     @property
     def model_options(self) -> bool:
-        """True when a model option of chapter "Around the block" is on (``dropout > 0`` or
-        ``qk_norm``): the one-graph view models neither, the simulated ranks run them."""
+        """True when ``dropout > 0`` or ``qk_norm`` (the one-graph view models neither)."""
         return self.dropout > 0 or self.qk_norm
 
     @property
     def local_seq(self) -> int:
-        """Tokens of the residual stream held by one rank under ``sequence_parallel``
-        (``seq // world_size``; the whole ``seq`` otherwise)."""
+        """Residual-stream tokens per rank: ``seq // world_size`` under SP, else ``seq``."""
         return self.seq // self.world_size if self.sequence_parallel else self.seq
 
     def as_dict(self) -> dict:

@@ -1,9 +1,5 @@
-"""``python -m tpattn.distributed`` / ``torchrun -m tpattn.distributed``: the CLI on real ranks.
-
-The same flags and JSON as ``python -m tpattn`` (``tpattn.cli``) plus ``--timeout``; the ranks,
-their collectives and the launcher are ``tpattn.real.ranks`` and ``tpattn.real.launch``.
-``--diagnose`` observes every run on the same real ranks and diagnoses it on rank 0
-(``tpattn.diagnosis.observe_real``).
+"""``python -m tpattn.distributed`` / ``torchrun -m tpattn.distributed``: the CLI on real ranks,
+``python -m tpattn``'s flags and JSON plus ``--timeout`` (``--diagnose`` observes on the ranks).
 """
 from __future__ import annotations
 
@@ -12,14 +8,14 @@ import os
 import sys
 
 from tpattn.bugs.modes import modes_for
-from tpattn.check.core import EQUIVALENCE, inspect_fixture
-from tpattn.cli import build_parser, config_from_args, modes_listing
+from tpattn.check.core import inspect_fixture
+from tpattn.cli import build_parser, config_from_args, modes_listing, print_results
 from tpattn.config import Config
 from tpattn.real.launch import RankFailure, default_backend, describe_error, run_on_ranks
 from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_distributed,
                                run_rank, run_under_torchrun, validate_run)
 
-__all__ = ["build_distributed_parser", "main"]
+__all__ = ["build_distributed_parser", "distributed_main"]
 
 
 def build_distributed_parser(prog: str):
@@ -35,8 +31,7 @@ def build_distributed_parser(prog: str):
 
 
 def _config_for_processes(args, torchrun: bool) -> Config:
-    """The flags' ``Config``; under torchrun, ``ValueError`` unless its ranks are torchrun's
-    processes."""
+    """The flags' ``Config``; under torchrun, ``ValueError`` unless its ranks are torchrun's."""
     cfg = config_from_args(args)
     if torchrun and cfg.ranks != int(os.environ["WORLD_SIZE"]):
         what = (f"world_size must equal the number of processes: --world-size is "
@@ -49,8 +44,7 @@ def _config_for_processes(args, torchrun: bool) -> Config:
 
 
 def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
-    """Run ``plan`` on real ranks: this process as one of torchrun's, or ranks started here;
-    ``diagnose`` adds ``observations`` and ``diagnoses`` (rank 0's dict)."""
+    """Run ``plan`` on real ranks (under torchrun, or started here); rank 0's dict."""
     rank_fn = run_rank
     if diagnose:
         from tpattn.diagnosis.observe_real import diagnose_rank as rank_fn
@@ -66,7 +60,7 @@ def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
                                        timeout=plan.timeout, dtensor=False).results}
 
 
-def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
+def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
     """Run the CLI; returns the exit code (0 done, 1 ``--strict`` failure or a rank failed,
     2 bad arguments). Under torchrun only rank 0 prints the JSON."""
     ap = build_distributed_parser(prog)
@@ -104,13 +98,7 @@ def main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int
         for result, diagnosis in zip(results or [], report.get("diagnoses", [])):
             result["diagnosis"] = diagnosis
         out = results if args.mode == "matrix" else (results[0] if results else None)
-    if rank != 0:
-        return 0
-    print(json.dumps(out, indent=2))
-    results = out if isinstance(out, list) else [out] if "passed" in out else []
-    if args.strict and any(r["mode"] == EQUIVALENCE and not r["passed"] for r in results):
-        return 1
-    return 0
+    return print_results(out, args.strict) if rank == 0 else 0
 
 
 if __name__ == "__main__":
@@ -118,6 +106,6 @@ if __name__ == "__main__":
     # __main__ copy from multiprocessing so that it does not re-run it in every rank.
     __spec__ = None
     del __file__
-    from tpattn.distributed import main as _main
+    from tpattn.distributed import distributed_main as _main
 
     sys.exit(_main(prog="tpattn.distributed"))

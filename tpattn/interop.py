@@ -1,13 +1,6 @@
-"""The book's block is Hugging Face's Llama attention: parameters both ways, and checkpoint layouts.
-
-A ``transformers`` ``LlamaDecoderLayer`` holds the block in ``input_layernorm`` and
-``self_attn`` (``q_proj`` … ``o_proj``, no biases), weights in the package's layout
-(``[out_features, in_features]``, rows grouped by head); activations are batch-first
-``[B, S, hidden]`` there, ``[S, B, hidden]`` here. Checkpoint layouts: Meta's reference Llama
-rotates adjacent channel pairs (``rotate_half_from_adjacent`` reorders ``wq``/``wk`` rows, as
-HF's conversion script does); Megatron-Core's fused ``linear_qkv`` is interleaved per KV group
-(``fuse_qkv``), which a plain ``[Wq; Wk; Wv]`` (``concat_qkv``) is not: ``read_rank_slices``.
-Importing this module imports ``transformers`` (seconds); ``import tpattn`` does not.
+"""The book's block is Hugging Face's Llama attention: parameters both ways (HF is batch-first
+``[B, S, hidden]``), Meta's adjacent-pair RoPE rows, and Megatron's fused QKV interleaved per KV
+group. Importing this module imports ``transformers``; ``import tpattn`` does not.
 """
 from __future__ import annotations
 
@@ -31,25 +24,16 @@ __all__ = [
     "read_rank_slices", "float32_tolerance",
 ]
 
-#: The RoPE base of ``tpattn.block.layers.rope_angles`` (``10000 ** (i / (D/2))``), HF's
-#: ``default_theta`` too; a Llama config with another ``rope_theta`` is refused.
+#: The RoPE base of ``rope_angles`` and HF's default; another ``rope_theta`` is refused.
 ROPE_THETA = 10000.0
 
-#: What HF's Llama computes in float32 whatever the model's dtype (``modeling_llama.py``): a
-#: float64 HF layer equals ``dense_forward`` in float64 only to float32 rounding.
+#: What HF's Llama computes in float32 whatever the model's dtype.
 FLOAT32_INTERNALS = ("LlamaRMSNorm: the normalization", "LlamaRotaryEmbedding: the cos/sin tables")
 
 def float32_tolerance(cfg: Config, scale: float) -> float:
-    """How far two correct computations of the block may differ when either rounds to float32.
-
-    Each output element is a chain of dot products: length ``hidden`` (Q/K/V), ``seq``
-    (attention), ``query_heads * head_dim`` (output projection). A float32 dot product of
-    length ``n`` is within ``n * u`` (``u = 2**-24``, the unit roundoff) of the exact one,
-    relative to the size of its terms (the standard worst-case bound). Summing that over the
-    chain, with the output's size ``scale`` (e.g. ``max |y|``, at least 1) standing in for the
-    terms' sizes, gives ``u * (hidden + seq + query_heads * head_dim) * scale``. Correct
-    computations land well inside it (tests/block/test_interop.py); a wrong block is off by O(0.1).
-    """
+    """How far two correct computations of the block may differ when either rounds to float32:
+    the worst-case ``n u`` of its chain of dot products (``hidden``, ``seq``, ``query_heads *
+    head_dim``) times ``scale`` (the output's size, at least 1)."""
     u = torch.finfo(torch.float32).eps / 2
     return u * (cfg.hidden + cfg.seq + cfg.query_heads * cfg.head_dim) * max(1.0, float(scale))
 
@@ -63,8 +47,7 @@ _HF_NAMES = {"norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
 # --- Config and parameters, both ways -------------------------------------------------------
 
 def llama_config(cfg: Config, attn_implementation: str = "sdpa") -> LlamaConfig:
-    """A one-layer ``LlamaConfig`` whose attention is ``cfg``'s block (RoPE base ``ROPE_THETA``,
-    no biases, ``rms_norm_eps = cfg.eps``). The MLP is the smallest that is valid: unused here."""
+    """A one-layer ``LlamaConfig`` whose attention is ``cfg``'s block (the MLP unused)."""
     return LlamaConfig(
         hidden_size=cfg.hidden, num_attention_heads=cfg.query_heads,
         num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.eps,
@@ -76,12 +59,8 @@ def llama_config(cfg: Config, attn_implementation: str = "sdpa") -> LlamaConfig:
 
 def config_from_llama(hf: LlamaConfig, *, seq: int, batch: int, world_size: int = 1,
                       dtype=torch.float32) -> Config:
-    """The package's ``Config`` for the attention of a ``LlamaConfig`` (``seq``, ``batch``,
-    ``world_size`` and ``dtype`` are the run's, not the model's).
-
-    Raises ``ValueError`` naming the field when the Llama attention is not the package's block:
-    biases, a RoPE other than the default one with base ``ROPE_THETA``.
-    """
+    """The ``Config`` of a ``LlamaConfig``'s attention and the run's ``seq``, ``batch``,
+    ``world_size``, ``dtype``; ``ValueError`` for biases or another RoPE."""
     if getattr(hf, "attention_bias", False):
         raise ValueError("attention_bias must be False: the package's block has no biases")
     rope = dict(getattr(hf, "rope_parameters", None) or {})
@@ -95,8 +74,7 @@ def config_from_llama(hf: LlamaConfig, *, seq: int, batch: int, world_size: int 
 
 
 def llama_layer(cfg: Config, seed: int = 0, attn_implementation: str = "sdpa") -> LlamaDecoderLayer:
-    """A randomly initialised HF ``LlamaDecoderLayer`` for ``cfg`` (no download): its attention
-    weights are ``init_params(cfg, seed)``'s, in ``cfg.dtype``."""
+    """An HF ``LlamaDecoderLayer`` for ``cfg`` with ``init_params(cfg, seed)`` (no download)."""
     with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG
         layer = LlamaDecoderLayer(llama_config(cfg, attn_implementation), layer_idx=0)
     layer = layer.to(cfg.torch_dtype)
@@ -105,12 +83,8 @@ def llama_layer(cfg: Config, seed: int = 0, attn_implementation: str = "sdpa") -
 
 def llama_params(layer: LlamaDecoderLayer, *, seq: int, batch: int,
                  world_size: int = 1) -> tuple[Config, dict[str, torch.Tensor]]:
-    """``(cfg, params)`` of the attention half of an HF ``LlamaDecoderLayer``.
-
-    ``params`` are detached copies in the package's names (``norm, wq, wk, wv, wo``; the layouts
-    are the same, ``[out_features, in_features]``); ``cfg`` has the layer's shape and dtype and
-    the run's ``seq``, ``batch``, ``world_size``.
-    """
+    """``(cfg, params)`` of an HF ``LlamaDecoderLayer``'s attention half: detached copies in the
+    package's names (same ``[out, in]`` layouts), ``cfg`` with the run's sizes."""
     weight = layer.self_attn.q_proj.weight
     cfg = config_from_llama(layer.self_attn.config, seq=seq, batch=batch,
                             world_size=world_size, dtype=weight.dtype)
@@ -119,10 +93,8 @@ def llama_params(layer: LlamaDecoderLayer, *, seq: int, batch: int,
 
 
 def load_llama_params(layer: LlamaDecoderLayer, params: dict[str, torch.Tensor]) -> LlamaDecoderLayer:
-    """Copy the package's ``params`` into ``layer``'s attention half, in place; returns ``layer``.
-
-    Raises ``ValueError`` naming the parameter whose shape does not match the layer's.
-    """
+    """Copy ``params`` into ``layer``'s attention half in place (``ValueError`` naming a
+    parameter of the wrong shape); returns ``layer``."""
     state = layer.state_dict()
     for name in PARAM_NAMES:
         have, want = tuple(params[name].shape), tuple(state[_HF_NAMES[name]].shape)
@@ -136,13 +108,8 @@ def load_llama_params(layer: LlamaDecoderLayer, params: dict[str, torch.Tensor])
 
 
 class LlamaAttentionBlock(nn.Module):
-    """The attention half of an HF ``LlamaDecoderLayer`` in the package's layout:
-    ``x + self_attn(input_layernorm(x))``, positions ``0..S-1``, causal, no cache.
-
-    x: ``[S, B, hidden]`` (transposed to HF's ``[B, S, hidden]`` and back); returns
-    ``[S, B, hidden]``. The HF layer is ``self.layer`` (its submodule names are HF's:
-    ``layer.self_attn.q_proj`` ...), the rotary tables come from HF's ``LlamaRotaryEmbedding``.
-    """
+    """``x + self_attn(input_layernorm(x))`` of an HF ``LlamaDecoderLayer`` (``self.layer``),
+    causal, no cache; x ``[S, B, hidden]`` in and out (HF runs ``[B, S, hidden]``)."""
 
     def __init__(self, layer: LlamaDecoderLayer):
         super().__init__()
@@ -164,13 +131,8 @@ class LlamaAttentionBlock(nn.Module):
 
 
 def llama_tp_plan(hf: LlamaConfig | None = None, prefix: str = "layer.") -> dict:
-    """HF's own TP plan for Llama (``LlamaConfig.base_model_tp_plan``), the entries that apply
-    to the attention block, as PyTorch ``ParallelStyle``s keyed by module name under
-    ``LlamaAttentionBlock`` (``prefix`` + ``self_attn.q_proj`` ...).
-
-    ``"colwise"`` becomes ``ColwiseParallel()``, ``"rowwise"`` ``RowwiseParallel()``; the MLP's
-    entries are not part of the block and are left out.
-    """
+    """The attention entries of HF's ``base_model_tp_plan`` as ``ColwiseParallel`` /
+    ``RowwiseParallel`` styles keyed by module name under ``LlamaAttentionBlock``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -195,32 +157,21 @@ def _check_rows(w: torch.Tensor, heads: int, name: str = "w") -> int:
 
 
 def rotate_half_from_adjacent(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of ``wq`` or ``wk`` from Meta's adjacent-pair layout to rotate-half (HF's
-    ``permute``).
-
-    Within each head, output channel ``j < D/2`` is Meta's ``2j`` and ``j + D/2`` is Meta's
-    ``2j + 1``, so Meta's pair ``(2j, 2j+1)`` becomes rotate-half's pair ``(j, j + D/2)``.
-    w: ``[heads * D, hidden]``; returns a new ``[heads * D, hidden]``.
-    """
+    """Rows of ``wq``/``wk`` ``[heads * D, hidden]`` from Meta's adjacent pairs ``(2j, 2j+1)``
+    to rotate-half's ``(j, j + D/2)`` (HF's ``permute``); a new tensor."""
     d = _check_rows(w, heads)
     return w.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape).clone()
 
 
 def adjacent_from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of ``rotate_half_from_adjacent``: rotate-half rows back to adjacent pairs.
-
-    w: ``[heads * D, hidden]``; returns a new ``[heads * D, hidden]``.
-    """
+    """The inverse of ``rotate_half_from_adjacent``; ``[heads * D, hidden]``."""
     d = _check_rows(w, heads)
     return w.reshape(heads, 2, d // 2, -1).transpose(1, 2).reshape(w.shape).clone()
 
 
 def apply_rope_adjacent(x: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding with Meta's pairing: channels ``(2i, 2i+1)`` are one complex number,
-    multiplied by ``exp(1j * angle)`` with the angles of ``tpattn.block.layers.rope_angles``.
-
-    x: ``[S, B, H, D]`` (float32 or float64), ``D`` even; returns ``[S, B, H, D]``.
-    """
+    """RoPE with Meta's pairing: channels ``(2i, 2i+1)`` one complex number times
+    ``exp(1j * angle)`` (``rope_angles``). x: ``[S, B, H, D]``; returns ``[S, B, H, D]``."""
     theta = rope_angles(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
     pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
     rotated = pairs * torch.polar(torch.ones_like(theta), theta)
@@ -228,11 +179,8 @@ def apply_rope_adjacent(x: torch.Tensor) -> torch.Tensor:
 
 
 def meta_dense_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
-    """The block as Meta's reference code computes it: ``dense_forward`` with the adjacent-pair
-    RoPE (``apply_rope_adjacent``), for weights in Meta's layout.
-
-    x: ``[S, B, hidden]``; returns ``[S, B, hidden]``.
-    """
+    """``dense_forward`` with Meta's adjacent-pair RoPE, for weights in Meta's layout.
+    x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
     s, b, d = x.shape[0], x.shape[1], cfg.head_dim
     n = rms_norm(x, p["norm"], cfg.eps)
     q = apply_rope_adjacent(F.linear(n, p["wq"]).view(s, b, -1, d))
@@ -249,12 +197,8 @@ QKV_LAYOUTS = ("interleaved", "concatenated")
 
 
 def fuse_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Megatron's fused QKV weight: for each KV group ``j``, the rows of its ``group_size`` query
-    heads, then its key head, then its value head (``fused_qkv.fuse_qkv_weight``, layout
-    ``"grouped"``).
-
-    wq: ``[Hq*D, hidden]``, wk, wv: ``[Hkv*D, hidden]``; returns ``[(Hq + 2*Hkv)*D, hidden]``.
-    """
+    """Megatron's fused QKV weight ``[(Hq + 2*Hkv)*D, hidden]``: per KV group its query heads'
+    rows, then its key head's, then its value head's."""
     return fuse_qkv_weight(wq, wk, wv, cfg, "grouped")
 
 
@@ -265,11 +209,7 @@ def concat_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config
 
 
 def split_fused_qkv(w: torch.Tensor, cfg: Config, layout: str = "interleaved"):
-    """The inverse of ``fuse_qkv`` (``layout="interleaved"``) or of ``concat_qkv``
-    (``"concatenated"``): ``(wq, wk, wv)``, new tensors.
-
-    w: ``[(Hq + 2*Hkv)*D, hidden]``.
-    """
+    """``(wq, wk, wv)`` of ``fuse_qkv``'s (``"interleaved"``) or ``concat_qkv``'s weight."""
     if layout not in QKV_LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(QKV_LAYOUTS)} (got {layout!r})")
     parts = split_qkv_weight(w, cfg, "plain" if layout == "concatenated" else "grouped")
@@ -277,13 +217,8 @@ def split_fused_qkv(w: torch.Tensor, cfg: Config, layout: str = "interleaved"):
 
 
 def read_rank_slices(w: torch.Tensor, cfg: Config):
-    """What ``cfg.world_size`` ranks hold when each takes a contiguous ``1/W`` of ``w``'s rows
-    and reads it, as Megatron's code does, as its ``local_kv_heads`` groups ``[q × g, k, v]``.
-
-    Returns ``(wq, wk, wv)`` in the package's layout, rank 0's heads first: for a weight made
-    by ``fuse_qkv`` it is exactly the original; for ``concat_qkv``'s it is not (rank 0's slice
-    holds query rows only).
-    """
+    """``(wq, wk, wv)`` the ranks hold when each reads a contiguous ``1/W`` of ``w``'s rows as
+    its KV groups ``[q × g, k, v]`` (Megatron): ``fuse_qkv``'s weight back, not ``concat_qkv``'s."""
     if tuple(w.shape) != (fused_qkv_rows(cfg), cfg.hidden):
         raise ValueError(f"w must be [(query_heads + 2*kv_heads)*head_dim, hidden] = "
                          f"{[fused_qkv_rows(cfg), cfg.hidden]} (got {list(w.shape)})")

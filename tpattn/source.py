@@ -1,10 +1,5 @@
-"""Show the package's real source in a notebook — the same code in every frontend.
-
-``show_source(tpattn.block.params.shard_params)`` as a code cell's last expression is the
-cell's *output* (unlike a Sphinx ``literalinclude``, which only the HTML build renders), always
-the code the kernel imported: ``text/html`` highlighted with Pygments' inline styles, long
-lines wrapped to the column, and ``text/plain``, the bare source. The book hides the calling
-cell's input (tag ``remove-input``). Pygments is imported when the HTML is rendered.
+"""``show_source(obj, ...)``: the package's real source as a notebook cell's output, highlighted
+HTML (Pygments, wrapped to the column) with a plain-text twin.
 """
 from __future__ import annotations
 
@@ -67,9 +62,6 @@ class Source:
 
 
 def show_source(*objects) -> Source:
-    """The real source of ``objects`` (functions, classes, modules), for a notebook cell.
-
-    Return it as the cell's last expression: the notebook shows highlighted code (HTML) with
-    a plain-text twin. Raises ``ValueError`` when called with nothing.
-    """
+    """The real source of ``objects`` (functions, classes, modules) for a cell's last
+    expression; ``ValueError`` when called with nothing."""
     return Source(objects)

@@ -387,7 +387,7 @@ def test_real_ranks_equal_simulated_ranks_for_every_bug(cfg):
 
 def test_the_distributed_cli_runs_a_registry_mode(capsys):
     from tpattn.cli import modes_listing
-    from tpattn.distributed import main as distributed_main
+    from tpattn.distributed import distributed_main
 
     assert distributed_main(["--mode", "row_bias_on_every_rank"]) == 0
     real = json.loads(capsys.readouterr().out)

@@ -81,7 +81,7 @@ def test_public_names_reads_definitions_not_imports():
 #: The longest a module docstring may be, in lines.
 MAX_MODULE_DOCSTRING_LINES = 10
 #: Modules whose docstrings are still to be cut to ``MAX_MODULE_DOCSTRING_LINES``.
-LONG_DOCSTRINGS_TO_CUT = ("tpattn.check.tolerance",)
+LONG_DOCSTRINGS_TO_CUT = ()
 
 
 def test_module_docstrings_are_short():

@@ -74,9 +74,9 @@ def test_bad_layers_is_a_value_error_naming_the_field(layers):
 
 
 def test_bad_mode_and_seed_are_value_errors():
-    with pytest.raises(ValueError, match="program must be a registry entry of the seed's check"):
+    with pytest.raises(ValueError, match="program must be a registry entry of the original fixture's check"):
         stack.run_stack(11, "nope")  # a name, not its entry
-    with pytest.raises(ValueError, match="program must be a registry entry of the seed's check"):
+    with pytest.raises(ValueError, match="program must be a registry entry of the original fixture's check"):
         stack.run_stack(11, resolve("output_reduced_twice"))  # not tp_forward's program
     with pytest.raises(ValueError, match="seed must be"):
         stack.run_stack(-1, resolve(tpattn.EQUIVALENCE))

@@ -31,7 +31,7 @@ from tpattn.cli import main as cli_main
 from tpattn.parallel.collectives import F_LABEL, G_LABEL
 from tpattn.real.backend import RealRanks
 from tpattn.real.ranks import RankFailure, planned_ledger, run_distributed
-from tpattn.distributed import main
+from tpattn.distributed import distributed_main as main
 
 from tests.conftest import ROOT
 

@@ -1,9 +1,5 @@
-"""The front door: a mode is resolved once, here, to its registry entry, then checked.
-
-``run(seed, mode, cfg)`` accepts every mode of the bug registry (``python -m tpattn
---list-modes``): ``resolve`` looks the name up in ``tpattn.bugs.zoo.REGISTRY`` once, and the
-entry's ``Injection`` is the whole sharded program ``tpattn.check.core.check_injection``
-runs. Below this module nothing compares mode names.
+"""The front door: ``resolve`` turns a mode name into its registry entry once; ``run`` checks
+the entry's ``Injection`` (``check.core.check_injection``). Below this, no mode names.
 """
 from __future__ import annotations
 
@@ -20,11 +16,9 @@ __all__ = ["check_mode", "modes_for", "resolve", "resolve_all", "run",
 
 
 def resolve(mode: str, cfg: Config | None = None) -> BugMode:
-    """The registry entry of ``mode``, looked up and checked once: one of the original
-    fixture's check's modes must apply to ``cfg`` (``check_mode``), any other runnable mode
-    must meet its needs on ``cfg`` (``zoo.check_needs``; no ``cfg``: the name only). A name
-    the registry does not hold raises ``ValueError`` naming ``modes_for(cfg)`` and
-    ``--list-modes``."""
+    """The registry entry of ``mode``, checked against ``cfg`` (``check_mode`` for the original
+    fixture's modes, ``zoo.check_needs`` for the others; no ``cfg``: the name only);
+    ``ValueError`` naming ``modes_for(cfg)`` for a name the registry does not hold."""
     entry = REGISTRY.get(mode) if isinstance(mode, str) else None
     if entry is None:
         raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
@@ -37,21 +31,16 @@ def resolve(mode: str, cfg: Config | None = None) -> BugMode:
 
 
 def resolve_all(modes, cfg: Config | None = None) -> list[BugMode]:
-    """``resolve`` of every name of ``modes``, in order: the programs (``.name``,
-    ``.injection``) the check's helpers take (``check.stack``, ``check.kv_steps``,
-    ``check.at_scale``)."""
+    """``resolve`` of every name of ``modes``, in order."""
     return [resolve(m, cfg) for m in modes]
 
 
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
         simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed",
         init: str = "seed") -> dict:
-    """Dense vs TP on the five measures for any mode of the registry: ``resolve`` it once,
-    then ``check.core.check_injection`` of its injection (its arguments and result).
-
-    ``shard_fn`` replaces the injection's cut (default ``shard_params``: the cut each mode's
-    injection describes). ``tolerance="auto"`` and ``init="fan_in"`` cover the original
-    fixture's check's modes (``ALL_MODES``); any other mode takes only ``"seed"``."""
+    """Dense vs TP on the five measures for any registry mode: ``check_injection`` of its
+    resolved injection. ``shard_fn`` replaces the injection's cut; ``tolerance="auto"`` and
+    ``init="fan_in"`` only for ``ALL_MODES``."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
     if isinstance(mode, str) and mode in REGISTRY and mode not in ALL_MODES:

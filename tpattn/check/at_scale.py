@@ -1,10 +1,5 @@
-"""The check at real sizes: many TP variants against one dense step, and a dtype against float64.
-
-``check.run`` computes the dense reference once per (seed, mode). At the Llama-3-8B attention
-shape a dense step costs as much as a TP step, and the dense side does not depend on the
-world size or the mode — so a sweep computes it once per seed and compares every (world
-size, mode) against it, under ``tolerance="auto"`` bounds (``tpattn.check.tolerance``).
-"""
+"""The check at real sizes: every world size and mode against one dense step per seed, under
+``tolerance="auto"`` bounds, and a dtype against float64."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -19,15 +14,12 @@ from .magnitude import gradient_magnitudes
 from .tolerance import (amplification, apply_auto, parameter_amplification, per_parameter,
                         perturbed_start, ratios, rounding_floors)
 
-#: TP implementations by name: the original fixture's per-rank loop (``tp.tp_forward``), or the
-#: engine's one-graph block, ranks as a batch dimension (``one_graph.one_graph_forward``).
+#: TP implementations: ``tp_step``'s per-rank loop, or ``one_graph_forward`` (ranks batched).
 TP_PATHS = ("loop", "batched")
 
 
 def probe_amplification(cfg: Config, x0, target, base: dict, dense: dict) -> dict:
-    """``tolerance.amplification`` of ``cfg``'s step: the dense step again from
-    ``perturbed_start`` (inputs ``[S, B, hidden]`` and parameters moved by a relative
-    ``relative_bound(cfg)``), compared with ``dense``; ``A_m`` by measure."""
+    """``tolerance.amplification`` of ``cfg``'s step (``probe_step`` against ``dense``)."""
     return amplification(cfg, dense, probe_step(cfg, x0, target, base))
 
 
@@ -40,20 +32,11 @@ def probe_step(cfg: Config, x0, target, base: dict) -> dict:
 def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 8),
                         init: str = "fan_in", path: str = "batched",
                         probe: bool = False) -> list[dict]:
-    """One dense step of ``cfg``'s block, then a TP step for every world size x mode.
-
-    ``programs``: the modes' registry entries (``tpattn.bugs.modes.resolve_all(tpattn.MODES)``),
-    each one's ``injection`` the program the ranks run, its ``name`` the row's ``mode``.
-
-    Bug modes are skipped at world size 1 (with one rank there is nothing to reduce).
-    The conditioning probe (``probe_amplification``, one more dense step) runs once, when a
-    row first needs it, or always with ``probe=True``; every world size's floors scale its
-    own bounds by the same amplification.
-    Gradients and weights are judged per parameter (``tolerance.per_parameter``).
-    Returns one dict per TP step: ``run(tolerance="auto")``'s keys plus ``world_size``,
-    ``dtype``, ``init``, ``ratios`` (measure / bound) and, once probed, ``amplification_by``
-    (``A_m`` by measure) and ``floor_ratios`` (measure / floor).
-    """
+    """One dense step of ``cfg``'s block, then a TP step for every world size x program
+    (registry entries; bugs skipped at world size 1). The conditioning probe runs once, when a
+    row first needs it (always with ``probe=True``). One dict per TP step:
+    ``run(tolerance="auto")``'s keys plus ``world_size``, ``dtype``, ``init``, ``ratios``
+    (measure / bound) and, once probed, ``amplification_by`` and ``floor_ratios``."""
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)
@@ -97,9 +80,8 @@ def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 
 
 
 def against_float64(cfg: Config, seed: int, init: str = "fan_in") -> dict:
-    """The dense step in ``cfg.dtype`` against the dense step in float64 *of the same
-    numbers* (inputs and parameters of ``cfg.dtype``, cast up exactly): the five measures,
-    the bounds of ``cfg.dtype`` and their ratios — how far ``cfg.dtype`` is from exact."""
+    """The dense step in ``cfg.dtype`` against float64 of the same numbers: the five measures,
+    ``cfg.dtype``'s bounds and their ratios."""
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     low = dense_reference(x0, target, base, cfg)

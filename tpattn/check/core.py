@@ -1,13 +1,7 @@
 """The check: one dense step and one TP step from the same start, compared on five measures.
 
-``check_injection(seed, mode, inj)`` checks the program ``inj`` (an ``Injection``; the bug
-registry looks a mode's up, ``tpattn.run`` = ``tpattn.bugs.modes.run``) and returns the
-original fixture's dict — same keys, same order, same floats::
-
-    seed, mode,
-    forward_max_abs_diff, loss_abs_diff, input_grad_max_abs_diff,
-    parameter_grad_max_abs_diff, post_step_weight_max_abs_diff,
-    passed            (every measure < TOLERANCE)
+``check_injection(seed, mode, inj)`` runs the program ``inj`` (an ``Injection``) and returns
+the original fixture's dict: ``seed``, ``mode``, the five ``MEASURES`` and ``passed``.
 """
 from __future__ import annotations
 
@@ -44,16 +38,13 @@ MISSING_INPUT_GRAD_REDUCE = "missing_input_grad_reduce"
 MODES = (EQUIVALENCE, MISSING_OUTPUT_REDUCE, MISSING_INPUT_GRAD_REDUCE)
 MISSING_NORM_GRAD_REDUCE = "missing_norm_grad_reduce"
 NORM_GRAD_AVERAGED = "norm_grad_averaged"
-#: Variants that exist only under sequence parallelism (``Config.sequence_parallel``): the
-#: ``norm`` weight's gradient all-reduce dropped, or averaged instead of summed.
+#: Variants only under sequence parallelism: the norm gradient's all-reduce dropped or averaged.
 SP_ONLY_MODES = (MISSING_NORM_GRAD_REDUCE, NORM_GRAD_AVERAGED)
 #: Every variant valid under sequence parallelism (``--mode matrix`` runs them all).
 SP_MODES = MODES + SP_ONLY_MODES
-#: The replica-group reduce of wk/wv dropped (only where KV heads are replicated:
-#: ``kv_heads < world_size`` with ``kv_strategy="replicate_weights"``; see ``tpattn.parallel.kv_heads``).
+#: The replica-group reduce of wk/wv dropped (only where KV heads are replicated).
 MISSING_KV_GRAD_REDUCE = "missing_kv_grad_reduce"
-#: Every mode the original fixture's own check covers (``tpattn.bugs.modes.modes_for`` says
-#: which apply to a Config); the bug registry (``tpattn.bugs.zoo.REGISTRY``) holds each one's ``Injection``.
+#: Every mode of the original fixture's check (``tpattn.bugs.modes.modes_for``: which apply).
 ALL_MODES = MODES + SP_ONLY_MODES + (MISSING_KV_GRAD_REDUCE,)
 #: The seeds of the original fixture's matrix.
 SEEDS = (11, 17, 23, 29, 31)
@@ -62,9 +53,8 @@ LR = 0.05
 #: ``init_params`` draws from ``seed + PARAM_SEED_OFFSET`` (inputs come from ``seed`` itself).
 PARAM_SEED_OFFSET = 100
 _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
-#: How ``run`` simulates the TP side. ``fixture``: the original fixture's model, one output
-#: (rank 0's view: under a missing g only rank 0's partial exists and only its shard learns).
-#: ``ranks``: every simulated rank computes its own output, loss and backward, as real ranks do.
+#: How ``run`` simulates the TP side: ``fixture``, rank 0's view in one graph (the original
+#: fixture's); ``ranks``, every rank its own output, loss and backward, as real ranks.
 SIMULATIONS = ("fixture", "ranks")
 
 
@@ -75,6 +65,13 @@ def check_seed(seed: int) -> int:
     return seed
 
 
+def check_count(name: str, value: int) -> int:
+    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+    return value
+
+
 def check_simulate(simulate: str) -> str:
     """Return ``simulate`` if it is one of ``SIMULATIONS``, else raise ``ValueError``."""
     if simulate not in SIMULATIONS:
@@ -83,10 +80,8 @@ def check_simulate(simulate: str) -> str:
 
 
 def make_inputs(cfg: Config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ``x`` and regression target, both ``[S, B * data_parallel, hidden]`` (the global
-    batch; ``[S, B, hidden]`` without data parallelism), from the global RNG seeded with
-    ``seed`` (drawn in float32, then cast to ``cfg.dtype``). DP replica d trains on batch
-    columns ``d*B:(d+1)*B`` (``replica_batch``)."""
+    """Input ``x`` and target, ``[S, B * data_parallel, hidden]``, drawn in float32 from the
+    global RNG seeded with ``seed``, cast to ``cfg.dtype``."""
     torch.manual_seed(seed)
     x = torch.randn(cfg.seq, cfg.batch * cfg.data_parallel, cfg.hidden)
     target = torch.randn_like(x)
@@ -96,16 +91,9 @@ def make_inputs(cfg: Config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float,
                         atol: float, what: str = "values") -> None:
     """Raise ``AssertionError`` unless ``|actual - expected| <= atol + rtol * |expected|``
-    holds for every element; the check of ``torch.testing.assert_close(actual, expected,
-    rtol=rtol, atol=atol)`` without its import of ``torch.distributed.tensor`` (~1 s a kernel).
-
-    actual, expected: tensors of one shape (any, e.g. ``[S, B, hidden]``) and one dtype,
-    compared elementwise by ``torch.isclose`` in that dtype; NaN never matches. Both
-    tolerances are required: each call states its bound. The message names ``what``, how many
-    elements are off, the largest ``|actual - expected|`` among those, where, and the bound.
-    A shape or dtype mismatch, a non-tensor or a negative or non-finite tolerance raises
-    ``ValueError``.
-    """
+    elementwise (``torch.isclose``; NaN never matches), naming ``what``, how many elements are
+    off and the worst one. Tensors of one shape and dtype; else ``ValueError``, as for a
+    negative or non-finite tolerance."""
     for name, value in (("actual", actual), ("expected", expected)):
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
@@ -139,34 +127,29 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
         f"expected {expected.flatten()[worst].item():.6g})")
 
 
-def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor]) -> dict:
-    """One training step of the fixture: ``forward(x, params) -> y``, MSE loss, backward, SGD.
+def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
+             clip=None) -> dict:
+    """One step: ``forward(x, params) -> y``, MSE loss, backward, SGD with the learning rate
+    times ``clip(grads)`` (default 1; a parameter without a gradient gets zeros).
 
-    x0, target: ``[S, B, hidden]``; ``base``: the starting parameters (copied, not touched).
-    Returns the tensors the five measures compare: ``output`` ``[S, B, hidden]``, ``loss``,
-    ``input_grad`` ``[S, B, hidden]``, ``grads`` and ``weights`` (after the step, by name:
-    ``sgd.sgd_step``'s, so float32 master weights for bfloat16 parameters).
-    """
+    x0, target: ``[S, B, hidden]``; ``base`` is copied. Returns ``output``, ``loss``,
+    ``input_grad``, ``grads`` and ``weights`` (after the step, ``sgd.sgd_step``'s)."""
     p = clone_trainable(base)
     x = x0.clone().requires_grad_(True)
     y = forward(x, p)
     loss = F.mse_loss(y, target)
     loss.backward()
-    weights = sgd_step(p, {k: t.grad for k, t in p.items()}, LR)
+    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
+    weights = sgd_step(p, grads, LR, 1.0 if clip is None else float(clip(grads)))
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": {k: p[k].grad for k in p}, "weights": weights}
+            "grads": grads, "weights": weights}
 
 
 def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
                shards: list[dict[str, torch.Tensor]]) -> list[dict]:
-    """``one_step`` on every simulated rank at once, each rank with its own leaf tensors.
-
-    ``forward_ranks(xs, ps) -> ys`` maps every rank's input copy and parameters to every rank's
-    output (e.g. ``tpattn.parallel.simulated.forward_rank_list``). Each rank's MSE loss is its
-    own; one backward of their sum gives each rank the gradient of its own loss (the ranks'
-    graphs meet only in the collectives), then each rank takes its own SGD step. Returns one ``one_step`` dict per rank
-    (``grads``/``weights`` hold that rank's shards).
-    """
+    """``one_step`` on every simulated rank, each with its own leaves and loss:
+    ``forward_ranks(xs, ps) -> ys``, one backward of the losses' sum, one SGD step per rank.
+    Returns one ``one_step`` dict per rank (its shards)."""
     ps = [clone_trainable(shard) for shard in shards]
     xs = [x0.clone().requires_grad_(True) for _ in shards]
     ys = forward_ranks(xs, ps)
@@ -183,39 +166,33 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
 
 def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                     cfg: Config, masks: dict[str, torch.Tensor] | None = None) -> dict:
-    """``one_step`` of the dense block: the side every TP variant is compared against
-    (``masks``: the dropout masks of ``dense_forward``, with ``cfg.dropout > 0``)."""
+    """``one_step`` of the dense block (``masks``: ``dense_forward``'s dropout masks)."""
     return one_step(lambda x, p: dense_forward(x, p, cfg, masks), x0, target, base)
 
 
 # --- an injection's program: its parameters, its ranks' inputs, its cut --------------------
 
-#: The optional output-projection bias is drawn from its own generator, ``seed + this``, so the
-#: seed's parameters and their init order never change.
+#: The optional output bias is drawn from ``seed + this`` (the other parameters unchanged).
 BIAS_SEED_OFFSET = 200
 #: Under ``inputs="per_rank"`` rank ``r >= 1`` draws its batch from ``seed + this * r``.
 OTHER_BATCH_SEED_OFFSET = 7919
-#: With ``Config.qk_norm`` the q/k-norm weights are drawn from their own generator,
-#: ``seed + this``, so the original fixture's parameters are the same numbers with or without them.
+#: The q/k-norm weights are drawn from ``seed + this`` (the other parameters unchanged).
 QK_NORM_SEED_OFFSET = 300
 
 
 def dropout_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor] | None:
-    """The dropout masks the correct program draws in seed ``seed``'s step
-    (``rng.replica_masks``: one DP replica, assembled over the TP ranks; on a TP x DP mesh
-    tiled along the global batch, ``rng.tile_masks``), or ``None`` when
-    ``cfg.dropout == 0``: what the dense reference applies."""
+    """The dropout masks of the correct program's step (tiled along a mesh's global batch),
+    what the dense reference applies; ``None`` when ``cfg.dropout == 0``."""
     if cfg.dropout == 0:
         return None
     return tile_masks(replica_masks(cfg, seed), cfg.data_parallel)
 
 
 def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> dict[str, torch.Tensor]:
-    """``init_params(cfg, seed + PARAM_SEED_OFFSET, init)`` plus, when the setup has one, the
-    output bias ``[hidden]`` from its own generator (``seed + BIAS_SEED_OFFSET``): the original fixture's
-    parameters are the same numbers with or without it. With ``cfg.qk_norm``, ``q_norm`` and
-    ``k_norm`` ``[head_dim]`` = ``1 + INIT_STD * randn`` from ``seed + QK_NORM_SEED_OFFSET``
-    (not ones, so a gradient that misses heads changes the numbers)."""
+    """``init_params(cfg, seed + PARAM_SEED_OFFSET, init)``, plus the injection's output bias
+    ``[hidden]`` and, with ``cfg.qk_norm``, ``q_norm``/``k_norm`` ``[head_dim]`` = ``1 +
+    INIT_STD * randn`` (not ones, so a gradient that misses heads shows), each from its own
+    generator."""
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     if inj.bias is not None:
         g = torch.Generator().manual_seed(seed + BIAS_SEED_OFFSET)
@@ -229,27 +206,22 @@ def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> d
 
 
 def fused_rows(cfg: Config, rank: int) -> slice:
-    """The rows of the fused ``[Wq; Wk; Wv]`` ``[(Hq + 2*Hkv)*D, hidden]`` that rank ``rank``
-    takes when it is cut into ``cfg.world_size`` contiguous slices (``shard="fused_naive"``)."""
+    """Rank ``rank``'s contiguous slice of the fused ``[Wq; Wk; Wv]`` rows (``fused_naive``)."""
     rows = (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim // cfg.world_size
     return slice(rank * rows, (rank + 1) * rows)
 
 
-#: The ``Injection.shard`` values that load from a fused checkpoint through
-#: ``fused_qkv.load_qkv_weight``: (the checkpoint's layout, how a rank reads its rows,
-#: whether the caller passes ``tp_rank``).
+#: Loaders of a fused checkpoint (``fused_qkv.load_qkv_weight``) by ``Injection.shard``:
+#: (the checkpoint's layout, how a rank reads its rows, whether ``tp_rank`` is passed).
 LOADERS = {"fused_rank0": ("plain", "plain", False), "grouped": ("grouped", "grouped", True),
            "grouped_as_plain": ("grouped", "plain", True)}
 
 
 def load_rank_shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection,
                     rank: int) -> dict[str, torch.Tensor]:
-    """What rank ``rank`` loads from the checkpoint ``p`` (dense tensors) with the injection's
-    loader (``LOADERS``): the fused ``wq``/``wk``/``wv`` checkpoint in its layout
-    (``fuse_qkv_weight``), narrowed by ``load_qkv_weight`` (with ``tp_rank=rank``, or, under
-    ``"fused_rank0"``, without it: rank 0's rows); ``wo`` the columns of the rank's query
-    heads, ``norm`` (and ``bias``) replicated. Differentiable slices of ``p``. Any other
-    ``shard``: ``shard(p, cfg, inj)[rank]``."""
+    """What rank ``rank`` loads from the dense ``p`` with the injection's loader (``LOADERS``):
+    ``wq``/``wk``/``wv`` narrowed from the fused checkpoint, ``wo`` its heads' columns,
+    ``norm`` (and ``bias``) replicated; differentiable. Other loaders: ``shard(...)[rank]``."""
     if inj.shard not in LOADERS or inj.shard_offset:
         return shard(p, cfg, inj)[rank]
     layout, read_as, passes_rank = LOADERS[inj.shard]
@@ -264,16 +236,10 @@ def load_rank_shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection,
 
 
 def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[str, torch.Tensor]]:
-    """Every rank's parameters, as the injection's loader cuts them (differentiable views or
-    slices of ``p``, so gradients flow back to ``p``).
-
-    ``"heads"``/``"fused"``: ``shard_params`` (a fused checkpoint split by heads is the same
-    numbers). ``"fused_naive"``: rank r takes contiguous rows of ``[Wq; Wk; Wv]`` and reads the
-    first ``Hq/W * D`` as its query rows, the next ``Hkv/W * D`` as keys, the rest as values.
-    ``LOADERS`` (``"fused_rank0"``, ``"grouped"``, ``"grouped_as_plain"``): every rank's
-    ``load_rank_shard``. Replicated tensors (``norm``, ``bias``) are shared.
-    ``shard_offset`` k: rank r gets rank ``(r + k) mod W``'s shards.
-    """
+    """Every rank's parameters as the injection's loader cuts them, differentiable slices of
+    ``p``: ``shard_params`` (``"heads"``, ``"fused"``), contiguous ``[Wq; Wk; Wv]`` rows read
+    as q, k, v (``"fused_naive"``) or ``load_rank_shard`` (``LOADERS``); replicated tensors
+    shared; ``shard_offset`` k: rank r gets rank ``(r + k) mod W``'s."""
     if inj.shard in LOADERS:
         base = replace(inj, shard_offset=0)
         shards = [{k: t for k, t in load_rank_shard(p, cfg, base, r).items() if k != "bias"}
@@ -300,29 +266,20 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
 
 
 def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) -> dict[str, torch.Tensor]:
-    """The inverse of ``shard``: full-size tensors from every rank's own tensors (replicated
-    ones from rank 0). ``"grouped"`` holds the numbers of ``"heads"``; ``"grouped_as_plain"``
-    puts each rank's ``[wq; wk; wv]`` back on the grouped rows it read them from;
-    ``"fused_rank0"`` (not invertible: ranks >= 1 never read their rows) puts rank r's
-    tensors on rank r's heads, as saving the sharded model does."""
+    """Full-size tensors from every rank's (replicated ones from rank 0): ``shard``'s inverse;
+    ``"fused_rank0"`` puts rank r's tensors on rank r's heads, as saving does."""
     if inj.shard_offset:
         k = inj.shard_offset % cfg.world_size
         shards = shards[len(shards) - k:] + shards[:len(shards) - k]
-    if inj.shard == "grouped_as_plain":
+    if inj.shard in ("grouped_as_plain", "fused_naive"):  # each rank's rows, in place
         rows = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
-        wq, wk, wv = split_qkv_weight(rows, cfg, "grouped")
+        wq, wk, wv = split_qkv_weight(rows, cfg, "plain" if inj.shard == "fused_naive"
+                                      else "grouped")
         full = {"norm": shards[0]["norm"].detach().clone(), "wq": wq.clone(),
                 "wk": wk.clone(), "wv": wv.clone(),
                 "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
-    elif inj.shard != "fused_naive":
-        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
     else:
-        fused = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
-        q, kv = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        full = {"norm": shards[0]["norm"].detach().clone(), "wq": fused[:q].clone(),
-                "wk": fused[q:q + kv].clone(), "wv": fused[q + kv:].clone(),
-                "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
-        full = {k: full[k] for k in PARAM_NAMES}
+        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
     for name in ("bias",) + QK_NORM_NAMES:  # replicated: rank 0's copy
         if name in shards[0]:
             full[name] = shards[0][name].detach().clone()
@@ -330,11 +287,9 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's ``(x, target)`` as it loads them, ``[S, B, hidden]`` each: the original fixture's
-    batch on every rank, or under ``inputs="per_rank"`` rank ``r >= 1``'s own from
-    ``seed + OTHER_BATCH_SEED_OFFSET * r`` (``block_inputs``: the part the block takes).
-    On a TP x DP mesh every rank of the job, mesh order: replica d's batch columns
-    (``replica_batch``) of what its TP rank draws."""
+    """Every rank's ``(x, target)`` ``[S, B, hidden]``, mesh order: ``make_inputs``'s batch, or
+    under ``inputs="per_rank"`` rank r's from ``seed + OTHER_BATCH_SEED_OFFSET * r``; on a
+    mesh, replica d's columns of it (``replica_batch``)."""
     first = make_inputs(cfg, seed)
     per_tp = [first] * cfg.world_size if inj.inputs != "per_rank" else [first] + [
         make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r) for r in range(1, cfg.world_size)]
@@ -347,17 +302,15 @@ def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Ten
 
 def replica_batch(batch: tuple[torch.Tensor, torch.Tensor], cfg: Config,
                   d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DP replica ``d``'s ``(x, target)`` ``[S, B, hidden]``: batch columns ``d*B:(d+1)*B`` of
-    the global ``batch`` (``make_inputs``)."""
+    """DP replica ``d``'s ``(x, target)``: columns ``d*B:(d+1)*B`` of the global batch."""
     cols = slice(d * cfg.batch, (d + 1) * cfg.batch)
     return batch[0][:, cols], batch[1][:, cols]
 
 
 def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
                  cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The part of every rank's loaded ``(x, target)`` ``[S, B, hidden]`` that enters its
-    block: under ``cfg.sequence_parallel`` rank r's own tokens ``[S/W, B, hidden]``
-    (``sequence_parallel.rank_tokens``: the scatter along the sequence), else the batch."""
+    """Every rank's ``(x, target)`` as its block takes it: its tokens ``[S/W, B, hidden]``
+    under ``cfg.sequence_parallel``, else the batch."""
     if not cfg.sequence_parallel:
         return list(batches)
     return [(x[rank_tokens(cfg, i % cfg.world_size)], t[rank_tokens(cfg, i % cfg.world_size)])
@@ -365,69 +318,51 @@ def block_inputs(batches: list[tuple[torch.Tensor, torch.Tensor]],
 
 
 def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
-    """The factor clipping puts on every gradient: ``min(1, MAX_GRAD_NORM / (norm + 1e-6))``
-    under ``inj.clip``, else 1."""
+    """``min(1, MAX_GRAD_NORM / (norm + 1e-6))`` under ``inj.clip``, else 1."""
     return min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if inj.clip else 1.0
 
 
 def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                cfg: Config, inj: Injection,
                masks: dict[str, torch.Tensor] | None = None) -> dict:
-    """The dense reference of the injection's setup (bias, clipping), in ``one_step``'s dict:
-    ``dense_reference`` itself when the setup has neither. ``masks``: the dropout masks the
-    correct program draws (``dropout_masks``), with ``cfg.dropout > 0``."""
+    """The dense reference with the injection's setup (bias, clipping by the float64 norm of
+    every gradient), ``one_step``'s dict; ``masks``: ``dropout_masks``."""
     if "bias" not in base and not inj.clip:
         return dense_reference(x0, target, base, cfg, masks)
-    p = clone_trainable(base)
-    x = x0.clone().requires_grad_(True)
-    y = dense_forward(x, p, cfg, masks) + (p["bias"] if "bias" in p else 0)
-    loss = F.mse_loss(y, target)
-    loss.backward()
-    norm = torch.sqrt(sum(t.grad.double().pow(2).sum() for t in p.values()))
-    coef = clip_coef(norm, inj)
-    weights = sgd_step(p, {k: t.grad for k, t in p.items()}, LR, float(coef))
-    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": {k: t.grad for k, t in p.items()}, "weights": weights}
+    def forward(x, p):
+        return dense_forward(x, p, cfg, masks) + (p["bias"] if "bias" in p else 0)
+    return one_step(forward, x0, target, base, lambda grads: clip_coef(torch.sqrt(sum(
+        g.double().pow(2).sum() for g in grads.values())), inj))
 
 
 def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                  cfg: Config, inj: Injection, shard_fn, others=None) -> dict:
-    """``one_step`` of the engine's block on ``one_graph.OneGraphRanks`` (rank 0's view, the
-    ranks' shards ``shard_fn(p, cfg)``, views of ``p``), with the injection's gradient norm
-    (``engine.grad_norm`` of the ranks' shards) and clipping. ``others``: ranks >= 1's own
-    inputs ``[S, B, hidden]`` (constants; ``inputs="per_rank"``)."""
-    p = clone_trainable(base)
-    x = x0.clone().requires_grad_(True)
-    y = one_graph_forward(x, p, cfg, inj, shard_fn, others)
-    loss = F.mse_loss(y, target)
-    loss.backward()
-    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-    per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard in
-                                         ("fused_naive", *LOADERS) else inj.shard))
-    norm = grad_norm(stack_ranks(per_rank), SimulatedRanks(cfg), inj)
-    weights = sgd_step(p, grads, LR, float(clip_coef(norm, inj)))
-    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": grads, "weights": weights}
+    """``one_step`` of the engine's block in one graph (rank 0's view; shards
+    ``shard_fn(p, cfg)``, views of ``p``), clipped by ``engine.grad_norm`` of the ranks'
+    shards. ``others``: ranks >= 1's own inputs (``inputs="per_rank"``)."""
+    def clip(grads):
+        per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard in
+                                             ("fused_naive", *LOADERS) else inj.shard))
+        return clip_coef(grad_norm(stack_ranks(per_rank), SimulatedRanks(cfg), inj), inj)
+    return one_step(lambda x, p: one_graph_forward(x, p, cfg, inj, shard_fn, others),
+                    x0, target, base, clip)
 
 
 def cuts_by_heads(inj: Injection) -> bool:
-    """True when the injection's loader hands rank r its own heads' rows (``shard_params``'s
-    cut): the one graph then views the dense tensors rank-major (``one_graph.stacked_views``)."""
+    """True when the injection's loader hands rank r its own heads' rows (``shard_params``)."""
     return inj.shard in ("heads", "fused") and not inj.shard_offset
 
 
 def original_program(inj: Injection, cfg: Config) -> bool:
-    """The original fixture's three programs (f summed or dropped, g once or dropped) on plain
-    TP: ``tp_step`` runs them through ``tp.tp_forward``, which normalizes ``x`` once and so
-    keeps the original fixture's digits bit for bit."""
+    """The original fixture's programs (f and g kept or dropped) on plain TP: ``tp_forward``
+    runs them, keeping the original fixture's digits bit for bit."""
     return inj.f in ("sum", "none") and inj.g in (0, 1) and not cfg.sequence_parallel \
         and replace(inj, f="sum", g=1, norm_grad="sum", kv_grad="sum") == Injection() \
         and not has_replicas(cfg)
 
 
 def _ranks_view(base, cfg: Config, inj: Injection, cut, gather, batches, rng_seed) -> dict:
-    """The simulated ranks' step (``simulated_step``) of every rank of the job, reported as
-    rank 0 sees it (``rank0_view``; on a TP x DP mesh ``mesh_view``)."""
+    """``simulated_step`` of every rank of the job, as rank 0 sees it (or ``mesh_view``)."""
     rng = simulated_streams(cfg, rng_seed, inj) if cfg.dropout > 0 else None
     step = simulated_step(cut(base, cfg) * cfg.data_parallel, block_inputs(batches, cfg), cfg,
                           inj, LR, rng=rng)
@@ -437,13 +372,10 @@ def _ranks_view(base, cfg: Config, inj: Injection, cut, gather, batches, rng_see
 def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
             inj: Injection, simulate: str = "fixture", shard_fn=None, batches=None,
             rng_seed: int | None = None) -> dict:
-    """The TP side of the check: one step of the block wired as ``inj``, in ``one_step``'s
-    dict (rank 0's view). x0, target: ``[S, B * data_parallel, hidden]``; ``base``:
-    ``make_params``'s; ``shard_fn``: the cut (default ``shard(., ., inj)``); ``batches``:
-    every rank's ``(x, target)``, mesh order (default ``replica_batch``); ``rng_seed``: the
-    run's seed (dropout). ``"ranks"``, a mesh, a model option or an aliasing loader run the
-    simulated ranks; else one graph (``fixture_step``; ``original_program``: ``tp_forward``).
-    """
+    """The TP side: one step of the block wired as ``inj``, rank 0's view, ``one_step``'s dict.
+    ``shard_fn``: the cut (default ``shard``); ``batches``: every rank's ``(x, target)``;
+    ``rng_seed``: the run's seed (dropout). ``"ranks"``, a mesh, a model option or an aliasing
+    loader run the simulated ranks; else one graph (``original_program``: ``tp_forward``)."""
     if not isinstance(inj, Injection):
         raise ValueError(f"inj must be an Injection, the mode's program "
                          f"(tpattn.bugs.modes.resolve(mode).injection) (got {inj!r})")
@@ -474,29 +406,13 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
                     init: str = "seed") -> dict:
     """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
 
-    ``inj`` is the sharded program (``tpattn.parallel.injection.Injection``, looked up from
-    the bug registry by ``tpattn.bugs.modes.run``); ``mode`` is only its name, reported as
-    ``"mode"``. The dense side has the injection's setup (bias, clipping: ``dense_step``).
-    ``simulate``: ``"fixture"`` (the original fixture's rank-0 model, bit for bit) or ``"ranks"`` (every
-    rank its own output, loss and backward, as ``tpattn.real.ranks`` measures on real
-    processes). ``shard_fn(params, cfg)``: how the dense parameters are cut into rank shards
-    (default: the injection's cut; chapter 6 passes a layout that splits a query/KV group).
-    Returns the five measures and ``passed``. On a TP x DP mesh (``cfg.data_parallel > 1``)
-    the dense side runs on the global batch ``[S, batch * data_parallel, hidden]`` and the TP
-    side is rank 0's report over the DP replicas (``tp_step``: the simulated ranks of the whole
-    mesh, for ``"fixture"`` too).
-
-    ``tolerance="seed"``: the original fixture's absolute ``TOLERANCE`` and the original fixture's digits
-    (``tp.tp_forward``). ``tolerance="auto"`` (a ``reduction_only`` injection): a rounding
-    bound per measure (``tolerance.auto_bounds``, added as ``bounds``; the gradients and
-    weights per parameter, reported for the worst one, named in ``worst_parameter``:
-    ``tolerance.per_parameter``) and a ``verdict``: ``pass``, ``fail``, or ``inconclusive``
-    where the step amplifies rounding as much as the difference (measured by one more dense
-    step from a perturbed start, run only when a measure exceeds its bound:
-    ``tolerance.apply_auto``). ``init``: ``init_params``'s ``"seed"`` (0.15) or ``"fan_in"``
-    (``1/sqrt(fan_in)``). Arguments are checked by the caller (``tpattn.bugs.modes.run``)
-    except ``seed``, ``simulate`` and the kernel precision ``"auto"`` needs.
-    """
+    ``inj``: the sharded program; ``mode``: its name, reported. The dense side has the
+    injection's setup (``dense_step``), the TP side is ``tp_step``'s (``simulate``:
+    ``"fixture"`` or ``"ranks"``; ``shard_fn(params, cfg)``: another cut). Returns the five
+    measures and ``passed``: under ``tolerance="seed"`` below ``TOLERANCE``; under ``"auto"``
+    with ``bounds``, ``worst_parameter`` and a ``verdict`` (``tolerance.apply_auto``; the
+    conditioning probe runs only when a measure exceeds its bound). ``init``: ``"seed"``
+    (0.15) or ``"fan_in"``."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
     check_seed(seed)
@@ -524,22 +440,11 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:
-    """The original fixture's ``inspect``: runtime versions, Config, dense and rank-local shapes, the rule.
-
-    For the default float32 Config this is the original fixture's dict exactly; a float64 Config adds
-    ``config["dtype"]``.
-    """
+    """The original fixture's ``inspect``: runtime versions, Config (fields at their default
+    left out, as the original fixture has them), dense and rank-local shapes, the rule."""
     cfg = Config() if cfg is None else cfg
-    config = cfg.as_dict()
-    if config["dtype"] == Config.dtype:
-        del config["dtype"]  # the original fixture's Config has no dtype field
-    if not config["sequence_parallel"]:
-        del config["sequence_parallel"]  # nor a sequence_parallel field
-    if config["kv_strategy"] == Config.kv_strategy:
-        del config["kv_strategy"]  # nor kv_strategy
-    for name in ("data_parallel", "dropout", "qk_norm"):  # nor what surrounds the block
-        if config[name] == getattr(Config, name):
-            del config[name]
+    later = ("dtype", "sequence_parallel", "kv_strategy", "data_parallel", "dropout", "qk_norm")
+    config = {k: v for k, v in cfg.as_dict().items() if k not in later or v != getattr(Config, k)}
     extra = {}
     if has_replicas(cfg):  # fewer KV heads than ranks (tpattn.parallel.kv_heads)
         extra = {"kv_replica_groups": replica_groups(cfg), "kv_rule": (

@@ -7,27 +7,19 @@ from tpattn.config import Config
 from tpattn.parallel.engine import stack_ranks
 from tpattn.parallel.simulated import rank0_view, simulated_step
 
-from .core import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
-                   max_abs_diff)
+from .core import (LR, PARAM_SEED_OFFSET, check_count, dense_reference, five_measures,
+                   make_inputs, max_abs_diff)
 
 __all__ = ["train_steps"]
 
 
 def train_steps(cfg: Config, seed: int, program, steps: int = 2) -> list[dict]:
-    """``steps`` SGD steps of the dense block and of simulated ranks (``simulate="ranks"``:
-    every rank its own leaves, loss and step, carrying its own weights to the next step), from
-    the same start as ``tpattn.run(seed, mode, cfg)``. ``program``: the mode's registry entry
-    (``tpattn.bugs.modes.resolve(mode, cfg)``): its ``injection`` is what the ranks run, its
-    ``name`` labels the rows.
-
-    Returns one dict per step: ``run()``'s five measures at that step (each side's forward and
-    gradients computed from ITS OWN current weights; rank 0's view, replicated heads from each
-    group's first rank), plus ``kv_replica_max_diff`` (max over replica groups and wk/wv of
-    how far the copies are apart after the step) and the two losses (``dense_loss``,
-    ``tp_loss``). Step 1 is ``run(seed, mode, cfg, "ranks")``.
-    """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+    """``steps`` SGD steps of the dense block and of the simulated ranks running
+    ``program.injection`` (a registry entry), each side from its own current weights, from
+    ``tpattn.run``'s start. One dict per step: the five measures (rank 0's view),
+    ``kv_replica_max_diff`` (how far the wk/wv copies of a replica group are apart after the
+    step), ``dense_loss`` and ``tp_loss``. Step 1 is ``run(seed, mode, cfg, "ranks")``."""
+    check_count("steps", steps)
     x0, target = make_inputs(cfg, seed)
     dense_weights = init_params(cfg, seed + PARAM_SEED_OFFSET)
     state = stack_ranks(shard_params(dense_weights, cfg))

@@ -1,10 +1,7 @@
 r"""How large the summands of each parameter gradient are: the rounding scale under cancellation.
 
-A computed sum is off by about ``u sqrt(n) sum |a_i|``, not ``u |s|``: where summands cancel
-(``wk`` with one-channel inputs), ``|s|`` understates rounding. ``gradient_magnitudes`` runs
-the dense backward once more in float64 with every factor replaced by its absolute value
-(``|A| |B|`` for ``A B``; Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed.,
-section 3.1): never below ``|dL/dp|``, equal to it where nothing cancels.
+A sum is off by about ``u sqrt(n) sum |a_i|``, not ``u |s|``: ``gradient_magnitudes`` runs the
+dense backward in float64 with every factor in absolute value (Higham, section 3.1).
 """
 from __future__ import annotations
 
@@ -28,22 +25,16 @@ def _rope_abs_transpose(m: torch.Tensor) -> torch.Tensor:
 
 def backward_magnitudes(x0: torch.Tensor, base: dict[str, torch.Tensor], cfg: Config,
                         upstream: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The dense block's backward from ``upstream`` with every factor in absolute value.
-
-    x0: ``[S, B, hidden]``; ``base``: the parameters (``norm`` ``[hidden]``, ``wq``
-    ``[Hq*D, hidden]``, ``wk``/``wv`` ``[Hkv*D, hidden]``, ``wo`` ``[hidden, Hq*D]``) of any
-    dtype; ``upstream``: ``[S, B, hidden]``, non-negative, in place of ``|dL/dy|``. Returns
-    float64 tensors of the parameters' shapes: ``|J_p|^T upstream`` for the Jacobian ``J_p``
-    of ``dL/dp`` with respect to ``dL/dy``, so ``|J_p^T e| <= M_p`` for every ``|e| <= upstream``.
-    """
+    """``|J_p|^T upstream`` for every parameter: the dense backward from ``upstream``
+    ``[S, B, hidden]`` (non-negative, in place of ``|dL/dy|``) with every factor in absolute
+    value. x0: ``[S, B, hidden]``; returns float64 tensors of the parameters' shapes."""
     return _magnitudes(x0, base, cfg, lambda y: upstream.detach().to(torch.float64))
 
 
 def gradient_magnitudes(x0: torch.Tensor, target: torch.Tensor,
                         base: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
-    """The summand magnitude ``M_p >= |dL/dp|`` of every entry of every parameter gradient of
-    the dense step's MSE loss (``backward_magnitudes`` from ``|dL/dy| = 2 |y - target| / N``).
-    x0, target: ``[S, B, hidden]``; returns float64 tensors of the parameters' shapes."""
+    """``M_p >= |dL/dp|`` of every parameter gradient of the MSE loss (``backward_magnitudes``
+    from ``2 |y - target| / N``), float64 tensors of the parameters' shapes."""
     t = target.detach().to(torch.float64)
     return _magnitudes(x0, base, cfg, lambda y: (y - t).abs() * (2.0 / y.numel()))
 

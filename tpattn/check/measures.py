@@ -13,19 +13,15 @@ MEASURES = (
     "parameter_grad_max_abs_diff",
     "post_step_weight_max_abs_diff",
 )
-#: A measure passes when it is below this (absolute; float32 rounding at the original
-#: fixture's size is ~1e-7).
+#: A measure passes below this (float32 rounding at the original fixture's size is ~1e-7).
 TOLERANCE = 1e-6
 #: ``max_abs_diff`` works through tensors larger than this in pieces of this many elements.
 DIFF_CHUNK = 1 << 20
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` as a Python float (NaN if any difference is NaN).
-
-    a, b: tensors of one shape (or broadcastable). Above ``DIFF_CHUNK`` elements the
-    difference is taken piece by piece in one reused buffer: the same elements, the same
-    maximum, without allocating (and page-faulting) a temporary as large as the tensor."""
+    """``max |a - b|`` as a float (NaN if any difference is), in ``DIFF_CHUNK`` pieces through
+    one buffer above that size (no temporary as large as the tensor)."""
     a, b = a.detach(), b.detach()
     n = a.numel()
     if n <= DIFF_CHUNK or a.shape != b.shape:

@@ -1,5 +1,4 @@
-"""Part IV, at scale and in your model (chapters 14-15): the rounding bound, rounding or a bug,
-and sharding a fused QKV checkpoint weight (concatenated or Megatron's interleaved)."""
+"""Part IV (chapters 14-15): the rounding bound, rounding or a bug, sharding a fused QKV weight."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +8,10 @@ import torch
 
 from tpattn.block.params import clone_trainable, init_params, rank_head_slices
 from tpattn.bugs.modes import resolve, run
+from tpattn.check.at_scale import llama3_8b_attention
 from tpattn.check.core import MEASURES, MODES, PARAM_SEED_OFFSET
+from tpattn.check.tolerance import (ACCUMULATOR, LATER_STAGES, UNIT_ROUNDOFF, fan_in,
+                                    relative_bound)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, exercise,
                                       expect_shape, head_of, number, shape_text, tensor)
@@ -19,7 +21,6 @@ from tpattn.exercises.splitting import check_shard_params
 
 
 def _bound_configs() -> tuple[Config, ...]:
-    from tpattn.check.at_scale import llama3_8b_attention
     return (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
             Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, world_size=4),
             llama3_8b_attention(), llama3_8b_attention(dtype="bfloat16"),
@@ -28,7 +29,6 @@ def _bound_configs() -> tuple[Config, ...]:
 
 def _bound_variants(cfg: Config) -> dict[str, float]:
     """The bound with one ingredient wrong, each keyed by what it misses."""
-    from tpattn.check.tolerance import ACCUMULATOR, LATER_STAGES, UNIT_ROUNDOFF, fan_in
     u, n = UNIT_ROUNDOFF[cfg.dtype], fan_in(cfg)
     u_acc = UNIT_ROUNDOFF[ACCUMULATOR[cfg.dtype]]
     w, later = cfg.world_size, LATER_STAGES
@@ -52,7 +52,6 @@ def _bound_variants(cfg: Config) -> dict[str, float]:
 def check_relative_bound(bound) -> str:
     """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of the
     step may differ by (``tpattn.check.tolerance``), up to Llama-3-8B's attention."""
-    from tpattn.check.tolerance import relative_bound
     configs = _bound_configs()
     for cfg in configs:
         got = number(bound(cfg), (int, float), "your bound should be a float, but it is {}.")

@@ -1,6 +1,5 @@
-"""What every checker shares: ``Result``, the ``exercise`` decorator (a reader's exception
-becomes one sentence), the checked shapes and seeds, and the grading patterns: types and shapes,
-"the sum, not the mean or the own share" per rank, a predicted set of names against a mode's runs.
+"""What every checker shares: ``Result``, the ``exercise`` decorator, the checked shapes and
+seeds, and the grading patterns (types and shapes, the sum per rank, a predicted set of names).
 """
 from __future__ import annotations
 
@@ -120,8 +119,8 @@ def name_of(answer) -> str:
 
 
 def exercise(name: str, chapter: int):
-    """Make a checker returning a ``Result`` of a body that raises ``Wrong(message)`` or returns
-    the success message; a reader's exception becomes one sentence, a stub 'not written yet'."""
+    """A checker returning a ``Result`` of ``body``: its success message or ``Wrong``'s; a
+    reader's exception is one sentence, a stub 'not written yet'."""
 
     def decorate(body):
         @functools.wraps(body)
@@ -250,8 +249,8 @@ def near(a: torch.Tensor, b: torch.Tensor, terms: int) -> bool:
 
 
 def first_near(got: torch.Tensor, options, otherwise: str) -> None:
-    """At the first ``(tensor, terms, message)`` of ``options`` that ``got`` is ``near``, return
-    if the message is None, else raise ``Wrong(message)``; ``Wrong(otherwise)`` if none is."""
+    """``Wrong(message)`` of the first ``(tensor, terms, message)`` ``got`` is ``near`` (None:
+    right), ``Wrong(otherwise)`` if none."""
     for value, terms, message in options:
         if near(got, value, terms):
             if message is None:
@@ -261,9 +260,8 @@ def first_near(got: torch.Tensor, options, otherwise: str) -> None:
 
 
 def grade_sum(got: list, own: list, mean, mine, other) -> None:
-    """Each ``got[r]`` must be the sum of the ranks' shares ``own`` (a tensor per rank); at the
-    first that is not: ``Wrong(mean(r))`` for their mean, ``mine(r)`` for its own share, else
-    ``other(r)``."""
+    """``Wrong`` unless each ``got[r]`` is the sum of the shares ``own``: ``mean(r)``,
+    ``mine(r)`` (its own share) or ``other(r)``."""
     n = len(own)
     total = sum(own[1:], own[0])
     for r in range(n):
@@ -288,7 +286,7 @@ def as_names(prediction, allowed, what: str) -> set[str]:
 @functools.lru_cache(maxsize=None)
 def mode_runs(mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> tuple:
     """Per shape × seed × simulation of ``mode``: the failing measures and the parameters with
-    wrong gradients (q/k-norm too where the shape has them), two frozensets; cached."""
+    wrong gradients, two frozensets; cached."""
     found = []
     for cfg, seed, x0, target, base in cases(configs, seeds):
         dense = dense_reference(x0, target, base, cfg)

@@ -1,6 +1,5 @@
-"""Part V, TP bugs from the wild (chapters 16-18): the row-parallel bias, the bugs the forward
-shows, dropout's streams, qk-norm, the TP x DP mesh, loading a checkpoint into ranks, the ledger
-and three bug hunts."""
+"""Part V, TP bugs from the wild (chapters 16-18): the bias, dropout, qk-norm, the mesh, loading,
+the ledger and three bug hunts."""
 from __future__ import annotations
 
 import copy
@@ -10,18 +9,25 @@ from dataclasses import replace
 import torch
 
 from tpattn.block.dense import dense_forward
+from tpattn.block.fused_qkv import fuse_qkv_weight, rank_row_block, read_rank_qkv
 from tpattn.block.params import clone_trainable, init_params, shard_params
 from tpattn.block.sgd import sgd_step
+from tpattn.bugs import zoo
 from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, TOLERANCE,
-                               dense_reference, five_measures, make_inputs, max_abs_diff)
+                               block_inputs, dense_reference, dense_step, five_measures,
+                               make_inputs, make_params, max_abs_diff, one_step, rank_batches,
+                               shard, unshard)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, EXTRA_SEEDS, Wrong, as_names, cases,
                                       exercise, expect_shape, failing, grade_hits, grade_sum,
                                       keyed, mesh_text, must_pass, near, number, shape_text,
                                       tensor, tensor_list)
+from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel.engine import train_step
 from tpattn.parallel.injection import Injection
-from tpattn.parallel.simulated import rank0_view, simulated_step
+from tpattn.parallel.rng import RankStreams, simulated_streams
+from tpattn.parallel.simulated import mesh_view, rank0_view, simulated_step
 
 #: The chapter "Around the block".
 AROUND_CHAPTER = 17
@@ -54,8 +60,6 @@ def _grade_bias_output(forward, x0, base: dict, dense: dict, cfg: Config, where:
 def check_bias_once(forward) -> str:
     """Check ``forward(x, p, cfg) -> [S, B, hidden]``: the sharded block (as ``tp_forward``) with
     the replicated output bias ``p["bias"]`` ``[hidden]`` added once, against dense with it."""
-    from tpattn.bugs import zoo
-    from tpattn.check.core import one_step
     inj = zoo.Injection(bias="after_g")
     for cfg in CHECKED_CONFIGS:
         for seed in EXTRA_SEEDS:
@@ -83,7 +87,6 @@ def check_bias_once(forward) -> str:
 def _zoo_forward_hits() -> dict[str, set[bool]]:
     """Per runnable registry bug: whether rank 0's forward output (``zoo.forward_fixture``)
     differs from dense's by ``TOLERANCE`` or more, on each hunt shape (a set of bools)."""
-    from tpattn.bugs import zoo
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = {}
     for mode in zoo.runnable_modes():
@@ -107,7 +110,6 @@ def _zoo_forward_hits() -> dict[str, set[bool]]:
 def check_forward_visible(predict) -> str:
     """Check ``predict() -> set``: the runnable zoo bugs whose forward output (rank 0's view)
     differs from dense's, on both hunt shapes."""
-    from tpattn.bugs import zoo
     names = [m for m in zoo.runnable_modes() if not zoo.get_mode(m).is_correct]
     predicted = as_names(predict(), names, "zoo bug")
     for mode in names:
@@ -164,7 +166,6 @@ def _stream_seeds(seeds, seed: int, cfg: Config, where: str) -> tuple[list[int],
 def check_dropout_streams(seeds) -> str:
     """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: the seeds of a TP
     rank's residual-dropout and attention-dropout generators, graded on the simulated step."""
-    from tpattn.parallel.rng import RankStreams
     count = 0
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
         where = f"for seed {seed}, {shape_text(cfg)}"
@@ -205,7 +206,6 @@ def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
 def check_rng_resync(resync) -> str:
     """Check ``resync(states) -> list``: from every TP rank's generator state (uint8) after rank
     0's loader drew from it, the state each continues with; outputs and losses must agree."""
-    from tpattn.parallel.rng import simulated_streams
     count = 0
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
@@ -262,8 +262,6 @@ def _reader_qk_stage(reduce, where: str):
 def check_qk_norm_grad_reduce(reduce) -> str:
     """Check ``reduce(grads) -> list``: from every TP rank's ``[head_dim]`` gradient of its
     ``q_norm`` (or ``k_norm``) copy, its own heads' part, the gradient each rank steps with."""
-    from tpattn.parallel.collectives import SimulatedRanks
-    from tpattn.parallel.engine import train_step
     count = 0
     for cfg, seed, x0, target, base in cases(QK_NORM_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
@@ -312,7 +310,6 @@ SP_MESH_CONFIGS = (
 
 def _mesh_step(cfg: Config, seed: int, inj: Injection) -> dict:
     """A simulated step of the whole mesh (``simulated_step``) of ``inj``'s program."""
-    from tpattn.check.core import block_inputs, make_params, rank_batches, shard
 
     base = make_params(cfg, seed, inj)
     return simulated_step(shard(base, cfg, inj) * cfg.data_parallel,
@@ -346,8 +343,6 @@ def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
 def check_dp_grad_sync(sync) -> str:
     """Check ``sync(grads) -> list``: from one parameter's gradient on each DP replica (its
     batch's share of the global mean loss's), the gradient each replica steps with."""
-    from tpattn.check.core import dense_step, make_inputs as inputs, make_params, unshard
-    from tpattn.parallel.simulated import mesh_view
 
     count = 0
     for cfg in MESH_CONFIGS:
@@ -360,7 +355,7 @@ def check_dp_grad_sync(sync) -> str:
             step["weights"] = {name: torch.stack([
                 sgd_step({name: start[i][name]}, {name: g[i]}, LR)[name]
                 for i in range(cfg.ranks)]) for name, g in step["grads"].items()}
-            x0, target = inputs(cfg, seed)
+            x0, target = make_inputs(cfg, seed)
             view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
             must_pass(seed, dense_step(x0, target, base, cfg, Injection()), view,
                       f"{where}, the mesh's step fails")
@@ -372,7 +367,6 @@ def check_dp_grad_sync(sync) -> str:
 
 def _logged_loss_case(cfg: Config, seed: int) -> tuple[list[float], float]:
     """Every rank's share of the global mean loss on the mesh, and the dense loss."""
-    from tpattn.check.core import block_inputs, dense_step, make_params, rank_batches
     step = _mesh_step(cfg, seed, Injection())
     x0, target = make_inputs(cfg, seed)
     batches = block_inputs(rank_batches(cfg, seed, Injection()), cfg)
@@ -419,7 +413,6 @@ def check_logged_loss(logged) -> str:
 def check_sp_gather_group(group_of) -> str:
     """Check ``group_of(rank, cfg) -> list``: the global ranks, in order, of ``rank``'s sequence
     all-gather on a TP x DP mesh (rank = dp * W + tp): its own TP group."""
-    from tpattn.parallel.collectives import SimulatedRanks
     count = 0
     for cfg in SP_MESH_CONFIGS:
         comm = SimulatedRanks(cfg)
@@ -453,7 +446,6 @@ def check_sp_gather_group(group_of) -> str:
 def check_sp_gather_tokens(gather) -> str:
     """Check ``gather(tokens, cfg) -> list``: from every rank's ``[S/W, B, hidden]`` tokens, each
     rank's gathered ``[S, B, hidden]`` sequence, bit for bit its TP group's all-gather."""
-    from tpattn.parallel.collectives import SimulatedRanks
     count = 0
     for cfg in SP_MESH_CONFIGS:
         comm = SimulatedRanks(cfg)
@@ -496,7 +488,6 @@ _QKV = ("wq", "wk", "wv")
 
 def _grade_loaded(got, w: torch.Tensor, right: list[dict], cfg: Config, rank: int) -> None:
     """``Wrong`` unless ``got`` is ``right[rank]``'s ``(wq, wk, wv)`` as slices of ``w``."""
-    from tpattn.block.fused_qkv import rank_row_block, read_rank_qkv
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         raise Wrong("your function should return three tensors: (wq, wk, wv).")
     where = f"for rank {rank} of {shape_text(cfg)}"
@@ -527,7 +518,6 @@ def _grade_loaded(got, w: torch.Tensor, right: list[dict], cfg: Config, rank: in
 def check_load_grouped_qkv(load) -> str:
     """Check ``load(w, cfg, tp_rank) -> (wq, wk, wv)``: the rank's rows (``[Hq/W*D, hidden]``,
     ``[Hkv/W*D, hidden]`` x 2) as slices of ``w``, fused per KV group (``fuse_qkv_weight``)."""
-    from tpattn.block.fused_qkv import fuse_qkv_weight
     for cfg in LOADING_CONFIGS:
         p = init_params(cfg, 7 + PARAM_SEED_OFFSET)
         w = fuse_qkv_weight(p["wq"], p["wk"], p["wv"], cfg, "grouped").requires_grad_(True)
@@ -552,9 +542,8 @@ _LOADING_HINTS = {
 def _loading_observations() -> tuple:
     """``(name, answer, cfg, seed, shard_checksums, shard_scale)`` of observed runs on two shapes:
     the three loading bugs, correct loads and a made-up wrong rank order (answer None)."""
-    from tpattn.bugs.zoo import get_mode
     from tpattn.diagnosis.observe import observe_injection
-    runs = [(m, m, get_mode(m).injection) for m in LOADING_VERDICTS if m is not None]
+    runs = [(m, m, zoo.get_mode(m).injection) for m in LOADING_VERDICTS if m is not None]
     runs += [("correct (grouped)", None, Injection(shard="grouped")),
              ("correct (fused)", None, Injection(shard="fused")),
              ("shards in the wrong rank order", None, Injection(shard="fused", shard_offset=1))]
@@ -605,7 +594,6 @@ def _observed(mode: str, seed: int, cfg: Config, reference: bool, steps: int = 2
 
 def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
     """Why ``got`` misreads ``obs``'s ledger (a run of ``mode``; ``want``: the right answer)."""
-    from tpattn.bugs import zoo
     counts, plan = ({phase: sum(e["phase"] == phase for e in obs[key])
                      for phase in ("forward", "backward")} for key in ("ledger", "planned_ledger"))
     shown = (f"forward {counts['forward']} (plan {plan['forward']}), backward "
@@ -625,7 +613,6 @@ def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
 def check_ledger_verdict(verdict) -> str:
     """Check ``verdict(obs) -> str | None``: from ``obs["ledger"]`` against
     ``obs["planned_ledger"]``, the bug of ``_LEDGER_BUGS`` the collectives show, or None."""
-    from tpattn.bugs import zoo
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     modes = zoo.runnable_modes()
     for mode in modes:
