@@ -1,5 +1,4 @@
-"""Heads explorers' common part (chapters 6 and 13): a layout's controls → its caption and
-the SVG of its heads picture, and the static twin's groups of states."""
+"""Heads explorers' common part (chapters 6 and 13), and the static twins' groups of states."""
 from __future__ import annotations
 
 import functools
@@ -13,8 +12,7 @@ __all__ = ["control_states", "layout_states", "heads_explorer"]
 
 
 def control_states(name: str, values, group: str | None = None) -> tuple[str, list]:
-    """A static twin's group (named ``group``, default ``name``): control ``name`` at each of
-    ``values``."""
+    """A static twin's group: control ``name`` at each of ``values``."""
     return group or name, [(str(value), {name: value}) for value in values]
 
 
@@ -28,8 +26,7 @@ def layout_states(layouts) -> tuple[str, list]:
 def heads_explorer(kind: str, controls: dict, max_heads: int, caption: Callable[[Config], str],
                    picture: Callable[[Config], HeadsPicture], states) -> Explorer:
     """Controls → ``drawn_config(max_heads, **values)`` → its caption and the SVG of
-    ``picture(cfg)``; an invalid layout shows the ``ValueError``'s message. A layout shown
-    again reuses its outputs (``explorer.shown``, an ``lru_cache``)."""
+    ``picture(cfg)``, cached (``explorer.shown``)."""
     @functools.lru_cache(maxsize=32)
     def shown(cfg: Config) -> tuple[dict, dict]:
         what = f"{cfg.query_heads} q, {cfg.kv_heads} kv, {cfg.world_size} ranks"

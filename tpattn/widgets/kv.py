@@ -1,5 +1,4 @@
-"""Chapter 13's explorer: query heads × KV heads × world size (× strategy) → the layout, the
-replica groups, and what each ``kv_strategy`` holds and moves (live and static twins)."""
+"""Chapter 13's explorer: heads and world size → the layout, replica groups, strategy costs."""
 from __future__ import annotations
 
 import ipywidgets as widgets
@@ -12,16 +11,13 @@ from .heads import control_states, heads_explorer, layout_states
 
 __all__ = ["KV_LAYOUTS", "kv_caption", "kv_explorer"]
 
-#: (query_heads, kv_heads, world_size) precomputed for the book: GQA and MQA with fewer KV
-#: heads than ranks, and one invalid layout (each an SVG of a few kB).
+#: (query_heads, kv_heads, world_size) precomputed for the book; the last is invalid.
 KV_LAYOUTS = ((8, 2, 4), (8, 1, 4), (4, 1, 2), (16, 2, 8), (8, 2, 3))
-#: The figure stays readable up to this many query heads.
 MAX_KV_DRAWN_HEADS = 32
 
 
 def kv_caption(cfg: Config) -> str:
-    """The lines under the kv picture: the replica groups, and what each ``kv_strategy``
-    holds and sends per step (``kv_costs``)."""
+    """The replica groups, and what each ``kv_strategy`` holds and sends per step."""
     q = cfg.local_query_heads
     if has_replicas(cfg):
         groups = "; ".join(f"kv{h}: ranks {g[0]}–{g[-1]}" for h, g in enumerate(replica_groups(cfg)))
@@ -45,8 +41,7 @@ def kv_caption(cfg: Config) -> str:
 
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
                 kv_strategy: str = "replicate_weights", layouts=KV_LAYOUTS) -> Explorer:
-    """Which rank reads which KV head, the replica groups, and what each strategy moves; an
-    invalid layout shows ``Config``'s own message. The static twin: ``layouts`` × strategies."""
+    """Which rank reads which KV head; the static twin: ``layouts`` × strategies."""
     controls = config_controls(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
     controls["kv_strategy"] = widgets.ToggleButtons(options=list(KV_STRATEGIES), value=kv_strategy,
                                                     description="strategy",
