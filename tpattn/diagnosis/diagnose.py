@@ -52,7 +52,6 @@ def _reductions(ledger: list[dict], phase: str) -> int:
 def _norm_totals(obs: dict) -> tuple[float, float]:
     """The global gradient norm, replicated parameters counted ``(once, per_rank)``."""
     from tpattn.parallel.engine import REPLICATED
-
     once = every = 0.0  # the logged norm is one TP group's: the first (on a mesh, replica 0)
     for rank, norms in enumerate(obs["rank_grad_norms"][:obs["setup"]["world_size"]]):
         for name, n in norms.items():
@@ -68,10 +67,8 @@ def _qkv_load_patterns(obs: dict) -> dict:
     d, scale = obs["shard_checksums"], obs["shard_scale"]
     qkv = ("wq", "wk", "wv")
     w = len(d["wq"])
-
     def ok(k, r):
         return abs(d[k][r]) <= 1e-5 * max(scale[k], 1.0)
-
     off = [any(not ok(k, r) for k in qkv) for r in range(w)]
     tol = 1e-5 * max(max(scale[k] for k in qkv), 1.0)
     return {"qkv_rank0_only": w >= 2 and not off[0] and all(off[1:]),
@@ -472,7 +469,6 @@ def _blind_line(cannot_see: list[str], tier: int) -> list[str]:
 
 def _from_observations(obs: dict) -> list[dict]:
     from tpattn.bugs.zoo import REGISTRY
-
     f = features(obs)
     tier = 2 if f["has_reference"] else 1
     seen = deviations(f)
@@ -527,7 +523,6 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
     from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
     from tpattn.check.core import TOLERANCE
     from tpattn.config import Config
-
     cfg = cfg or Config()
     failing = tuple(m for m in _FIVE if result[m] >= TOLERANCE)
     if not failing:
@@ -571,7 +566,6 @@ def _tier0(candidates: list[dict], cfg) -> list[dict]:
     and ``why`` at ``cfg`` (``"used": False`` and the rule where the shape cannot run it)."""
     from tpattn.bugs.zoo import REGISTRY
     from .typecheck import typecheck
-
     for c in candidates:
         if c["cause"] not in REGISTRY:
             continue
@@ -602,7 +596,6 @@ def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
         return found
     if cfg is None:
         from tpattn.config import Config
-
         setup = observations.get("setup")
         cfg = Config() if setup is None else Config(
             world_size=setup["world_size"], query_heads=setup["query_heads"],

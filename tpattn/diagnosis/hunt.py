@@ -20,14 +20,12 @@ HUNT_SHAPES = (Config(query_heads=8, kv_heads=4),
 
 def _hidden_modes() -> list[str]:  # equivalence included: "no known cause" is an answer
     from tpattn.bugs.zoo import runnable_modes
-
     return list(runnable_modes())
 
 
 def choices() -> list[str]:
     """``NO_KNOWN_CAUSE`` and every runnable registry bug."""
     from tpattn.bugs.zoo import REGISTRY
-
     return [NO_KNOWN_CAUSE] + [m for m in _hidden_modes() if not REGISTRY[m].is_correct]
 
 
@@ -67,14 +65,12 @@ def describe(obs: dict) -> list[str]:
     ]
     if f["has_reference"]:
         ratio = obs["grad_norm_ratio"]
-
         def cls(r):
             w = s["world_size"]
             for name, value in (("same", 1.0), ("= 1/W", 1 / w), ("= W", float(w))):
                 if abs(r - value) <= 1e-4 * value:
                     return name
             return "larger" if r > 1 else "smaller"
-
         lines += [
             "vs a known-good run: step-0 loss " + _agree(f["loss_matches"], "the same", "differs")
             + "; logged grad norm " + ("the same" if f["logged_norm_matches"]
@@ -94,7 +90,6 @@ def describe(obs: dict) -> list[str]:
 def judge(obs: dict, truth: str, guess: str) -> tuple[bool, str]:
     """``(right, why)`` for ``guess`` when the hidden mode was ``truth``."""
     from tpattn.bugs.zoo import REGISTRY
-
     entry = REGISTRY.get(truth)
     answer = NO_KNOWN_CAUSE if entry is not None and entry.is_correct else truth
     if guess not in choices():

@@ -82,20 +82,16 @@ def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
     ``last_update=False``: the last step only logs its losses. With dropout the streams are
     seeded with ``seed`` and ``rng_checksums`` holds every rank's generator before step 0."""
     rng = simulated_streams(cfg, seed, inj) if cfg.dropout > 0 else None
-
     def step(p):
         result = simulated_step(p, batches, cfg, inj, LR, rng=rng)
         per_rank = {**result, "losses": list(result["losses"]),
                     "grads": unstack_ranks(result["grads"])}
         return per_rank, result["weights"], unstack_ranks(result["weights"])
-
     checksums = rng.default_checksums() if rng is not None else None
-
     def losses(p):  # on a mesh: the logged loss (its all-reduce is part of the step)
         if cfg.data_parallel > 1:
             return simulated_step(p, batches, cfg, inj, LR, rng=rng)["losses"]
         return _losses(p, batches, cfg, inj, rng)
-
     out = train_loop(stack_ranks(shards), step, losses, steps, last_update,
                      lambda weights: replica_sums(weights, cfg))
     if checksums is not None:

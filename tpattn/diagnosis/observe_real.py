@@ -37,22 +37,18 @@ class RealTrain:
         checksum = state_checksum(torch.default_generator) if rng is not None else None
         x, target = (t.to(self.device).unsqueeze(0) for t in batches[r])
         targets = torch.stack([t for _, t in batches])
-
         def whole(p):
             comm = RealRanks(cfg, self.groups, r, job="observe")
             result = train_step(p, x, target, cfg, inj, comm, LR, rng)
             return result, gather_step(result, comm, targets)
-
         def step(p):
             result, every = whole(p)
             out = {"losses": list(every["losses"]), "grads": unstack_ranks(every["grads"]),
                    "ledger": result["ledger"], "grad_norm": result["grad_norm"],
                    "outputs": every["outputs"]}
             return out, result["weights"], unstack_ranks(every["weights"])
-
         def losses(p):  # a whole step: the logged loss may be a collective of it
             return list(whole(p)[1]["losses"])
-
         state = {k: t.to(self.device) for k, t in stack_ranks([shards[r]]).items()}
         out = train_loop(state, step, losses, steps, last_update,
                          lambda weights: replica_sums(weights, cfg))

@@ -133,7 +133,6 @@ class TypedCollectives:
     def copy_to_ranks(self, n: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """f: ``convert(I->R)`` on every axis; ``op="avg"`` divides the gradient by W."""
         from spmd_types import I, R, convert
-
         if op == "avg":
             n = ScaleGrad.apply(n, 1.0 / dist.get_world_size(self.tp))
         for axis in self.axes:
@@ -143,7 +142,6 @@ class TypedCollectives:
     def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
         """g: ``all_reduce(P->I)`` on every axis."""
         from spmd_types import I, P, all_reduce
-
         for axis in self.axes:
             partial = all_reduce(partial, axis, src=P, dst=I)
         return partial
@@ -151,7 +149,6 @@ class TypedCollectives:
     def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
         """The replica-group reduce: ``convert(I->R)`` of wk and wv on the replica axis."""
         from spmd_types import I, R, convert
-
         return tuple(ContiguousGrad.apply(convert(w, self.replica, src=I, dst=R,
                                                   backward_options=_in_dtype(w)))
                      for w in (wk, wv))
@@ -159,7 +156,6 @@ class TypedCollectives:
     def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
         """The K/V all-gather ``S(-1)->R``: ``[S, B, 2c]`` -> ``[S, B, W*2c]``."""
         from spmd_types import R, S, all_gather
-
         return all_gather(local, self.tp, src=S(local.dim() - 1), dst=R,
                           backward_options=_in_dtype(local))
 
@@ -167,14 +163,12 @@ class TypedCollectives:
         """SP's all-gather ``S(0)->R`` (``reduce_grad=False``: ``->I``, the backward keeps
         this rank's chunk)."""
         from spmd_types import I, R, S, all_gather
-
         return all_gather(n_local, self.tp, src=S(0), dst=R if reduce_grad else I,
                           backward_options=_in_dtype(n_local) if reduce_grad else None)
 
     def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
         """SP's reduce-scatter ``P->S(0)``."""
         from spmd_types import P, S, reduce_scatter
-
         return reduce_scatter(partial, self.tp, src=P, dst=S(0))
 
 
@@ -191,7 +185,6 @@ _sp_gather = _rank0(lambda n, ops: ops.gather_sequence(n))
 def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
     """No reduce-scatter: rank 0's tokens of its own partials."""
     from tpattn.parallel.sequence_parallel import rank_tokens
-
     return full[:, rank_tokens(ops.cfg, 0)]
 
 
@@ -220,7 +213,6 @@ def fake_process_group(cfg: Config):
     (replicated KV weights: 2-D ``("kv", "rep")``), destroyed on exit; yields a
     ``TypedCollectives``. ``RuntimeError`` when a process group is already initialized."""
     from torch.distributed.device_mesh import init_device_mesh
-
     if dist.is_initialized():
         raise RuntimeError("typecheck needs its own fake process group, but one is already "
                            "initialized in this process (it was left alone)")
@@ -241,7 +233,6 @@ def fake_process_group(cfg: Config):
 def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> None:
     """``assert_type`` of ``t``: ``typ`` on every axis (``replica_typ`` on the replica's)."""
     from spmd_types import assert_type
-
     assert_type(t, {axis: replica_typ if replica_typ is not None and axis is ops.replica
                     else typ for axis in ops.axes})
 
@@ -251,12 +242,10 @@ def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin
     correct TP gives them: x I (SP: V); norm, bias I (SP: R, summed after backward); wq, wk,
     wv, wo V (replicated KV heads: wk, wv V on "kv", I on "rep")."""
     from spmd_types import I, R, V
-
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
     x0, target = make_inputs(cfg, seed)
     if not inj.reduction_only or cfg.model_options:  # the zoo's setups
         from tpattn.bugs.zoo import make_params, rank_batches, shard
-
         inj = inj.correct() if twin else inj
         params = {k: t.detach().clone().requires_grad_(True)
                   for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
@@ -271,7 +260,6 @@ def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin
                   for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
         if cfg.sequence_parallel:
             from tpattn.parallel.sequence_parallel import rank_tokens
-
             types = {name: ((R if inj.norm_grad != "none" else I) if name == "norm" else V,)
                      for name in params}
             tokens = rank_tokens(cfg, 0)
@@ -293,7 +281,6 @@ def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
     from types import SimpleNamespace
     from spmd_types import I, V
     from tpattn.parallel.rng import simulated_streams
-
     drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
     masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
              "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
@@ -306,23 +293,19 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
     inj, params, types, x0, target, x_type = _rank0_inputs(mode, cfg, seed, ops, twin)
     streams, masks = _rank0_masks(cfg, seed, inj)
     prog = typed_program(inj)
-
     def forward(x):  # R = 1: the stacked views are made under the checker, typed
         stacked = {k: t.unsqueeze(0) for k, t in params.items()}
         return rank_block(x.unsqueeze(0), stacked, cfg, prog, ops, **streams)[0]
-
     numel = cfg.seq * cfg.batch * cfg.hidden
     x, target = x0.clone().requires_grad_(True), target.clone()
     declared = {**{name: (t, types[name]) for name, t in params.items()},
                 "x": (x, x_type), "target": (target, x_type),
                 **{"mask_" + k: m for k, m in masks.items()}}
-
     def run():
         for t, typ in declared.values():
             _declare(t, ops, *typ)
         if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
             from spmd_types import P, V, reinterpret
-
             share = F.mse_loss(forward(x), target, reduction="sum") / numel
             loss = reinterpret(share, ops.tp, src=V, dst=P)
         else:
@@ -360,7 +343,6 @@ def _validate(mode, cfg, seed):
                          f"{', '.join(entry.needs) or 'nothing'})")
     if inj is None or not inj.reduction_only:
         from tpattn.bugs.zoo import check_needs
-
         check_needs(mode, cfg)  # ValueError naming the mode and what it needs (plain TP)
     return inj
 
@@ -376,10 +358,8 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
     from spmd_types import (SpmdTypeError, register_local_autograd_function, set_current_mesh,
                             traceback_filtering)
     from spmd_types.checker import typecheck as spmd_typecheck
-
     for function in (ScaleGrad, ContiguousGrad):  # identity forwards: types pass through
         register_local_autograd_function(function)
-
     cfg = Config() if cfg is None else cfg
     inj = _validate(mode, cfg, seed)
     message = where = None
@@ -431,6 +411,5 @@ def typecheck_table() -> list[dict]:
     """``typecheck`` of every registry mode at its ``TABLE_SETUPS`` setup, the TP x DP
     mesh's modes left out."""
     from tpattn.bugs.zoo import REGISTRY
-
     return [typecheck(name, TABLE_SETUPS.get(name, Config())) for name, m in REGISTRY.items()
             if not set(m.needs) & set(MESH_NEEDS)]

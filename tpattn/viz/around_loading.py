@@ -35,11 +35,9 @@ def loaded_heads(cfg: Config, layout: str) -> list[list[tuple[str, str, bool]]]:
         raise ValueError(f"kv_heads must be >= world_size: every rank its own KV heads (got "
                          f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
     d = cfg.head_dim
-
     def coded(kind: int, heads: int) -> torch.Tensor:
         codes = torch.arange(heads, dtype=torch.float32) + 1000 * kind
         return codes.repeat_interleave(d)[:, None].expand(heads * d, cfg.hidden).clone()
-
     p = {"norm": torch.ones(cfg.hidden), "wq": coded(0, cfg.query_heads),
          "wk": coded(1, cfg.kv_heads), "wv": coded(2, cfg.kv_heads),
          "wo": torch.zeros(cfg.hidden, cfg.query_heads * d)}

@@ -21,10 +21,8 @@ def mesh_panels(cfg: Config) -> list[dict]:
     """Per panel ``title``, ``mode`` and the groups (global ranks) it uses ``right`` and
     ``wrong``."""
     comm = SimulatedRanks(cfg)
-
     def groups(name):  # "tp": full_tensor() of a Replicate DTensor reduces nothing
         return [[r] for r in range(cfg.ranks)] if name in ("self", "tp") else comm.groups(name)
-
     return [{"title": title, "mode": mode, "right": groups(right), "wrong": groups(wrong)}
             for title, right, wrong, mode in MESH_PANELS]
 

@@ -83,7 +83,6 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
     wrapped = torch.atan2(sin, cos)                           # angle in (-pi, pi]
     freqs = rope_angles(2, head_dim, dtype=torch.float64)[1, 0, 0]  # angle per position step
     colors = plt.get_cmap("viridis")(torch.linspace(0.0, 0.9, half).tolist())
-
     fig, (circle, angles) = new_figure(2, figsize=(8.0, 3.6), width_ratios=[1, 1.4])
     t = torch.linspace(0, 2 * math.pi, 200)
     circle.plot(t.cos(), t.sin(), color="#cccccc", lw=1)
@@ -155,7 +154,6 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a tpattn.Config (got {type(cfg).__name__})")
     probs = attention_probabilities(cfg, seed, batch_index)
-
     heads = cfg.query_heads
     ncols = min(heads, 8)
     nrows = math.ceil(heads / ncols)

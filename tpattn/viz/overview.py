@@ -82,22 +82,18 @@ def block_map_figure(cfg: Config | None = None):
     ax.set_xlim(-1, 101)
     ax.set_ylim(bottom - 5.5, top + 3.0)
     ax.set_axis_off()
-
     s, b, hidden = cfg.seq, cfg.batch, cfg.hidden
     boxed(ax, 4, mid, 6.5, 6, f"x\n[{s}, {b}, {hidden}]", DENSE_COLOR, size=8.5)
     boxed(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR, size=8)
     arrow(ax, (7.8, mid), (11.2, mid))
-
     # f: one tensor in, one copy per rank out
     boxed(ax, 29, mid, 10.5, 9, f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn",
          _F_G_COLOR, face="#f3eef8", size=8)
     arrow(ax, (20.8, mid), (23.5, mid))
     ax.text(22.15, mid + 0.8, "n", ha="center", va="bottom", fontsize=8.5, style="italic")
-
     for rank, y in enumerate(lane_y):
         _rank_lane(ax, cfg, rank, y, mid)
     _g_and_residual(ax, mid, top)
-
     ax.text(29, bottom, "without f's all-reduce: forward and loss\nidentical, gradients wrong (ch. 9)",
             ha="center", va="top", fontsize=8, color=FAIL_COLOR)
     ax.text(85.5, bottom, "without g: the forward\nis already wrong (ch. 8)",

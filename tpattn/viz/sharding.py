@@ -13,15 +13,10 @@ from .heads import heads_picture
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS
 
-__all__ = [
-    "ZERO_FLOOR", "MODE_COLORS",
-    "zero_floor", "value_label", "set_measures",
-    "heads_to_ranks_figure",
-    "weight_shards_figure",
-    "measures_figure", "compare_measures_figure",
-    "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
-    "matrix_figure",
-]
+__all__ = ["ZERO_FLOOR", "MODE_COLORS", "zero_floor", "value_label", "set_measures",
+           "heads_to_ranks_figure", "weight_shards_figure", "measures_figure",
+           "compare_measures_figure", "heatmaps_figure", "partial_vs_full_figure",
+           "channel_bars_figure", "drift_figure", "matrix_figure"]
 
 #: Where a value of exactly 0 is drawn on a log axis (and labelled "0").
 ZERO_FLOOR = 1e-12

@@ -48,11 +48,9 @@ def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURE
     rows = [[str(r["seed"])] + ([] if compact else [label]) + [format_measure(r[m]) for m in measures]
             + ["PASSED" if r["passed"] else "FAILED"] for r, label in zip(results, labels)]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-
     def table(body) -> str:
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
                          for line in [headers, ["-" * w for w in widths], *body])
-
     if not compact:
         return table(rows)
     return "\n\n".join(f"{label}\n" + table(row for row, _ in section)

@@ -7,6 +7,6 @@ from .core import Explorer, config_controls, mode_control, seed_control
 from .static import StaticExplorer
 
 _EAGER = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_controls"]
-_FIGURE_MODULES = ("explorers", "heads", "kv")
+_FIGURE_MODULES = ("explorers", "kv")
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _EAGER, _FIGURE_MODULES)

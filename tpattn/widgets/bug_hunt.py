@@ -55,10 +55,8 @@ def bug_hunt_explorer(hunt: int = 1, hunts=PRECOMPUTED_HUNTS) -> Explorer:
                                         layout=widgets.Layout(width="11em")),
                 "guess": widgets.Dropdown(options=answers, value=UNANSWERED, description="cause",
                                           layout=widgets.Layout(width="24em"))}
-
     def draw(hunt, guess):
         return [html_output(*hunt_panel(hunt, guess))]
-
     states = [("hunt", [(str(h), {"hunt": h}) for h in hunts]),
               ("cause", [(a, {"guess": a}) for a in answers])]
     return Explorer("bug hunt", controls, draw, states, kind="bug-hunt",

@@ -21,11 +21,10 @@ from tpattn.check.core import EQUIVALENCE, MODES
 from tpattn.config import Config
 from .static import StaticExplorer
 
-__all__ = [
-    "Explorer", "seed_control", "mode_control", "config_controls", "drawn_config",
-    "encode_png", "StandingFigure", "png_output", "html_output", "text_output",
-    "message_output", "png_img", "outputs_html", "single_thread",
-]
+__all__ = ["Explorer", "seed_control", "mode_control", "config_controls", "drawn_config",
+           "encode_png", "StandingFigure", "png_output", "html_output", "text_output",
+           "message_output", "png_img", "outputs_html", "single_thread"]
+
 
 def _close(fig) -> None:  # matplotlib loads only where a figure is drawn
     import matplotlib.pyplot as plt
@@ -82,10 +81,8 @@ def encode_png(pixels, palette: bool = False) -> bytes:
     height, width = rgb.shape[:2]
     rows = np.zeros((height, 1 + 3 * width), np.uint8)  # each row: filter type 0, then RGB
     rows[:, 1:] = rgb.reshape(height, -1)
-
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
             + chunk(b"IDAT", zlib.compress(rows.tobytes(), 1)) + chunk(b"IEND", b""))
@@ -114,7 +111,6 @@ class StandingFigure:
         if structure in self._standing:
             return
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-
         fig = self.build(structure, state)
         _close(fig)  # out of pyplot's registry; still drawable
         FigureCanvasAgg(fig)

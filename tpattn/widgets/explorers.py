@@ -12,8 +12,7 @@ from tpattn.viz.heads import heads_picture
 from tpattn.viz.tables import measures_table
 from .core import (Explorer, StandingFigure, config_controls, html_output, mode_control,
                    png_output, seed_control, single_thread, text_output)
-from .heads import control_states, heads_explorer, layout_states
-from .kv import kv_caption
+from .kv import control_states, heads_explorer, kv_caption, layout_states
 from .measures import MeasuresPlot, live_run, measures_html
 
 __all__ = ["rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
@@ -52,16 +51,13 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
     }
     standing = StandingFigure(build=lambda shape, at: rope_rotation_figure(at, *shape),
                               update=set_rope_position, dynamic=rope_dynamic_artists)
-
     def draw(position, head_dim):
         png = standing.png((head_dim, max_position), position)  # may raise: before the text
         return [text_output(_rope_caption(position, head_dim)), png_output(
             png, f"RoPE rotations at position {position}, head_dim {head_dim}")]
-
     def warm():  # every head_dim's figure, for fast updates later
         for other in controls["head_dim"].options:
             standing.stand((other, max_position), position)
-
     explorer = Explorer("RoPE", controls, draw, [control_states("position", ROPE_POSITIONS)],
                         kind="rope", warm=warm)
     explorer.standing = standing
@@ -89,7 +85,6 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
     standing = StandingFigure(build=lambda c, state: attention_heatmaps(c, *state),
                               update=lambda fig, state: set_attention_state(fig, *state),
                               dynamic=attention_dynamic_artists)
-
     def draw(heads, seed, batch_index):
         c = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
         with single_thread():
@@ -99,7 +94,6 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
                             f"{c.group_size} query heads per KV head: K/V projections and the "
                             f"KV cache are {share} of multi-head attention's"),
                 png_output(png, f"attention probabilities, {heads}, seed {seed}")]
-
     explorer = Explorer("attention", controls, draw, [control_states("heads", ATTENTION_LAYOUTS),
                                                       control_states("seed", ATTENTION_SEEDS)],
                         kind="attention")
@@ -140,12 +134,10 @@ def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | No
     controls = {"seed": seed_control(seed), "mode": mode_control(mode, modes)}
     plot = MeasuresPlot()
     what = "SP mode" if kind.startswith("sp") else "mode"
-
     def draw(seed, mode):
         result = live_run(seed, mode, cfg, simulate=simulate)
         return [html_output(measures_html(result), measures_table([result])), png_output(
             plot.png(result), f"the five measures of seed {seed}, {what} {mode}, against 1e-6")]
-
     explorer = Explorer(name, controls, draw, [control_states("seed", seeds),
                                                control_states("mode", modes)], kind=kind)
     explorer.plot = plot

@@ -68,7 +68,6 @@ class StaticExplorer:
         p = self.prefix
         radio = lambda g, i: f"{p}-g{g}-{i}"  # noqa: E731
         panel = lambda combo: f"{p}-p" + "-".join(map(str, combo))  # noqa: E731
-
         rules = [_CSS.format(p=p)]
         for combo in self.panels:
             chain = " ~ ".join(f"#{radio(g, i)}:checked" for g, i in enumerate(combo))
@@ -79,7 +78,6 @@ class StaticExplorer:
                              f"{{ {_SELECTED} }}")
                 rules.append(f"#{radio(g, i)}:focus-visible ~ .tpx-controls "
                              f"label[for={radio(g, i)}] {{ {_FOCUSED} }}")
-
         out = [f'<div class="tpx" id="{p}" data-tpx-kind="{html.escape(self.kind)}">',
                "<style>", *rules, "</style>"]
         for g, (name, options) in enumerate(self.groups):
