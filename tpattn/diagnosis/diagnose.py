@@ -20,21 +20,13 @@ __all__ = ["diagnose", "features", "deviations", "DEVIATIONS", "FINGERPRINTS", "
            "explanations", "fits"]
 
 NO_KNOWN_CAUSE = "no known cause"
-#: Named in the tie of a cause whose evidence is only "the forward is wrong, a partial itself
-#: changed": a layout or weight error of the sharded path outside the registry leaves the same
-#: evidence.
+#: In the tie of a cause whose only evidence is "a partial itself changed" (``FORWARD_ONLY``).
 UNREGISTERED_FORWARD = "another error of the sharded forward (not in the registry)"
-#: Two observables "agree" when within this relative distance: two correct float32
-#: computations of the same sums differ by ~1e-7 relative at these sizes; every bug of the
-#: registry moves the observables its fingerprint tests by more (the held-out evaluation,
-#: ``tpattn.diagnosis.evaluate``, would count a bug that hid under it as missed).
+#: Two observables agree within this relative distance (float32 rounding: ~1e-7).
 AGREE_REL = 1e-4
 #: The most causes one explanation may hold.
 MAX_CAUSES = 3
-#: Rank 0's output change "leaves the span" of the good run's partials and bias when more
-#: than this fraction of it is outside (``observe``'s ``output_outside_partials``): float32
-#: rounding leaves ~1e-5 outside, a changed partial (tiled K/V heads, naive fused shards,
-#: another rank's batch) 0.4 or more on the tuning set.
+#: ``output_outside_partials`` above this is a changed partial (rounding: ~1e-5; bugs >= 0.4).
 OUTSIDE_REL = 1e-2
 
 
@@ -43,7 +35,6 @@ def _close(a: float, b: float, rel: float = AGREE_REL) -> bool:
 
 
 def _spread(values: list[float]) -> bool:
-    """True when the values do not all agree."""
     return any(not _close(v, values[0]) for v in values)
 
 
@@ -53,19 +44,14 @@ def _count(ledger: list[dict], phase: str, group: str | None = None, op: str | N
 
 
 def _reductions(ledger: list[dict], phase: str) -> int:
-    """The TP group's reductions (all-reduces, reduce-scatters: an ``op``) in ``phase`` (on a
-    TP x DP mesh also those run over the DP group in its place); gathers (``op`` None) are
-    left out: under sequence parallelism g's backward is an
-    all-gather of dy, which is no f."""
+    """The reductions (``op`` not None) over the TP group (or DP in its place) in ``phase``."""
     return sum(e["phase"] == phase and e["group"] in ("tp", "dp")
                and e.get("op", "sum") is not None for e in ledger)
 
 
 def _norm_totals(obs: dict) -> tuple[float, float]:
-    """The global gradient norm from the per-rank gradient norms, ``(once, per_rank)``: the
-    replicated parameters counted on rank 0 only (correct), or on every rank."""
+    """The global gradient norm, replicated parameters counted ``(once, per_rank)``."""
     from tpattn.parallel.engine import REPLICATED
-
     once = every = 0.0  # the logged norm is one TP group's: the first (on a mesh, replica 0)
     for rank, norms in enumerate(obs["rank_grad_norms"][:obs["setup"]["world_size"]]):
         for name, n in norms.items():
@@ -75,19 +61,14 @@ def _norm_totals(obs: dict) -> tuple[float, float]:
 
 
 def _qkv_load_patterns(obs: dict) -> dict:
-    """Which ranks hold wrong Q/K/V numbers, read from ``shard_checksums`` (loaded minus the
-    rank's checkpoint slice; 0 within ``1e-5`` of the parameter's ``shard_scale``):
-    ``qkv_rank0_only`` (rank 0 right, every other rank off: the ranks narrowed one rank's
-    rows), ``qkv_within_rank`` (some rank off, yet every rank's Q, K and V deviations sum to
-    0: each holds its own rows under the wrong names), ``qkv_rank0_queries`` (rank 0's query
-    rows right, its key or value rows off: a contiguous cut of ``[Wq; Wk; Wv]``)."""
+    """Which ranks hold wrong Q/K/V numbers (``shard_checksums`` off by > 1e-5 of
+    ``shard_scale``): rank 0 only right, off within each rank (Q+K+V sum right), rank 0's
+    queries right but not its keys or values."""
     d, scale = obs["shard_checksums"], obs["shard_scale"]
     qkv = ("wq", "wk", "wv")
     w = len(d["wq"])
-
     def ok(k, r):
         return abs(d[k][r]) <= 1e-5 * max(scale[k], 1.0)
-
     off = [any(not ok(k, r) for k in qkv) for r in range(w)]
     tol = 1e-5 * max(max(scale[k] for k in qkv), 1.0)
     return {"qkv_rank0_only": w >= 2 and not off[0] and all(off[1:]),
@@ -147,8 +128,7 @@ def features(obs: dict) -> dict:
 
 
 def _ledger_counts(ledger: list[dict], plan: list[dict]) -> dict:
-    """The ledger's reductions per phase against the plan's (``_plan`` keys): TP-group
-    reductions forward and backward, those issued as ``avg``, and those after backward."""
+    """The ledger's reductions per phase against the plan's (``_plan`` keys)."""
     return {
         "fwd": _reductions(ledger, "forward"), "fwd_plan": _reductions(plan, "forward"),
         "bwd": _reductions(ledger, "backward"), "bwd_plan": _reductions(plan, "backward"),
@@ -162,8 +142,7 @@ def _ledger_counts(ledger: list[dict], plan: list[dict]) -> dict:
 
 
 def _reference_features(obs: dict) -> dict:
-    """The facts read against the known-good run (``obs["reference"]``): do the losses,
-    gradients and logged norm match it, and how the norm's gradient ratio reads."""
+    """The facts read against the known-good run (``obs["reference"]``)."""
     ref, ratio, w = obs["reference"], obs["grad_norm_ratio"], obs["setup"]["world_size"]
     logged = obs["logged_grad_norm"]
     return {
@@ -180,10 +159,8 @@ def _reference_features(obs: dict) -> dict:
 
 
 def _mesh_features(obs: dict, ledger: list[dict], plan: list[dict]) -> dict:
-    """The TP x DP mesh's facts (``setup["data_parallel"] > 1``; off otherwise): the groups
-    of the ledger's mesh collectives against the plan's, what the logged loss is of the ranks'
-    shares (``"total"``: their sum over the replicas, ``"W times"`` it, ``"own share"``: rank
-    0's replica's alone, ``"neither"``), whether the DP replicas' parameters agree."""
+    """The TP x DP mesh's facts: the ledger's mesh collectives against the plan's, what the
+    logged loss is of the ranks' shares (total, W times, own share, neither), DP replicas."""
     setup = obs["setup"]
     w, mesh = setup["world_size"], setup.get("data_parallel", 1)
     f = {"mesh": mesh > 1, "logged_loss_is": "total", "dp_replicas_agree_1": True}
@@ -304,19 +281,16 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
 
 
 def deviations(f: dict) -> list[str]:
-    """The names of the ``DEVIATIONS`` that ``features`` ``f`` show (tier-2 ones only with a
-    known-good run), in ``DEVIATIONS`` order."""
+    """The ``DEVIATIONS`` that features ``f`` show (tier 2 only with a known-good run)."""
     return [name for name, (_, tier, test) in DEVIATIONS.items()
             if (tier == 1 or f["has_reference"]) and test(f)]
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What one cause leaves: ``shows`` (deviations it always shows), ``alone`` (those it
-    shows unless another forward-changing cause moves them too), ``explains`` (every
-    deviation it may cause, ``shows`` and ``alone`` included), ``allows(features)`` (the setup
-    can have it), ``forward`` (it changes the step-0 forward), ``confirm`` (the test that
-    would confirm it)."""
+    """What one cause leaves: deviations it always ``shows`` (``alone``: unless another
+    ``forward``-changing cause is present), all it ``explains``, the setups it ``allows``,
+    and the test that would ``confirm`` it."""
 
     shows: tuple[str, ...]
     explains: frozenset
@@ -339,8 +313,7 @@ def _fp(shows, explains, confirm, allows=None, alone=(), forward=False) -> Finge
 
 
 def _tp_with(*flags: str, kv_per_rank: int = 0) -> Callable[[dict], bool]:
-    """``allows``: two ranks or more, every feature of ``flags`` on, and at least
-    ``kv_per_rank`` KV heads per rank."""
+    """``allows``: two ranks or more, ``flags`` on, at least ``kv_per_rank`` KV heads a rank."""
     return lambda f: (f["world_size"] >= 2 and all(f[flag] for flag in flags)
                       and (not kv_per_rank or f["kv_per_rank"] >= kv_per_rank))
 
@@ -433,8 +406,7 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         "becomes tp", allows=lambda f: f["mesh"] and f["sequence_parallel"], forward=True),
 }
 
-#: Causes whose evidence is only "the forward is wrong, a partial itself changed": an
-#: explanation naming one names ``UNREGISTERED_FORWARD`` in its tie.
+#: Causes whose only evidence is "a partial itself changed".
 FORWARD_ONLY = {"repeat_kv_tiled"}
 
 
@@ -445,23 +417,18 @@ def register_fingerprint(cause: str, fingerprint: Fingerprint) -> None:
     FINGERPRINTS[cause] = fingerprint
 
 
-#: What a diagnosis can use: tier 1, only what the live job shows (losses as logged, checksums,
-#: the ledger against the plan, per-rank gradient norms); tier 2, also a known-good run on the
-#: same checkpoint and data.
 TIERS = {1: "the live job alone", 2: "the live job and a known-good run"}
 
 
 def lowest_tier(cause: str) -> int | None:
-    """The lowest tier (``TIERS``) that sees ``cause``: the lowest tier of a deviation it
-    always shows; ``None`` without a fingerprint."""
+    """The lowest tier of a deviation ``cause`` always shows (``None``: no fingerprint)."""
     if cause not in FINGERPRINTS:
         return None
     return min(DEVIATIONS[d][1] for d in FINGERPRINTS[cause].shows)
 
 
 def evidence_of(cause: str) -> list[str]:
-    """What ``cause`` always shows, in words (``DEVIATIONS``' texts of its ``shows``), with
-    the tier of each: ``["tier 1: ...", ...]``; ``[]`` without a fingerprint."""
+    """What ``cause`` always shows: ``["tier 1: <deviation text>", ...]``."""
     if cause not in FINGERPRINTS:
         return []
     fp = FINGERPRINTS[cause]
@@ -481,8 +448,8 @@ def fits(causes: tuple[str, ...], seen: set[str]) -> bool:
 
 
 def explanations(seen: set[str], allowed: list[str]) -> list[tuple[str, ...]]:
-    """The smallest sets of ``allowed`` causes that explain every deviation of ``seen`` and
-    each show their own; ``[]`` when none of at most ``MAX_CAUSES`` does."""
+    """The smallest sets (<= ``MAX_CAUSES``) of ``allowed`` causes that explain all of
+    ``seen``, each showing its own."""
     usable = [c for c in allowed if set(FINGERPRINTS[c].shows) <= seen]
     for k in range(1, MAX_CAUSES + 1):
         found = [s for s in combinations(usable, k)
@@ -501,9 +468,7 @@ def _blind_line(cannot_see: list[str], tier: int) -> list[str]:
 
 
 def _from_observations(obs: dict) -> list[dict]:
-    """``diagnose`` of ``tpattn.observe``'s dict (module docstring)."""
     from tpattn.bugs.zoo import REGISTRY
-
     f = features(obs)
     tier = 2 if f["has_reference"] else 1
     seen = deviations(f)
@@ -544,22 +509,24 @@ def _from_observations(obs: dict) -> list[dict]:
     return found
 
 
+def _no_cause(evidence: list[str]) -> list[dict]:
+    return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": evidence, "confirm": "-",
+             "citation": None, "tied_with": [], "with": []}]
+
+
 _FIVE = ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff",
          "parameter_grad_max_abs_diff", "post_step_weight_max_abs_diff")
 
 
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
-    from tpattn.check.core import TOLERANCE
-    from tpattn.config import Config
-
-    cfg = cfg or Config()
     from tpattn.bugs.modes import run
     from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
-
+    from tpattn.check.core import TOLERANCE
+    from tpattn.config import Config
+    cfg = cfg or Config()
     failing = tuple(m for m in _FIVE if result[m] >= TOLERANCE)
     if not failing:
-        return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": ["all five measures pass"],
-                 "confirm": "-", "citation": None, "tied_with": [], "with": []}]
+        return _no_cause(["all five measures pass"])
     if signatures is None:
         signatures = {}
         for mode in runnable_modes():
@@ -577,14 +544,10 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
         ruled_out = [m for m, ok in printed.items() if not ok]
         matches = [m for m in matches if m not in ruled_out]
         if not matches:
-            return [{"cause": NO_KNOWN_CAUSE, "score": 0,
-                     "evidence": ["failing measures: " + ", ".join(failing)]
-                     + [f"the signature of {m}, not its numerical fingerprint" for m in ruled_out],
-                     "confirm": "-", "citation": None, "tied_with": [], "with": []}]
+            return _no_cause(["failing measures: " + ", ".join(failing)] + [
+                f"the signature of {m}, not its numerical fingerprint" for m in ruled_out])
     if not matches:
-        return [{"cause": NO_KNOWN_CAUSE, "score": 0,
-                 "evidence": ["failing measures: " + ", ".join(failing)],
-                 "confirm": "-", "citation": None, "tied_with": [], "with": []}]
+        return _no_cause(["failing measures: " + ", ".join(failing)])
     found = [{"cause": m, "with": [], "score": len(failing) + printed.get(m, False),
               "evidence": ["failing measures match its signature: " + ", ".join(failing)]
               + (["its numerical fingerprint matches: the error is exactly what it leaves"]
@@ -599,12 +562,10 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
 
 
 def _tier0(candidates: list[dict], cfg) -> list[dict]:
-    """Add to each candidate that is a registry mode its static verdict (``tpattn.diagnosis.typecheck``
-    at ``cfg``): ``"tier0": {"used": True, "verdict", "where", "why"}``; a cause the shape
-    cannot run statically gets ``{"used": False, "why": <the rule>}``."""
-    from .typecheck import typecheck
+    """Add to each registry candidate ``"tier0"``: ``typecheck``'s ``verdict``, ``where``
+    and ``why`` at ``cfg`` (``"used": False`` and the rule where the shape cannot run it)."""
     from tpattn.bugs.zoo import REGISTRY
-
+    from .typecheck import typecheck
     for c in candidates:
         if c["cause"] not in REGISTRY:
             continue
@@ -613,41 +574,28 @@ def _tier0(candidates: list[dict], cfg) -> list[dict]:
         except ValueError as e:
             c["tier0"] = {"used": False, "why": str(e)}
             continue
-        c["tier0"] = {"used": True, "verdict": t["verdict"], "where": t["where"],
-                      "why": t["why"]}
+        c["tier0"] = {"used": True, **{k: t[k] for k in ("verdict", "where", "why")}}
     return candidates
 
 
 def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
              forward=None, tier0: bool = False) -> list[dict]:
-    """Candidate causes of what ``observations`` show, best first; at least one entry.
+    """Candidate causes of what ``observations`` show, best first (at least one):
+    ``{"cause", "with", "score", "evidence", "confirm", "citation", "tied_with", "tier",
+    "cannot_see"}``; ``with``: the other causes of its explanation; ``tied_with``: causes that
+    fit as well; ``cannot_see``: at tier 1, the causes only tier 2 sees.
 
-    Each: ``{"cause", "with": [...], "score", "evidence": [...], "confirm", "citation",
-    "tied_with": [...], "tier", "cannot_see": [...]}``. ``with``: the other causes of its
-    explanation (two bugs at once); ``tied_with``: the causes of the other explanations that
-    fit as well, and of sets a cause adds nothing visible to; ``tier``: the tier the
-    diagnosis used; ``cannot_see``: at tier 1, the causes only tier 2 sees (``lowest_tier``).
-    Evidence is phrased in classes (``"W times"``, ``"fewer than the plan"``), never in
-    rounding digits. ``[{"cause": NO_KNOWN_CAUSE, ...}]`` when nothing fits.
-
-    ``observations``: ``tpattn.observe``'s dict, or a ``tpattn.run`` result (the five
-    measures, a dense model was available: the failing set is matched against each mode's
-    signature; ``cfg`` is then its shape, default the original fixture's, and ``signatures``
-    may give the modes' failing-measure tuples to match, else they are measured at seed 11).
-    With ``forward`` (the run's TP ``forward(x, params, cfg)``, fixture view), a missing
-    reduction whose signature matches is also tested by its exact error
-    (``fingerprints.EXACT_ERROR_TESTS``): kept, one point higher, when the error is exactly
-    what it leaves, ruled out when not. ``tier0=True`` adds to each registry candidate a
-    ``"tier0"`` entry: whether the type checker catches it before anything runs
-    (``tpattn.diagnosis.typecheck`` at ``cfg``, or the observed setup's world size and head
-    counts); nothing else changes.
+    ``observations``: ``tpattn.observe``'s dict, or a ``tpattn.run`` result, whose failing
+    measures are matched to each mode's ``signatures`` (measured at seed 11 on ``cfg`` when
+    not given); ``forward`` (a TP ``forward(x, params, cfg)``) also tests a matching missing
+    reduction's exact error (``fingerprints.EXACT_ERROR_TESTS``). ``tier0=True`` adds each
+    registry candidate's ``typecheck`` verdict (``_tier0``).
     """
     found = _diagnose(observations, cfg, signatures, forward)
     if not tier0:
         return found
     if cfg is None:
         from tpattn.config import Config
-
         setup = observations.get("setup")
         cfg = Config() if setup is None else Config(
             world_size=setup["world_size"], query_heads=setup["query_heads"],

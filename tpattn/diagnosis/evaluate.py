@@ -1,11 +1,10 @@
 """How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
 
 The fingerprints are tuned on ``TUNING`` (and ``TUNING_MESH``); ``HELD_OUT`` and its kin are
-other shapes and world sizes, written before the tuning, run at other seeds (500-504). Every
-case runs at tier 1 (the live job alone: ``observe(..., reference=False)``) and tier 2 (with
-the mode's correct twin as the known-good run); ``classify`` puts each answer in one of
-``CLASSES``. Two bugs at once (``pairs``, ``pair_class``) and bugs outside the registry
-(``MADE_UP``, built with ``Injection``'s test knobs) are counted too.
+other shapes and world sizes, run at other seeds (500-504). Every case runs at tier 1
+(``observe(..., reference=False)``) and tier 2 (with the correct twin); ``classify`` puts each
+answer in one of ``CLASSES``. Two bugs at once (``pairs``) and bugs outside the registry
+(``MADE_UP``) are counted too.
 """
 from __future__ import annotations
 
@@ -19,25 +18,22 @@ from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
 __all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH",
-           "MESH_SEEDS", "MADE_UP", "MADE_UP_LOADING", "LOADING_MODES", "LOADING_HELD_OUT", "CLASSES",
-           "PAIR_CLASSES", "named", "classify",
-           "pair_class", "BOTH_NAMED", "single_bug_answers", "single_bug_cases", "answer_label",
-           "confusion", "pairs", "two_bug_cases", "made_up_cases",
-           "summary"]
+           "MESH_SEEDS", "MADE_UP", "MADE_UP_LOADING", "LOADING_MODES", "LOADING_HELD_OUT",
+           "CLASSES", "PAIR_CLASSES", "named", "classify", "pair_class", "BOTH_NAMED",
+           "single_bug_answers", "single_bug_cases", "answer_label", "confusion", "pairs",
+           "two_bug_cases", "made_up_cases", "summary"]
 
-#: The original fixture's two bugs, which every layout has; the modes of a sequence-parallel
-#: shape.
 _FIXTURE_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
 _SP_MODES = _FIXTURE_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
-#: The checkpoint-loading modes (a fused QKV checkpoint loaded into ranks; not in
-#: ``runnable_modes()``: ``zoo.AROUND_THE_BLOCK``).
+#: The checkpoint-loading modes (not in ``runnable_modes()``).
 LOADING_MODES = AROUND_THE_BLOCK
-#: Shapes the fingerprints were not written on: (name, Config, the modes it hosts; None: every
-#: plain-TP mode whose needs it meets).
+_W2 = Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8)
+_W4 = Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4, world_size=4)
+_W8 = Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4, world_size=8)
+#: Held-out shapes: (name, Config, its modes; None: every plain-TP mode whose needs it meets).
 HELD_OUT = [
-    ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8), None),
-    ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
-                           world_size=4), None),
+    ("W2 hq8 kv4", _W2, None),
+    ("W4 hq16 kv8", _W4, None),
     ("SP W4", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8, world_size=4,
                      sequence_parallel=True), _SP_MODES),
     ("KV W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8, world_size=4),
@@ -46,19 +42,12 @@ HELD_OUT = [
                               world_size=4, sequence_parallel=True), _SP_MODES),
     ("KV gather W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8,
                             world_size=4, kv_strategy="gather_activations"), _FIXTURE_BUGS),
-    ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
-                            world_size=8), None),
+    ("W8 hq32 kv16", _W8, None),
 ]
-#: The checkpoint-loading modes' held-out shapes (written before their fingerprints): the
-#: plain-TP shapes of ``HELD_OUT`` and shapes of their own, reported on their own
-#: (``bench/diagnosis_tiers.py --loading``).
+#: The checkpoint-loading modes' held-out shapes (``bench/diagnosis_tiers.py --loading``).
 LOADING_HELD_OUT = [
-    ("W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8),
-     LOADING_MODES),
-    ("W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
-                           world_size=4), LOADING_MODES),
-    ("W8 hq32 kv16", Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4,
-                            world_size=8), LOADING_MODES),
+    ("W2 hq8 kv4", _W2, LOADING_MODES), ("W4 hq16 kv8", _W4, LOADING_MODES),
+    ("W8 hq32 kv16", _W8, LOADING_MODES),
     ("W2 hq16 kv8", Config(seq=6, hidden=32, query_heads=16, kv_heads=8, head_dim=4),
      LOADING_MODES),
     ("W2 hq12 kv4", Config(seq=5, hidden=24, query_heads=12, kv_heads=4, head_dim=4),
@@ -68,12 +57,9 @@ LOADING_HELD_OUT = [
     ("W4 hq8 kv4", Config(seq=4, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
                           world_size=4), ("qkv_loaded_from_rank0",)),
 ]
-#: Held-out shapes with the model options of chapter "Around the block" (``Config.dropout``,
-#: ``Config.qk_norm``), W2 and W4, written before the fingerprints of their bugs were tuned:
-#: each hosts the original fixture's two bugs and the bugs of its options, reported on their
-#: own (``bench/diagnosis_tiers.py --model``).
 _DROP = ("dropout_rng_desync",)
 _QKN = ("qk_norm_grad_not_reduced",)
+#: Held-out shapes with dropout and qk-norm (``bench/diagnosis_tiers.py --model``).
 MODEL_HELD_OUT = [
     ("drop W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
                                dropout=0.1), _FIXTURE_BUGS + _DROP),
@@ -87,10 +73,8 @@ MODEL_HELD_OUT = [
     ("drop W4 hq8 kv8", Config(seq=6, hidden=16, query_heads=8, kv_heads=8, head_dim=4,
                                world_size=4, dropout=0.05), _FIXTURE_BUGS + _DROP),
 ]
-#: The TP x DP mesh's shapes (``Config.data_parallel``), written before the mesh modes'
-#: fingerprints were tuned, reported on their own: (name, Config, the mesh modes it hosts).
-#: Callers pass seeds ``MESH_SEEDS``.
 _MESH_MODES = ("loss_reduced_over_world", "loss_full_tensor_tp_only", "dp_grad_group_of_one")
+#: The TP x DP mesh's held-out shapes (seeds ``MESH_SEEDS``).
 HELD_OUT_MESH = [
     ("TP2xDP2", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
                        data_parallel=2), _MESH_MODES),
@@ -105,13 +89,12 @@ HELD_OUT_MESH = [
                           world_size=4, data_parallel=4, sequence_parallel=True),
      _MESH_MODES + ("sp_gather_wrong_group",)),
 ]
-#: The shapes the fingerprints are tuned on (``tests/diagnosis/test_diagnose.py``'s, seeds
-#: 0-9): (name, Config, None: every plain-TP mode whose needs it meets).
+#: The shapes the fingerprints are tuned on (seeds 0-9).
 TUNING = [
     ("W2, 2 KV heads per rank", Config(query_heads=8, kv_heads=4), None),
     ("W4, 2 KV heads per rank", Config(seq=4, query_heads=16, kv_heads=8, world_size=4), None),
 ]
-#: The mesh modes' tuning shape (seeds 21, 34), apart from ``HELD_OUT_MESH``.
+#: The mesh modes' tuning shape (seeds 21, 34).
 TUNING_MESH = [
     ("TP2xDP2 tuning", Config(seq=4, data_parallel=2, sequence_parallel=True),
      _MESH_MODES + ("sp_gather_wrong_group",)),
@@ -127,34 +110,27 @@ MADE_UP = {
     "rank 1 keeps its pre-step weights (stale shard)": Injection(rank_lr_scale=(1.0, 0.0)),
     "rank 1's attention partial x 1.05": Injection(partial_scale=(1.0, 1.05)),
 }
-#: Made-up loading bugs next to the checkpoint-loading modes (a fused checkpoint, so their
-#: fingerprints are allowed), reported on their own: every rank's whole shard (``wo`` too)
-#: from another rank.
+#: Made-up loading bugs (a fused checkpoint): every rank's whole shard from another rank.
 MADE_UP_LOADING = {
-    "fused checkpoint loaded in the wrong rank order": Injection(shard="fused",
-                                                                 shard_offset=1),
+    "fused checkpoint loaded in the wrong rank order": Injection(shard="fused", shard_offset=1),
     "grouped checkpoint loaded in the wrong rank order": Injection(shard="grouped",
                                                                    shard_offset=1),
 }
-#: One answer's class: ``right`` (the true bug is the top candidate, alone), ``tied`` (named
-#: at the top, in a tie), ``blind`` ("no known cause", listing the true bug among those the
-#: tier cannot see: honest), ``missed`` ("no known cause" without saying so), ``wrong``
-#: (another cause, or a second one, named without a tie: a confident wrong name).
+#: An answer's class: the true bug alone at the top, in a tie, "no known cause" naming it
+#: among those the tier cannot see, "no known cause" without, another cause named confidently.
 CLASSES = ("right", "tied", "blind", "missed", "wrong")
 #: The held-out seeds of ``HELD_OUT_MESH``.
 MESH_SEEDS = (500, 501, 502, 503, 504)
 
 
 def named(found: list[dict]) -> set[str]:
-    """The causes ``diagnose``'s answer ``found`` names at the top: its top candidate, the
-    causes it names with it (``with``) and those in its tie (``tied_with``)."""
+    """The causes ``diagnose``'s answer names at the top: the first, its ``with``, its tie."""
     top = found[0]
     return {top["cause"], *top.get("with", []), *top["tied_with"]}
 
 
 def classify(found: list[dict], mode: str) -> str:
-    """The class of ``diagnose``'s answer ``found`` when the true bug is ``mode`` (a second
-    cause named with it, not in a tie, is ``wrong``: a confident name of a bug not there)."""
+    """The class (``CLASSES``) of ``diagnose``'s answer when the true bug is ``mode``."""
     top = found[0]
     if top["cause"] == NO_KNOWN_CAUSE:
         blind = any(mode in e and "cannot see" in e for e in top["evidence"])
@@ -167,9 +143,7 @@ def classify(found: list[dict], mode: str) -> str:
 
 
 def single_bug_answers(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> dict:
-    """``(tier, mode, shape, seed) -> diagnose``'s answer for every registry bug on ``shapes``
-    (``HELD_OUT``, or ``TUNING``), the job logging its loss as ``logged_loss`` says
-    (``observe.LOGGED_LOSSES``)."""
+    """``(tier, mode, shape, seed) -> diagnose``'s answer for every registry bug on ``shapes``."""
     out = {}
     for name, cfg, modes in shapes:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
@@ -187,15 +161,13 @@ def single_bug_answers(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) ->
 
 def single_bug_cases(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT,
                      answers: dict | None = None) -> dict:
-    """``(tier, mode, shape, seed) -> class`` (``classify``) of ``single_bug_answers`` (or of
-    ``answers``, its dict, when given)."""
+    """``(tier, mode, shape, seed) -> classify`` of ``single_bug_answers`` (or ``answers``)."""
     answers = single_bug_answers(seeds, logged_loss, shapes) if answers is None else answers
     return {key: classify(found, key[1]) for key, found in answers.items()}
 
 
 def answer_label(found: list[dict]) -> str:
-    """``diagnose``'s answer in one line: the causes named as the explanation, then
-    ``"| tie: ..."`` (``UNREGISTERED_FORWARD`` as ``"unregistered"``)."""
+    """``diagnose``'s answer in one line: ``"a + b | tie: c, unregistered"``."""
     top = found[0]
     ties = ["unregistered" if c == UNREGISTERED_FORWARD else c for c in top["tied_with"]]
     return " + ".join([top["cause"], *top.get("with", [])]) + (
@@ -211,9 +183,8 @@ def confusion(answers: dict) -> dict:
 
 
 def pairs(extra=()):
-    """``((mode_a, mode_b), Injection)`` for every two plain-TP registry bugs that can
-    coexist (no knob set by both), their knobs merged; ``extra``: more modes to pair (e.g.
-    ``LOADING_MODES``, which ``runnable_modes()`` leaves out)."""
+    """``((mode_a, mode_b), Injection)`` for every two registry bugs (``runnable_modes()`` and
+    ``extra``) that set no knob in common, their knobs merged."""
     default = Injection()
     knobs = {}
     for mode in (*runnable_modes(), *extra):
@@ -229,18 +200,15 @@ def pairs(extra=()):
                 yield (a, b), Injection(**knobs[a], **knobs[b])
 
 
-#: Pair answers (``pair_class``): both named as the explanation (the top candidate and its
-#: ``with``), ``alone`` (no tie) or ``plus tie`` (the answer names alternatives too); ``tied``
-#: (both named, one only in the tie); ``one``, ``none`` (of the two named); ``third`` (a
-#: registry cause outside the pair named confidently: at the top or with it, no tie).
+#: Pair answers: both named as the explanation (no tie, or plus a tie), both named but one
+#: only in the tie, one or none of the two named, a third cause named confidently.
 PAIR_CLASSES = ("alone", "plus tie", "tied", "one", "none", "third")
 #: The pair classes that name both bugs.
 BOTH_NAMED = ("alone", "plus tie", "tied")
 
 
 def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
-    """The class (``PAIR_CLASSES``) of ``diagnose``'s answer ``found`` when the true bugs are
-    the two of ``pair``."""
+    """The class (``PAIR_CLASSES``) of ``diagnose``'s answer when the true bugs are ``pair``."""
     top = found[0]
     confident = {top["cause"], *top.get("with", [])} - {NO_KNOWN_CAUSE}
     if confident - set(pair) and not top["tied_with"]:
@@ -251,8 +219,8 @@ def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
 
 
 def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None, extra=()) -> dict:
-    """``(tier, pair, seed) -> pair_class`` for every coexisting pair (``pairs(extra)``) on
-    ``cfg`` (only the pairs ``keep(pair)`` accepts, when given)."""
+    """``(tier, pair, seed) -> pair_class`` for the pairs (``pairs(extra)``, filtered by
+    ``keep``) on ``cfg``."""
     out = {}
     for pair, inj in pairs(extra):
         if keep is not None and not keep(pair):
@@ -265,8 +233,8 @@ def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None, extra=()) -> d
 
 
 def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None) -> dict:
-    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the registry names given, for
-    every bug of ``cases`` (default ``MADE_UP``; ``MADE_UP_LOADING``)."""
+    """``(tier, name, seed) -> "no known cause"``, ``"tie"`` or the names given, for every bug
+    of ``cases`` (default ``MADE_UP``)."""
     out = {}
     for name, inj in (MADE_UP if cases is None else cases).items():
         for seed in seeds:
@@ -279,8 +247,7 @@ def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None
 
 
 def summary(single: dict, tier: int) -> dict:
-    """Counts of ``single_bug_cases``' classes at ``tier``, by mode and in all: ``{mode:
-    Counter, "all": Counter}``."""
+    """``{mode: Counter, "all": Counter}`` of ``single_bug_cases``' classes at ``tier``."""
     out = {}
     for (t, mode, _, _), c in single.items():
         if t == tier:

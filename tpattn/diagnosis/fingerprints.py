@@ -1,12 +1,9 @@
-"""Impostors and exact errors: bugs with a missing reduction's signature, and the exact error
-each missing reduction leaves, which tells them apart (chapter 10).
+"""Impostors and exact errors (chapter 10): bugs with a missing reduction's signature (the
+set of failing measures), and the exact error each missing reduction leaves.
 
-A *signature* is the set of the five measures that fail. ``IMPOSTORS`` keep both reductions
-yet share one: ``split_group_tp`` a missing g's (✗✗✗✗✗), ``f_mean_tp`` and ``g_sums_ybar_tp``
-a missing f's (✓✓✗✗✗). ``g_fingerprint``: dense − TP output equals ``Σ_{r≠0} P_r``, the
-partials rank 0 never got; ``f_fingerprint``: dense − TP ``dX`` equals ranks ``1..W-1``'s
-terms ``J_rᵀ ȳ`` pushed back through RMSNorm. Every TP forward here is ``forward(x, params)
--> y`` on the fixture's view, x and y ``[S, B, hidden]``, params ``init_params``' dict.
+``IMPOSTORS`` keep both reductions yet share a signature. ``g_fingerprint``: dense − TP output
+equals ``Σ_{r≠0} P_r``; ``f_fingerprint``: dense − TP ``dX`` equals ranks ``1..W-1``'s terms
+through RMSNorm. Forwards are ``forward(x, params, cfg) -> y``, x and y ``[S, B, hidden]``.
 """
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ __all__ = ["split_group_tp", "f_mean_tp", "g_sums_ybar_tp", "g_missing_tp", "f_m
 
 
 def split_group_tp(x: torch.Tensor, p: dict, cfg: Config | None = None) -> torch.Tensor:
-    """Both reductions, but ranks 0 and 1 swap their ``wk``/``wv`` shards: each rank's query
-    heads read another rank's KV head. Needs ``world_size >= 2``."""
+    """Both reductions, but ranks 0 and 1 swap their ``wk``/``wv`` shards."""
     cfg = cfg or Config()
     n = rms_norm(x, p["norm"], cfg.eps)
     shards = shard_params(p, cfg)
@@ -94,9 +90,8 @@ def measures(forward, seed: int, label: str, cfg: Config | None = None) -> dict:
 
 
 def rank_paths(seed: int, cfg: Config | None = None):
-    """At the fixture's start: ``x`` (a leaf ``[S, B, hidden]``), the ranks' partials ``P_r``
-    of the correct block (a list of ``[S, B, hidden]``) and ``ȳ``, the loss gradient at its
-    output."""
+    """``(x, [P_r], ȳ)`` at the fixture's start: the leaf ``x``, the correct block's partials
+    and the loss gradient at its output, all ``[S, B, hidden]``."""
     cfg = cfg or Config()
     x0, target, base = start(seed, cfg)
     x = x0.clone().requires_grad_(True)

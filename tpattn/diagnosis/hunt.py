@@ -1,10 +1,8 @@
-"""A bug hunt: a hidden, seeded bug; the reader sees only the observables and names a cause.
+"""A bug hunt: a hidden bug; the reader sees only the observables and names a cause.
 
-``hunt_case(n)`` picks hunt ``n``'s hidden mode (a registry bug, or none), seed and shape,
-reproducibly. ``describe(obs)`` states what the run shows in words a reader can check — classes
-("agree", "= 1/W", "larger"), never rounding digits. ``judge(obs, truth, guess)`` says whether a
-guess is right and why: the deviations the true cause explains, or what the guessed cause
-would show that the run does not (or what the run shows that it does not explain).
+``hunt_case(n)`` picks hunt ``n``'s hidden mode, seed and shape; ``describe(obs)`` states what
+the run shows in classes ("agree", "= 1/W", "larger"), never rounding digits; ``judge(obs,
+truth, guess)`` says whether a guess is right and why.
 """
 from __future__ import annotations
 
@@ -15,21 +13,19 @@ from .diagnose import DEVIATIONS, FINGERPRINTS, NO_KNOWN_CAUSE, deviations, feat
 
 __all__ = ["hunt_case", "describe", "judge", "choices", "HUNT_SHAPES"]
 
-#: The shapes hunts are drawn on: two KV heads per rank, so every registry bug can show.
+#: Hunts' shapes: two KV heads per rank, so every registry bug can show.
 HUNT_SHAPES = (Config(query_heads=8, kv_heads=4),
                Config(seq=4, query_heads=16, kv_heads=8, world_size=4))
 
 
-def _hidden_modes() -> list[str]:
+def _hidden_modes() -> list[str]:  # equivalence included: "no known cause" is an answer
     from tpattn.bugs.zoo import runnable_modes
-
-    return list(runnable_modes())  # equivalence included: "no known cause" is an answer too
+    return list(runnable_modes())
 
 
 def choices() -> list[str]:
-    """The answers a hunt offers: ``NO_KNOWN_CAUSE`` and every runnable registry bug."""
+    """``NO_KNOWN_CAUSE`` and every runnable registry bug."""
     from tpattn.bugs.zoo import REGISTRY
-
     return [NO_KNOWN_CAUSE] + [m for m in _hidden_modes() if not REGISTRY[m].is_correct]
 
 
@@ -69,14 +65,12 @@ def describe(obs: dict) -> list[str]:
     ]
     if f["has_reference"]:
         ratio = obs["grad_norm_ratio"]
-
         def cls(r):
             w = s["world_size"]
             for name, value in (("same", 1.0), ("= 1/W", 1 / w), ("= W", float(w))):
                 if abs(r - value) <= 1e-4 * value:
                     return name
             return "larger" if r > 1 else "smaller"
-
         lines += [
             "vs a known-good run: step-0 loss " + _agree(f["loss_matches"], "the same", "differs")
             + "; logged grad norm " + ("the same" if f["logged_norm_matches"]
@@ -94,10 +88,8 @@ def describe(obs: dict) -> list[str]:
 
 
 def judge(obs: dict, truth: str, guess: str) -> tuple[bool, str]:
-    """``(right, why)`` for a reader's ``guess`` when the hidden mode was ``truth``
-    (``"equivalence"``: no bug, the right answer is ``NO_KNOWN_CAUSE``)."""
+    """``(right, why)`` for ``guess`` when the hidden mode was ``truth``."""
     from tpattn.bugs.zoo import REGISTRY
-
     entry = REGISTRY.get(truth)
     answer = NO_KNOWN_CAUSE if entry is not None and entry.is_correct else truth
     if guess not in choices():

@@ -1,11 +1,9 @@
 """What an engineer can see of a TP run without a dense model to compare with.
 
-``observe(mode, seed, cfg)`` trains the block on simulated ranks (each rank its own tensors,
-loss and backward) for ``STEPS`` steps and returns only what a real job could log, as plain
-JSON-able numbers: losses, checksums of batches, shards and replicas, the collectives against
-the correct program's, gradient norms and the loss curve; with a known-good run (here the
-mode's correct twin, ``Injection.correct``: the same ``Config``, no bug) also how the run
-differs from it. Checksums are sums (float64 accumulation of the float32 values).
+``observe(mode, seed, cfg)`` trains the block on simulated ranks for ``STEPS`` steps and
+returns only what a real job could log, as JSON-able numbers; with a known-good run (the
+mode's correct twin, ``Injection.correct``) also how the run differs from it. Checksums are
+float64 sums.
 """
 from __future__ import annotations
 
@@ -27,16 +25,13 @@ from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, 
 __all__ = ["observe", "observe_injection", "simulated_train", "train_loop", "replica_sums",
            "STEPS", "LOGGED_LOSSES", "LEDGER_KEYS"]
 
-#: What an observed ledger entry keeps of the collective: what it is, when, over which group,
-#: with which reduce op (what the program asked for: an AVG issued as SUM then / W is "avg").
+#: What an observed ledger entry keeps of a collective (``op``: what the program asked for).
 LEDGER_KEYS = ("collective", "phase", "group", "op")
 
 #: Training steps of one observation (loss curve length).
 STEPS = 3
-#: How the job logs its loss: every rank its own (``"per_rank"``), or one value all-reduced
-#: over the TP group, the same on every rank (``"all_reduced"``, as Megatron's
-#: vocab-parallel cross entropy and torchtitan's loss_parallel do; simulated here as the
-#: mean of the ranks' losses).
+#: How the job logs its loss: every rank its own, or the ranks' mean on every rank (as
+#: Megatron's vocab-parallel cross entropy and torchtitan's loss_parallel do).
 LOGGED_LOSSES = ("per_rank", "all_reduced")
 
 
@@ -49,10 +44,8 @@ def _detached(shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Ten
 
 
 def _losses(state, batches, cfg: Config, inj: Injection, rng=None) -> torch.Tensor:
-    """Every rank's loss ``[W]`` of ``state`` (stacked parameters; forward only: what a step
-    logs before its backward; the same numbers as ``simulated_step``'s ``losses``: under
-    sequence parallelism the global MSE on every rank). batches: ``block_inputs``; ``rng``:
-    the ranks' random streams (with dropout)."""
+    """Every rank's loss ``[W]`` of stacked ``state``, forward only (``simulated_step``'s
+    ``losses``; SP: the global MSE on every rank)."""
     with torch.no_grad():
         ys = simulated_forward(state, [x for x, _ in batches], cfg, inj, rng)
         if cfg.sequence_parallel:
@@ -63,11 +56,9 @@ def _losses(state, batches, cfg: Config, inj: Injection, rng=None) -> torch.Tens
 
 
 def replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, list[float]]:
-    """The checksums of the tensors that must stay identical across ranks: each replicated
-    parameter on every rank, and with replicated KV heads ``wk``/``wv`` on each replica
-    group's ranks (``"wk (ranks 0, 1)"``). weights: every rank's dict. On a TP x DP mesh
-    also every parameter of each TP rank on every DP replica (``"dp wq (tp rank 0)"``: one
-    sum per replica)."""
+    """Checksums of what must stay identical across ranks (``weights``: every rank's dict):
+    replicated parameters, wk/wv per KV replica group (``"wk (ranks 0, 1)"``), on a mesh
+    every parameter per DP replica (``"dp wq (tp rank 0)"``)."""
     sums = {name: [_checksum(w[name]) for w in weights] for name in REPLICATED
             if name in weights[0]}
     if cfg.data_parallel > 1:
@@ -87,28 +78,20 @@ def replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[st
 def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
                     inj: Injection, steps: int, last_update: bool = True,
                     seed: int | None = None) -> dict:
-    """``steps`` steps of ``simulated_step`` from ``shards`` (every rank's dict) on
-    ``batches`` (every rank's ``(x, target)``, ``zoo.block_inputs``); with
-    ``last_update=False`` the last step stops at its losses (no backward, no update: the
-    good twin's replicas are never looked at). Returns ``train_loop``'s dict. With
-    ``cfg.dropout > 0`` the ranks' random streams are seeded with ``seed``
-    (``rng.simulated_streams``, the injection's drift included) and the dict also holds
-    ``rng_checksums`` (every rank's default generator before step 0)."""
+    """``train_loop`` of ``simulated_step`` from ``shards`` on ``batches`` (every rank's);
+    ``last_update=False``: the last step only logs its losses. With dropout the streams are
+    seeded with ``seed`` and ``rng_checksums`` holds every rank's generator before step 0."""
     rng = simulated_streams(cfg, seed, inj) if cfg.dropout > 0 else None
-
     def step(p):
         result = simulated_step(p, batches, cfg, inj, LR, rng=rng)
         per_rank = {**result, "losses": list(result["losses"]),
                     "grads": unstack_ranks(result["grads"])}
         return per_rank, result["weights"], unstack_ranks(result["weights"])
-
     checksums = rng.default_checksums() if rng is not None else None
-
     def losses(p):  # on a mesh: the logged loss (its all-reduce is part of the step)
         if cfg.data_parallel > 1:
             return simulated_step(p, batches, cfg, inj, LR, rng=rng)["losses"]
         return _losses(p, batches, cfg, inj, rng)
-
     out = train_loop(stack_ranks(shards), step, losses, steps, last_update,
                      lambda weights: replica_sums(weights, cfg))
     if checksums is not None:
@@ -117,13 +100,9 @@ def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
 
 
 def train_loop(state, step, losses, steps: int, last_update: bool, sums) -> dict:
-    """The training loop of an observation: ``step(state)`` is one step, returning
-    ``(result, next state, every rank's weights)`` where ``result`` has every rank's
-    ``losses``, ``grads`` (one dict per rank), the step's ``ledger`` and ``grad_norm``;
-    ``losses(state)`` every rank's loss without a step; ``sums(weights)`` the checksums of
-    what must stay identical (``replica_sums``). Returns ``first`` (step 0's result),
-    ``curve`` (rank 0's loss per step) and ``replicas`` (``sums`` after step 1 and the
-    last)."""
+    """An observation's loop: ``step(state) -> (result, state, every rank's weights)``,
+    ``losses(state)`` without a step, ``sums(weights)`` (``replica_sums``). Returns ``first``
+    (step 0's result), ``curve`` (rank 0's loss per step), ``replicas`` (after 1 and last)."""
     out = {"curve": [], "replicas": {}}
     for i in range(steps):
         if i == steps - 1 and i > 0 and not last_update:
@@ -144,8 +123,7 @@ def _logged(losses, logged_loss: str) -> list[float]:
 
 
 def _shares(outputs: torch.Tensor, batches, cfg: Config) -> list[float]:
-    """On a TP x DP mesh, every rank's own share of the global mean at step 0 (before the
-    logged loss's all-reduce): the sum of its squared errors over the global numel."""
+    """On a mesh, every rank's share of the global mean loss at step 0."""
     numel = cfg.seq * cfg.batch * cfg.data_parallel * cfg.hidden
     return [float((y.double() - t.double()).pow(2).sum() / numel)
             for y, (_, t) in zip(outputs, batches)]
@@ -153,11 +131,8 @@ def _shares(outputs: torch.Tensor, batches, cfg: Config) -> list[float]:
 
 def _outside_partials(output: torch.Tensor, good_output: torch.Tensor, shards, xs,
                       cfg: Config, good_inj: Injection, rng=None) -> float:
-    """How much of rank 0's step-0 output change from the good run's is not a combination of
-    the good run's rank partials (its outputs before g, from ``shards`` on ``xs``) and its
-    bias: ``|d - proj(d)| / |d|`` (0 when the outputs are equal). output, good_output
-    ``[S, B, hidden]``; least squares in float64. ``rng``: fresh streams of the good run
-    (with dropout: its step-0 masks, the partials then carry the residual mask)."""
+    """``|d - proj(d)| / |d|``: the part of rank 0's output change ``d`` ``[S, B, hidden]``
+    that no combination of the good run's rank partials (before g) and bias makes."""
     d = (output - good_output).double().reshape(-1, 1)
     if float(d.norm()) == 0.0:
         return 0.0
@@ -173,8 +148,7 @@ def _outside_partials(output: torch.Tensor, good_output: torch.Tensor, shards, x
 
 
 class _Runs(NamedTuple):
-    """An observation's two runs from one checkpoint ``base``: the live one (``shards`` as
-    loaded, ``batches``) and its good twin (``expected`` shards, ``good_batches``)."""
+    """The live run and its good twin, from one checkpoint ``base``."""
     base: dict
     shards: list
     expected: list
@@ -195,9 +169,7 @@ def _check_arguments(seed: int, steps: int, logged_loss: str) -> None:
 
 
 def _train_both(inj: Injection, seed: int, cfg: Config, steps: int, train) -> _Runs:
-    """The live run of ``inj`` and its good twin (``inj.correct()``), from one checkpoint
-    (the twin has the same setup: the same numbers); the twin's shards are the slices every
-    rank should hold. No bug: the good run is the live run."""
+    """The live run of ``inj`` and its good twin (``inj.correct()``) from one checkpoint."""
     good_inj = inj.correct()
     base = make_params(cfg, seed, inj)
     shards = _detached(shard(base, cfg, inj))
@@ -216,8 +188,7 @@ def _train_both(inj: Injection, seed: int, cfg: Config, steps: int, train) -> _R
 
 def _reference_observables(runs: _Runs, inj: Injection, seed: int, cfg: Config,
                            logged_loss: str) -> dict:
-    """What needs the known-good run: ``reference``, ``grad_norm_ratio``, and where they
-    apply ``output_outside_partials`` and ``bias_grad_shift_cosine``."""
+    """The observables that need the known-good run."""
     first, good_first, w = runs.run["first"], runs.good["first"], cfg.world_size
     grads = unshard(first["grads"][:w], cfg, inj)
     good_grads = unshard(good_first["grads"][:w], cfg, runs.good_inj)
@@ -242,9 +213,8 @@ def _reference_observables(runs: _Runs, inj: Injection, seed: int, cfg: Config,
 def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
                       steps: int = STEPS, reference: bool = True, logged_loss: str = "per_rank",
                       train=simulated_train) -> dict:
-    """``observe`` for any ``Injection`` (a registry mode's, or one a test makes up).
-    ``train``: what holds the ranks, ``simulated_train`` (every rank in this process) or
-    ``tpattn.diagnosis.observe_real.RealTrain`` (this process is one real rank)."""
+    """``observe`` for any ``Injection``; ``train``: ``simulated_train`` or
+    ``observe_real.RealTrain`` (this process is one real rank)."""
     _check_arguments(seed, steps, logged_loss)
     cfg = Config() if cfg is None else cfg
     runs = _train_both(inj, seed, cfg, steps, train)
@@ -285,38 +255,15 @@ def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = S
             reference: bool = True, logged_loss: str = "per_rank",
             train=simulated_train) -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks:
-
-    - ``setup``: the injection's setup, ``world_size``, ``query_heads``, ``kv_heads``,
-      ``sequence_parallel``, ``logged_loss`` (and ``dropout``, ``qk_norm``, ``data_parallel``
-      when set);
-    - ``rank_losses``: every rank's step-0 loss as the job logs it (``logged_loss``, one of
-      ``LOGGED_LOSSES``; ``"all_reduced"`` makes them agree by construction);
-    - ``batch_checksums``: every rank's sum of the batch it loaded (under sequence
-      parallelism each rank loads the whole batch; its block takes its own ``S/W`` tokens);
-    - ``shard_checksums``: per parameter and rank, the sum of what the rank loaded minus the
-      sum of the checkpoint slice it should hold (0: the right numbers); ``shard_scale``:
-      each parameter's ``sum |w|``;
-    - ``replica_checksums``: ``replica_sums`` after step 1 (``after_1``) and the last step
-      (``after_k``): what must stay identical across ranks;
-    - ``ledger`` and ``planned_ledger``: step 0's collectives in order (``LEDGER_KEYS``), and
-      those of the correct program;
-    - ``logged_grad_norm`` (what clipping uses); ``rank_grad_norms``: per rank, each
-      parameter's gradient norm at step 0 after the reductions; ``loss_curve``: rank 0's
-      loss per step;
-    - with dropout, ``rng_state_checksums``: every rank's default generator state when the
-      step starts (what Megatron-DeepSpeed PR 276 compared across TP ranks); on a TP x DP
-      mesh, ``loss_shares``: every rank's own share of the global mean at step 0;
-    - with ``reference=True``, against the known-good run: ``reference`` (its
-      ``rank_losses``, ``logged_grad_norm``, ``loss_curve``), ``grad_norm_ratio`` (each
-      parameter's gradient norm over the good run's), ``bias_grad_shift_cosine`` (with a
-      bias: the cosine between the bias gradient's change and the bias) and, neither under
-      sequence parallelism nor on a mesh, ``output_outside_partials``: the part of rank 0's
-      output change that no combination of the good run's rank partials (before g) and bias
-      makes, relative (0: a wrong reduction or bias count; above 0: a changed partial).
-
-    ``cfg`` must meet the mode's needs (``zoo.check_needs``), else ``ValueError`` naming the
-    field and the rule. ``train``: as in ``observe_injection`` (real ranks:
-    ``tpattn.diagnosis.observe_real``)."""
+    ``setup``; ``rank_losses`` (step 0, as logged: ``LOGGED_LOSSES``); ``batch_checksums``;
+    ``shard_checksums`` (per parameter and rank: loaded minus the checkpoint slice; 0 is
+    right) and ``shard_scale`` (``sum |w|``); ``replica_checksums`` (``replica_sums`` after
+    step 1 and the last); ``ledger`` and ``planned_ledger`` (step 0's collectives, and the
+    correct program's); ``logged_grad_norm``; ``rank_grad_norms``; ``loss_curve``; with
+    dropout ``rng_state_checksums``; on a mesh ``loss_shares``. With ``reference=True``, the
+    good run's ``reference`` losses and norm, ``grad_norm_ratio``, ``bias_grad_shift_cosine``
+    and (not SP, not a mesh) ``output_outside_partials``. ``ValueError`` when ``cfg`` does
+    not meet the mode's needs."""
     cfg = Config() if cfg is None else cfg
     entry = check_needs(mode, cfg)
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)

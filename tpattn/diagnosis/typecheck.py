@@ -1,13 +1,10 @@
 """Tier 0: the sharded block under ``spmd_types``' type checker, before any number is compared.
 
-``spmd_types`` (meta-pytorch/spmd_types, BSD) gives every tensor a local SPMD type per mesh
-axis: ``I`` invariant (the same on every rank, gradient too), ``R`` replicate (the same,
-gradient pending a sum), ``V`` varying or ``P`` partial (a pending sum over ranks);
-collectives change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g).
-``typecheck(mode, cfg)`` runs ``engine.rank_block`` for rank 0 (R = 1), forward and backward,
-with ``typed_program``: the mode's program whose collectives are ``TypedCollectives`` on a fake
-process group of ``cfg.world_size`` ranks (no rank runs, no data moves). ``import
-tpattn`` never imports spmd_types; this module does (``spmd-types``, in requirements.txt).
+``spmd_types`` gives every tensor a local SPMD type per mesh axis: ``I`` invariant, ``R``
+replicate (gradient pending a sum), ``V`` varying, ``P`` partial (a pending sum); collectives
+change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g). ``typecheck(mode,
+cfg)`` runs ``engine.rank_block`` for rank 0, forward and backward, its collectives
+``TypedCollectives`` on a fake process group of ``cfg.world_size`` ranks (no data moves).
 """
 from __future__ import annotations
 
@@ -36,14 +33,11 @@ from tpattn.parallel.wrong import ScaleGrad, no_collective
 __all__ = ["TYPECHECK_VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
            "TABLE_SETUPS", "typecheck_table"]
 
-#: Every verdict ``typecheck`` returns: ``"type-checks"`` (correct TP), ``"caught"`` (a bug
-#: mode that raises ``SpmdTypeError``), ``"not a type error"`` (a bug mode that type-checks
-#: because it breaks a value or a layout, not a type: ``WHY``) and ``"missed"`` (a bug mode
-#: that drops a collective yet type-checks: the local types do not see it in that setting).
+#: ``typecheck``'s verdicts: correct TP, a bug that raises ``SpmdTypeError``, a bug of a value
+#: or layout (``WHY``), a dropped collective the local types do not see.
 TYPECHECK_VERDICTS = ("type-checks", "caught", "not a type error", "missed")
 
-#: Per mode: why the type checker does or does not see it (one line each; ``typecheck``
-#: returns the line of the verdict it reached: ``"caught"`` or the other).
+#: Per mode and verdict: why the type checker does or does not see it.
 WHY = {
     EQUIVALENCE: {
         "type-checks": "f turns the invariant norm output into R (its gradient is summed), "
@@ -108,15 +102,12 @@ WHY = {
 
 
 def _in_dtype(t: torch.Tensor) -> dict:
-    """A backward reduction in ``t``'s own dtype, as the ledger's collectives do (spmd_types
-    asks for it to be said when the dtype is reduced precision)."""
+    """A backward reduction in ``t``'s own dtype (spmd_types asks it said)."""
     return {"op_dtype": t.dtype}
 
 
 class ContiguousGrad(torch.autograd.Function):
-    """Identity forward; backward hands on a contiguous copy of the gradient (the engine's
-    batched matmul gives wk/wv a transposed one, and spmd_types' all-reduce wants contiguous
-    input). Registered with spmd_types as a local function: types pass through."""
+    """Identity forward; a contiguous gradient backward (spmd_types' all-reduce wants it)."""
 
     @staticmethod
     def forward(ctx, t):
@@ -128,27 +119,20 @@ class ContiguousGrad(torch.autograd.Function):
 
 
 class TypedCollectives:
-    """The block's collectives as ``spmd_types``' typed ones, on rank 0's own tensors (no
-    rank dim); also the ``comm`` ``engine.rank_block`` reads (``cfg``, ``ranks`` = [0]).
-
-    ``mesh``: the ``DeviceMesh``; ``axes``: the process groups of its axes (one for a 1-D TP
-    mesh; ``("kv", "rep")`` for replicated KV heads); ``tp``: the whole TP group; ``replica``:
-    the replica axis (or ``None``).
-    """
+    """The block's collectives as ``spmd_types``' typed ones on rank 0's tensors (no rank
+    dim); the ``comm`` of ``engine.rank_block``. ``axes``: the mesh's process groups (TP, or
+    ``("kv", "rep")``); ``tp``: the whole TP group; ``replica``: the replica axis or None."""
 
     def __init__(self, cfg: Config, mesh, axes, tp, replica=None):
         self.mesh, self.axes, self.tp, self.replica = mesh, tuple(axes), tp, replica
         self.cfg, self.world_size, self.ranks = cfg, cfg.world_size, [0]
 
     def rank(self) -> int:
-        """This process's rank (0: the fake group's only process)."""
         return dist.get_rank(self.tp)
 
     def copy_to_ranks(self, n: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """f: ``convert(n, axis, src=I, dst=R)`` on every axis (no-op forward, all-reduce of
-        the gradient in backward); ``op="avg"`` divides that gradient by W (types unchanged)."""
+        """f: ``convert(I->R)`` on every axis; ``op="avg"`` divides the gradient by W."""
         from spmd_types import I, R, convert
-
         if op == "avg":
             n = ScaleGrad.apply(n, 1.0 / dist.get_world_size(self.tp))
         for axis in self.axes:
@@ -156,115 +140,68 @@ class TypedCollectives:
         return n
 
     def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
-        """g: ``all_reduce(partial, axis, src=P, dst=I)`` on every axis."""
+        """g: ``all_reduce(P->I)`` on every axis."""
         from spmd_types import I, P, all_reduce
-
         for axis in self.axes:
             partial = all_reduce(partial, axis, src=P, dst=I)
         return partial
 
     def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
-        """The replica-group reduce: ``convert(w, rep, src=I, dst=R)`` for wk and wv."""
+        """The replica-group reduce: ``convert(I->R)`` of wk and wv on the replica axis."""
         from spmd_types import I, R, convert
-
         return tuple(ContiguousGrad.apply(convert(w, self.replica, src=I, dst=R,
                                                   backward_options=_in_dtype(w)))
                      for w in (wk, wv))
 
     def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
-        """The K/V all-gather on the last dim: ``all_gather(src=S(-1), dst=R)``
-        (``[S, B, 2c]`` -> ``[S, B, W*2c]``; backward: reduce-scatter)."""
+        """The K/V all-gather ``S(-1)->R``: ``[S, B, 2c]`` -> ``[S, B, W*2c]``."""
         from spmd_types import R, S, all_gather
-
         return all_gather(local, self.tp, src=S(local.dim() - 1), dst=R,
                           backward_options=_in_dtype(local))
 
     def gather_sequence(self, n_local: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
-        """SP's all-gather along the sequence: ``all_gather(src=S(0), dst=R)``
-        (backward reduce-scatter); ``reduce_grad=False``: ``dst=I`` (backward keeps this
-        rank's chunk, the ``missing_input_grad_reduce`` bug)."""
+        """SP's all-gather ``S(0)->R`` (``reduce_grad=False``: ``->I``, the backward keeps
+        this rank's chunk)."""
         from spmd_types import I, R, S, all_gather
-
         return all_gather(n_local, self.tp, src=S(0), dst=R if reduce_grad else I,
                           backward_options=_in_dtype(n_local) if reduce_grad else None)
 
     def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
-        """SP's reduce-scatter along the sequence: ``reduce_scatter(src=P, dst=S(0))``."""
+        """SP's reduce-scatter ``P->S(0)``."""
         from spmd_types import P, S, reduce_scatter
-
         return reduce_scatter(partial, self.tp, src=P, dst=S(0))
 
 
-# --- the typed stages: rank 0's [1, ...] tensors through TypedCollectives ---------------------
-
-def _f(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """f: identity forward, typed all-reduce of dn in backward."""
-    return ops.copy_to_ranks(n[0]).unsqueeze(0)
+def _rank0(op):
+    """A typed stage: ``op(t, ops)`` on rank 0's ``[1, ...]`` tensor's one rank."""
+    return lambda t, ops: op(t[0], ops).unsqueeze(0)
 
 
-def _f_averaged(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """f whose backward all-reduce divides by W."""
-    return ops.copy_to_ranks(n[0], "avg").unsqueeze(0)
-
-
-def _f_twice(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """f applied twice."""
-    return _f(_f(n, ops), ops)
-
-
-def _g(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """g: typed all-reduce of the partials."""
-    return ops.reduce_output(partial[0]).unsqueeze(0)
-
-
-def _g_twice(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """g applied twice."""
-    return _g(_g(partial, ops), ops)
-
-
-def _sp_gather(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """SP's all-gather along the sequence (backward reduce-scatter)."""
-    return ops.gather_sequence(n[0]).unsqueeze(0)
-
-
-def _sp_gather_no_reduce(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """SP's all-gather whose backward keeps this rank's chunk."""
-    return ops.gather_sequence(n[0], reduce_grad=False).unsqueeze(0)
-
-
-def _sp_gather_averaged(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """SP's all-gather whose backward is divided by W."""
-    return ScaleGrad.apply(_sp_gather(n, ops), 1.0 / ops.world_size)
-
-
-def _sp_scatter(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """SP's reduce-scatter along the sequence."""
-    return ops.reduce_scatter_sequence(partial[0]).unsqueeze(0)
+_f = _rank0(lambda n, ops: ops.copy_to_ranks(n))
+_g = _rank0(lambda partial, ops: ops.reduce_output(partial))
+_sp_gather = _rank0(lambda n, ops: ops.gather_sequence(n))
 
 
 def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
     """No reduce-scatter: rank 0's tokens of its own partials."""
     from tpattn.parallel.sequence_parallel import rank_tokens
-
     return full[:, rank_tokens(ops.cfg, 0)]
 
 
-def _kv_gather(local: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
-    """The K/V all-gather on the last dim."""
-    return ops.gather_kv(local[0]).unsqueeze(0)
-
-
 def typed_program(inj) -> Program:
-    """``inj``'s program (``Injection.program``) with its collective stages (f, g, SP's
-    gather and scatter, the K/V gather, the replica reduce) issued by ``TypedCollectives``
-    on rank 0's ``[1, ...]`` tensors, wired as ``inj``'s knobs say."""
-    stages = {"f": {"sum": _f, "none": no_collective, "mean": _f_averaged,
-                    "twice": _f_twice}[inj.f],
-              "g": {1: _g, 0: no_collective, 2: _g_twice}[inj.g],
-              "sp_gather": {"none": _sp_gather_no_reduce,
-                            "mean": _sp_gather_averaged}.get(inj.f, _sp_gather),
-              "sp_scatter": _sp_scatter if inj.g else _sp_own_tokens,
-              "kv_gather": _kv_gather}
+    """``inj``'s program with its collective stages issued by ``TypedCollectives`` on rank 0's
+    ``[1, ...]`` tensors, wired as ``inj``'s knobs say."""
+    stages = {"f": {"sum": _f, "none": no_collective,
+                    "mean": _rank0(lambda n, ops: ops.copy_to_ranks(n, "avg")),
+                    "twice": lambda n, ops: _f(_f(n, ops), ops)}[inj.f],
+              "g": {1: _g, 0: no_collective, 2: lambda p, ops: _g(_g(p, ops), ops)}[inj.g],
+              "sp_gather": {"none": _rank0(lambda n, ops: ops.gather_sequence(n, False)),
+                            "mean": lambda n, ops: ScaleGrad.apply(_sp_gather(n, ops),
+                                                                   1.0 / ops.world_size),
+                            }.get(inj.f, _sp_gather),
+              "sp_scatter": (_rank0(lambda p, ops: ops.reduce_scatter_sequence(p)) if inj.g
+                             else _sp_own_tokens),
+              "kv_gather": _rank0(lambda local, ops: ops.gather_kv(local))}
     if inj.kv_grad != "none":
         stages["replica_reduce"] = lambda wk, wv, ops: ops.reduce_replica_grads(wk, wv)
     return replace(inj.program(), **stages)
@@ -272,16 +209,10 @@ def typed_program(inj) -> Program:
 
 @contextlib.contextmanager
 def fake_process_group(cfg: Config):
-    """A fake process group of ``cfg.world_size`` ranks (this process is rank 0) and its
-    device mesh, destroyed on exit; yields a ``TypedCollectives``.
-
-    Replicated KV weights (``replicate_weights`` with ``kv_heads < world_size``) get a 2-D
-    mesh ``(kv_heads, world_size // kv_heads)`` named ``("kv", "rep")``: rank ``r`` is KV head
-    ``r // replicas``, as ``tpattn.parallel.kv_heads.kv_head_of_rank``. Raises ``RuntimeError`` when a
-    process group is already initialized (it is left alone).
-    """
+    """A fake process group of ``cfg.world_size`` ranks (this process rank 0) and its mesh
+    (replicated KV weights: 2-D ``("kv", "rep")``), destroyed on exit; yields a
+    ``TypedCollectives``. ``RuntimeError`` when a process group is already initialized."""
     from torch.distributed.device_mesh import init_device_mesh
-
     if dist.is_initialized():
         raise RuntimeError("typecheck needs its own fake process group, but one is already "
                            "initialized in this process (it was left alone)")
@@ -300,31 +231,21 @@ def fake_process_group(cfg: Config):
 
 
 def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> None:
-    """``assert_type`` of ``t``: ``typ`` on every axis, except ``replica_typ`` (when given)
-    on the replica axis."""
+    """``assert_type`` of ``t``: ``typ`` on every axis (``replica_typ`` on the replica's)."""
     from spmd_types import assert_type
-
     assert_type(t, {axis: replica_typ if replica_typ is not None and axis is ops.replica
                     else typ for axis in ops.axes})
 
 
 def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool):
-    """Rank 0's side of the mode's program: ``(injection, parameters, their types, x, target,
-    the type of x and target)``; types are tuples of spmd_types' I/R/V, one per axis, as
-    correct TP gives them::
-
-        x, target        I   (SP: V, each rank its own tokens)
-        norm (, bias)    I   (SP: R, its gradient summed after backward; without that sum, I)
-        wq, wk, wv, wo   V   (replicated KV heads: a 2-D mesh ("kv", "rep"), wk/wv V on "kv"
-                              and I on "rep"; the replica reduce converts them to R)
-    """
+    """Rank 0's ``(injection, params, their types, x, target, type of x)``; types per axis as
+    correct TP gives them: x I (SP: V); norm, bias I (SP: R, summed after backward); wq, wk,
+    wv, wo V (replicated KV heads: wk, wv V on "kv", I on "rep")."""
     from spmd_types import I, R, V
-
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
     x0, target = make_inputs(cfg, seed)
     if not inj.reduction_only or cfg.model_options:  # the zoo's setups
         from tpattn.bugs.zoo import make_params, rank_batches, shard
-
         inj = inj.correct() if twin else inj
         params = {k: t.detach().clone().requires_grad_(True)
                   for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
@@ -339,7 +260,6 @@ def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin
                   for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
         if cfg.sequence_parallel:
             from tpattn.parallel.sequence_parallel import rank_tokens
-
             types = {name: ((R if inj.norm_grad != "none" else I) if name == "norm" else V,)
                      for name in params}
             tokens = rank_tokens(cfg, 0)
@@ -354,43 +274,38 @@ def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin
 
 
 def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
-    """With dropout, rank 0's masks drawn before the checker runs: ``(streams, masks)``,
-    ``streams`` for ``rank_block``, ``masks`` name → ``(mask, its type)``; else empty."""
+    """With dropout, rank 0's masks drawn before the checker runs: ``(streams for
+    rank_block, {name: (mask, its type)})``; else empty."""
     if cfg.dropout <= 0:
         return {}, {}
+    from types import SimpleNamespace
     from spmd_types import I, V
     from tpattn.parallel.rng import simulated_streams
-
     drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
     masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
              "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
-    return {"rng": _DrawnMasks(masks["attention"][0], masks["residual"][0])}, masks
+    return {"rng": SimpleNamespace(attention_masks=lambda _: masks["attention"][0],
+                                   residual_masks=lambda _: masks["residual"][0])}, masks
 
 
 def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
-    """The mode's per-rank block on rank 0, its inputs and parameters declared: returns a
-    thunk that runs forward, the loss and backward."""
+    """A thunk that runs the mode's block on rank 0, inputs declared: forward, loss, backward."""
     inj, params, types, x0, target, x_type = _rank0_inputs(mode, cfg, seed, ops, twin)
     streams, masks = _rank0_masks(cfg, seed, inj)
-
     prog = typed_program(inj)
-
     def forward(x):  # R = 1: the stacked views are made under the checker, typed
         stacked = {k: t.unsqueeze(0) for k, t in params.items()}
         return rank_block(x.unsqueeze(0), stacked, cfg, prog, ops, **streams)[0]
-
     numel = cfg.seq * cfg.batch * cfg.hidden
     x, target = x0.clone().requires_grad_(True), target.clone()
     declared = {**{name: (t, types[name]) for name, t in params.items()},
                 "x": (x, x_type), "target": (target, x_type),
                 **{"mask_" + k: m for k, m in masks.items()}}
-
     def run():
         for t, typ in declared.values():
             _declare(t, ops, *typ)
         if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
             from spmd_types import P, V, reinterpret
-
             share = F.mse_loss(forward(x), target, reduction="sum") / numel
             loss = reinterpret(share, ops.tp, src=V, dst=P)
         else:
@@ -399,25 +314,9 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
     return run
 
 
-class _DrawnMasks:
-    """``rng.RankStreams``' mask methods returning masks drawn (and declared) beforehand:
-    the checker sees typed tensors, not a draw of untyped ones."""
-
-    def __init__(self, attention: torch.Tensor, residual: torch.Tensor):
-        self.attention, self.residual = attention, residual
-
-    def attention_masks(self, cfg: Config) -> torch.Tensor:
-        return self.attention
-
-    def residual_masks(self, cfg: Config) -> torch.Tensor:
-        return self.residual
-
-
 def _where(error: BaseException) -> str:
-    """``module.function: source line`` of the two innermost frames of the block in
-    ``error``'s traceback (tpattn's frames, not this module's typed stages), outer first and
-    joined by ``" -> "``: the op that raised and the line that called it, which names the
-    tensors (one frame where there is one)."""
+    """``module.function: line`` of the two innermost tpattn frames of ``error`` outside
+    this module, joined by ``" -> "``: the op that raised and the line that called it."""
     package = Path(__file__).resolve().parents[1]
     skipped = {Path(__file__).resolve()}
     found = []
@@ -444,36 +343,23 @@ def _validate(mode, cfg, seed):
                          f"{', '.join(entry.needs) or 'nothing'})")
     if inj is None or not inj.reduction_only:
         from tpattn.bugs.zoo import check_needs
-
         check_needs(mode, cfg)  # ValueError naming the mode and what it needs (plain TP)
     return inj
-    if cfg.sequence_parallel and has_replicas(cfg):
-        raise ValueError("typecheck: sequence_parallel with kv_heads < world_size has no "
-                         "per-rank block to check")
 
 
 def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
               twin: bool = False) -> dict:
-    """Run ``mode``'s per-rank block under ``spmd_types``' type checker on a fake process
-    group of ``cfg.world_size`` ranks (``cfg`` defaults to ``Config()``).
-
-    Returns ``{"mode", "world_size", "sequence_parallel", "kv_layout", "verdict", "message",
-    "where", "why"}``: ``verdict`` one of ``TYPECHECK_VERDICTS``; ``message`` the checker's own
-    ``SpmdTypeError`` text (``None`` when it type-checks); ``where`` the block's lines that
-    raised (``module.function: code``, naming the tensors; ``None``); ``why`` one line
-    (``WHY``). The numbers ``seed`` draws do not matter to types (they only fill shapes).
-    Raises ``ValueError`` for a mode ``cfg`` cannot run (the field and the rule).
-    ``twin=True`` checks the bug-free twin of a registry mode's setup instead
-    (``tpattn.bugs.zoo.Injection.correct``: its bias after g, its fused checkpoint cut by heads,
-    its clipping), reported under the mode's name with the verdict of ``equivalence``.
-    """
+    """``mode``'s per-rank block under ``spmd_types``' checker on a fake process group of
+    ``cfg.world_size`` ranks: ``{"mode", "world_size", "sequence_parallel", "kv_layout",
+    "verdict", "message", "where", "why"}`` (``message``: the ``SpmdTypeError``'s text,
+    ``where``: the lines that raised, ``why``: ``WHY``'s; None when it type-checks).
+    ``twin=True`` checks the mode's bug-free twin (``Injection.correct``) instead.
+    ``ValueError`` for a mode ``cfg`` cannot run."""
     from spmd_types import (SpmdTypeError, register_local_autograd_function, set_current_mesh,
                             traceback_filtering)
     from spmd_types.checker import typecheck as spmd_typecheck
-
     for function in (ScaleGrad, ContiguousGrad):  # identity forwards: types pass through
         register_local_autograd_function(function)
-
     cfg = Config() if cfg is None else cfg
     inj = _validate(mode, cfg, seed)
     message = where = None
@@ -509,9 +395,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
             "verdict": verdict, "message": message, "where": where, "why": why}
 
 
-#: The setup each registry mode is checked at in ``typecheck_table``: the original fixture's
-#: shape (``Config()``) unless the mode needs another (sequence parallelism, fewer KV heads
-#: than ranks, two KV heads per rank).
+#: The setup of each registry mode in ``typecheck_table`` (default ``Config()``).
 TABLE_SETUPS = {
     "missing_norm_grad_reduce": Config(seq=8, sequence_parallel=True),
     "norm_grad_averaged": Config(seq=8, sequence_parallel=True),
@@ -524,11 +408,8 @@ TABLE_SETUPS = {
 
 
 def typecheck_table() -> list[dict]:
-    """``typecheck`` of every registry mode (``python -m tpattn --list-modes``, in order) at
-    its ``TABLE_SETUPS`` setup: one ``typecheck`` dict per mode; the TP x DP mesh's modes
-    (``zoo.MESH_NEEDS``), which one TP group's fake process group does not model, are left
-    out (``typecheck`` raises ``ValueError`` for them)."""
+    """``typecheck`` of every registry mode at its ``TABLE_SETUPS`` setup, the TP x DP
+    mesh's modes left out."""
     from tpattn.bugs.zoo import REGISTRY
-
     return [typecheck(name, TABLE_SETUPS.get(name, Config())) for name, m in REGISTRY.items()
             if not set(m.needs) & set(MESH_NEEDS)]

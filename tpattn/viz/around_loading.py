@@ -1,5 +1,4 @@
-"""Figures of the chapter "Around the block", loading a checkpoint: which rows of a fused QKV
-checkpoint every rank holds under each loader (``check.core.shard``'s layouts)."""
+"""Which rows of a fused QKV checkpoint every rank holds under each loader ("Around the block")."""
 from __future__ import annotations
 
 import matplotlib.patches as mpatches
@@ -22,32 +21,23 @@ LOADERS_SHOWN = {
 }
 #: The ``Injection.shard`` values ``loaded_heads`` accepts.
 SHARD_LAYOUTS = ("heads", "fused", "fused_naive", "fused_rank0", "grouped", "grouped_as_plain")
-#: One color per kind of head row.
 KIND_COLORS = {"q": "#9ecae1", "k": "#fdae6b", "v": "#a1d99b"}
 _KINDS = ("q", "k", "v")
 
 
 def loaded_heads(cfg: Config, layout: str) -> list[list[tuple[str, str, bool]]]:
-    """What every rank holds, head by head, when the injection ``Injection(shard=layout)``
-    loads the checkpoint: per rank a list of ``(slot, source, right)`` for its query heads,
-    then its key heads, then its value heads (``slot``, e.g. ``"k"``: what the rank uses the
-    rows as; ``source``, e.g. ``"q3"``: which head of the checkpoint they came from;
-    ``right``: whether that is the rank's own head for that slot).
-
-    Runs the package's loader (``check.core.shard``) on a checkpoint whose every head's rows
-    hold that head's code, then decodes each slot's rows (the codes are exact in float32).
-    """
+    """Per rank, ``(slot, source, right)`` for its q, then k, then v heads when
+    ``Injection(shard=layout)`` loads a checkpoint whose rows hold their head's code: ``"k"``
+    used as ``"q3"``'s rows, and whether those are the rank's own."""
     if layout not in SHARD_LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(SHARD_LAYOUTS)} (got {layout!r})")
     if cfg.kv_heads < cfg.world_size:
         raise ValueError(f"kv_heads must be >= world_size: every rank its own KV heads (got "
                          f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
     d = cfg.head_dim
-
     def coded(kind: int, heads: int) -> torch.Tensor:
         codes = torch.arange(heads, dtype=torch.float32) + 1000 * kind
         return codes.repeat_interleave(d)[:, None].expand(heads * d, cfg.hidden).clone()
-
     p = {"norm": torch.ones(cfg.hidden), "wq": coded(0, cfg.query_heads),
          "wk": coded(1, cfg.kv_heads), "wv": coded(2, cfg.kv_heads),
          "wo": torch.zeros(cfg.hidden, cfg.query_heads * d)}
@@ -65,10 +55,7 @@ def loaded_heads(cfg: Config, layout: str) -> list[list[tuple[str, str, bool]]]:
 
 
 def loaded_rows_figure(cfg: Config, layouts=tuple(LOADERS_SHOWN)):
-    """One panel per loader (``layouts``: ``Injection.shard`` values): every rank a row of
-    boxes, its query, key and value heads in order, each box colored by the kind of checkpoint
-    row it holds and labelled with its source head (``loaded_heads``); a red frame where the
-    rank holds rows that are not its own. Returns the figure."""
+    """A panel per loader: every rank's ``loaded_heads`` as boxes (red frame: not its own)."""
     fig, axes = new_figure(1, len(layouts), figsize=(6.3, 0.55 + 0.42 * cfg.world_size
                                                       * len(layouts)), squeeze=False)
     slots = (cfg.query_heads + 2 * cfg.kv_heads) // cfg.world_size

@@ -1,6 +1,4 @@
-"""Figures of the chapter "Around the block": a TP x DP mesh and the groups its collectives
-run over (``mesh_groups_figure``), and which tokens each rank's sequence all-gather brings
-home over the right group and over the other mesh dimension's (``sp_gather_figure``)."""
+"""Figures of "Around the block": a TP x DP mesh's groups, and what SP's all-gather brings home."""
 from __future__ import annotations
 
 import matplotlib.patches as mpatches
@@ -11,8 +9,7 @@ from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 
 __all__ = ["mesh_groups_figure", "mesh_panels", "sp_gather_figure", "gathered_sources"]
 
-#: The collectives ``mesh_groups_figure`` draws, one panel each: (title, the group the
-#: correct program uses, the group its bug uses, the mode).
+#: ``mesh_groups_figure``'s panels: (title, the correct group, the bug's group, the mode).
 MESH_PANELS = (
     ("logged loss: all-reduce", "dp", "world", "loss_reduced_over_world"),
     ("logged loss: full_tensor()", "dp", "tp", "loss_full_tensor_tp_only"),
@@ -21,17 +18,11 @@ MESH_PANELS = (
 
 
 def mesh_panels(cfg: Config) -> list[dict]:
-    """What ``mesh_groups_figure`` draws: per panel its ``title``, ``mode``, and the groups
-    (lists of global ranks) of the correct program (``right``) and of the bug (``wrong``)."""
+    """Per panel ``title``, ``mode`` and the groups (global ranks) it uses ``right`` and
+    ``wrong``."""
     comm = SimulatedRanks(cfg)
-
-    def groups(name):
-        if name == "self":
-            return [[r] for r in range(cfg.ranks)]
-        if name == "tp":  # full_tensor() of a Replicate DTensor: no reduction at all
-            return [[r] for r in range(cfg.ranks)]
-        return comm.groups(name)
-
+    def groups(name):  # "tp": full_tensor() of a Replicate DTensor reduces nothing
+        return [[r] for r in range(cfg.ranks)] if name in ("self", "tp") else comm.groups(name)
     return [{"title": title, "mode": mode, "right": groups(right), "wrong": groups(wrong)}
             for title, right, wrong, mode in MESH_PANELS]
 
@@ -60,10 +51,8 @@ def _grid(ax, cfg: Config, groups: list[list[int]], color: str, title: str) -> N
 
 
 def mesh_groups_figure(cfg: Config | None = None):
-    """The mesh's ranks (rows: DP replicas, columns: TP ranks, colored by TP rank), one
-    column of panels per collective of ``MESH_PANELS``: top, the groups of the correct
-    program (green frames); bottom, the groups of its bug (red; a dotted frame is a group of
-    one rank: nothing is reduced)."""
+    """A column per ``mesh_panels`` panel: the mesh's ranks framed by the correct groups
+    (green, top) and the bug's (red, bottom; dotted: a group of one)."""
     cfg = cfg or Config(data_parallel=2)
     panels = mesh_panels(cfg)
     fig, axes = new_figure(len(panels), 2, figsize=(7.0, 3.8))
@@ -76,10 +65,8 @@ def mesh_groups_figure(cfg: Config | None = None):
 
 
 def gathered_sources(cfg: Config, group: str = "tp") -> list[list[tuple[int, int]]]:
-    """For every rank of the mesh (mesh order), the ``(dp replica, token chunk)`` of each
-    ``S/W`` chunk its sequence all-gather over ``group`` (``"tp"`` or ``"dp"``) returns, in
-    order. Over the TP group every chunk is the rank's own replica's; over the DP group
-    (``data_parallel == world_size``) they are one chunk index of every replica's."""
+    """Per rank, the ``(dp replica, token chunk)`` of each chunk its sequence all-gather over
+    ``group`` (``"tp"`` or ``"dp"``) returns."""
     comm = SimulatedRanks(cfg)
     out = [None] * cfg.ranks
     for members in comm.groups(group):
@@ -90,10 +77,8 @@ def gathered_sources(cfg: Config, group: str = "tp") -> list[list[tuple[int, int
 
 
 def sp_gather_figure(cfg: Config | None = None):
-    """Each rank's all-gathered sequence as a row of chunks, colored by the DP replica the
-    chunk came from, labelled with its token chunk: left over the TP group (every row one
-    replica, chunks in order), right over the DP group (NVIDIA/Megatron-LM issue 7452's
-    mechanism: the right shape, tokens of another replica mixed in)."""
+    """Each rank's ``gathered_sources`` as a row of chunks colored by replica, over the TP
+    group and over the DP group."""
     cfg = cfg or Config(data_parallel=2, sequence_parallel=True, seq=4)
     fig, axes = new_figure(2, 1, figsize=(6.3, 0.5 + 0.45 * cfg.ranks))
     for ax, group, title in ((axes[0], "tp", "over the TP group (correct)"),

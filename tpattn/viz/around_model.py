@@ -1,6 +1,4 @@
-"""Figures of chapter "Around the block", the model options: the residual-dropout masks of
-the TP ranks (synced, and with tp_rank 0's RNG drifted by its data loader), and the drift of
-the q/k-norm replicas when their gradient all-reduce is skipped."""
+"""Figures of "Around the block": the ranks' dropout masks, the drift of the q/k-norm replicas."""
 from __future__ import annotations
 
 from tpattn.check.core import LR, make_inputs, make_params, shard
@@ -15,17 +13,12 @@ __all__ = ["residual_masks_by_rank", "dropout_masks_figure", "qk_norm_replica_dr
 
 
 def residual_masks_by_rank(cfg: Config, seed: int, inj: Injection):
-    """Every TP rank's first residual-dropout mask of a step (``rng.simulated_streams`` with
-    ``inj``'s RNG), batch element 0: ``[W, S, hidden]`` (kept elements ``1/(1-p)``, 0
-    dropped)."""
+    """Every rank's first residual-dropout mask of a step, batch element 0: ``[W, S, hidden]``."""
     return simulated_streams(cfg, seed, inj).residual_masks(cfg)[:, :, 0]
 
 
 def dropout_masks_figure(cfg: Config, seed: int = 11):
-    """Rows: the correct RNG (every TP rank seeded alike) and ``rank0_drift`` (tp_rank 0's
-    default generator consumed by a DataLoader iterator); columns: the ranks' residual masks
-    (batch element 0, tokens × hidden; dark = dropped), each titled by whether it equals rank
-    1's. Returns the figure."""
+    """The ranks' residual masks (columns) with the RNG synced and with rank 0's drifted."""
     w = cfg.world_size
     fig, axes = new_figure(w, 2, figsize=(min(2.2 * w + 1.0, 6.4), 3.6), squeeze=False)
     rows = (("synced", Injection()), ("rank 0 drifted", Injection(rng="rank0_drift")))
@@ -46,9 +39,8 @@ def dropout_masks_figure(cfg: Config, seed: int = 11):
 
 
 def qk_norm_replica_drift(cfg: Config, seed: int, inj: Injection, steps: int) -> list[float]:
-    """Train ``steps`` SGD steps of the engine on simulated ranks (the same batch each step)
-    wired as ``inj``; after each, the largest difference between any rank's ``q_norm`` or
-    ``k_norm`` and rank 0's (0: the replicas are identical). ``cfg.qk_norm`` must be on."""
+    """After each of ``steps`` SGD steps wired as ``inj``, the largest difference between any
+    rank's ``q_norm`` or ``k_norm`` and rank 0's."""
     if not cfg.qk_norm:
         raise ValueError("cfg.qk_norm must be True: the drift is the q/k-norm replicas'")
     x, t = make_inputs(cfg, seed)
@@ -64,9 +56,7 @@ def qk_norm_replica_drift(cfg: Config, seed: int, inj: Injection, steps: int) ->
 
 
 def qk_norm_drift_figure(cfg: Config, seed: int = 11, steps: int = 20):
-    """The q/k-norm replicas' largest difference across ranks after each step: correct TP
-    (all-reduced gradients: 0 at every step) and ``qk_norm_grad="none"`` (each rank steps on
-    its own heads' part). Returns the figure."""
+    """``qk_norm_replica_drift`` per step, correct and with the all-reduce skipped."""
     fig, ax = new_figure(figsize=(6.0, 3.0))
     bug = qk_norm_replica_drift(cfg, seed, Injection(qk_norm_grad="none"), steps)
     good = qk_norm_replica_drift(cfg, seed, Injection(), steps)

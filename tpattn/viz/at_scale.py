@@ -6,16 +6,14 @@ from .style import FAIL_COLOR, PASS_COLOR, new_figure
 __all__ = ["bound_ratio_figure"]
 
 _DTYPES = ("float64", "float32", "bfloat16")
-#: Each mode's marker, colour and face (None: filled) in ``bound_ratio_figure``.
 _STYLES = {"equivalence": ("o", PASS_COLOR, None),
            "missing_output_reduce": ("^", FAIL_COLOR, None),
            "missing_input_grad_reduce": ("s", FAIL_COLOR, "none")}
 
 
 def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest of the five"):
-    """One point per TP step (``at_scale.compare_world_sizes`` rows): the largest
-    ``measure / bound`` of the five measures, by dtype and world size, log scale. Below 1:
-    within rounding (green); bugs (red) should sit >= 100x above the line."""
+    """The largest ``measure / bound`` of each ``compare_world_sizes`` row, by dtype and
+    world size, log scale, lines at 1 and 100."""
     fig, ax = new_figure(figsize=(7.0, 3.4))
     groups = sorted({(r["dtype"], r["world_size"]) for r in rows},
                     key=lambda g: (_DTYPES.index(g[0]), g[1]))

@@ -1,5 +1,4 @@
-"""Gradient-flow diagrams: the block's two gradient paths (chapter 5) and the sharded block's
-backward pass with f's sum (chapter 7). Drawn from a ``Config`` (one lane per rank); no data."""
+"""Gradient-flow diagrams: the block's two gradient paths (chapter 5), the sharded backward (7)."""
 from __future__ import annotations
 
 from tpattn.config import Config
@@ -7,7 +6,6 @@ from .style import DENSE_COLOR, FAIL_COLOR, arrow, box, new_figure, rank_color
 
 __all__ = ["gradient_paths_figure", "backward_flow_figure"]
 
-#: The color of gradients (backward arrows) in both figures.
 GRAD_COLOR = "#7b3294"
 
 
@@ -28,9 +26,8 @@ def _frame(ax, width, height):
 
 
 def gradient_paths_figure():
-    """The dense block's two gradient paths (chapter 5): forward in grey, backward in purple —
-    ``dy`` reaches ``x`` through the residual and through the branch as ``dn`` (where TP's f
-    sums, noted in red); ``dX`` is their sum."""
+    """Forward in grey, backward in purple: ``dy`` reaches ``x`` through the residual and
+    through the branch as ``dn``; ``dX`` is their sum."""
     fig, ax = new_figure(figsize=(9.0, 3.6))
     _frame(ax, 10.0, 4.0)
     yf, yb = 2.7, 1.3                      # forward row, backward row
@@ -69,9 +66,8 @@ def gradient_paths_figure():
 
 
 def backward_flow_figure(cfg: Config | None = None):
-    """The sharded block's backward (chapter 7), one lane per rank of ``cfg`` (default
-    ``Config()``): ``dy`` to every rank, **f** sums the ranks' ``dn_r``, RMSNorm's backward
-    and the residual give ``dX`` on every rank, never all-reduced."""
+    """One lane per rank: ``dy`` to every rank, f sums the ``dn_r``, RMSNorm's backward and
+    the residual give ``dX``."""
     cfg = cfg or Config()
     world = cfg.world_size
     lane = 0.9

@@ -1,7 +1,5 @@
-"""Heads pictures (chapters 6 and 13): heads as labelled boxes, lines between them, dashed
-replica groups, a rank legend and a two-line title. A ``HeadsPicture`` describes one in its
-frame's data coordinates; ``draw_heads`` draws it with matplotlib (the chapters),
-``heads_svg`` as an SVG string (the explorers, live and static)."""
+"""Heads pictures (chapters 6 and 13): a ``HeadsPicture`` drawn by ``draw_heads`` (matplotlib)
+or ``heads_svg`` (an SVG string, for the explorers)."""
 from __future__ import annotations
 
 import html
@@ -14,20 +12,16 @@ from .style import new_figure, rank_color
 
 __all__ = ["HEADS_MARGINS", "HeadsPicture", "frame_position", "draw_heads", "heads_svg"]
 
-#: Margins of a heads frame, in inches (left, bottom, right, top): the two-line title above
-#: the axes, the rank legend to their right. The left one widens for long row labels.
+#: Margins of a heads frame in inches (left, bottom, right, top): title above, legend right.
 HEADS_MARGINS = (3 / 72, 3 / 72, 0.92, 0.44)
-#: Points per character assumed for a row label (9 pt; a generous mean glyph width).
 _LABEL_CHAR_PT = 5.4
 
 
 class HeadsPicture(NamedTuple):
-    """What a heads figure draws: a frame of ``size`` (inches) with data limits ``xlim``,
-    ``ylim`` and two row labels ``rows`` (``(label, y)``, right-aligned at x = -0.9).
-
-    lines: ``(x0, y0, x1, y1, color, dashed, width)``; boxes: ``(x, y, width, height, color,
-    label, fontsize)`` centered at ``(x, y)``; groups: dashed frames ``(left, bottom, width,
-    height, label)``; a legend of ranks ``0 … ranks - 1``; ``title`` over ``subtitle``."""
+    """A heads figure of ``size`` inches, data limits ``xlim``, ``ylim``; ``rows``: ``(label,
+    y)``; lines ``(x0, y0, x1, y1, color, dashed, width)``; boxes ``(x, y, w, h, color, label,
+    fontsize)`` centered; groups: dashed frames ``(left, bottom, w, h, label)``; ``ranks``
+    in the legend."""
 
     size: tuple[float, float]
     xlim: tuple[float, float]
@@ -43,8 +37,7 @@ class HeadsPicture(NamedTuple):
 
 
 def frame_position(picture: HeadsPicture) -> tuple[float, float, float, float]:
-    """The axes' ``(left, bottom, width, height)`` in inches: ``HEADS_MARGINS``, the left one
-    widened until the (estimated) row labels fit."""
+    """The axes' ``(left, bottom, width, height)`` in inches, widened left for the row labels."""
     (left, bottom, right, top), (fig_w, fig_h), xlim = HEADS_MARGINS, picture.size, picture.xlim
     span, room = xlim[1] - xlim[0], -0.9 - xlim[0]  # data units: all, left of the labels
     widest = max(len(line) for label, _ in picture.rows for line in label.split("\n"))
@@ -100,8 +93,7 @@ def _svg_text(x, y, text, size, anchor="middle", **attributes) -> str:
 
 
 def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
-    """``picture`` as an inline ``<svg>`` string, ``dpi`` pixels per inch (the size of
-    ``draw_heads``'s PNG), drawn in points, text in the browser's sans-serif font."""
+    """``picture`` as an inline ``<svg>`` of ``draw_heads``'s PNG size at ``dpi``."""
     (fig_w, fig_h), (x0, x1), (y0, y1) = picture.size, picture.xlim, picture.ylim
     left, bottom, width, height = (72 * v for v in frame_position(picture))
     top = 72 * fig_h - bottom - height

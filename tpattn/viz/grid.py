@@ -1,11 +1,4 @@
-"""A stack's result as a blocks × parameters grid (chapter 9): which gradients are wrong where.
-
-``stack_grid_figure(grad_diffs, tolerance)`` draws ``run_stack``'s ``grad_diffs`` (one dict
-per block, block 0 = the bottom, parameter name → ``max |dense − TP|``) as a grid: one row per
-block, top block first (nearest the loss, as the backward pass meets them), one column per
-parameter; a cell is red and says WRONG when its difference is at or above ``tolerance``,
-green and says ok below it.
-"""
+"""A stack's result as a blocks × parameters grid (chapter 9): which gradients are wrong where."""
 from __future__ import annotations
 
 from matplotlib.colors import ListedColormap
@@ -18,7 +11,8 @@ OK_COLOR, WRONG_COLOR = "#d9f0d3", "#f4a582"
 
 
 def stack_grid(grad_diffs: list[dict[str, float]], tolerance: float) -> tuple[list, list, list]:
-    """``(row_labels, names, wrong)``: rows top block first, ``wrong[row][col]`` a bool."""
+    """``(row_labels, names, wrong)`` of ``run_stack``'s ``grad_diffs`` (a dict per block,
+    block 0 the bottom): rows top block first, ``wrong[row][col]``: diff >= ``tolerance``."""
     if not grad_diffs:
         raise ValueError("grad_diffs must hold at least one block (got none)")
     names = list(grad_diffs[0])
@@ -30,7 +24,7 @@ def stack_grid(grad_diffs: list[dict[str, float]], tolerance: float) -> tuple[li
 
 
 def stack_grid_figure(grad_diffs: list[dict[str, float]], tolerance: float, title: str = ""):
-    """The grid figure (see the module docstring); returns the matplotlib ``Figure``."""
+    """``stack_grid`` as a grid of cells: red "WRONG" or green "ok"."""
     labels, names, wrong = stack_grid(grad_diffs, tolerance)
     fig, ax = new_figure(figsize=(1.1 * len(names) + 1.6, 0.45 * len(labels) + 0.9))
     ax.imshow([[float(w) for w in row] for row in wrong], aspect="auto", vmin=0, vmax=1,

@@ -1,5 +1,4 @@
-"""Heads pictures from a ``Config`` (chapters 6 and 13): which rank holds which query heads
-and which KV heads they read, as a ``HeadsPicture`` for ``draw_heads`` or ``heads_svg``."""
+"""Heads pictures from a ``Config``: which rank holds which query and KV heads."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -14,16 +13,15 @@ __all__ = ["heads_picture", "heads_layout", "replica_groups_layout"]
 
 
 def heads_picture(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
-    """What ``heads_to_ranks_figure`` draws: ``heads_layout``, or ``replica_groups_layout``
-    for fewer KV heads than ranks (default ``query_ranks``)."""
+    """``heads_layout``, or ``replica_groups_layout`` for fewer KV heads than ranks."""
     if cfg.kv_heads < cfg.world_size and query_ranks is None:
         return replica_groups_layout(cfg)
     return heads_layout(cfg, query_ranks)
 
 
 def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
-    """What ``heads_to_ranks_figure(cfg, query_ranks)`` draws, without replica groups
-    (``ValueError`` for a ``query_ranks`` that is not a rank per query head)."""
+    """Query heads over KV heads in their ranks' colors, a line from each to the KV head it
+    reads (dashed red across ranks); ``query_ranks``: a rank per query head."""
     if query_ranks is not None and (len(query_ranks) != cfg.query_heads or any(
             not 0 <= int(r) < cfg.world_size for r in query_ranks)):
         raise ValueError(f"query_ranks must give a rank in [0, {cfg.world_size}) for each of "
@@ -55,7 +53,7 @@ def heads_layout(cfg: Config, query_ranks: Sequence[int] | None = None) -> Heads
 
 
 def replica_groups_layout(cfg: Config) -> HeadsPicture:
-    """What ``replica_groups_figure(cfg)`` draws: boxes, lines, replica groups, legend, title."""
+    """Query heads over one box per rank for the KV head it reads, framed by replica group."""
     hq, w, d = cfg.query_heads, cfg.world_size, cfg.head_dim
     per_rank = hq // w
     fontsize = 9 if hq <= 16 else 7 if hq <= 32 else 5

@@ -1,5 +1,4 @@
-"""Figures of chapter 13, fewer KV heads than ranks: replica groups, the drift of the missing
-replica-group reduce, and what each ``kv_strategy`` costs."""
+"""Figures of chapter 13, fewer KV heads than ranks."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -15,15 +14,13 @@ __all__ = ["replica_groups_figure", "kv_drift_figure", "kv_costs_figure"]
 
 
 def replica_groups_figure(cfg: Config):
-    """Query heads (top) in their rank's color; one box per rank (bottom) for the KV head it
-    reads (``replicate_weights``: a copy of its wk/wv rows; ``gather_activations``: the rank's
-    slice of them), framed by replica group. Draws ``replica_groups_layout(cfg)``."""
+    """``draw_heads(replica_groups_layout(cfg))``."""
     return draw_heads(replica_groups_layout(cfg))
 
 
 def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):
-    """``train_steps`` rows of the missing replica-group reduce (``bug``) and the correct run
-    (``ok``): left, per step, the bug's differences from dense; right, the losses."""
+    """``drift_figure`` of ``train_steps`` rows: the missing replica reduce (``bug``) against
+    dense, and the losses of it and the correct run (``ok``)."""
     labels = {"forward_max_abs_diff": "forward", "loss_abs_diff": "loss",
               "input_grad_max_abs_diff": "dX", "parameter_grad_max_abs_diff": "param grads",
               "kv_replica_max_diff": "KV copies apart"}
@@ -34,8 +31,7 @@ def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):
 
 
 def kv_costs_figure(cfg: Config):
-    """Both strategies for ``cfg`` (``kv_costs``): KV bytes one rank holds (left) and sends per
-    step (right, with f/g)."""
+    """``kv_costs(cfg)`` of both strategies: bytes a rank holds, and sends per step."""
     costs = kv_costs(cfg)
     size = costs[next(iter(costs))]["weight_bytes"] // costs[next(iter(costs))]["weight_elements"]
     names = [s for s in KV_STRATEGIES if s in costs]

@@ -1,5 +1,4 @@
-"""Figures for Part I, the dense block (chapters 2–5): RMSNorm, RoPE, attention, the step.
-Each returns a new figure (``new_figure``); data come from the package's own functions."""
+"""Figures for Part I, the dense block (chapters 2–5): RMSNorm, RoPE, attention, the step."""
 from __future__ import annotations
 
 import functools
@@ -21,28 +20,17 @@ from tpattn.block.layers import apply_rope, attention_probs, causal_mask, repeat
 from tpattn.block.params import PARAM_NAMES, init_params
 from .style import DENSE_COLOR, new_figure
 
-__all__ = [
-    "KV_HEAD_COLORS",
-    "kv_head_color",
-    "token_rms_figure",
-    "rope_rotation_figure",
-    "set_rope_position",
-    "rope_dynamic_artists",
-    "rope_relative_position_figure",
-    "attention_heatmaps",
-    "attention_probabilities",
-    "set_attention_state",
-    "attention_dynamic_artists",
-    "gradient_figure",
-]
+__all__ = ["KV_HEAD_COLORS", "kv_head_color", "token_rms_figure", "rope_rotation_figure",
+           "set_rope_position", "rope_dynamic_artists", "rope_relative_position_figure",
+           "attention_heatmaps", "attention_probabilities", "set_attention_state",
+           "attention_dynamic_artists", "gradient_figure"]
 
-#: One color per KV head (Dark2), for frames that group the query heads sharing it. Distinct
-#: from ``RANK_COLORS`` on purpose: a KV head is not a rank (chapter 6 maps one to the other).
+#: One color per KV head (Dark2; a KV head is not a rank, so not ``RANK_COLORS``).
 KV_HEAD_COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
 
 
 def kv_head_color(kv_head: int) -> str:
-    """The frame color of KV head ``kv_head`` (and of every query head that reads it)."""
+    """The frame color of KV head ``kv_head`` and of the query heads that read it."""
     return KV_HEAD_COLORS[kv_head % len(KV_HEAD_COLORS)]
 
 
@@ -56,8 +44,7 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> int:
 
 
 def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
-    """Per-token RMS before and after RMSNorm (``x``, ``normalized``: ``[S, B, hidden]``), one
-    bar pair per token, a dashed line at 1."""
+    """Per-token RMS of ``x`` and ``normalized`` (``[S, B, hidden]``), a dashed line at 1."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"x must be a tensor [S, B, hidden] (got shape {getattr(x, 'shape', None)})")
     if not isinstance(normalized, torch.Tensor) or normalized.shape != x.shape:
@@ -81,9 +68,8 @@ def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
 
 
 def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 16):
-    """RoPE as rotations: every channel pair of a unit vector turned by ``apply_rope`` to
-    ``position``. Left: the pairs as arrows on the unit circle, their paths over
-    ``0..max_position`` dotted; right: each pair's wrapped angle against position."""
+    """Every channel pair of a unit vector turned by ``apply_rope`` to ``position``: arrows
+    on the unit circle (left), each pair's angle against position (right)."""
     _check_int("max_position", max_position, 1)
     _check_int("position", position, 0, max_position)
     _check_int("head_dim", head_dim, 2)
@@ -97,7 +83,6 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
     wrapped = torch.atan2(sin, cos)                           # angle in (-pi, pi]
     freqs = rope_angles(2, head_dim, dtype=torch.float64)[1, 0, 0]  # angle per position step
     colors = plt.get_cmap("viridis")(torch.linspace(0.0, 0.9, half).tolist())
-
     fig, (circle, angles) = new_figure(2, figsize=(8.0, 3.6), width_ratios=[1, 1.4])
     t = torch.linspace(0, 2 * math.pi, 200)
     circle.plot(t.cos(), t.sin(), color="#cccccc", lw=1)
@@ -149,8 +134,7 @@ def rope_dynamic_artists(fig) -> list:
 
 
 def rope_relative_position_figure(scores: torch.Tensor):
-    """Heat map of ``scores[m, n]`` ``[M, N]`` (``RoPE(q)_m · RoPE(k)_n``): constant along the
-    diagonals when the score depends only on the offset."""
+    """Heat map of ``scores[m, n]`` ``[M, N]`` (``RoPE(q)_m · RoPE(k)_n``)."""
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores must be a tensor [M, N] (got shape {getattr(scores, 'shape', None)})")
     fig, ax = new_figure(figsize=(4.6, 3.8))
@@ -166,13 +150,10 @@ def rope_relative_position_figure(scores: torch.Tensor):
 
 
 def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
-    """Causal attention probabilities (``attention_probabilities``) of every query head, batch
-    element ``batch_index``: one panel per head, its frame colored by the KV head it reads;
-    the seed and batch element at the top left."""
+    """``attention_probabilities``: a panel per query head, framed in its KV head's color."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a tpattn.Config (got {type(cfg).__name__})")
     probs = attention_probabilities(cfg, seed, batch_index)
-
     heads = cfg.query_heads
     ncols = min(heads, 8)
     nrows = math.ceil(heads / ncols)
@@ -207,8 +188,7 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
     fig.colorbar(im, ax=axes, shrink=0.8, label="probability")
     fig.suptitle(f"Causal attention: {cfg.query_heads} query heads share {cfg.kv_heads} KV "
                  f"heads", fontsize=10)
-    # the state, in the suptitle's row: a short text of its own (set_attention_state's), so
-    # that a live update lays out a few characters, not the whole title (~1 ms against ~8)
+    # the state: a short text of its own, so that a live update lays out only it
     state = fig.text(0.01, 0.98, " ", ha="left", va="top", fontsize=10)
     fig.tpattn_attention = {"cfg": cfg, "images": images, "values": values, "state": state}
     set_attention_state(fig, seed, batch_index, probs)
@@ -216,8 +196,7 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
 
 
 def attention_probabilities(cfg: Config, seed: int, batch_index: int = 0) -> torch.Tensor:
-    """``[Hq, S, S]`` probabilities of ``attention_heatmaps`` (a new tensor; every batch element
-    of ``(cfg, seed)`` is computed at once and cached)."""
+    """``[Hq, S, S]`` causal attention probabilities of batch element ``batch_index``."""
     check_seed(seed)
     _check_int("batch_index", batch_index, 0, cfg.batch - 1)
     return _batch_probabilities(cfg, seed)[batch_index].clone()
@@ -225,8 +204,7 @@ def attention_probabilities(cfg: Config, seed: int, batch_index: int = 0) -> tor
 
 @functools.lru_cache(maxsize=64)
 def _batch_probabilities(cfg: Config, seed: int) -> torch.Tensor:
-    """``[B, Hq, S, S]`` probabilities of ``(cfg, seed)`` from the package's layers; cached:
-    never modify it."""
+    """``[B, Hq, S, S]`` probabilities of ``(cfg, seed)``; cached: never modify it."""
     x, _ = make_inputs(cfg, seed)
     p = init_params(cfg, seed + PARAM_SEED_OFFSET)
     with torch.no_grad():
@@ -245,8 +223,7 @@ def _value_path(text: str) -> Path:
 
 def set_attention_state(fig, seed: int, batch_index: int = 0,
                         probs: torch.Tensor | None = None) -> None:
-    """Redraw an ``attention_heatmaps`` figure for ``seed`` and ``batch_index`` (same cfg),
-    from ``probs`` ``[Hq, S, S]`` if given, else ``attention_probabilities``."""
+    """Redraw an ``attention_heatmaps`` figure for ``seed``, ``batch_index`` (or ``probs``)."""
     parts = fig.tpattn_attention
     cfg = parts["cfg"]
     if probs is None:
@@ -273,8 +250,8 @@ def attention_dynamic_artists(fig) -> list:
 
 
 def gradient_figure(grads: dict[str, torch.Tensor]):
-    """One panel per parameter (``grads``: ``init_params``'s keys): ``norm`` as bars, the weight
-    matrices as symmetric heat maps, each titled with its gradient's norm."""
+    """A panel per parameter gradient (``init_params``' keys): ``norm`` as bars, the matrices
+    as heat maps, each titled with its norm."""
     if not isinstance(grads, dict) or set(grads) != set(PARAM_NAMES):
         raise ValueError(f"grads must be a dict with keys {list(PARAM_NAMES)} "
                          f"(got {sorted(grads) if isinstance(grads, dict) else type(grads).__name__})")

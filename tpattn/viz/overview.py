@@ -1,5 +1,4 @@
-"""Figures for the landing page and chapter 1: the map of the block, and the scale of 1e-6.
-The map's labels come from the package (function names, ``rank_head_slices``, ``Config``)."""
+"""Figures for the landing page and chapter 1: the map of the block, and the scale of 1e-6."""
 from __future__ import annotations
 
 import functools
@@ -23,7 +22,7 @@ _F_G_COLOR = "#6a3d9a"  # the two collectives
 
 
 def rank_heads(cfg: Config, rank: int) -> tuple[range, range]:
-    """Query heads and KV heads that TP rank ``rank`` owns (from ``params.rank_head_slices``)."""
+    """Query heads and KV heads that TP rank ``rank`` owns."""
     q_rows, kv_rows = rank_head_slices(cfg, rank)
     d = cfg.head_dim
     return range(q_rows.start // d, q_rows.stop // d), range(kv_rows.start // d, kv_rows.stop // d)
@@ -34,8 +33,7 @@ def _heads_text(heads: range) -> str:
 
 
 def _rank_lane(ax, cfg: Config, rank: int, y: float, mid: float) -> None:
-    """Rank ``rank``'s lane of the block map at height ``y``: its wq/wk/wv rows and heads,
-    RoPE and attention, its wo columns → a partial ``[S, B, hidden]``."""
+    """Rank ``rank``'s lane of the block map at height ``y``."""
     boxed = functools.partial(box, pad=0.3)
     color = rank_color(rank)
     q_heads, kv_heads = rank_heads(cfg, rank)
@@ -54,8 +52,7 @@ def _rank_lane(ax, cfg: Config, rank: int, y: float, mid: float) -> None:
 
 
 def _g_and_residual(ax, mid: float, top: float) -> None:
-    """The block map's right end: g sums the partials, ``+ x`` (the residual path along
-    ``top``) gives ``y``."""
+    """The block map's right end: g, ``+ x`` (the residual along ``top``), ``y``."""
     g_name = reduce_output_partials.__name__.replace("output_", "output_\n")
     box(ax, 85.5, mid, 10.5, 11, f"g\n{g_name}\nfwd: all-reduce (Σ)\nbwd: identity",
         _F_G_COLOR, face="#f3eef8", size=8, pad=0.3)
@@ -70,10 +67,8 @@ def _g_and_residual(ax, mid: float, top: float) -> None:
 
 
 def block_map_figure(cfg: Config | None = None):
-    """The attention block split across ``cfg.world_size`` TP ranks (default ``Config()``):
-    ``x`` → RMSNorm → **f** (``copy_to_ranks``) → one lane per rank (its wq/wk/wv rows and
-    heads, RoPE, attention, its wo columns → a partial) → **g** (``reduce_output_partials``)
-    → ``+ x``; red notes say what each missing collective breaks."""
+    """The block split across ``cfg.world_size`` ranks: ``x`` → RMSNorm → f → a lane per rank
+    → g → ``+ x``, labelled with the package's names."""
     cfg = Config() if cfg is None else cfg
     boxed = functools.partial(box, pad=0.3)
     world = cfg.world_size
@@ -87,22 +82,18 @@ def block_map_figure(cfg: Config | None = None):
     ax.set_xlim(-1, 101)
     ax.set_ylim(bottom - 5.5, top + 3.0)
     ax.set_axis_off()
-
     s, b, hidden = cfg.seq, cfg.batch, cfg.hidden
     boxed(ax, 4, mid, 6.5, 6, f"x\n[{s}, {b}, {hidden}]", DENSE_COLOR, size=8.5)
     boxed(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR, size=8)
     arrow(ax, (7.8, mid), (11.2, mid))
-
     # f: one tensor in, one copy per rank out
     boxed(ax, 29, mid, 10.5, 9, f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn",
          _F_G_COLOR, face="#f3eef8", size=8)
     arrow(ax, (20.8, mid), (23.5, mid))
     ax.text(22.15, mid + 0.8, "n", ha="center", va="bottom", fontsize=8.5, style="italic")
-
     for rank, y in enumerate(lane_y):
         _rank_lane(ax, cfg, rank, y, mid)
     _g_and_residual(ax, mid, top)
-
     ax.text(29, bottom, "without f's all-reduce: forward and loss\nidentical, gradients wrong (ch. 9)",
             ha="center", va="top", fontsize=8, color=FAIL_COLOR)
     ax.text(85.5, bottom, "without g: the forward\nis already wrong (ch. 8)",
@@ -114,8 +105,7 @@ def block_map_figure(cfg: Config | None = None):
 
 
 def float32_rounding_errors(seed: int = 11, cfg: Config | None = None) -> torch.Tensor:
-    """``|y_float32 − y_float64|`` ``[S, B, hidden]`` of the dense block's output, both from the
-    same float32-drawn inputs and weights: float32 rounding alone. ``cfg``: float32."""
+    """``|y_float32 − y_float64|`` ``[S, B, hidden]`` of the dense block on the same inputs."""
     cfg = Config() if cfg is None else cfg
     if cfg.dtype != "float32":
         raise ValueError(f"cfg.dtype must be 'float32' to measure its rounding (got {cfg.dtype!r})")
@@ -128,8 +118,8 @@ def float32_rounding_errors(seed: int = 11, cfg: Config | None = None) -> torch.
 
 
 def float32_rounding_figure(seed: int = 11, cfg: Config | None = None):
-    """A histogram (log x, zeros at 1e-12 labelled "0") of ``float32_rounding_errors``, the
-    dashed ``TOLERANCE`` line, and per TP mode a line at its largest measure for ``seed``."""
+    """A histogram of ``float32_rounding_errors`` (log x), the tolerance, and a line per mode
+    at its largest measure."""
     errors = float32_rounding_errors(seed, cfg).flatten()
     floor, top = 1e-12, 10.0
     fig, ax = new_figure(figsize=(7.5, 3.3))

@@ -1,5 +1,4 @@
-"""Figures for chapter 11, the check on real torch.distributed ranks: they draw what
-``run_distributed`` reports (plain dicts), so they need no process group."""
+"""Figures for chapter 11 from what ``run_distributed`` reports (plain dicts)."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -14,8 +13,8 @@ _MEASURE_MARKERS = dict(zip(MEASURES, ["o", "s", "^", "D", "v"]))
 
 
 def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mapping]):
-    """Every measure of every run (``run()`` dicts, same order): simulated ranks (x) against
-    real ranks (y), log-log; color = mode, marker = measure, 1e-6 dashed, zeros at the floor."""
+    """Every measure of every run: simulated (x) against real ranks (y), log-log; color is the
+    mode, marker the measure."""
     if len(real) != len(simulated) or not real:
         raise ValueError(f"real and simulated must list the same runs (got {len(real)} and "
                          f"{len(simulated)} results)")
@@ -52,8 +51,7 @@ def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mappin
 
 
 def ledger_figure(ledger: Sequence[Mapping]):
-    """Expected (outline) and actual (filled) all-reduces per block, forward and backward, one
-    group per ``RealRankReport.ledger`` row; an actual bar is red where one is missing."""
+    """Expected and actual all-reduces, forward and backward, per ``RealRankReport.ledger`` row."""
     if not ledger:
         raise ValueError("ledger must have at least one row (RealRankReport.ledger)")
     fig, axes = new_figure(ncols=2, figsize=(7.5, 3.2), sharey=True)
@@ -87,9 +85,7 @@ _QUANTITIES = {
 
 
 def rank_disagreement_figure(rows: Sequence[Mapping]):
-    """Per mode (largest over the seeds, log scale, zeros at the floor): how far the ranks'
-    copies of the output, dX, the ``norm`` gradient and weight are from rank 0's
-    (``RealRankReport.rank_disagreement`` rows)."""
+    """Per mode, how far the ranks' copies are from rank 0's (``rank_disagreement`` rows)."""
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
     if not modes:
         raise ValueError("rows must hold at least one run (RealRankReport.rank_disagreement)")

@@ -1,5 +1,4 @@
-"""Figures for Part II — sharding the block across TP ranks and breaking it (chapters 6–10).
-Each function returns a new figure in the book style; tensors are read, never modified."""
+"""Figures for Part II, sharding the block and breaking it (chapters 6–10); tensors are read only."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -14,20 +13,14 @@ from .heads import heads_picture
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
 from .tables import MEASURE_LABELS
 
-__all__ = [
-    "ZERO_FLOOR", "MODE_COLORS",
-    "zero_floor", "value_label",
-    "heads_to_ranks_figure",
-    "weight_shards_figure",
-    "measures_figure", "compare_measures_figure",
-    "heatmaps_figure", "partial_vs_full_figure", "channel_bars_figure", "drift_figure",
-    "matrix_figure",
-]
+__all__ = ["ZERO_FLOOR", "MODE_COLORS", "zero_floor", "value_label", "set_measures",
+           "heads_to_ranks_figure", "weight_shards_figure", "measures_figure",
+           "compare_measures_figure", "heatmaps_figure", "partial_vs_full_figure",
+           "channel_bars_figure", "drift_figure", "matrix_figure"]
 
 #: Where a value of exactly 0 is drawn on a log axis (and labelled "0").
 ZERO_FLOOR = 1e-12
 
-#: One color per TP mode.
 MODE_COLORS = {
     "equivalence": PASS_COLOR,
     "missing_output_reduce": FAIL_COLOR,
@@ -35,21 +28,13 @@ MODE_COLORS = {
 }
 
 
-# --- chapter 6: heads, ranks, shards -------------------------------------------------------
-
-
 def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None):
-    """Query heads (top) and KV heads (bottom) as boxes colored by their TP rank, a line from
-    each query head to the KV head it reads, dashed in the fail color where the two sit on
-    different ranks. ``query_ranks[h]``: the rank of query head ``h`` (default: the package's
-    contiguous blocks). Fewer KV heads than ranks (default ``query_ranks``): the
-    ``replica_groups_figure``. Draws ``heads_picture(cfg, query_ranks)``."""
+    """``draw_heads(heads_picture(cfg, query_ranks))``."""
     return draw_heads(heads_picture(cfg, query_ranks))
 
 
 def weight_shards_figure(cfg: Config):
-    """The four weight matrices to scale, each part in its rank's color: ``wq``/``wk``/``wv``
-    split by rows (column-parallel), ``wo`` by columns (row-parallel)."""
+    """The four weight matrices to scale, each rank's rows (``wo``: columns) in its color."""
     d = cfg.head_dim
     shapes = {
         "wq": (cfg.query_heads * d, cfg.hidden),
@@ -84,9 +69,6 @@ def weight_shards_figure(cfg: Config):
     return fig
 
 
-# --- the five measures ---------------------------------------------------------------------
-
-
 def zero_floor(values: Sequence[float]) -> float:
     """Where 0 is drawn: ``ZERO_FLOOR``, or lower when a nonzero value is smaller than it."""
     smallest = min((v for v in values if v > 0), default=1.0)
@@ -103,16 +85,14 @@ def value_label(v: float) -> str:
 
 def _threshold_line(ax, floor: float, axis: str = "x") -> None:
     """Log scale from ``floor`` to 30 on ``axis``, the dashed 1e-6 line, labelled."""
+    getattr(ax, f"set_{axis}scale")("log")
+    getattr(ax, f"set_{axis}lim")(floor / 3, 30)
+    (ax.axvline if axis == "x" else ax.axhline)(TOLERANCE, color="black", linestyle="--",
+                                               linewidth=1)
     if axis == "x":
-        ax.set_xscale("log")
-        ax.set_xlim(floor / 3, 30)
-        ax.axvline(TOLERANCE, color="black", linestyle="--", linewidth=1)
         ax.text(TOLERANCE * 1.3, 0.995, "threshold 1e-6", transform=ax.get_xaxis_transform(),
                 va="top", ha="left", fontsize=8)
     else:
-        ax.set_yscale("log")
-        ax.set_ylim(floor / 3, 30)
-        ax.axhline(TOLERANCE, color="black", linestyle="--", linewidth=1)
         ax.text(1.0, TOLERANCE, " 1e-6", transform=ax.get_yaxis_transform(), va="center",
                 ha="left", fontsize=8)
 
@@ -138,13 +118,26 @@ def measures_figure(result: Mapping):
     fig, ax = new_figure(figsize=(7.0, 2.6))
     values = [float(result[m]) for m in MEASURES]
     floor = zero_floor(values)
-    _measure_bars(ax, list(range(len(MEASURES)))[::-1], values, floor, 8, height=0.6,
-                  color=[PASS_COLOR if v < TOLERANCE else FAIL_COLOR for v in values])
+    _measure_bars(ax, list(range(len(MEASURES)))[::-1], values, floor, 8, height=0.6)
     _measures_axis(ax, floor)
-    verdict = "PASSED" if result["passed"] else "FAILED"
-    ax.set_title(f"seed {result['seed']}, mode {result['mode']}: {verdict}",
-                 color=PASS_COLOR if result["passed"] else FAIL_COLOR)
+    ax.set_title(" ")
+    set_measures(fig, result)
     return fig
+
+
+def set_measures(fig, result: Mapping) -> None:
+    """Set a ``measures_figure`` of the same ``zero_floor`` to ``result``: bars, labels, title."""
+    ax = fig.axes[0]
+    values = [float(result[m]) for m in MEASURES]
+    floor = zero_floor(values)
+    for bar, label, value in zip(ax.patches, ax.texts, values):  # MEASURES order
+        bar.set_width(value or floor)
+        bar.set_facecolor(PASS_COLOR if value < TOLERANCE else FAIL_COLOR)
+        label.set_x((value or floor) * 1.4)
+        label.set_text(value_label(value))
+    verdict = "PASSED" if result["passed"] else "FAILED"
+    ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {verdict}")
+    ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
 
 
 def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
@@ -166,13 +159,10 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
     return fig
 
 
-# --- tensors as pictures (chapters 8 and 9) -------------------------------------------------
-
-
 def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = True,
                     cmap: str = "RdBu_r", value_label: str = ""):
-    """One heat map per ``[S, B, hidden]`` tensor (title → tensor) as ``[S, B·hidden]``, white
-    lines between batch elements; symmetric color scale, shared unless ``shared_scale=False``."""
+    """One heat map per ``[S, B, hidden]`` tensor (title → tensor) as ``[S, B·hidden]``;
+    symmetric color scale, shared unless ``shared_scale=False``."""
     images = {name: t.detach().double().reshape(t.shape[0], -1)  # batch-major columns
               for name, t in panels.items()}
     n = len(images)
@@ -200,8 +190,7 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
 
 
 def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor]):
-    """Each element of ``full`` ``[S, B, hidden]`` (x) against each rank's partial (same shape)
-    and against their sum (y): the sum lies on the diagonal."""
+    """Each element of ``full`` ``[S, B, hidden]`` (x) against each rank's partial and their sum."""
     fig, ax = new_figure(figsize=(4.6, 4.0))
     xs = full.detach().flatten().to(torch.float64).numpy()
     for r, p in enumerate(partials):
@@ -244,8 +233,8 @@ def channel_bars_figure(series: Mapping[str, torch.Tensor], title: str = "", yla
 
 def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequence[float]],
                  title: str = "max |W_bug − W_ref| after each step"):
-    """Left: per parameter (name → value per step) the max weight difference of two runs after
-    each SGD step (log, 0 at ``ZERO_FLOOR``, 1e-6 line). Right: each run's loss per step."""
+    """Left: per name, a difference after each SGD step (log, 0 at ``ZERO_FLOOR``); right: each
+    run's loss per step."""
     fig, (left, right) = new_figure(ncols=2, figsize=(7.5, 3.0))
     markers = ["o", "s", "^", "v", "D"]
     for i, (name, values) in enumerate(diffs.items()):
@@ -269,12 +258,8 @@ def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequ
     return fig
 
 
-# --- chapter 10: the matrix ------------------------------------------------------------------
-
-
 def matrix_figure(results: Sequence[Mapping]):
-    """Every ``run_matrix()`` result: per measure one point per seed, grouped and colored by
-    mode, log scale, 1e-6 line (exact zeros at ``ZERO_FLOOR``)."""
+    """Every ``run_matrix()`` result: per measure a point per seed, colored by mode, log scale."""
     fig, ax = new_figure(figsize=(7.5, 3.4))
     modes = [m for m in MODES if any(r["mode"] == m for r in results)]
     offsets = {m: (i - (len(modes) - 1) / 2) * 0.25 for i, m in enumerate(modes)}

@@ -1,5 +1,4 @@
-"""Figures for chapter 12, sequence parallelism: plain numbers in (lists, ledger rows), so
-one figure serves simulated and real ranks."""
+"""Figures for chapter 12, sequence parallelism, from plain numbers (simulated or real ranks)."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -13,8 +12,7 @@ _COLLECTIVE_COLORS = {"all_reduce": "#7f7f7f", "all_gather": "#1f77b4", "reduce_
 
 def norm_grad_by_rank_figure(by_rank: Sequence[Sequence[float]], truth: Sequence[float],
                              title: str = "norm gradient without its all-reduce"):
-    """Each rank's own ``norm`` gradient (``W`` lists of ``hidden`` values, one line each)
-    against the dense ``truth`` (thick grey) per channel, and their sum (crosses), on the truth."""
+    """Each rank's ``norm`` gradient (``W`` lists of ``hidden``), their sum and the truth."""
     if not by_rank or any(len(g) != len(truth) for g in by_rank):
         raise ValueError(f"by_rank must hold one gradient of length {len(truth)} per rank "
                          f"(got {[len(g) for g in by_rank]})")
@@ -35,8 +33,7 @@ def norm_grad_by_rank_figure(by_rank: Sequence[Sequence[float]], truth: Sequence
 
 
 def sp_ledger_figure(rows: Sequence[Mapping]):
-    """Bytes each rank sends per training step, TP against SP, stacked by collective
-    (``tpattn.parallel.sequence_parallel.communication_ledger``'s rows)."""
+    """Bytes a rank sends per step by variant, stacked by collective (``communication_ledger``)."""
     variants = list(dict.fromkeys(row["variant"] for row in rows))
     if not variants:
         raise ValueError("rows must hold at least one collective (communication_ledger)")

@@ -1,8 +1,4 @@
-"""The five measures as text: labels, ``format_measure`` and ``measures_table`` (no matplotlib).
-
-A chapter that prints measures but draws nothing (e.g. chapter 15) imports only this module;
-``tpattn.viz.sharding`` re-exports all of it next to its figures.
-"""
+"""The five measures as text: labels, ``format_measure`` and ``measures_table`` (no matplotlib)."""
 from __future__ import annotations
 
 import itertools
@@ -23,11 +19,8 @@ MEASURE_LABELS = {
 
 
 def format_measure(value: float, tolerance: float = TOLERANCE) -> str:
-    """A measure as text that does not depend on the CPU's last bits.
-
-    Values below ``tolerance`` are float32 rounding noise (their exact size can differ between
-    machines), so they print as ``"< 1e-06"``; larger values print with 3 significant digits (``"7.01e-01"``).
-    """
+    """A measure as text that does not depend on the CPU's last bits: ``"< 1e-06"`` below
+    ``tolerance`` (rounding noise), else 3 significant digits (``"7.01e-01"``)."""
     if value < tolerance:
         return f"< {tolerance:.0e}"
     return f"{value:.2e}"
@@ -45,13 +38,9 @@ SHORT_MEASURE_LABELS = {
 
 def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURES,
                    labels: Sequence[str] | None = None, compact: bool = False) -> str:
-    """A fixed-width text table of ``run()`` results: one row per result, one column per measure,
-    values through ``format_measure``, then the verdict. ``labels`` (one per result) replace
-    the mode column, headed "variant".
-
-    ``compact=True`` fits a book's text column (< 70 characters): short headers
-    (``SHORT_MEASURE_LABELS``) and, instead of a mode column, one section per run of equal
-    modes (or labels), headed by it."""
+    """A fixed-width table of ``run()`` results: seed, mode (or ``labels``, "variant"), each
+    measure (``format_measure``), verdict. ``compact=True`` (< 70 characters): short headers
+    and, instead of a mode column, one section per run of equal modes (or labels)."""
     second = "mode" if labels is None else "variant"
     labels = [r["mode"] for r in results] if labels is None else list(labels)
     names, extra = (SHORT_MEASURE_LABELS, []) if compact else (MEASURE_LABELS, [second])
@@ -59,11 +48,9 @@ def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURE
     rows = [[str(r["seed"])] + ([] if compact else [label]) + [format_measure(r[m]) for m in measures]
             + ["PASSED" if r["passed"] else "FAILED"] for r, label in zip(results, labels)]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-
     def table(body) -> str:
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
                          for line in [headers, ["-" * w for w in widths], *body])
-
     if not compact:
         return table(rows)
     return "\n\n".join(f"{label}\n" + table(row for row, _ in section)

@@ -1,7 +1,5 @@
-"""The bug-hunt explorer (chapter 18): pick a hunt and a cause; the panel shows what the run
-shows (``hunt.describe``) and the diagnosis tier those observables are (``diagnose.TIERS``: a
-hunt observes with a known-good run, tier 2), then whether the guess is right
-(``hunt.judge``) and what ``tpattn.diagnose`` names at that tier."""
+"""The bug-hunt explorer (chapter 18): what the run shows, whether a guess is right, and what
+``tpattn.diagnose`` names."""
 from __future__ import annotations
 
 import functools
@@ -23,8 +21,7 @@ UNANSWERED = "(choose a cause)"
 
 
 @functools.lru_cache(maxsize=64)
-def _observe(hunt: int) -> tuple[str, dict]:
-    # the engine's simulated ranks (tpattn.parallel.simulated); remembered: never modify it
+def _observe(hunt: int) -> tuple[str, dict]:  # remembered: never modify it
     mode, seed, cfg = hunt_case(hunt)
     with single_thread():
         return mode, observe(mode, seed, cfg)
@@ -52,17 +49,14 @@ def hunt_panel(hunt: int, guess: str) -> tuple[str, str]:
 
 
 def bug_hunt_explorer(hunt: int = 1, hunts=PRECOMPUTED_HUNTS) -> Explorer:
-    """Live bug hunt: ``hunt`` (any integer >= 0) and the reader's answer; the static twin,
-    every ``hunts`` × answer (text only: no figures)."""
+    """Live bug hunt and the reader's answer; the static twin: ``hunts`` × answers."""
     answers = [UNANSWERED] + choices()
     controls = {"hunt": widgets.IntText(value=hunt, description="hunt",
                                         layout=widgets.Layout(width="11em")),
                 "guess": widgets.Dropdown(options=answers, value=UNANSWERED, description="cause",
                                           layout=widgets.Layout(width="24em"))}
-
     def draw(hunt, guess):
         return [html_output(*hunt_panel(hunt, guess))]
-
     states = [("hunt", [(str(h), {"hunt": h}) for h in hunts]),
               ("cause", [(a, {"guess": a}) for a in answers])]
     return Explorer("bug hunt", controls, draw, states, kind="bug-hunt",

@@ -1,10 +1,5 @@
-"""Explorer machinery: controls, an output area that never shows a traceback, PNGs.
-
-An :class:`Explorer` is a row of controls and an ``ipywidgets.Output`` area, refilled by
-``draw(**values)`` whenever a control changes (a failure becomes a one-line message); its
-static twin is the same ``draw`` at precomputed states. Outputs are assigned to
-``Output.outputs``, never written ``with output:``: nothing leaks into a cell.
-"""
+"""Explorer machinery: controls, an output area that never shows a traceback, PNGs. Outputs
+are assigned to ``Output.outputs``, never written ``with output:``: nothing leaks into a cell."""
 from __future__ import annotations
 
 import base64
@@ -26,37 +21,29 @@ from tpattn.check.core import EQUIVALENCE, MODES
 from tpattn.config import Config
 from .static import StaticExplorer
 
-__all__ = [
-    "Explorer", "seed_control", "mode_control", "config_controls", "drawn_config",
-    "encode_png", "StandingFigure", "png_output", "html_output", "text_output",
-    "message_output", "png_img", "outputs_html", "single_thread",
-]
-
-# matplotlib is imported where a figure is drawn: an HTML-only explorer does not load it.
+__all__ = ["Explorer", "seed_control", "mode_control", "config_controls", "drawn_config",
+           "encode_png", "StandingFigure", "png_output", "html_output", "text_output",
+           "message_output", "png_img", "outputs_html", "single_thread"]
 
 
-def _close(fig) -> None:
-    """Take ``fig`` out of pyplot's registry (where nothing would flush it into a cell)."""
+def _close(fig) -> None:  # matplotlib loads only where a figure is drawn
     import matplotlib.pyplot as plt
     plt.close(fig)
 
 
 def _open_figures() -> set[int]:
-    """Numbers of pyplot's open figures (none if pyplot was never imported)."""
     pyplot = sys.modules.get("matplotlib.pyplot")
     return set(pyplot.get_fignums()) if pyplot is not None else set()
 
 
-#: Resolution of every PNG an explorer shows (the book style's savefig dpi).
+#: Resolution of every PNG an explorer shows.
 PNG_DPI = 100
-#: Longest message shown in an output area (a message is a sentence, never a dump).
+#: Longest message shown in an output area.
 MAX_MESSAGE = 400
 
 
-# --- controls ------------------------------------------------------------------------------
-
 def seed_control(value: int = 11, description: str = "seed") -> widgets.IntText:
-    """A seed: any integer can be typed; ``run`` itself rejects the invalid ones."""
+    """A seed box: any integer (``run`` rejects the invalid ones)."""
     return widgets.IntText(value=value, description=description,
                            layout=widgets.Layout(width="11em"))
 
@@ -68,15 +55,13 @@ def mode_control(value: str = EQUIVALENCE, options=MODES) -> widgets.ToggleButto
 
 
 def config_controls(**values: int) -> dict[str, widgets.IntText]:
-    """One integer box per ``Config`` field named in ``values``, starting at its value.
-    Unbounded on purpose: an invalid value reaches ``Config``, whose message explains the rule."""
+    """One unbounded integer box per ``Config`` field of ``values`` (``Config`` says the rule)."""
     return {name: widgets.IntText(value=value, description=name, layout=widgets.Layout(
         width="10.5em"), style={"description_width": "initial"}) for name, value in values.items()}
 
 
 def drawn_config(max_query_heads: int, **fields) -> Config:
-    """``Config(**fields)`` (its own ``ValueError`` if invalid), or ``ValueError`` above
-    ``max_query_heads`` query heads (where a heads picture stops being readable)."""
+    """``Config(**fields)``; ``ValueError`` above ``max_query_heads`` query heads."""
     cfg = Config(**fields)
     if cfg.query_heads > max_query_heads:
         raise ValueError(f"query_heads: the figure draws at most {max_query_heads} query heads "
@@ -84,13 +69,9 @@ def drawn_config(max_query_heads: int, **fields) -> Config:
     return cfg
 
 
-# --- outputs (nbformat output dicts, as ``Output.outputs`` holds them) ---------------------
-
 def encode_png(pixels, palette: bool = False) -> bytes:
-    """PNG bytes (no metadata) of an ``[H, W, 3|4]`` uint8 array, as RGB. Live updates: rows
-    unfiltered, zlib level 1 (PNG spec, section 4: ~3x faster than PIL's adaptive filters,
-    no larger for these flat figures); ``palette=True``: 256 colors (PIL's deterministic
-    octree), ~3x smaller, for the precomputed panels."""
+    """PNG bytes of an ``[H, W, 3|4]`` uint8 array as RGB: rows unfiltered, zlib level 1 (~3x
+    faster than PIL for live updates); ``palette=True``: 256 colors, ~3x smaller."""
     rgb = np.ascontiguousarray(np.asarray(pixels)[..., :3])
     if palette:
         buf = io.BytesIO()
@@ -100,25 +81,18 @@ def encode_png(pixels, palette: bool = False) -> bytes:
     height, width = rgb.shape[:2]
     rows = np.zeros((height, 1 + 3 * width), np.uint8)  # each row: filter type 0, then RGB
     rows[:, 1:] = rgb.reshape(height, -1)
-
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
             + chunk(b"IDAT", zlib.compress(rows.tobytes(), 1)) + chunk(b"IEND", b""))
 
 
 class StandingFigure:
-    """A figure kept standing per *structure*, updated per *state* by matplotlib's blitting
-    (``copy_from_bbox``, ``restore_region``, ``draw_artist``); keeps the last ``size``.
-
-    ``build(structure, state)`` returns the ``tpattn.viz`` figure; ``update(fig, state)`` sets
-    the artists that depend on the state (the setter that figure uses itself); ``dynamic(fig)``
-    lists them in drawing order. The first state lays the figure out once, freezes the layout
-    and caches the background without them; later states draw only them over it. The pixels
-    equal a full draw (``tests/frontends/test_widgets.py`` compares them).
-    """
+    """A figure kept standing per *structure* (the last ``size``), updated per *state* by
+    blitting: ``build(structure, state)`` makes it, ``update(fig, state)`` sets the artists
+    ``dynamic(fig)`` lists, which alone are redrawn over a cached background; the pixels equal
+    a full draw."""
 
     def __init__(self, build: Callable, update: Callable, dynamic: Callable,
                  size: int = 6, dpi: int = PNG_DPI):
@@ -128,7 +102,7 @@ class StandingFigure:
         self._standing: dict = {}  # structure -> (fig, background)
 
     def figure(self, structure):
-        """The standing figure of ``structure`` (``None`` if it is not standing)."""
+        """The standing figure of ``structure``, or ``None``."""
         entry = self._standing.get(structure)
         return None if entry is None else entry[0]
 
@@ -137,9 +111,8 @@ class StandingFigure:
         if structure in self._standing:
             return
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-
         fig = self.build(structure, state)
-        _close(fig)  # out of pyplot's registry (nothing to flush into a cell); drawable
+        _close(fig)  # out of pyplot's registry; still drawable
         FigureCanvasAgg(fig)
         fig.set_dpi(self.dpi)
         self.builds += 1
@@ -148,8 +121,7 @@ class StandingFigure:
             del self._standing[next(iter(self._standing))]
 
     def _background(self, fig):
-        """Lay ``fig`` out once, freeze the layout, draw all but the dynamic artists: the
-        background."""
+        """Lay ``fig`` out once, freeze it, draw all but the dynamic artists."""
         fig.draw_without_rendering()
         fig.set_layout_engine("none")
         titles = [(ax.title, ax.title.get_position()) for ax in fig.axes]
@@ -183,7 +155,7 @@ class StandingFigure:
 
 
 def png_output(png: bytes, text: str) -> dict:
-    """A ``display_data`` output showing a PNG; ``text`` says what it shows (its alt text)."""
+    """A ``display_data`` output of a PNG and its alt ``text``."""
     return {"output_type": "display_data", "metadata": {},
             "data": {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": text}}
 
@@ -201,7 +173,7 @@ def text_output(text: str) -> dict:
 
 
 def message_output(message: str) -> dict:
-    """A short notice (invalid value, nothing to draw) in the output area; never a traceback."""
+    """A short notice in the output area (at most ``MAX_MESSAGE`` characters)."""
     message = " ".join(str(message).split())
     if len(message) > MAX_MESSAGE:
         message = message[: MAX_MESSAGE - 1] + "…"
@@ -211,7 +183,7 @@ def message_output(message: str) -> dict:
 
 
 def png_img(png: bytes, alt: str) -> str:
-    """An ``<img>`` with the PNG inline (base64), sized by its pixels, scaled down to fit."""
+    """An ``<img>`` with the PNG inline (base64), sized by its pixels."""
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     data = base64.b64encode(png).decode("ascii")
     return (f'<img src="data:image/png;base64,{data}" width="{width}" height="{height}" '
@@ -219,8 +191,7 @@ def png_img(png: bytes, alt: str) -> str:
 
 
 def outputs_html(outputs: Sequence[dict]) -> str:
-    """``outputs`` as one HTML block: each one's ``text/html``, or its PNG re-encoded in 256
-    colors (``encode_png(palette=True)``) as an ``<img>`` whose alt text is its text."""
+    """``outputs`` as one HTML block, PNGs re-encoded in 256 colors as ``<img>``."""
     parts = []
     for output in outputs:
         data = output["data"]
@@ -234,8 +205,7 @@ def outputs_html(outputs: Sequence[dict]) -> str:
 
 @contextlib.contextmanager
 def single_thread():
-    """Run torch on one thread inside the block (tiny tensors: a busy thread pool only adds
-    latency)."""
+    """Run torch on one thread inside the block (tiny tensors)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -244,20 +214,14 @@ def single_thread():
         torch.set_num_threads(before)
 
 
-# --- the explorer --------------------------------------------------------------------------
-
 #: One group of a static twin: its name and its options, each ``(label, {control: value})``.
 StateGroup = tuple[str, Sequence[tuple[str, Mapping]]]
 
 
 class Explorer:
     """Controls + an output area, redrawn by ``draw(**values)`` (a list of ``*_output``
-    dicts) whenever a control changes; displayed, the live widget and its static twin.
-
-    The twin (``static_html()``, a ``StaticExplorer`` of kind ``kind``) has one radio group
-    per entry of ``states`` and one panel per combination of their options: ``draw`` at the
-    first values updated by each chosen option's ``{control: value}``; it opens on the
-    combination of the first values (else the first). ``warm()`` runs after it is built."""
+    dicts) on every change; displayed, the live widget and its static twin: a panel per
+    combination of ``states``' options (``warm()`` runs after it is built)."""
 
     def __init__(self, name: str, controls: Mapping[str, widgets.ValueWidget],
                  draw: Callable[..., list[dict]], states: Sequence[StateGroup] = (),
@@ -302,25 +266,25 @@ class Explorer:
             self.redraw()
 
     def outputs(self, **values) -> list[dict]:
-        """``draw(**values)``, or a one-line message when it fails."""
+        """``draw(**values)``, or a one-line message when it fails (no figure left open)."""
         open_before = _open_figures()
         try:
             return list(self._draw(**values))
-        except ValueError as error:  # the package's own "field must … (got …)" message
+        except ValueError as error:
             return [message_output(str(error))]
         except Exception as error:  # noqa: BLE001 — a reader must never see a traceback
             return [message_output(f"cannot draw this: {type(error).__name__}: {error}")]
         finally:
             for number in _open_figures() - open_before:
-                _close(number)  # a failed draw must not leave a figure for the next cell
+                _close(number)
 
     def redraw(self) -> None:
-        """Recompute and replace the output area's contents (a message on any failure)."""
+        """Recompute the output area's contents."""
         self.output.outputs = tuple(self.outputs(**self.values))
         self.redraws += 1
 
     def static(self) -> StaticExplorer:
-        """The static twin: every combination of ``states``' options, drawn now."""
+        """The static twin, drawn now."""
         panels, initial = {}, None
         for combo in itertools.product(*(range(len(options)) for _, options in self.states)):
             values = dict(self._first)

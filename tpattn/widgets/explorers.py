@@ -1,8 +1,4 @@
-"""The book's explorers, each a live ``Explorer`` with its static twin (the same ``draw`` at
-the states below): ``rope_explorer`` (chapter 3), ``attention_explorer`` (4),
-``sharding_explorer`` (6), ``seed_mode_explorer`` (8–10) and ``sp_explorer`` (12, on
-simulated ranks with ``SP_MODES``). Every number comes from the package and every figure
-from ``tpattn.viz``."""
+"""The book's explorers: RoPE (chapter 3), attention (4), sharding (6), seed × mode (8–10), SP (12)."""
 from __future__ import annotations
 
 import ipywidgets as widgets
@@ -16,19 +12,14 @@ from tpattn.viz.heads import heads_picture
 from tpattn.viz.tables import measures_table
 from .core import (Explorer, StandingFigure, config_controls, html_output, mode_control,
                    png_output, seed_control, single_thread, text_output)
-from .heads import control_states, heads_explorer, layout_states
-from .kv import kv_caption
+from .kv import control_states, heads_explorer, kv_caption, layout_states
 from .measures import MeasuresPlot, live_run, measures_html
 
-__all__ = [
-    "rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
-    "sp_explorer", "SP_EXPLORER_CONFIG",
-    "ROPE_POSITIONS", "ATTENTION_LAYOUTS",
-    "ATTENTION_SEEDS", "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS",
-]
+__all__ = ["rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
+           "sp_explorer", "SP_EXPLORER_CONFIG", "ROPE_POSITIONS", "ATTENTION_LAYOUTS",
+           "ATTENTION_SEEDS", "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS"]
 
-#: RoPE positions precomputed for the book (``max_position`` 16); each figure costs ~0.5 s of
-#: build time on a small machine, so the set stays small.
+#: RoPE positions precomputed for the book (~0.5 s each).
 ROPE_POSITIONS = (0, 1, 3, 8, 16)
 #: Head layouts of the attention explorer: name → (query_heads, kv_heads).
 ATTENTION_LAYOUTS = {"MHA 4q/4kv": (4, 4), "GQA 4q/2kv": (4, 2), "MQA 4q/1kv": (4, 1)}
@@ -37,11 +28,9 @@ ATTENTION_SEEDS = (11, 17)
 SHARDING_LAYOUTS = ((4, 2, 2), (4, 2, 1), (8, 4, 2), (8, 8, 4), (8, 2, 4), (6, 4, 2))
 #: The heads→ranks figure stays readable up to this many query heads.
 MAX_DRAWN_HEADS = 64
-#: Chapter 12's block: the original fixture's shapes with 8 tokens, so that 2 ranks hold 4 each.
+#: Chapter 12's block: 8 tokens, so that 2 ranks hold 4 each.
 SP_EXPLORER_CONFIG = Config(seq=8, sequence_parallel=True)
 
-
-# --- chapter 3: RoPE -----------------------------------------------------------------------
 
 def _rope_caption(position: int, head_dim: int) -> str:
     """Each pair's speed (rad/position) and its angle at ``position``."""
@@ -53,8 +42,7 @@ def _rope_caption(position: int, head_dim: int) -> str:
 
 
 def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) -> Explorer:
-    """RoPE's rotations at one position: every channel pair turns at its own frequency; the
-    static twin, ``head_dim`` at each of ``ROPE_POSITIONS``."""
+    """RoPE's rotations at one position; the static twin at ``ROPE_POSITIONS``."""
     controls = {
         "position": widgets.IntSlider(value=position, min=0, max=max_position,
                                       description="position", continuous_update=False),
@@ -63,23 +51,18 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
     }
     standing = StandingFigure(build=lambda shape, at: rope_rotation_figure(at, *shape),
                               update=set_rope_position, dynamic=rope_dynamic_artists)
-
     def draw(position, head_dim):
         png = standing.png((head_dim, max_position), position)  # may raise: before the text
         return [text_output(_rope_caption(position, head_dim)), png_output(
             png, f"RoPE rotations at position {position}, head_dim {head_dim}")]
-
-    def warm():  # while the cell runs: every head_dim's figure, for fast updates later
+    def warm():  # every head_dim's figure, for fast updates later
         for other in controls["head_dim"].options:
             standing.stand((other, max_position), position)
-
     explorer = Explorer("RoPE", controls, draw, [control_states("position", ROPE_POSITIONS)],
                         kind="rope", warm=warm)
     explorer.standing = standing
     return explorer
 
-
-# --- chapter 4: attention and GQA ----------------------------------------------------------
 
 def attention_config(query_heads: int, kv_heads: int, base: Config | None = None) -> Config:
     """``base`` (default ``Config()``) with these head counts on one rank (dense attention)."""
@@ -90,8 +73,8 @@ def attention_config(query_heads: int, kv_heads: int, base: Config | None = None
 
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,
                        cfg: Config | None = None) -> Explorer:
-    """Attention probabilities of every query head; frames colored by the KV head they share.
-    The static twin: ``ATTENTION_LAYOUTS`` × ``ATTENTION_SEEDS``."""
+    """Attention probabilities of every query head; the static twin: ``ATTENTION_LAYOUTS`` ×
+    ``ATTENTION_SEEDS``."""
     controls = {
         "heads": widgets.ToggleButtons(options=list(ATTENTION_LAYOUTS), value=heads,
                                        description="heads", style={"button_width": "auto"}),
@@ -102,7 +85,6 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
     standing = StandingFigure(build=lambda c, state: attention_heatmaps(c, *state),
                               update=lambda fig, state: set_attention_state(fig, *state),
                               dynamic=attention_dynamic_artists)
-
     def draw(heads, seed, batch_index):
         c = attention_config(*ATTENTION_LAYOUTS[heads], base=cfg)
         with single_thread():
@@ -112,15 +94,12 @@ def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: i
                             f"{c.group_size} query heads per KV head: K/V projections and the "
                             f"KV cache are {share} of multi-head attention's"),
                 png_output(png, f"attention probabilities, {heads}, seed {seed}")]
-
     explorer = Explorer("attention", controls, draw, [control_states("heads", ATTENTION_LAYOUTS),
                                                       control_states("seed", ATTENTION_SEEDS)],
                         kind="attention")
     explorer.standing = standing
     return explorer
 
-
-# --- chapters 6 and 13: heads to ranks -----------------------------------------------------
 
 def sharding_caption(cfg: Config) -> str:
     """Which heads each rank holds (with replicas: ``kv_caption``)."""
@@ -139,8 +118,7 @@ def sharding_caption(cfg: Config) -> str:
 
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2,
                       layouts=None) -> Explorer:
-    """Which rank holds which heads; an invalid layout shows ``Config``'s own message. The
-    static twin: ``layouts`` (default ``SHARDING_LAYOUTS``)."""
+    """Which rank holds which heads; the static twin: ``layouts`` (``SHARDING_LAYOUTS``)."""
     controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
                                world_size=world_size)
     layouts = SHARDING_LAYOUTS if layouts is None else layouts
@@ -148,32 +126,26 @@ def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int =
                           heads_picture, [layout_states(layouts)])
 
 
-# --- chapters 8–10 and 12: seed × mode ----------------------------------------------------
-
 def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
                        simulate: str = "fixture", modes=MODES, name: str = "seed × mode",
                        kind: str = "seed-mode", seeds=SEEDS) -> Explorer:
-    """``run(seed, mode, cfg, simulate=simulate)``: the five measures, the verdict, the bars
-    (``modes``: the buttons; ``name``, ``kind``: the explorer's and static twin's names; the
-    twin: ``seeds`` × ``modes``)."""
+    """``run(seed, mode, cfg, simulate=simulate)``: the five measures, the verdict, the bars;
+    the twin: ``seeds`` × ``modes``."""
     controls = {"seed": seed_control(seed), "mode": mode_control(mode, modes)}
     plot = MeasuresPlot()
     what = "SP mode" if kind.startswith("sp") else "mode"
-
     def draw(seed, mode):
         result = live_run(seed, mode, cfg, simulate=simulate)
         return [html_output(measures_html(result), measures_table([result])), png_output(
             plot.png(result), f"the five measures of seed {seed}, {what} {mode}, against 1e-6")]
-
     explorer = Explorer(name, controls, draw, [control_states("seed", seeds),
                                                control_states("mode", modes)], kind=kind)
-    explorer.plot = plot  # its builds count shows how often the figure was rebuilt
+    explorer.plot = plot
     return explorer
 
 
 def sp_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None) -> Explorer:
-    """Seed × SP mode on simulated ranks: the five measures, the verdict, the bars
-    (``seed_mode_explorer`` with ``simulate="ranks"`` and ``SP_MODES``)."""
+    """``seed_mode_explorer`` on simulated ranks with ``SP_MODES``."""
     cfg = SP_EXPLORER_CONFIG if cfg is None else cfg
     if not cfg.sequence_parallel:
         raise ValueError("cfg must have sequence_parallel=True (the explorer runs the SP block)")

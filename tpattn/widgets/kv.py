@@ -1,27 +1,54 @@
-"""Chapter 13's explorer: query heads × KV heads × world size (× strategy) → the layout, the
-replica groups, and what each ``kv_strategy`` holds and moves (live and static twins)."""
+"""Heads explorers (chapters 6 and 13): a layout's caption and the SVG of its heads picture;
+chapter 13's adds the replica groups and what each ``kv_strategy`` costs."""
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import ipywidgets as widgets
 
 from tpattn.config import KV_STRATEGIES, Config
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
+from tpattn.viz.frames import HeadsPicture, heads_svg
 from tpattn.viz.heads import replica_groups_layout
-from .core import Explorer, config_controls
-from .heads import control_states, heads_explorer, layout_states
+from .core import Explorer, config_controls, drawn_config, html_output, text_output
 
-__all__ = ["KV_LAYOUTS", "kv_caption", "kv_explorer"]
+__all__ = ["control_states", "layout_states", "heads_explorer", "KV_LAYOUTS", "kv_caption",
+           "kv_explorer"]
 
-#: (query_heads, kv_heads, world_size) precomputed for the book: GQA and MQA with fewer KV
-#: heads than ranks, and one invalid layout (each an SVG of a few kB).
+#: (query_heads, kv_heads, world_size) precomputed for the book; the last is invalid.
 KV_LAYOUTS = ((8, 2, 4), (8, 1, 4), (4, 1, 2), (16, 2, 8), (8, 2, 3))
-#: The figure stays readable up to this many query heads.
 MAX_KV_DRAWN_HEADS = 32
 
 
+def control_states(name: str, values, group: str | None = None) -> tuple[str, list]:
+    """A static twin's group: control ``name`` at each of ``values``."""
+    return group or name, [(str(value), {name: value}) for value in values]
+
+
+def layout_states(layouts) -> tuple[str, list]:
+    """A static twin's group of ``(query_heads, kv_heads, world_size)`` layouts."""
+    return "layout", [("{} q · {} kv · {} ranks".format(*layout),
+                       dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
+                      for layout in layouts]
+
+
+def heads_explorer(kind: str, controls: dict, max_heads: int, caption: Callable[[Config], str],
+                   picture: Callable[[Config], HeadsPicture], states) -> Explorer:
+    """Controls → ``drawn_config(max_heads, **values)`` → its caption and the SVG of
+    ``picture(cfg)``, cached (``explorer.shown``)."""
+    @functools.lru_cache(maxsize=32)
+    def shown(cfg: Config) -> tuple[dict, dict]:
+        what = f"{cfg.query_heads} q, {cfg.kv_heads} kv, {cfg.world_size} ranks"
+        return text_output(caption(cfg)), html_output(heads_svg(picture(cfg)), f"<{what}>")
+    explorer = Explorer(kind, controls, lambda **values: list(shown(drawn_config(
+        max_heads, **values))), states, kind=kind)
+    explorer.shown = shown
+    return explorer
+
+
 def kv_caption(cfg: Config) -> str:
-    """The lines under the kv picture: the replica groups, and what each ``kv_strategy``
-    holds and sends per step (``kv_costs``)."""
+    """The replica groups, and what each ``kv_strategy`` holds and sends per step."""
     q = cfg.local_query_heads
     if has_replicas(cfg):
         groups = "; ".join(f"kv{h}: ranks {g[0]}–{g[-1]}" for h, g in enumerate(replica_groups(cfg)))
@@ -45,8 +72,7 @@ def kv_caption(cfg: Config) -> str:
 
 def kv_explorer(query_heads: int = 8, kv_heads: int = 2, world_size: int = 4,
                 kv_strategy: str = "replicate_weights", layouts=KV_LAYOUTS) -> Explorer:
-    """Which rank reads which KV head, the replica groups, and what each strategy moves; an
-    invalid layout shows ``Config``'s own message. The static twin: ``layouts`` × strategies."""
+    """Which rank reads which KV head; the static twin: ``layouts`` × strategies."""
     controls = config_controls(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
     controls["kv_strategy"] = widgets.ToggleButtons(options=list(KV_STRATEGIES), value=kv_strategy,
                                                     description="strategy",

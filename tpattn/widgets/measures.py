@@ -1,5 +1,4 @@
-"""The five measures in an output area: an HTML table, the verdict, and a fast bar chart
-(``MeasuresPlot``: ``measures_figure`` built once, its bars moved per result)."""
+"""The five measures in an output area: an HTML table, the verdict, a fast bar chart."""
 from __future__ import annotations
 
 import copy
@@ -11,8 +10,7 @@ from typing import Mapping
 from tpattn.bugs.modes import run
 from tpattn.check.core import MEASURES, TOLERANCE
 from tpattn.config import Config
-# measures_figure, with its own rules for where 0 is drawn and how a bar is labelled
-from tpattn.viz.sharding import measures_figure, value_label, zero_floor
+from tpattn.viz.sharding import measures_figure, set_measures, zero_floor
 from tpattn.viz.tables import MEASURE_LABELS, format_measure
 from tpattn.viz.style import FAIL_COLOR, PASS_COLOR
 from .core import StandingFigure, single_thread
@@ -22,8 +20,7 @@ __all__ = ["MeasuresPlot", "live_run", "measures_html"]
 
 def live_run(seed, mode, cfg: Config | None = None, simulate: str = "fixture") -> dict:
     """``run(seed, mode, cfg, simulate=simulate)`` on one thread, remembered for 256 states
-    (argument types apart: ``True`` is not ``1``); a new dict each call; ``run``'s
-    ``ValueError`` is raised, not remembered."""
+    (``True`` is not ``1``); a new dict each call; errors are not remembered."""
     try:
         return copy.deepcopy(_remembered_run(seed, mode, cfg, simulate))
     except TypeError:  # not hashable, so not a value run accepts; let run say why
@@ -37,13 +34,8 @@ def _remembered_run(seed, mode, cfg, simulate) -> dict:
         return run(seed, mode, cfg, simulate=simulate)
 
 
-def _verdict(result: Mapping) -> str:
-    return "PASSED" if result["passed"] else "FAILED"
-
-
 def measures_html(result: Mapping) -> str:
-    """Verdict line and a table: each measure, its value (``format_measure``) and whether it is
-    below the tolerance."""
+    """The verdict and a table: each measure, its value and whether it is below the tolerance."""
     color = PASS_COLOR if result["passed"] else FAIL_COLOR
     cell = "padding:0.05em 1.2em 0.05em 0"
     rows = "".join(
@@ -56,25 +48,12 @@ def measures_html(result: Mapping) -> str:
     return (f'<div class="tpx-measures">'
             f'<p style="margin:0.2em 0"><strong>seed {result["seed"]}, mode '
             f'<code>{html.escape(result["mode"])}</code>: '
-            f'<span class="tpx-verdict" style="color:{color}">{_verdict(result)}</span></strong></p>'
+            f'<span class="tpx-verdict" style="color:{color}">'
+            f'{"PASSED" if result["passed"] else "FAILED"}</span></strong></p>'
             f'<table class="tpx-table" style="border-collapse:collapse; margin:0.2em 0">'
             f'<thead><tr><th style="{cell}">measure (max |dense − TP|)</th>'
             f'<th style="{cell}; text-align:right">value</th><th style="{cell}">vs tolerance</th>'
             f"</tr></thead><tbody>{rows}</tbody></table></div>")
-
-
-def _set_measures(fig, result: Mapping) -> None:
-    """What ``measures_figure`` varies with the result, set on a figure of its zero floor."""
-    ax = fig.axes[0]
-    values = [float(result[m]) for m in MEASURES]
-    floor = zero_floor(values)
-    for bar, label, value in zip(ax.patches, ax.texts, values):  # MEASURES order
-        bar.set_width(value or floor)
-        bar.set_facecolor(PASS_COLOR if value < TOLERANCE else FAIL_COLOR)
-        label.set_x((value or floor) * 1.4)
-        label.set_text(value_label(value))
-    ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {_verdict(result)}")
-    ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
 
 
 def _measures_dynamic(fig) -> list:
@@ -84,11 +63,10 @@ def _measures_dynamic(fig) -> list:
 
 
 class MeasuresPlot(StandingFigure):
-    """``measures_figure(result)`` as PNG bytes, standing per zero floor (``builds``: one per
-    floor seen); the pixels equal a full draw (``tests/frontends/test_widgets.py``)."""
+    """``measures_figure(result)`` as PNG bytes, standing per zero floor."""
 
     def __init__(self):
-        super().__init__(lambda _floor, result: measures_figure(result), _set_measures,
+        super().__init__(lambda _floor, result: measures_figure(result), set_measures,
                          _measures_dynamic, size=2)
 
     def png(self, result: Mapping) -> bytes:

@@ -1,9 +1,5 @@
-"""Static explorers: every state that matters, precomputed, switchable in plain HTML.
-
-One self-contained ``text/html`` block: the panels (base64 PNGs, SVG, tables) and radio
-buttons whose labels select one through CSS alone (``#P-g0-1:checked ~ … > #P-p1-2``): no
-JavaScript, no network. Where a sanitizer strips ``<style>``, the inline ``display:none``
-hides the labels and every panel shows, captioned: nothing pretends to be a control."""
+"""Static explorers: precomputed panels behind radio buttons that select one through CSS alone
+(no JavaScript). Where ``<style>`` is stripped, every panel shows, captioned."""
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +10,6 @@ from typing import Mapping, Sequence
 
 __all__ = ["StaticExplorer"]
 
-# Shared look; colors come from the book theme (pydata-sphinx-theme) when it is there.
 _CSS = """
 #{p} {{ border: 1px solid var(--pst-color-border, #d0d7de); border-radius: 6px;
         padding: 0.6em 0.8em; margin: 0.5em 0 1em 0; }}
@@ -40,13 +35,8 @@ _DATA_URI = re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]+")
 
 
 class StaticExplorer:
-    """Precomputed panels of an explorer behind a CSS-only selector.
-
-    groups: ``[(name, [option label, …]), …]``, one radio group per control; panels:
-    ``{(i0, i1, …): html}`` for every combination of option indices; ``initial``: the one
-    selected (default the first); ``note`` under them (default: they were precomputed).
-    Element ids hash ``kind`` and the panels' text (not PNGs): the same markup on
-    every machine."""
+    """``panels`` ``{(i0, i1, …): html}`` for every combination of the options of ``groups``
+    ``[(name, [label, …]), …]``, ``initial`` selected; ids hash the text, not the PNGs."""
 
     def __init__(self, kind: str, groups: Sequence[tuple[str, Sequence[str]]],
                  panels: Mapping[tuple[int, ...], str], initial: tuple[int, ...] | None = None,
@@ -63,8 +53,6 @@ class StaticExplorer:
             raise ValueError(f"initial must be a combination of option indices (got {initial!r})")
         self.note = ("Precomputed when the book was built. Run the notebook to explore any "
                      "value.") if note is None else note
-        # ids from the text only: PNG bytes may differ in a pixel between machines, the ids
-        # (and so the markup nbval compares, once its sanitize rule masks the base64) do not
         text = [_DATA_URI.sub("", body) for body in self.panels.values()]
         digest = hashlib.sha1(repr((kind, self.groups, text)).encode()).hexdigest()[:10]
         self.prefix = f"tpx-{kind}-{digest}"
@@ -80,7 +68,6 @@ class StaticExplorer:
         p = self.prefix
         radio = lambda g, i: f"{p}-g{g}-{i}"  # noqa: E731
         panel = lambda combo: f"{p}-p" + "-".join(map(str, combo))  # noqa: E731
-
         rules = [_CSS.format(p=p)]
         for combo in self.panels:
             chain = " ~ ".join(f"#{radio(g, i)}:checked" for g, i in enumerate(combo))
@@ -91,7 +78,6 @@ class StaticExplorer:
                              f"{{ {_SELECTED} }}")
                 rules.append(f"#{radio(g, i)}:focus-visible ~ .tpx-controls "
                              f"label[for={radio(g, i)}] {{ {_FOCUSED} }}")
-
         out = [f'<div class="tpx" id="{p}" data-tpx-kind="{html.escape(self.kind)}">',
                "<style>", *rules, "</style>"]
         for g, (name, options) in enumerate(self.groups):
