@@ -64,6 +64,8 @@ def sp_layout_figure():
             arrow(ax, (a + 1.32, 0.5), (b - 0.42, 0.5))
     _collective(ax, 2, "gather")
     _collective(ax, 6, "scatter")
+    ax.set_title("sequence parallelism, one rank (g, ḡ: the SP paper's letters, not TP's g)",
+                 fontsize=9.5)
     ax.set_xlim(-0.6, 7.6)
     ax.set_ylim(-1.35, 1.9)
     ax.axis("off")
