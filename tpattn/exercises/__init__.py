@@ -24,6 +24,7 @@ from tpattn.exercises.in_the_wild import (AROUND_CHAPTER, DROPOUT_CONFIGS, HUNTS
                                           check_qk_norm_grad_reduce, check_qk_norm_hits,
                                           check_rng_resync, check_sp_gather_group,
                                           check_sp_gather_tokens, hunt_evidence)
+from tpattn.exercises.matrix import check_separating_measures
 from tpattn.exercises.real_ranks import (BYTES_CONFIGS, KV_CONFIGS, SP_CONFIGS,
                                          check_bytes_per_step, check_kv_grad_reduce,
                                          check_ledger_counts, check_missing_kv_parameters,
@@ -41,7 +42,7 @@ __all__ = [
     "check_g", "check_f",
     "check_missing_g_signature", "check_fingerprint",
     "check_missing_f_signature", "check_missing_f_parameters",
-    "check_signature", "check_diagnose",
+    "check_separating_measures", "check_diagnose",
     "check_bytes_per_step", "check_ledger_counts", "check_real_f_and_g",
     "check_norm_grad_reduce", "check_rope_offset",
     "check_kv_grad_reduce", "check_missing_kv_parameters",
