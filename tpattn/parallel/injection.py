@@ -14,24 +14,37 @@ __all__ = ["Injection"]
 class Injection:
     """How the sharded block is built and trained; the defaults are correct TP::
 
-        f             backward of the copy to ranks (SP: of the all-gather): "sum",
-                      "none", "mean", "twice"
-        g             times the partials are all-reduced (SP: reduce-scattered): 1, 0, 2
-        bias          output bias: None, "after_g" (correct), "every_rank" (before g)
-        shard         "heads", "fused" ([Wq; Wk; Wv] split by heads), "fused_naive"
-                      (contiguous slices), "fused_rank0" (rank 0's rows on every rank),
-                      "grouped" (per-KV-group checkpoint), "grouped_as_plain" (read as
+        f             backward of the copy to ranks (SP: of the
+                      all-gather): "sum", "none", "mean", "twice"
+        g             times the partials are all-reduced (SP:
+                      reduce-scattered): 1, 0, 2
+        bias          output bias: None, "after_g" (correct),
+                      "every_rank" (before g)
+        shard         "heads", "fused" ([Wq; Wk; Wv] split by heads),
+                      "fused_naive" (contiguous slices), "fused_rank0"
+                      (rank 0's rows on every rank), "grouped" (per-KV-
+                      group checkpoint), "grouped_as_plain" (read as
                       [Q; K; V])
-        kv            "interleave" (repeat_kv) or "tile" (KV heads tiled on each rank)
-        inputs        "replicated" or "per_rank" (each rank draws its own batch)
-        norm          logged/clipping gradient norm: "once" or "per_rank"; clip: clip it
-        kv_grad       replicated KV heads' wk/wv gradient reduce: "sum" or "none"
-        norm_grad     SP's norm-gradient all-reduce: "sum", "mean", "none"
-        loss_group    the logged loss's all-reduce group: "dp", "world", "tp" (none)
-        dp_grad       the DP gradient all-reduce's group: "dp" or "self" (a no-op)
-        sp_group      SP's gather/scatter group on a TP x DP mesh: "tp" or "dp"
-        rng           TP ranks' default RNG: "synced" or "rank0_drift" (rng module)
-        qk_norm_grad  the q/k-norm gradients' TP all-reduce: "sum" or "none"
+        kv            "interleave" (repeat_kv) or "tile" (KV heads
+                      tiled on each rank)
+        inputs        "replicated" or "per_rank" (each rank draws its
+                      own batch)
+        norm          logged/clipping gradient norm: "once" or
+                      "per_rank"; clip: clip it
+        kv_grad       replicated KV heads' wk/wv gradient reduce: "sum"
+                      or "none"
+        norm_grad     SP's norm-gradient all-reduce: "sum", "mean",
+                      "none"
+        loss_group    the logged loss's all-reduce group: "dp",
+                      "world", "tp" (none)
+        dp_grad       the DP gradient all-reduce's group: "dp" or
+                      "self" (a no-op)
+        sp_group      SP's gather/scatter group on a TP x DP mesh:
+                      "tp" or "dp"
+        rng           TP ranks' default RNG: "synced" or "rank0_drift"
+                      (rng module)
+        qk_norm_grad  the q/k-norm gradients' TP all-reduce: "sum" or
+                      "none"
 
     The held-out evaluation's made-up bugs (``tpattn.bugs.made_up``), no registry entries:
     ``rank_lr_scale`` (a learning-rate factor per rank), ``partial_scale`` (the partials
