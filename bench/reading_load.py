@@ -1,7 +1,8 @@
 """How much a reader reads in the intro and Parts I–III: words, code, shown package source.
 
 Per page (in the table of contents' order): words of markdown (outside ``<details>`` toggles,
-whose words are counted apart), non-blank lines of code cells,
+whose words are counted apart), non-blank lines of code cells (and, apart, those the HTML
+page does not show: cells tagged ``remove-cell`` and the source of ``remove-input`` cells),
 lines of shown package source (the stored ``show_source`` outputs), and the longest single
 shown object in lines. Totals at the end. Reads the stored notebooks; runs nothing.
 
@@ -31,7 +32,7 @@ def words(markdown: str) -> tuple[int, int]:
 
 
 def pages(parts: list[str]) -> list[Path]:
-    """The notebooks of the root page and of the parts whose caption starts with one of ``parts``."""
+    """The root page and the notebooks of the parts whose caption starts with one of ``parts``."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     files = [toc["root"]] + [c["file"] for p in toc["parts"]
                              if any(p["caption"].startswith(x + ":") for x in parts)
@@ -58,8 +59,9 @@ def load(path: Path) -> dict:
     """Words, code lines, shown-source lines and the longest shown object of one page."""
     if path.suffix == ".md":
         shown_words, toggled = words(path.read_text())
-        return {"words": shown_words, "toggled": toggled, "code": 0, "shown": 0, "longest": 0}
-    n_words = toggled = code = 0
+        return {"words": shown_words, "toggled": toggled, "code": 0, "removed": 0, "shown": 0,
+                "longest": 0}
+    n_words = toggled = code = removed = 0
     objects: list[int] = []
     for cell in json.loads(path.read_text())["cells"]:
         src = "".join(cell["source"])
@@ -67,12 +69,16 @@ def load(path: Path) -> dict:
             w, t = words(src)
             n_words, toggled = n_words + w, toggled + t
         elif cell["cell_type"] == "code":
-            code += sum(1 for line in src.splitlines() if line.strip())
+            lines = sum(1 for line in src.splitlines() if line.strip())
+            code += lines
+            tags = cell.get("metadata", {}).get("tags", [])
+            removed += lines if {"remove-cell", "remove-input"} & set(tags) else 0
             if "show_source" in src:
                 for out in cell.get("outputs", []):
                     text = "".join(out.get("data", {}).get("text/plain", ""))
                     objects += shown_objects(text.strip("'\""))
-    return {"words": n_words, "toggled": toggled, "code": code, "shown": sum(objects), "longest": max(objects, default=0)}
+    return {"words": n_words, "toggled": toggled, "code": code, "removed": removed,
+            "shown": sum(objects), "longest": max(objects, default=0)}
 
 
 def main(argv=None) -> None:
@@ -82,14 +88,15 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     paths = pages(a.parts)[:2] if a.smoke else pages(a.parts)
     rows = [(p.relative_to(ROOT).as_posix(), load(p)) for p in paths]
-    cols = ("words", "toggled", "code", "shown", "longest")
+    cols = ("words", "toggled", "code", "removed", "shown", "longest")
     print(f"{'page':<40}" + "".join(f"{c:>9}" for c in cols))
     for name, r in rows:
         print(f"{name:<40}" + "".join(f"{r[c]:>9}" for c in cols))
     tot = {c: sum(r[c] for _, r in rows) for c in cols[:-1]}
     tot["longest"] = max(r["longest"] for _, r in rows)
     print(f"{'total':<40}" + "".join(f"{tot[c]:>9}" for c in cols))
-    print(f"code + shown source: {tot['code'] + tot['shown']} lines")
+    print(f"code + shown source: {tot['code'] + tot['shown']} lines "
+          f"({tot['code'] - tot['removed'] + tot['shown']} on the HTML pages)")
 
 
 if __name__ == "__main__":

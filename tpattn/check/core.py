@@ -286,6 +286,30 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
     return full
 
 
+def inverse_of(shard_fn, like: dict[str, torch.Tensor], cfg: Config):
+    """The gather of a cut ``shard_fn(p, cfg)``: per-rank dicts -> full-size tensors shaped as
+    ``like``, each element from the first rank that holds it (replicated copies: rank 0's), as
+    ``unshard`` does for the package's cuts. Where the cut is not differentiable (a copy, not
+    a view), ``unshard_params``."""
+    leaves = {k: torch.zeros_like(v).requires_grad_(True) for k, v in like.items()}
+    cuts = shard_fn(leaves, cfg)
+    if not all(t.requires_grad for c in cuts for t in c.values()):
+        return lambda per_rank: unshard_params(per_rank, cfg)
+
+    def gather(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        full = {}
+        for name, leaf in leaves.items():
+            out = torch.zeros_like(leaf).detach()
+            for cut, got in reversed(list(zip(cuts, per_rank))):
+                if name in cut and name in got:
+                    value, held = (torch.autograd.grad(cut[name], leaf, v, retain_graph=True)[0]
+                                   for v in (got[name].detach(), torch.ones_like(got[name])))
+                    out = torch.where(held > 0, value / held.clamp(min=1), out)
+            full[name] = out
+        return full
+    return gather
+
+
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every rank's ``(x, target)`` ``[S, B, hidden]``, mesh order: ``make_inputs``'s batch, or
     under ``inputs="per_rank"`` rank r's from ``seed + OTHER_BATCH_SEED_OFFSET * r``; on a
@@ -389,7 +413,8 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
     aliased = inj.shard in LOADERS and not LOADERS[inj.shard][2] and shard_fn is None
     if check_simulate(simulate) == "ranks" or cfg.data_parallel > 1 or cfg.model_options \
             or aliased:  # one graph would share rows that the ranks' loaders alias
-        gather = None if shard_fn else (lambda per_rank: unshard(per_rank, cfg, inj))
+        gather = inverse_of(shard_fn, base, cfg) if shard_fn else (
+            lambda per_rank: unshard(per_rank, cfg, inj))
         return _ranks_view(base, cfg, inj, cut, gather, batches, rng_seed)
     if original_program(inj, cfg):
         return one_step(lambda x, p: tp_forward(x, p, cfg, reduce_output=inj.g == 1,

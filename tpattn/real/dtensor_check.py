@@ -97,7 +97,7 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
     return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), ledger
 
 
-def comm_counts(mode: CommDebugMode, phase: str) -> Counter:
+def comm_counts(mode: CommDebugMode, phase: str) -> dict[str, int]:
     """``{"<phase> <kind>": n}`` of the all-gathers, reduce-scatters and all-reduces ``mode``
     recorded."""
     counts = Counter()
