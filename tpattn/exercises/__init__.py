@@ -24,7 +24,6 @@ from tpattn.exercises.in_the_wild import (AROUND_CHAPTER, DROPOUT_CONFIGS, HUNTS
                                           check_qk_norm_grad_reduce, check_qk_norm_hits,
                                           check_rng_resync, check_sp_gather_group,
                                           check_sp_gather_tokens, hunt_evidence)
-from tpattn.exercises.matrix import check_separating_measures
 from tpattn.exercises.real_ranks import (BYTES_CONFIGS, KV_CONFIGS, SP_CONFIGS,
                                          check_bytes_per_step, check_kv_grad_reduce,
                                          check_ledger_counts, check_missing_kv_parameters,
@@ -33,7 +32,7 @@ from tpattn.exercises.real_ranks import (BYTES_CONFIGS, KV_CONFIGS, SP_CONFIGS,
 from tpattn.exercises.splitting import (check_diagnose, check_f, check_fingerprint, check_g,
                                         check_keeps_groups, check_missing_f_parameters,
                                         check_missing_f_signature, check_missing_g_signature,
-                                        check_shard_params, check_signature)
+                                        check_separating_measures, check_shard_params)
 
 __all__ = [
     "Result", "CHECKED_SEEDS", "CHECKED_CONFIGS",

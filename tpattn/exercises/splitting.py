@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from itertools import combinations
 
 import torch
 
@@ -341,39 +342,48 @@ def _result_text(result: dict) -> str:
             f"{'is' if len(fails) == 1 else 'are'} at TOLERANCE and the rest below")
 
 
-def _grade_signature_of(got, want: tuple, result: dict) -> None:
-    """``Wrong`` unless ``got`` is the tuple ``want``, naming what is off."""
-    if not isinstance(got, tuple):
-        if isinstance(got, (list, set, frozenset)) and set(got) == set(want):
-            raise Wrong(f"the right measures, as a {type(got).__name__}; return a tuple "
-                        f"in MEASURES order, so two signatures compare equal.")
-        raise Wrong(f"your function should return a tuple of measure names, but it gave "
-                    f"{type(got).__name__}.")
-    if got != want and set(got) == set(want):
-        raise Wrong(f"the right measures in the wrong order for {_result_text(result)}; "
-                    f"keep MEASURES order.")
-    wrong_fail = [m for m in got if m not in want]
-    wrong_pass = [m for m in want if m not in got]
-    parts = ([f"you count {', '.join(wrong_fail)} as failing, but "
-              f"{'it is' if len(wrong_fail) == 1 else 'they are'} below TOLERANCE"]
-             if wrong_fail else []) + \
-        ([f"you count {', '.join(wrong_pass)} as passing, but a measure at or above TOLERANCE "
-          f"fails"] if wrong_pass else [])
-    if parts:
-        raise Wrong(f"for {_result_text(result)}: {'; '.join(parts)}.")
+def _signatures() -> dict[str, frozenset]:
+    """Each mode's failing measures on every checked run (seeds × shapes × simulations);
+    ``Wrong`` if a mode's runs disagree."""
+    found = {}
+    for mode in MODES:
+        sets = {failing for failing, _ in mode_runs(mode)}
+        if len(sets) != 1:  # pragma: no cover - not seen in the package
+            raise Wrong(f"the runs of {mode} do not agree on which measures fail.")
+        found[mode] = sets.pop()
+    return found
 
 
-@exercise("a signature", 10)
-def check_signature(signature) -> str:
-    """Check ``signature(result) -> tuple``: the failing measures of a ``tpattn.run`` dict
-    (``>= TOLERANCE``), in ``MEASURES`` order; made-up results and real runs of every mode."""
-    results = [_synthetic(s) for s in _UNKNOWN_SIGNATURES] + [_synthetic(())] + \
-        [dict(r) for r in _real_runs()]
-    for result in results:
-        _grade_signature_of(signature(dict(result)), _signature(result), result)
-    return (f"right on {len(results)} results: made-up ones at the threshold and real runs of "
-            f"every mode, {len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes, both "
-            f"simulations.")
+def _confused(chosen: set, signatures: dict) -> tuple[str, str] | None:
+    """The first pair of modes whose signatures agree on every measure of ``chosen``."""
+    for a, b in combinations(MODES, 2):
+        if all((m in signatures[a]) == (m in signatures[b]) for m in chosen):
+            return a, b
+    return None
+
+
+@exercise("two measures that tell the modes apart", 10)
+def check_separating_measures(pick) -> str:
+    """Check ``pick() -> set``: two measures (``MEASURES`` names) whose pass/fail alone tells
+    equivalence, a missing g and a missing f apart on every checked run."""
+    chosen = as_names(pick(), MEASURES, "measure")
+    signatures = _signatures()
+    if len(chosen) < 2:
+        raise Wrong(f"{len(chosen)} measure{'s' if len(chosen) != 1 else ''} can pass or fail "
+                    f"in at most 2 ways, and there are 3 modes to tell apart; pick two.")
+    pair = _confused(chosen, signatures)
+    if pair:
+        raise Wrong(f"{pair[0]} and {pair[1]} pass and fail alike on "
+                    f"{', '.join(m for m in MEASURES if m in chosen)}: one of the two measures "
+                    f"must fail without f (the backward pass), the other only without g (the "
+                    f"forward pass).")
+    if len(chosen) > 2:
+        raise Wrong(f"these {len(chosen)} measures tell the modes apart, but two suffice: keep "
+                    f"one that fails only without g and one that fails without either.")
+    runs = len(mode_runs(MODES[0])) * len(MODES)
+    return (f"right: {' and '.join(m for m in MEASURES if m in chosen)} tell the three modes "
+            f"apart on all {runs} checked runs (every mode, 3 seeds, 3 shapes, both "
+            f"simulations).")
 
 
 @exercise("diagnose a signature", 10)
