@@ -79,7 +79,7 @@ def test_printing_measures_and_the_html_bug_hunt_do_not_load_matplotlib():
     # chapter 15 prints viz.format_measure; chapter 18's bug hunt explorer shows only HTML
     code = ("from tpattn import viz\n"
             "from tpattn.viz import format_measure, measures_table\n"
-            "assert format_measure(1e-9) == '< 1e-06'\n"
+            "assert format_measure(1e-9) == '1.00e-09'\n"
             "from tpattn.widgets.bug_hunt import bug_hunt_explorer\n"
             "explorer = bug_hunt_explorer(hunt=2)\n"
             "explorer._repr_mimebundle_()\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Mapping, Sequence
 
-from tpattn.check.core import MEASURES, TOLERANCE
+from tpattn.check.core import MEASURES
 
 __all__ = ["MEASURE_LABELS", "SHORT_MEASURE_LABELS", "format_measure", "measures_table"]
 
@@ -18,11 +18,8 @@ MEASURE_LABELS = {
 }
 
 
-def format_measure(value: float, tolerance: float = TOLERANCE) -> str:
-    """A measure as text that does not depend on the CPU's last bits: ``"< 1e-06"`` below
-    ``tolerance`` (rounding noise), else 3 significant digits (``"7.01e-01"``)."""
-    if value < tolerance:
-        return f"< {tolerance:.0e}"
+def format_measure(value: float) -> str:
+    """A measure as text with 3 significant digits (``"7.01e-01"``, ``"3.58e-08"``)."""
     return f"{value:.2e}"
 
 
