@@ -127,6 +127,15 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
         f"expected {expected.flatten()[worst].item():.6g})")
 
 
+def _stepped(x: torch.Tensor, p: dict[str, torch.Tensor], y: torch.Tensor, loss: torch.Tensor,
+             clip=None) -> dict:
+    """After backward: ``one_step``'s dict, SGD scaled by ``clip(grads)`` (default 1)."""
+    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
+    weights = sgd_step(p, grads, LR, 1.0 if clip is None else float(clip(grads)))
+    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": grads, "weights": weights}
+
+
 def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
              clip=None) -> dict:
     """One step: ``forward(x, params) -> y``, MSE loss, backward, SGD with the learning rate
@@ -139,10 +148,7 @@ def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, to
     y = forward(x, p)
     loss = F.mse_loss(y, target)
     loss.backward()
-    grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-    weights = sgd_step(p, grads, LR, 1.0 if clip is None else float(clip(grads)))
-    return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": grads, "weights": weights}
+    return _stepped(x, p, y, loss, clip)
 
 
 def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
@@ -155,13 +161,7 @@ def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
     ys = forward_ranks(xs, ps)
     losses = [F.mse_loss(y, target) for y in ys]
     sum(losses[1:], losses[0]).backward()
-    steps = []
-    for x, p, y, loss in zip(xs, ps, ys, losses):
-        grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-        weights = sgd_step(p, grads, LR)
-        steps.append({"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-                      "grads": grads, "weights": weights})
-    return steps
+    return [_stepped(*step) for step in zip(xs, ps, ys, losses)]
 
 
 def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
@@ -349,14 +349,18 @@ def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
 def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                cfg: Config, inj: Injection,
                masks: dict[str, torch.Tensor] | None = None) -> dict:
-    """The dense reference with the injection's setup (bias, clipping by the float64 norm of
-    every gradient), ``one_step``'s dict; ``masks``: ``dropout_masks``."""
-    if "bias" not in base and not inj.clip:
-        return dense_reference(x0, target, base, cfg, masks)
+    """The dense reference with the injection's setup: the output bias, clipping by
+    ``engine.grad_norm`` of the dense block as a one-rank job; ``one_step``'s dict;
+    ``masks``: ``dropout_masks``."""
+    one_rank = SimulatedRanks(replace(cfg, world_size=1, data_parallel=1))
+
     def forward(x, p):
-        return dense_forward(x, p, cfg, masks) + (p["bias"] if "bias" in p else 0)
-    return one_step(forward, x0, target, base, lambda grads: clip_coef(torch.sqrt(sum(
-        g.double().pow(2).sum() for g in grads.values())), inj))
+        y = dense_forward(x, p, cfg, masks)
+        return y + p["bias"] if "bias" in p else y
+
+    def clip(grads):
+        return clip_coef(grad_norm(stack_ranks([grads]), one_rank), inj)
+    return one_step(forward, x0, target, base, clip if inj.clip else None)
 
 
 def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],

@@ -1,18 +1,16 @@
 """The five-measure check for any ``nn.Module`` and any tensor-parallel sharding, on real ranks.
 
-``check_module(module, plan, x)`` starts ``world_size`` processes (``tpattn.real.launch``) and
-on every rank takes one training step (MSE against a fixed target, backward, SGD on the
-module's own parameters) with a whole copy and with a copy sharded by ``parallelize_module``
-(``plan`` a PyTorch TP plan) or by ``plan(copy, mesh)`` (a sharding function: Hugging Face's
-runtime, torchtitan's, one's own), the latter under ``CommDebugMode`` (the ledger). It
-compares them on ``tpattn.run``'s five measures (sharded tensors gathered) and compares the
-ranks' copies of every replicated tensor (replica disagreement: 0 when all hold the same bits).
+``check_module(module, plan, x)``: on every rank one training step (MSE, backward, SGD) of a
+whole copy and of a copy sharded by ``parallelize_module(plan)`` or ``plan(copy, mesh)`` (under
+``CommDebugMode``), compared on the five measures; plus how far the ranks' copies of every
+replicated tensor disagree.
 """
 from __future__ import annotations
 
 import copy
 import pickle
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -65,9 +63,9 @@ def _kind(op) -> str:
 
 
 def _counts(mode) -> dict[str, int]:
-    counts: dict[str, int] = {}
+    counts = Counter()
     for op, n in mode.get_comm_counts().items():
-        counts[_kind(op)] = counts.get(_kind(op), 0) + n
+        counts[_kind(op)] += n
     return dict(sorted(counts.items()))
 
 
@@ -213,12 +211,10 @@ def check_module(module: torch.nn.Module, plan, x: torch.Tensor, *,
     """Shard ``module`` over ``world_size`` real ranks with ``plan``, take one training step
     with it and with the whole module, and compare them (module docstring).
 
-    module: picklable, one tensor in (``x``), one out. plan: ``parallelize_module``'s plan
-    (module name -> ``ColwiseParallel()`` ...), or a picklable ``fn(module, mesh) -> sharded
-    module`` keeping the parameter names (e.g. ``hf_runtime.hf_tp_runtime``). ``target``:
-    the MSE target (default a fixed random one); ``tolerance``: the measures' pass bound;
-    ``label`` names the plan. Only parameters the forward uses take part. Raises ``ValueError``
-    for bad arguments, ``launch.RankFailure`` (one line naming the rank) when a rank fails.
+    module: picklable, one tensor in (``x``), one out. plan: ``parallelize_module``'s plan, or
+    a picklable ``fn(module, mesh) -> sharded module`` keeping the parameter names (e.g.
+    ``hf_runtime.hf_tp_runtime``). ``target``: the MSE target (default a fixed random one).
+    Only parameters the forward uses take part. ``launch.RankFailure`` when a rank fails.
     """
     return check_plans(module, {label: plan}, x, target=target, world_size=world_size,
                        tolerance=tolerance, timeout=timeout, backend=backend)[0]
