@@ -1,8 +1,5 @@
-"""Cross-check with PyTorch's own tensor-parallel API (DTensor).
-
-``AttentionBlock``, the dense block as an ``nn.Module``, sharded by ``parallelize_module``
-with Megatron's plan (wq, wk, wv ``ColwiseParallel``, wo ``RowwiseParallel``): PyTorch places
-the collectives. Importing this module loads ``torch.distributed.tensor`` (seconds).
+"""Cross-check with PyTorch's own tensor-parallel API (DTensor): ``AttentionBlock`` sharded by
+``parallelize_module`` with Megatron's plan, PyTorch placing the collectives.
 """
 from __future__ import annotations
 
@@ -27,8 +24,8 @@ __all__ = ["AttentionBlock", "parallelize_block", "dtensor_check", "comm_counts"
 
 
 class AttentionBlock(nn.Module):
-    """``dense_forward`` as an ``nn.Module`` for ``parallelize_module``: head counts and the
-    sequence length are read from the (rank-local) projections' outputs."""
+    """``dense_forward`` as an ``nn.Module``; head counts and sequence length are read from the
+    (rank-local) projections' outputs."""
 
     def __init__(self, params: dict[str, torch.Tensor], cfg: Config):
         super().__init__()
@@ -98,8 +95,7 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
 
 
 def comm_counts(mode: CommDebugMode, phase: str) -> dict[str, int]:
-    """``{"<phase> <kind>": n}`` of the all-gathers, reduce-scatters and all-reduces ``mode``
-    recorded."""
+    """``{"<phase> <kind>": n}`` of the all-gathers, reduce-scatters and all-reduces in ``mode``."""
     counts = Counter()
     for op, n in mode.get_comm_counts().items():
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):

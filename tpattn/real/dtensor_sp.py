@@ -1,9 +1,5 @@
-"""Cross-check of sequence parallelism with PyTorch's own API (DTensor).
-
-``SequenceParallelBlock`` on a 1-D mesh: ``norm`` ``SequenceParallel(sequence_dim=0)``,
-wq/wk/wv ``ColwiseParallel(input_layouts=Shard(0))`` (gathers the tokens), wo
-``RowwiseParallel(output_layouts=Shard(0))`` (reduce-scatters them). The ``norm`` gradient
-is a ``Partial`` placement, all-reduced when the step reads it.
+"""Cross-check of sequence parallelism with PyTorch's own API (DTensor): the block's residual
+stream on ``Shard(0)``; the ``norm`` gradient a ``Partial``, all-reduced when the step reads it.
 """
 from __future__ import annotations
 
@@ -73,9 +69,8 @@ def norm_grad_placement(block: SequenceParallelBlock) -> str:
 
 
 def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's SP block
-    (output and dX gathered), and its collectives ``{"forward all_gather": n, ..., "SGD step
-    all_reduce": 1, "norm_grad_placement": ...}``."""
+    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's SP block, and
+    its collectives ``{"forward all_gather": n, ..., "norm_grad_placement": ...}``."""
     import torch.distributed as dist
 
     device = torch.device(device)

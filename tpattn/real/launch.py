@@ -119,9 +119,8 @@ def _rank_main(rank_fn, rank: int, world_size: int, port: int, plan, backend: st
 def run_on_ranks(rank_fn, world_size: int, plan, *, timeout: float, backend: str,
                  start_method: str = "forkserver", preload: tuple[str, ...] = ()):
     """``rank_fn(rank, plan, device, on_progress)`` (module-level, picklable result) in
-    ``world_size`` fresh processes of one group: ``(results by rank, {"startup_s", "total_s"})``.
-    ``"forkserver"`` imports ``preload`` once and forks the ranks; ``RankFailure`` on any failure.
-    """
+    ``world_size`` fresh processes of one group (``"forkserver"``: ``preload`` imported once):
+    ``(results by rank, {"startup_s", "total_s"})``; ``RankFailure`` on any failure."""
     if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
         start_method = "spawn"  # Windows
     ctx = torch.multiprocessing.get_context(start_method)
@@ -161,8 +160,7 @@ def _stop(procs) -> None:
 
 
 def _supervise(procs, messages, timeout: float):
-    """Every rank's report, ``(results, ready_times)`` by rank; ``RankFailure`` at the first
-    failure."""
+    """Every rank's report, ``(results, ready_times)`` by rank; ``RankFailure`` at the first."""
     world_size = len(procs)
     start = time.monotonic()
     ready, done, errors, silent_exit, stalled = {}, {}, {}, {}, {}

@@ -28,8 +28,8 @@ TARGET_SEED = 0
 
 @dataclass
 class ModuleCheck:
-    """``check_module``'s findings: ``measures`` (and ``passed``), ``ledger`` (``{"forward":
-    {kind: n}, "backward": ...}``), ``replica_disagreement`` (per replicated tensor, vs rank 0),
+    """``check_module``'s findings: ``measures``, ``ledger`` (``{"forward": {kind: n},
+    "backward": ...}``), ``replica_disagreement`` (per replicated tensor, vs rank 0),
     ``sharded`` (placements), ``timings`` (not deterministic)."""
 
     world_size: int
@@ -221,8 +221,7 @@ def check_module(module: torch.nn.Module, plan, x: torch.Tensor, *,
 
 
 def _check_plan(label: str, plan, names: set[str]) -> None:
-    """``ValueError`` unless ``plan`` is a plan naming modules of the module, or a picklable
-    sharding function."""
+    """``ValueError`` unless ``plan`` is a plan of the module's modules or a picklable function."""
     if callable(plan) and not isinstance(plan, dict):
         try:
             pickle.dumps(plan)
@@ -251,8 +250,7 @@ def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
                 target: torch.Tensor | None = None, world_size: int = 2,
                 tolerance: float = TOLERANCE, timeout: float = DEFAULT_TIMEOUT,
                 backend: str | None = None) -> list[ModuleCheck]:
-    """``check_module`` for each of ``{label: plan}`` in one set of rank processes; one
-    ``ModuleCheck`` per plan, in order."""
+    """``check_module`` for each of ``{label: plan}`` in one set of rank processes, in order."""
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if not isinstance(plans, dict) or not plans:
@@ -274,13 +272,9 @@ def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
                            for k, v in plans.items()),
                x=x.detach().cpu(), target=None if target is None else target.detach().cpu(),
                tolerance=float(tolerance))
-    # the forkserver imports the module's code once, so that no rank pays for it again
     preload = ("tpattn.real.module_check",) + tuple(sorted(
         {type(m).__module__ for m in module.modules()} - {"__main__"}))
     results, timings = run_on_ranks(_rank_main, world_size, job, timeout=timeout, backend=backend,
                                     preload=preload)
-    return [ModuleCheck(world_size=world_size, backend=backend, tolerance=float(tolerance),
-                        measures=r["measures"], ledger=r["ledger"],
-                        replica_disagreement=r["replica_disagreement"], sharded=r["sharded"],
-                        timings=timings)
+    return [ModuleCheck(world_size, backend, float(tolerance), **r, timings=timings)
             for r in results[0]]

@@ -40,6 +40,8 @@ __all__ = ["job_setup", "planned_ledger", "rank_step", "rank_check", "rank_disag
 FAULT_KINDS = ("raise", "exit_early", "skip_collective")
 #: The phases of the block's own collectives (``RealRankReport.traffic``, the ledger rows).
 BLOCK_PHASES = ("forward", "backward", "after backward")
+#: The lists rank 0 reports (``RealRankReport``'s fields).
+REPORT_LISTS = ("results", "rank_disagreement", "ledger", "dtensor", "traffic")
 #: DTensor's plan: RowwiseParallel(wo) sums once in forward, each ColwiseParallel (wq, wk, wv)
 #: once in backward.
 DTENSOR_EXPECTED_ALL_REDUCES = {"forward": 1, "backward": 3}
@@ -147,7 +149,7 @@ def ledger_row(mode: str, comm: RealRanks, correct: list[dict]) -> dict:
 @dataclass(frozen=True)
 class RunPlan:
     """What every rank runs (picklable): ``jobs`` ``(mode, seed)`` mode-major, the DTensor
-    cross-check's seeds, the test-only ``fault`` (``run_distributed``)."""
+    cross-check's seeds, the test-only ``fault``."""
 
     cfg: Config
     jobs: tuple[tuple[str, int], ...]
@@ -169,11 +171,11 @@ def _fault(plan: RunPlan, rank: int, index: int) -> bool:
 
 def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_progress=None,
              groups: dict | None = None) -> dict:
-    """Every job of ``plan`` on this rank of an initialized group (``groups``:
-    ``build_groups``'s by default). Returns ``compute_s`` and, on rank 0, the report's lists."""
+    """Every job of ``plan`` on this rank of an initialized group (``groups``: default
+    ``build_groups``'s). Returns ``compute_s`` and, on rank 0, ``REPORT_LISTS``."""
     start, cfg = time.monotonic(), plan.cfg
     groups = groups or build_groups(cfg, torch.device(device).type, plan.timeout)
-    out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": [], "traffic": []}
+    out = {k: [] for k in REPORT_LISTS}
     plans = {}
     for index, (mode, seed) in enumerate(plan.jobs):
         if mode not in plans:
@@ -200,8 +202,8 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
 
 
 def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
-    """The DTensor cross-check of each seed on every rank: ``run()`` dicts (``{"seed",
-    "error"}`` where it fails on replicated KV heads) and its ledger row."""
+    """The DTensor cross-check of each seed: ``run()`` dicts (``{"seed", "error"}`` where it
+    fails on replicated KV heads) and its ledger row."""
     cfg = plan.cfg
     if cfg.sequence_parallel:
         from .dtensor_sp import dtensor_sp_check as check  # loads torch.distributed.tensor
@@ -312,11 +314,8 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     results, timings = run_on_ranks(run_rank, cfg.ranks, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]
-    return RealRankReport(
-        world_size=world_size, backend=backend, results=rank0["results"],
-        rank_disagreement=rank0["rank_disagreement"], ledger=rank0["ledger"],
-        dtensor=rank0["dtensor"], timings={**timings, "compute_s": rank0["compute_s"]},
-        traffic=rank0["traffic"])
+    return RealRankReport(world_size, backend, **{k: rank0[k] for k in REPORT_LISTS},
+                          timings={**timings, "compute_s": rank0["compute_s"]})
 
 
 # --- the command line: torchrun, or self-spawned ----------------------------------------
