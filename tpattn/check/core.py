@@ -135,11 +135,9 @@ def _stepped(x: torch.Tensor, p: dict[str, torch.Tensor], y: torch.Tensor, loss:
 
 def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
              clip=None) -> dict:
-    """One step: ``forward(x, params) -> y``, MSE loss, backward, SGD with the learning rate
-    times ``clip(grads)`` (default 1; a parameter without a gradient gets zeros).
-
-    x0, target: ``[S, B, hidden]``; ``base`` is copied. Returns ``output``, ``loss``,
-    ``input_grad``, ``grads`` and ``weights`` (after the step, ``sgd.sgd_step``'s)."""
+    """One step from a copy of ``base``: ``forward(x, params) -> y``, MSE loss, backward, SGD
+    scaled by ``clip(grads)`` (default 1). x0, target: ``[S, B, hidden]``. Returns ``output``,
+    ``loss``, ``input_grad``, ``grads`` (zeros where none) and ``weights`` (after the step)."""
     p = clone_trainable(base)
     x = x0.clone().requires_grad_(True)
     y = forward(x, p)
@@ -150,9 +148,8 @@ def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, to
 
 def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
                shards: list[dict[str, torch.Tensor]]) -> list[dict]:
-    """``one_step`` on every simulated rank, each with its own leaves and loss:
-    ``forward_ranks(xs, ps) -> ys``, one backward of the losses' sum, one SGD step per rank.
-    Returns one ``one_step`` dict per rank (its shards)."""
+    """``one_step`` on every simulated rank (``forward_ranks(xs, ps) -> ys``), one backward of
+    the losses' sum: one ``one_step`` dict per rank (its shards)."""
     ps = [clone_trainable(shard) for shard in shards]
     xs = [x0.clone().requires_grad_(True) for _ in shards]
     ys = forward_ranks(xs, ps)

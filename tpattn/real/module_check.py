@@ -208,14 +208,11 @@ def check_module(module: torch.nn.Module, plan, x: torch.Tensor, *,
                  target: torch.Tensor | None = None, world_size: int = 2,
                  label: str = "plan", tolerance: float = TOLERANCE,
                  timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> ModuleCheck:
-    """Shard ``module`` over ``world_size`` real ranks with ``plan``, take one training step
-    with it and with the whole module, and compare them (module docstring).
-
-    module: picklable, one tensor in (``x``), one out. plan: ``parallelize_module``'s plan, or
-    a picklable ``fn(module, mesh) -> sharded module`` keeping the parameter names (e.g.
-    ``hf_runtime.hf_tp_runtime``). ``target``: the MSE target (default a fixed random one).
-    Only parameters the forward uses take part. ``launch.RankFailure`` when a rank fails.
-    """
+    """Shard ``module`` (picklable, one tensor in, one out) over ``world_size`` real ranks with
+    ``plan`` (``parallelize_module``'s, or a picklable ``fn(module, mesh) -> sharded module``
+    keeping the parameter names), take one step with it and with the whole module, compare.
+    ``target``: the MSE target (default a fixed random one). Only parameters the forward uses
+    take part; ``launch.RankFailure`` when a rank fails."""
     return check_plans(module, {label: plan}, x, target=target, world_size=world_size,
                        tolerance=tolerance, timeout=timeout, backend=backend)[0]
 
