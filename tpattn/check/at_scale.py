@@ -24,10 +24,10 @@ def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 
                         init: str = "fan_in", path: str = "batched",
                         probe: bool = False) -> list[dict]:
     """One dense step, then a TP step (``path``: ``"loop"``, ``tp_step``; ``"batched"``,
-    ``one_graph_forward``) for every world size x program (bugs skipped at world size 1); the
-    conditioning probe runs once, when first needed (or ``probe=True``). One dict per TP step:
-    ``run(tolerance="auto")``'s keys, ``world_size``, ``dtype``, ``init``, ``ratios`` (measure /
-    bound) and, once probed, ``amplification_by`` and ``floor_ratios``."""
+    ``one_graph_forward``) per world size x program (bugs skipped at world size 1), the probe
+    run once when first needed (or ``probe=True``). One dict per TP step: ``run(tolerance=
+    "auto")``'s keys, ``world_size``, ``dtype``, ``init``, ``ratios``; once probed also
+    ``amplification_by`` and ``floor_ratios``."""
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)

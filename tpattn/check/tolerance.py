@@ -128,8 +128,8 @@ def _bounds(cfg: Config, dense: dict, by_name: dict, worst: dict) -> dict:
 
 def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict,
                   lr: float) -> tuple[dict, dict]:
-    """``(metrics, bounds)`` for ``apply_auto``, each of ``PARAMETER_MEASURES`` for its worst
-    parameter (largest ``|dense - tp|_p / bound_p``, named in ``worst_parameter``)."""
+    """``(metrics, bounds)`` for ``apply_auto``, ``PARAMETER_MEASURES`` for the worst parameter
+    (largest ``|dense - tp|_p / bound_p``, named in ``worst_parameter``)."""
     by_name = parameter_bounds(cfg, dense, lr)
     out, worst = dict(metrics), {}
     for m in PARAMETER_MEASURES:

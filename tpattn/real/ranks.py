@@ -295,11 +295,10 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     """Start ``config.ranks`` processes (default ``Config(world_size=world_size)``), run every
     mode x seed and the DTensor cross-check in one process group; rank 0's report.
 
-    ``dtensor``: ``True`` (every seed), ``False``, or seeds (none on a TP x DP mesh).
-    ``start_method``: ``"forkserver"`` or ``"spawn"`` (from a script, call under ``if __name__ ==
-    "__main__":``). A collective waits at most ``timeout`` s; a failing rank raises
-    ``RankFailure``. ``fault`` (test-only): ``{"rank": r, "kind": k}``, ``k`` in ``FAULT_KINDS``.
-    """
+    ``dtensor``: ``True`` (every seed), ``False``, or seeds (none on a mesh). ``start_method``:
+    ``"forkserver"`` or ``"spawn"`` (from a script, call under ``if __name__ == "__main__":``).
+    A collective waits at most ``timeout`` s; a failing rank raises ``RankFailure``. ``fault``
+    (test-only): ``{"rank": r, "kind": k}``, ``k`` in ``FAULT_KINDS``."""
     cfg, seeds, modes, timeout = validate_run(world_size, seeds, modes, config, timeout, fault)
     dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
         else tuple(check_seed(s) for s in dtensor)
