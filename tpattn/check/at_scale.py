@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .core import (LR, PARAM_SEED_OFFSET, dense_reference,
-                   five_measures, make_inputs, one_step, tp_step)
+from .core import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
+                   one_step, probe_step, tp_step)
 from tpattn.config import Config
 from tpattn.block.params import init_params
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 from .magnitude import gradient_magnitudes
 from .tolerance import (amplification, apply_auto, parameter_amplification, per_parameter,
-                        perturbed_start, ratios, rounding_floors)
-
-#: TP implementations: ``tp_step``'s per-rank loop, or ``one_graph_forward`` (ranks batched).
-TP_PATHS = ("loop", "batched")
+                        ratios, rounding_floors)
 
 
 def probe_amplification(cfg: Config, x0, target, base: dict, dense: dict) -> dict:
@@ -23,20 +20,14 @@ def probe_amplification(cfg: Config, x0, target, base: dict, dense: dict) -> dic
     return amplification(cfg, dense, probe_step(cfg, x0, target, base))
 
 
-def probe_step(cfg: Config, x0, target, base: dict) -> dict:
-    """The conditioning probe: ``dense_reference`` from ``tolerance.perturbed_start``."""
-    px, pbase = perturbed_start(cfg, x0, base)
-    return dense_reference(px, target, pbase, cfg)
-
-
 def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 8),
                         init: str = "fan_in", path: str = "batched",
                         probe: bool = False) -> list[dict]:
-    """One dense step of ``cfg``'s block, then a TP step for every world size x program
-    (registry entries; bugs skipped at world size 1). The conditioning probe runs once, when a
-    row first needs it (always with ``probe=True``). One dict per TP step:
-    ``run(tolerance="auto")``'s keys plus ``world_size``, ``dtype``, ``init``, ``ratios``
-    (measure / bound) and, once probed, ``amplification_by`` and ``floor_ratios``."""
+    """One dense step, then a TP step (``path``: ``"loop"``, ``tp_step``; ``"batched"``,
+    ``one_graph_forward``) per world size x program (bugs skipped at world size 1), the probe
+    run once when first needed (or ``probe=True``). One dict per TP step: ``run(tolerance=
+    "auto")``'s keys, ``world_size``, ``dtype``, ``init``, ``ratios``; once probed also
+    ``amplification_by`` and ``floor_ratios``."""
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     dense = dense_reference(x0, target, base, cfg)
@@ -80,8 +71,7 @@ def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 
 
 
 def against_float64(cfg: Config, seed: int, init: str = "fan_in") -> dict:
-    """The dense step in ``cfg.dtype`` against float64 of the same numbers: the five measures,
-    ``cfg.dtype``'s bounds and their ratios."""
+    """The dense step in ``cfg.dtype`` against float64: the five measures, bounds, ratios."""
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     low = dense_reference(x0, target, base, cfg)
@@ -89,10 +79,8 @@ def against_float64(cfg: Config, seed: int, init: str = "fan_in") -> dict:
     exact = dense_reference(x0.double(), target.double(),
                             {k: v.double() for k, v in base.items()}, cfg64)
     exact["grad_magnitudes"] = gradient_magnitudes(x0, target, base, cfg)
-    as64 = {"output": low["output"].double(), "loss": low["loss"].double(),
-            "input_grad": low["input_grad"].double(),
-            "grads": {k: v.double() for k, v in low["grads"].items()},
-            "weights": {k: v.double() for k, v in low["weights"].items()}}
+    as64 = {k: ({n: t.double() for n, t in v.items()} if isinstance(v, dict) else v.double())
+            for k, v in low.items()}
     row, bounds = per_parameter(cfg, five_measures(seed, "dense_vs_float64", exact, as64),
                                 exact, as64, LR)
     row = apply_auto(row, bounds)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import platform
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -92,8 +93,7 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
                         atol: float, what: str = "values") -> None:
     """Raise ``AssertionError`` unless ``|actual - expected| <= atol + rtol * |expected|``
     elementwise (``torch.isclose``; NaN never matches), naming ``what``, how many elements are
-    off and the worst one. Tensors of one shape and dtype; else ``ValueError``, as for a
-    negative or non-finite tolerance."""
+    off and the worst one. ``ValueError`` for tensors of two shapes or dtypes."""
     for name, value in (("actual", actual), ("expected", expected)):
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
@@ -114,10 +114,7 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
     diff = actual - expected if actual.is_complex() else actual.double() - expected.double()
     gap = diff.abs().double().nan_to_num(nan=float("inf")).where(~matches, -1.0)
     worst = int(gap.argmax())  # the worst of the elements that fail
-    where, rest = [], worst
-    for size in reversed(actual.shape):  # flat index -> [i, j, ...] (torch.unravel_index
-        rest, i = divmod(rest, size)     # imports sympy)
-        where.insert(0, i)
+    where = [int(i) for i in np.unravel_index(worst, actual.shape)]
     off = int((~matches).sum())
     raise AssertionError(
         f"{what}: {off} of {matches.numel()} elements differ by more than "
@@ -127,47 +124,51 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
         f"expected {expected.flatten()[worst].item():.6g})")
 
 
-def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
+def _stepped(x: torch.Tensor, p: dict[str, torch.Tensor], y: torch.Tensor, loss: torch.Tensor,
              clip=None) -> dict:
-    """One step: ``forward(x, params) -> y``, MSE loss, backward, SGD with the learning rate
-    times ``clip(grads)`` (default 1; a parameter without a gradient gets zeros).
-
-    x0, target: ``[S, B, hidden]``; ``base`` is copied. Returns ``output``, ``loss``,
-    ``input_grad``, ``grads`` and ``weights`` (after the step, ``sgd.sgd_step``'s)."""
-    p = clone_trainable(base)
-    x = x0.clone().requires_grad_(True)
-    y = forward(x, p)
-    loss = F.mse_loss(y, target)
-    loss.backward()
+    """After backward: ``one_step``'s dict, SGD scaled by ``clip(grads)`` (default 1)."""
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     weights = sgd_step(p, grads, LR, 1.0 if clip is None else float(clip(grads)))
     return {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
             "grads": grads, "weights": weights}
 
 
+def one_step(forward, x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
+             clip=None) -> dict:
+    """One step from a copy of ``base``: ``forward(x, params) -> y``, MSE loss, backward, SGD
+    scaled by ``clip(grads)`` (default 1). x0, target: ``[S, B, hidden]``. Returns ``output``,
+    ``loss``, ``input_grad``, ``grads`` (zeros where none) and ``weights`` (after the step)."""
+    p = clone_trainable(base)
+    x = x0.clone().requires_grad_(True)
+    y = forward(x, p)
+    loss = F.mse_loss(y, target)
+    loss.backward()
+    return _stepped(x, p, y, loss, clip)
+
+
 def ranks_step(forward_ranks, x0: torch.Tensor, target: torch.Tensor,
                shards: list[dict[str, torch.Tensor]]) -> list[dict]:
-    """``one_step`` on every simulated rank, each with its own leaves and loss:
-    ``forward_ranks(xs, ps) -> ys``, one backward of the losses' sum, one SGD step per rank.
-    Returns one ``one_step`` dict per rank (its shards)."""
+    """``one_step`` on every simulated rank (``forward_ranks(xs, ps) -> ys``), one backward of
+    the losses' sum: one ``one_step`` dict per rank (its shards)."""
     ps = [clone_trainable(shard) for shard in shards]
     xs = [x0.clone().requires_grad_(True) for _ in shards]
     ys = forward_ranks(xs, ps)
     losses = [F.mse_loss(y, target) for y in ys]
     sum(losses[1:], losses[0]).backward()
-    steps = []
-    for x, p, y, loss in zip(xs, ps, ys, losses):
-        grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
-        weights = sgd_step(p, grads, LR)
-        steps.append({"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad,
-                      "grads": grads, "weights": weights})
-    return steps
+    return [_stepped(*step) for step in zip(xs, ps, ys, losses)]
 
 
 def dense_reference(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                     cfg: Config, masks: dict[str, torch.Tensor] | None = None) -> dict:
     """``one_step`` of the dense block (``masks``: ``dense_forward``'s dropout masks)."""
     return one_step(lambda x, p: dense_forward(x, p, cfg, masks), x0, target, base)
+
+
+def probe_step(cfg: Config, x0: torch.Tensor, target: torch.Tensor,
+               base: dict[str, torch.Tensor]) -> dict:
+    """The conditioning probe: ``dense_reference`` from ``tolerance.perturbed_start``."""
+    px, pbase = perturbed_start(cfg, x0, base)
+    return dense_reference(px, target, pbase, cfg)
 
 
 # --- an injection's program: its parameters, its ranks' inputs, its cut --------------------
@@ -191,8 +192,7 @@ def dropout_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor] | None:
 def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> dict[str, torch.Tensor]:
     """``init_params(cfg, seed + PARAM_SEED_OFFSET, init)``, plus the injection's output bias
     ``[hidden]`` and, with ``cfg.qk_norm``, ``q_norm``/``k_norm`` ``[head_dim]`` = ``1 +
-    INIT_STD * randn`` (not ones, so a gradient that misses heads shows), each from its own
-    generator."""
+    INIT_STD * randn`` (not ones, so a gradient that misses heads shows)."""
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     if inj.bias is not None:
         g = torch.Generator().manual_seed(seed + BIAS_SEED_OFFSET)
@@ -211,17 +211,16 @@ def fused_rows(cfg: Config, rank: int) -> slice:
     return slice(rank * rows, (rank + 1) * rows)
 
 
-#: Loaders of a fused checkpoint (``fused_qkv.load_qkv_weight``) by ``Injection.shard``:
-#: (the checkpoint's layout, how a rank reads its rows, whether ``tp_rank`` is passed).
+#: ``Injection.shard`` -> (fused checkpoint layout, how a rank reads it, passes ``tp_rank``).
 LOADERS = {"fused_rank0": ("plain", "plain", False), "grouped": ("grouped", "grouped", True),
            "grouped_as_plain": ("grouped", "plain", True)}
 
 
 def load_rank_shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection,
                     rank: int) -> dict[str, torch.Tensor]:
-    """What rank ``rank`` loads from the dense ``p`` with the injection's loader (``LOADERS``):
-    ``wq``/``wk``/``wv`` narrowed from the fused checkpoint, ``wo`` its heads' columns,
-    ``norm`` (and ``bias``) replicated; differentiable. Other loaders: ``shard(...)[rank]``."""
+    """What rank ``rank`` loads from the dense ``p`` with the injection's loader (``LOADERS``:
+    ``wq``/``wk``/``wv`` from the fused checkpoint, ``wo`` its heads' columns, ``norm`` and
+    ``bias`` replicated; else ``shard(...)[rank]``); differentiable."""
     if inj.shard not in LOADERS or inj.shard_offset:
         return shard(p, cfg, inj)[rank]
     layout, read_as, passes_rank = LOADERS[inj.shard]
@@ -236,10 +235,9 @@ def load_rank_shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection,
 
 
 def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[str, torch.Tensor]]:
-    """Every rank's parameters as the injection's loader cuts them, differentiable slices of
-    ``p``: ``shard_params`` (``"heads"``, ``"fused"``), contiguous ``[Wq; Wk; Wv]`` rows read
-    as q, k, v (``"fused_naive"``) or ``load_rank_shard`` (``LOADERS``); replicated tensors
-    shared; ``shard_offset`` k: rank r gets rank ``(r + k) mod W``'s."""
+    """Every rank's parameters as the injection's loader cuts them (differentiable slices of
+    ``p``): ``shard_params``, contiguous ``[Wq; Wk; Wv]`` rows (``"fused_naive"``) or
+    ``load_rank_shard``; ``shard_offset`` k: rank r gets rank ``(r + k) mod W``'s."""
     if inj.shard in LOADERS:
         base = replace(inj, shard_offset=0)
         shards = [{k: t for k, t in load_rank_shard(p, cfg, base, r).items() if k != "bias"}
@@ -288,9 +286,8 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
 
 def inverse_of(shard_fn, like: dict[str, torch.Tensor], cfg: Config):
     """The gather of a cut ``shard_fn(p, cfg)``: per-rank dicts -> full-size tensors shaped as
-    ``like``, each element from the first rank that holds it (replicated copies: rank 0's), as
-    ``unshard`` does for the package's cuts. Where the cut is not differentiable (a copy, not
-    a view), ``unshard_params``."""
+    ``like``, each element from the first rank that holds it; ``unshard_params`` where the cut
+    is a copy, not a view."""
     leaves = {k: torch.zeros_like(v).requires_grad_(True) for k, v in like.items()}
     cuts = shard_fn(leaves, cfg)
     if not all(t.requires_grad for c in cuts for t in c.values()):
@@ -311,15 +308,14 @@ def inverse_of(shard_fn, like: dict[str, torch.Tensor], cfg: Config):
 
 
 def rank_batches(cfg: Config, seed: int, inj: Injection) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's ``(x, target)`` ``[S, B, hidden]``, mesh order: ``make_inputs``'s batch, or
-    under ``inputs="per_rank"`` rank r's from ``seed + OTHER_BATCH_SEED_OFFSET * r``; on a
-    mesh, replica d's columns of it (``replica_batch``)."""
+    """Every rank's ``(x, target)`` ``[S, B, hidden]``, mesh order: ``make_inputs``'s batch
+    (``inputs="per_rank"``: rank r's from ``seed + OTHER_BATCH_SEED_OFFSET * r``), on a mesh
+    replica d's columns of it."""
     first = make_inputs(cfg, seed)
     per_tp = [first] * cfg.world_size if inj.inputs != "per_rank" else [first] + [
         make_inputs(cfg, seed + OTHER_BATCH_SEED_OFFSET * r) for r in range(1, cfg.world_size)]
     if cfg.data_parallel == 1:
         return per_tp
-    # a TP x DP mesh: every rank of replica d its batch columns of its TP rank's draw
     return [replica_batch(per_tp[t], cfg, d) for d in range(cfg.data_parallel)
             for t in range(cfg.world_size)]
 
@@ -349,21 +345,25 @@ def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
 def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                cfg: Config, inj: Injection,
                masks: dict[str, torch.Tensor] | None = None) -> dict:
-    """The dense reference with the injection's setup (bias, clipping by the float64 norm of
-    every gradient), ``one_step``'s dict; ``masks``: ``dropout_masks``."""
-    if "bias" not in base and not inj.clip:
-        return dense_reference(x0, target, base, cfg, masks)
+    """The dense reference with the injection's setup: the output bias, clipping by
+    ``engine.grad_norm`` of the dense block as a one-rank job; ``one_step``'s dict;
+    ``masks``: ``dropout_masks``."""
+    one_rank = SimulatedRanks(replace(cfg, world_size=1, data_parallel=1))
+
     def forward(x, p):
-        return dense_forward(x, p, cfg, masks) + (p["bias"] if "bias" in p else 0)
-    return one_step(forward, x0, target, base, lambda grads: clip_coef(torch.sqrt(sum(
-        g.double().pow(2).sum() for g in grads.values())), inj))
+        y = dense_forward(x, p, cfg, masks)
+        return y + p["bias"] if "bias" in p else y
+
+    def clip(grads):
+        return clip_coef(grad_norm(stack_ranks([grads]), one_rank), inj)
+    return one_step(forward, x0, target, base, clip if inj.clip else None)
 
 
 def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                  cfg: Config, inj: Injection, shard_fn, others=None) -> dict:
-    """``one_step`` of the engine's block in one graph (rank 0's view; shards
-    ``shard_fn(p, cfg)``, views of ``p``), clipped by ``engine.grad_norm`` of the ranks'
-    shards. ``others``: ranks >= 1's own inputs (``inputs="per_rank"``)."""
+    """``one_step`` of the engine's block in one graph (rank 0's view; shards ``shard_fn(p,
+    cfg)``), clipped by ``engine.grad_norm`` of the ranks' shards. ``others``: ranks >= 1's
+    own inputs."""
     def clip(grads):
         per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard in
                                              ("fused_naive", *LOADERS) else inj.shard))
@@ -378,8 +378,8 @@ def cuts_by_heads(inj: Injection) -> bool:
 
 
 def original_program(inj: Injection, cfg: Config) -> bool:
-    """The original fixture's programs (f and g kept or dropped) on plain TP: ``tp_forward``
-    runs them, keeping the original fixture's digits bit for bit."""
+    """The original fixture's programs (f and g kept or dropped) on plain TP, which
+    ``tp_forward`` runs to keep the original fixture's digits bit for bit."""
     return inj.f in ("sum", "none") and inj.g in (0, 1) and not cfg.sequence_parallel \
         and replace(inj, f="sum", g=1, norm_grad="sum", kv_grad="sum") == Injection() \
         and not has_replicas(cfg)
@@ -429,15 +429,11 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
 def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = None,
                     simulate: str = "fixture", shard_fn=None, tolerance: str = "seed",
                     init: str = "seed") -> dict:
-    """Dense vs TP from the same inputs and weights: forward, MSE loss, backward, one SGD step.
-
-    ``inj``: the sharded program; ``mode``: its name, reported. The dense side has the
-    injection's setup (``dense_step``), the TP side is ``tp_step``'s (``simulate``:
-    ``"fixture"`` or ``"ranks"``; ``shard_fn(params, cfg)``: another cut). Returns the five
-    measures and ``passed``: under ``tolerance="seed"`` below ``TOLERANCE``; under ``"auto"``
-    with ``bounds``, ``worst_parameter`` and a ``verdict`` (``tolerance.apply_auto``; the
-    conditioning probe runs only when a measure exceeds its bound). ``init``: ``"seed"``
-    (0.15) or ``"fan_in"``."""
+    """Dense (``dense_step``) vs TP (``tp_step``, the program ``inj`` named ``mode``) from the
+    same inputs and weights: forward, MSE loss, backward, one SGD step. Returns the five
+    measures and ``passed`` (``tolerance="seed"``: below ``TOLERANCE``; ``"auto"``:
+    ``tolerance.apply_auto``'s dict, the conditioning probe run only when a measure exceeds
+    its bound). ``init``: ``"seed"`` (0.15) or ``"fan_in"``."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
     check_seed(seed)
@@ -455,9 +451,8 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
     if tolerance == "auto":
         metrics, bounds = per_parameter(cfg, metrics, dense, tp, LR)
 
-        def probe():  # the conditioning probe: the dense step from a perturbed start
-            px, pbase = perturbed_start(cfg, x0, base)
-            return conditioning(cfg, dense, dense_reference(px, target, pbase, cfg), LR,
+        def probe():
+            return conditioning(cfg, dense, probe_step(cfg, x0, target, base), LR,
                                 metrics["worst_parameter"])
 
         metrics = apply_auto(metrics, bounds, probe)
@@ -465,8 +460,8 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
 
 
 def inspect_fixture(cfg: Config | None = None) -> dict:
-    """The original fixture's ``inspect``: runtime versions, Config (fields at their default
-    left out, as the original fixture has them), dense and rank-local shapes, the rule."""
+    """The original fixture's ``inspect``: runtime versions, Config (later fields left out at
+    their default), dense and rank-local shapes, the rule."""
     cfg = Config() if cfg is None else cfg
     later = ("dtype", "sequence_parallel", "kv_strategy", "data_parallel", "dropout", "qk_norm")
     config = {k: v for k, v in cfg.as_dict().items() if k not in later or v != getattr(Config, k)}

@@ -15,10 +15,9 @@ __all__ = ["train_steps"]
 
 def train_steps(cfg: Config, seed: int, program, steps: int = 2) -> list[dict]:
     """``steps`` SGD steps of the dense block and of the simulated ranks running
-    ``program.injection`` (a registry entry), each side from its own current weights, from
-    ``tpattn.run``'s start. One dict per step: the five measures (rank 0's view),
-    ``kv_replica_max_diff`` (how far the wk/wv copies of a replica group are apart after the
-    step), ``dense_loss`` and ``tp_loss``. Step 1 is ``run(seed, mode, cfg, "ranks")``."""
+    ``program.injection``, each from its own weights, from ``tpattn.run``'s start. One dict per
+    step: the five measures (rank 0's view), ``kv_replica_max_diff`` (the wk/wv copies of a
+    replica group after the step), ``dense_loss`` and ``tp_loss``."""
     check_count("steps", steps)
     x0, target = make_inputs(cfg, seed)
     dense_weights = init_params(cfg, seed + PARAM_SEED_OFFSET)

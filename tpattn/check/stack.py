@@ -1,14 +1,13 @@
-"""A stack of attention blocks: a bug that corrupts only ``dX`` (a missing f) makes every block
-below it learn wrong. ``run_stack`` measures that block by block; parameters live in one flat
-dict, ``"<block>.<name>"``.
-"""
+"""A stack of attention blocks, parameters in one flat dict ``"<block>.<name>"``: ``run_stack``
+measures block by block how a bug in ``dX`` (a missing f) reaches the blocks below."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from .core import (ALL_MODES, LR, PARAM_SEED_OFFSET, check_count, check_seed, check_simulate,
-                   make_inputs, max_abs_diff, one_step, ranks_step)
+                   make_inputs, one_step, ranks_step)
+from .measures import MEASURES, five_measures, max_abs_diff
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
 from tpattn.block.params import PARAM_NAMES, clone_trainable, init_params, shard_params, unshard_params
@@ -24,8 +23,8 @@ BLOCK_SEED_STRIDE = 1000
 
 
 def init_stack(cfg: Config, layers: int, seed: int) -> dict[str, torch.Tensor]:
-    """Parameters of ``layers`` blocks in one flat dict, ``"<block>.<name>"`` → tensor; block
-    ``l`` is ``init_params(cfg, seed + l * BLOCK_SEED_STRIDE)``."""
+    """``layers`` blocks' parameters, flat; block ``l``: ``init_params(cfg, seed + l *
+    BLOCK_SEED_STRIDE)``."""
     check_count("layers", layers)
     flat = {}
     for layer in range(layers):
@@ -49,8 +48,8 @@ def dense_stack_forward(x: torch.Tensor, flat: dict[str, torch.Tensor], cfg: Con
 
 def tp_stack_forward(x: torch.Tensor, flat: dict[str, torch.Tensor], cfg: Config,
                      inj: Injection = Injection()) -> torch.Tensor:
-    """``tp_forward`` of every block in turn, each wired as ``inj`` (f and g kept or dropped).
-    x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
+    """``tp_forward`` of every block in turn, each with ``inj``'s f and g. x: ``[S, B, hidden]``;
+    returns ``[S, B, hidden]``."""
     for block in blocks_of(flat):
         x = tp_forward(x, block, cfg, reduce_output=inj.g == 1,
                        reduce_input_grad=inj.f == "sum")
@@ -59,8 +58,8 @@ def tp_stack_forward(x: torch.Tensor, flat: dict[str, torch.Tensor], cfg: Config
 
 def tp_stack_forward_ranks(xs: list[torch.Tensor], rank_flats: list[dict[str, torch.Tensor]],
                            cfg: Config, inj: Injection = Injection()) -> list[torch.Tensor]:
-    """``forward_rank_list`` of every block in turn, every simulated rank its own stack: xs
-    and the result one ``[S, B, hidden]`` per rank, ``rank_flats`` each rank's flat shards."""
+    """``forward_rank_list`` of every block in turn, each rank its own flat shards: one ``[S, B,
+    hidden]`` per rank in and out."""
     per_rank = [blocks_of(flat) for flat in rank_flats]
     for layer in range(len(per_rank[0])):
         xs = forward_rank_list(xs, [blocks[layer] for blocks in per_rank], cfg, inj)
@@ -87,8 +86,8 @@ def _unshard_stack(rank_flats: list[dict[str, torch.Tensor]], cfg: Config) -> di
 
 
 def _stack_start(seed: int, program, cfg: Config | None, layers: int, simulate: str):
-    """``(cfg, x0, target, base, inj)``, validated: the fixture's batch, the stack's parameters
-    and ``program.injection`` (a mode of ``ALL_MODES``), the program of every block."""
+    """``(cfg, x0, target, base, inj)``, validated: the fixture's batch, the stack's parameters,
+    ``program.injection`` (a mode of ``ALL_MODES``)."""
     inj = getattr(program, "injection", None)
     if not isinstance(inj, Injection) or getattr(program, "name", None) not in ALL_MODES:
         raise ValueError(f"program must be a registry entry of the original fixture's check "
@@ -104,12 +103,10 @@ def _stack_start(seed: int, program, cfg: Config | None, layers: int, simulate: 
 
 def run_stack(seed: int, program, cfg: Config | None = None, layers: int = 3,
               simulate: str = "fixture") -> dict:
-    """One step of a dense and a TP stack (``program.injection``, a registry entry, in every
-    block) from the fixture's start, compared block by block (``simulate`` as ``tpattn.run``).
-
-    Returns ``seed``, ``mode``, ``layers``, ``simulate``, the stack's forward, loss and input
-    gradient measures, and ``grad_diffs`` / ``weight_diffs``: per block (0 nearest ``x``),
-    parameter name → ``max |dense − TP|`` of its gradient / its value after the step."""
+    """One step of a dense and a TP stack (``program.injection`` in every block) from the
+    fixture's start. Returns ``seed``, ``mode``, ``layers``, ``simulate``, the forward, loss and
+    input gradient measures, and ``grad_diffs`` / ``weight_diffs``: per block (0 nearest ``x``)
+    name → ``max |dense − TP|`` of its gradient / its value after the step."""
     cfg, x0, target, base, inj = _stack_start(seed, program, cfg, layers, simulate)
 
     dense = one_step(lambda x, p: dense_stack_forward(x, p, cfg), x0, target, base)
@@ -125,24 +122,17 @@ def run_stack(seed: int, program, cfg: Config | None = None, layers: int = 3,
         return [{name: max_abs_diff(dense[key][f"{layer}.{name}"], sharded[key][f"{layer}.{name}"])
                  for name in PARAM_NAMES} for layer in range(layers)]
 
-    return {
-        "seed": seed,
-        "mode": program.name,
-        "layers": layers,
-        "simulate": simulate,
-        "forward_max_abs_diff": max_abs_diff(dense["output"], sharded["output"]),
-        "loss_abs_diff": max_abs_diff(dense["loss"], sharded["loss"]),
-        "input_grad_max_abs_diff": max_abs_diff(dense["input_grad"], sharded["input_grad"]),
-        "grad_diffs": per_block("grads"),
-        "weight_diffs": per_block("weights"),
-    }
+    measures = five_measures(seed, program.name, dense, sharded)
+    return {"seed": seed, "mode": program.name, "layers": layers, "simulate": simulate,
+            **{m: measures[m] for m in MEASURES[:3]},
+            "grad_diffs": per_block("grads"), "weight_diffs": per_block("weights")}
 
 
 def train_stack(seed: int, program, cfg: Config | None = None, layers: int = 1,
                 steps: int = 20, simulate: str = "fixture") -> dict:
     """``steps`` SGD steps of the TP stack from ``run_stack``'s start (``"ranks"``: every rank
-    its own shards, ``norm`` copies and update). Returns ``losses`` (rank 0's, before each
-    step) and ``norm_spread``: after each step the largest ``|norm_r − norm_0|``."""
+    its own shards and update). Returns ``losses`` (rank 0's, before each step) and
+    ``norm_spread`` (after each step the largest ``|norm_r − norm_0|``)."""
     check_count("steps", steps)
     cfg, x0, target, base, inj = _stack_start(seed, program, cfg, layers, simulate)
     ranks = simulate == "ranks"

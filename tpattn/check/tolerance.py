@@ -1,11 +1,6 @@
-r"""How far correct TP may be from dense: a rounding bound per measure, and a verdict.
-
-``bound_m = rho * scale_m`` with ``rho = C (u_acc sqrt(n) + u (W + L))``: ``u`` the dtype's
-unit roundoff, ``u_acc`` the accumulator's (float32 for bfloat16), ``n`` the longest dot product
-(``fan_in``), ``W`` ranks' partials and ``L`` later elementwise stages each rounding once
-(Higham and Mary's probabilistic bound), ``scale_m`` the dense side's magnitude (per parameter
-for gradients and weights). A step that amplifies rounding (``amplification``) turns a measure
-between its bound and its floor into ``"inconclusive"``; a bug is a relative ``O(1)``.
+r"""How far correct TP may be from dense: ``bound_m = rho * scale_m``, ``rho = C (u_acc sqrt(n)
++ u (W + L))`` (Higham and Mary's probabilistic bound), and a verdict; a measure between its
+bound and its amplified floor (``amplification``) is ``"inconclusive"``.
 """
 from __future__ import annotations
 
@@ -22,8 +17,8 @@ UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8}
 ACCUMULATOR = {"float64": "float64", "float32": "float32", "bfloat16": "float32"}
 #: Elementwise stages after the reductions, each rounded in the stored dtype.
 LATER_STAGES = 4
-#: ``C``: calibrated, not derived: correct TP over random shapes, world sizes 1-8, both inits and
-#: three dtypes (tests/check/test_tolerance.py) and bench/tolerance_headroom.py stay below it.
+#: ``C``, calibrated: correct TP over random shapes, world sizes 1-8, both inits and three
+#: dtypes stays below it (tests/check/test_tolerance.py, bench/tolerance_headroom.py).
 SAFETY = 1.0
 #: Factor on the measured amplified floor (calibrated the same way).
 FLOOR_SAFETY = 1.0
@@ -67,7 +62,7 @@ def _max_abs(t: torch.Tensor) -> float:
 
 def check_kernel_precision(cfg: Config, device: torch.device | str = "cpu") -> None:
     """Raise ``ValueError`` naming the setting where matmuls do not accumulate as the bound
-    assumes: float32 matmul precision below "highest", CUDA TF32, bfloat16 split-K sums."""
+    assumes (float32 matmul precision, CUDA TF32, bfloat16 split-K sums)."""
     kind = torch.device(device).type
     if cfg.dtype == "float32" and torch.get_float32_matmul_precision() != "highest":
         raise ValueError(
@@ -93,11 +88,10 @@ _SIDE = {"parameter_grad_max_abs_diff": "grads", "post_step_weight_max_abs_diff"
 
 
 def parameter_bounds(cfg: Config, dense: dict, lr: float) -> dict[str, dict[str, float]]:
-    """Each parameter's own bounds, ``{measure: {name: bound}}`` for ``PARAMETER_MEASURES``.
-
-    Gradient of ``p``: ``C u_acc sqrt(n) max M_p + C u (W + L) max |dL/dp|``, ``M_p`` the
-    summands' magnitude (``dense["grad_magnitudes"]``, else ``|dL/dp|``). Weights after
-    ``w' = w - lr g``: ``2 u_master (max |w'| + lr max |g|) + lr * grad_bound``."""
+    """Each parameter's own bounds, ``{measure: {name: bound}}`` for ``PARAMETER_MEASURES``:
+    gradient ``C u_acc sqrt(n) max M_p + C u (W + L) max |dL/dp|`` (``M_p``:
+    ``dense["grad_magnitudes"]``, else ``|dL/dp|``); weight after ``w' = w - lr g``:
+    ``2 u_master (max |w'| + lr max |g|) + lr * grad_bound``."""
     sums, stages = bound_terms(cfg)
     g_max = {k: _max_abs(g) for k, g in dense["grads"].items()}
     m_max = {k: _max_abs(m) for k, m in dense.get("grad_magnitudes", dense["grads"]).items()}
@@ -134,8 +128,8 @@ def _bounds(cfg: Config, dense: dict, by_name: dict, worst: dict) -> dict:
 
 def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict,
                   lr: float) -> tuple[dict, dict]:
-    """``(metrics, bounds)`` for ``apply_auto``, each of ``PARAMETER_MEASURES`` reported for
-    its worst parameter (largest ``|dense - tp|_p / bound_p``, named in ``worst_parameter``)."""
+    """``(metrics, bounds)`` for ``apply_auto``, ``PARAMETER_MEASURES`` for the worst parameter
+    (largest ``|dense - tp|_p / bound_p``, named in ``worst_parameter``)."""
     by_name = parameter_bounds(cfg, dense, lr)
     out, worst = dict(metrics), {}
     for m in PARAMETER_MEASURES:
@@ -152,8 +146,8 @@ def _ratio(measure: float, bound: float) -> float:
 
 
 def perturb(t: torch.Tensor, rel: float) -> torch.Tensor:
-    """``t * (1 + rel * s)``, ``s = +-1`` from each element's lowest significand bit (no RNG),
-    computed in float64 and rounded to ``t``'s dtype."""
+    """``t * (1 + rel * s)`` in float64, rounded to ``t``'s dtype; ``s = +-1`` from each
+    element's lowest significand bit (no RNG)."""
     bits = t.detach().contiguous().view({torch.float64: torch.int64, torch.float32: torch.int32,
                                          torch.bfloat16: torch.int16}[t.dtype])
     sign = (bits & 1).double() * 2 - 1
@@ -168,9 +162,8 @@ def perturbed_start(cfg: Config, x0: torch.Tensor, base: dict[str, torch.Tensor]
 
 def amplification(cfg: Config, dense: dict, probe: dict,
                   by_name: dict[str, float] | None = None) -> dict[str, float]:
-    """``A_m = |probe - dense|_m / (rho scale_m)`` per measure, ``probe`` the dense step from
-    ``perturbed_start``; the gradients' is the largest ``A_p`` (``by_name``, computed if None).
-    ``A <= ~1`` is well conditioned; a saturated softmax gives hundreds."""
+    """``A_m = |probe - dense|_m / (rho scale_m)`` per measure (``probe``: the dense step from
+    ``perturbed_start``); the gradients' is the largest ``A_p`` (``by_name``, else computed)."""
     diff = five_measures(0, "probe", dense, probe)
     scales = auto_bounds(cfg, dense, 0.0)
     amp = {m: _ratio(diff[m], scales[m]) if scales[m] else 0.0
@@ -189,9 +182,9 @@ def parameter_amplification(cfg: Config, dense: dict, probe: dict) -> dict[str, 
 
 def rounding_floors(cfg: Config, dense: dict, amp: dict[str, float], lr: float,
                     worst: dict | None = None, by_name: dict[str, float] | None = None) -> dict:
-    """``FLOOR_SAFETY max(1, A_m) bound_m`` per measure: what amplified rounding reaches; the
-    weights' from the gradients' floor. Parameter measures: ``worst``'s parameter (else the
-    largest), with its own ``A_p`` from ``by_name`` (else the largest ``A``)."""
+    """``FLOOR_SAFETY max(1, A_m) bound_m`` per measure (the weights' from the gradients'
+    floor); parameter measures for ``worst``'s parameter (else the largest), with its own
+    ``A_p`` from ``by_name`` (else the largest ``A``)."""
     bounds = auto_bounds(cfg, dense, lr, worst)
     floors = {m: FLOOR_SAFETY * max(1.0, a) * bounds[m] for m, a in amp.items()}
     grad = parameter_bounds(cfg, dense, lr)["parameter_grad_max_abs_diff"]
@@ -228,10 +221,9 @@ def conditioning(cfg: Config, dense: dict, probe: dict, lr: float,
 
 def apply_auto(metrics: dict, bounds: dict, floors=None) -> dict:
     """``run()``'s dict under ``tolerance="auto"``: the measures, ``tolerance``, ``bounds``,
-    ``verdict`` and ``passed``. ``"pass"`` when every measure is within its bound; else
-    ``floors`` (``conditioning``'s pair, or a function returning it, called only then) decides:
-    ``"inconclusive"`` (with ``reason``) when every measure is within its floor, else
-    ``"fail"`` (also without ``floors``)."""
+    ``verdict`` and ``passed``: ``"pass"`` within every bound; else ``"inconclusive"`` (with
+    ``reason``) within every one of ``floors`` (``conditioning``'s pair, or a function returning
+    it), else ``"fail"``."""
     out = {k: v for k, v in metrics.items() if k != "passed"}
     out["tolerance"] = "auto"
     out["bounds"] = dict(bounds)

@@ -1,10 +1,6 @@
-"""One real torch.distributed rank as the engine's backend: ``SimulatedRanks`` with R = 1.
-
-``RealRanks`` records the same ledger as ``SimulatedRanks`` and overrides only the group
-primitives (``group_sum``: ``all_reduce``, ``group_cat``: ``all_gather``, ``scatter_sum``:
-``reduce_scatter_single``, ``position``). Its groups come from ``init_device_mesh`` over
-``("dp", "tp")`` and ``new_group`` (``build_groups``). A primitive issues only what the plan
-says comes next, and names its ledger entry when it fails.
+"""One real torch.distributed rank as the engine's backend: ``SimulatedRanks`` with R = 1 whose
+group primitives are ``all_reduce``, ``all_gather`` and ``reduce_scatter_single``; each issues
+only what the plan says comes next and names its ledger entry when it fails.
 """
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ class CollectiveError(RuntimeError):
 
 def build_groups(cfg: Config, device_type: str = "cpu", timeout: float = 60.0) -> dict:
     """This rank's ``"mesh"`` (``("dp", "tp")``, rank ``dp * W + tp``), ``"tp"``, ``"dp"``,
-    ``"world"`` groups, and as needed ``"kv_replicas"`` and ``"self"`` (``new_group`` is
-    collective: every rank makes every group)."""
+    ``"world"`` groups, and as needed ``"kv_replicas"`` and ``"self"`` (made on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (cfg.data_parallel, cfg.world_size),
@@ -67,7 +62,7 @@ class RealRanks(SimulatedRanks):
         self.traffic = []
 
     def deviation(self) -> str | None:
-        """How the ledger so far strays from ``plan``, or ``None`` (a prefix of it)."""
+        """How the ledger so far strays from ``plan``, or ``None``."""
         for index, entry in enumerate(self.ledger if self.plan is not None else []):
             planned = self.plan[index] if index < len(self.plan) else None
             if entry != planned:

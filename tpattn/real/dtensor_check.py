@@ -1,8 +1,5 @@
-"""Cross-check with PyTorch's own tensor-parallel API (DTensor).
-
-``AttentionBlock``, the dense block as an ``nn.Module``, sharded by ``parallelize_module``
-with Megatron's plan (wq, wk, wv ``ColwiseParallel``, wo ``RowwiseParallel``): PyTorch places
-the collectives. Importing this module loads ``torch.distributed.tensor`` (seconds).
+"""Cross-check with PyTorch's own tensor-parallel API (DTensor): ``AttentionBlock`` sharded by
+``parallelize_module`` with Megatron's plan, PyTorch placing the collectives.
 """
 from __future__ import annotations
 
@@ -23,17 +20,29 @@ from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
 from .module_check import full_value
 
-__all__ = ["AttentionBlock", "parallelize_block", "dtensor_check", "comm_counts"]
+__all__ = ["RMSNorm", "AttentionBlock", "parallelize_block", "dtensor_check", "comm_counts"]
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm`` as a module (``SequenceParallel`` shards a module's input)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class AttentionBlock(nn.Module):
-    """``dense_forward`` as an ``nn.Module`` for ``parallelize_module``: head counts and the
-    sequence length are read from the (rank-local) projections' outputs."""
+    """``dense_forward`` as an ``nn.Module``; head counts and sequence length are read from the
+    (rank-local) projections' outputs."""
 
     def __init__(self, params: dict[str, torch.Tensor], cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.norm = self.make_norm(params["norm"], cfg.eps)
+        self.norm = RMSNorm(params["norm"], cfg.eps)
         for name in ("wq", "wk", "wv", "wo"):
             out_features, in_features = params[name].shape
             linear = nn.Linear(in_features, out_features, bias=False,
@@ -42,17 +51,15 @@ class AttentionBlock(nn.Module):
                 linear.weight.copy_(params[name])
             setattr(self, name, linear)
 
-    def make_norm(self, weight: torch.Tensor, eps: float) -> nn.Module | nn.Parameter:
-        """The ``norm`` weight ``[hidden]`` as a parameter (``normalize`` applies it)."""
-        return nn.Parameter(weight.clone())
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """``rms_norm`` of x ``[..., hidden]`` with ``norm``; returns ``[..., hidden]``."""
-        return rms_norm(x, self.norm, self.cfg.eps)
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The block's parameters by ``PARAM_NAMES``."""
+        return {"norm": self.norm.weight,
+                **{k: getattr(self, k).weight for k in ("wq", "wk", "wv", "wo")}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[S, B, hidden]``; returns ``[S, B, hidden]``."""
-        n = self.normalize(x)
+        """x: ``[S, B, hidden]`` (or one rank's ``[S/W, B, hidden]`` under SP); returns its
+        shape."""
+        n = self.norm(x)
         q = self.wq(n)  # [S, B, local query heads * D]: the whole sequence, even under SP
         s, b, d = q.shape[0], q.shape[1], self.cfg.head_dim
         q = apply_rope(q.view(s, b, -1, d))  # -1: local query heads; positions 0..S-1
@@ -89,7 +96,7 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
     ledger = {p: comm_counts(c, p)[f"{p} all_reduce"]
               for p, c in (("forward", forward_comms), ("backward", backward_comms))}
 
-    params = {"norm": block.norm, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
+    params = block.weights()
     grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}
     stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
     tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad, "grads": grads,
@@ -98,8 +105,7 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") ->
 
 
 def comm_counts(mode: CommDebugMode, phase: str) -> dict[str, int]:
-    """``{"<phase> <kind>": n}`` of the all-gathers, reduce-scatters and all-reduces ``mode``
-    recorded."""
+    """``{"<phase> <kind>": n}`` of the all-gathers, reduce-scatters and all-reduces in ``mode``."""
     counts = Counter()
     for op, n in mode.get_comm_counts().items():
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):

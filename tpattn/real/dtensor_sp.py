@@ -1,15 +1,10 @@
-"""Cross-check of sequence parallelism with PyTorch's own API (DTensor).
-
-``SequenceParallelBlock`` on a 1-D mesh: ``norm`` ``SequenceParallel(sequence_dim=0)``,
-wq/wk/wv ``ColwiseParallel(input_layouts=Shard(0))`` (gathers the tokens), wo
-``RowwiseParallel(output_layouts=Shard(0))`` (reduce-scatters them). The ``norm`` gradient
-is a ``Partial`` placement, all-reduced when the step reads it.
+"""Cross-check of sequence parallelism with PyTorch's own API (DTensor): the block's residual
+stream on ``Shard(0)``; the ``norm`` gradient a ``Partial``, all-reduced when the step reads it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -18,9 +13,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from tpattn.check.core import EQUIVALENCE, LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs
 from tpattn.config import Config
-from .dtensor_check import AttentionBlock, comm_counts
+from .dtensor_check import AttentionBlock, RMSNorm, comm_counts
 from .module_check import full_value
-from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
 from tpattn.parallel.sequence_parallel import rank_tokens
@@ -29,29 +23,9 @@ __all__ = ["RMSNorm", "SequenceParallelBlock", "parallelize_sp_block", "dtensor_
            "norm_grad_placement"]
 
 
-class RMSNorm(nn.Module):
-    """``rms_norm`` as a module (``SequenceParallel`` shards a module's input)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 class SequenceParallelBlock(AttentionBlock):
-    """``AttentionBlock`` with ``norm`` a module: x ``[S/W, B, hidden]`` in and out, Q/K/V
+    """``AttentionBlock`` for ``parallelize_sp_block``: x ``[S/W, B, hidden]`` in and out, Q/K/V
     over the whole sequence (gathered by ``ColwiseParallel``)."""
-
-    def make_norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
-        """``norm`` as a module: ``SequenceParallel`` shards a module's input."""
-        return RMSNorm(weight, eps)
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[S_local, B, hidden]``, one rank's tokens; returns the same shape."""
-        return self.norm(x)
 
 
 def parallelize_sp_block(block: SequenceParallelBlock, world_size: int,
@@ -73,9 +47,8 @@ def norm_grad_placement(block: SequenceParallelBlock) -> str:
 
 
 def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's SP block
-    (output and dX gathered), and its collectives ``{"forward all_gather": n, ..., "SGD step
-    all_reduce": 1, "norm_grad_placement": ...}``."""
+    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's SP block, and
+    its collectives ``{"forward all_gather": n, ..., "norm_grad_placement": ...}``."""
     import torch.distributed as dist
 
     device = torch.device(device)
@@ -91,7 +64,7 @@ def dtensor_sp_check(seed: int, cfg: Config, device: torch.device | str = "cpu")
     with CommDebugMode() as backward_comms:
         (F.mse_loss(y, target[tokens], reduction="sum") / target.numel()).backward()
     placement = norm_grad_placement(block)
-    params = {"norm": block.norm.weight, **{k: getattr(block, k).weight for k in ("wq", "wk", "wv", "wo")}}
+    params = block.weights()
     grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}  # a Partial grad: summed on reading
     with CommDebugMode() as step_comms:  # the SGD step on the DTensors
         stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)

@@ -1,11 +1,6 @@
-"""Hugging Face's own tensor-parallel runtime as a sharding function for ``check_module``.
-
-``hf_tp_runtime(module, mesh)`` runs ``transformers``' path on each rank: rank 0 writes the
-causal LM with ``save_pretrained`` to a shared directory, and every rank loads it back with
-``from_pretrained(directory, tp_plan=..., device_mesh=mesh)`` (its styles: ``colwise``,
-``rowwise``, ``replicated_with_grad_allreduce`` for Qwen3's ``q_norm``/``k_norm`` ...). Needs
-``transformers`` and ``accelerate``; downloads nothing. ``CausalLMLogits``: a causal LM as a
-module of one tensor, ``inputs_embeds`` ``[B, S, hidden]`` -> logits ``[B, S, vocab]``.
+"""Hugging Face's own tensor-parallel runtime as a sharding function for ``check_module``:
+``save_pretrained`` on rank 0, ``from_pretrained(tp_plan=..., device_mesh=mesh)`` on every rank.
+Needs ``transformers`` and ``accelerate``; downloads nothing.
 """
 from __future__ import annotations
 
@@ -57,9 +52,8 @@ def _quiet_transformers() -> None:
 
 
 def hf_tp_runtime(module: CausalLMLogits, mesh, tp_plan="auto") -> CausalLMLogits:
-    """``module`` sharded over the 1-D ``mesh`` by Hugging Face's runtime, on every rank.
-    ``tp_plan``: ``"auto"`` (the model's own plan), or overrides merged into it (e.g.
-    ``{"model.layers.*.self_attn.q_norm": "replicate"}``)."""
+    """``module`` sharded over the 1-D ``mesh`` by Hugging Face's runtime, on every rank;
+    ``tp_plan``: ``"auto"`` (the model's own plan), or overrides merged into it."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 

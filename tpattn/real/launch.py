@@ -1,9 +1,5 @@
-"""Start one process per rank, watch them, fail fast: the plumbing under ``tpattn.real.ranks``.
-
-``run_on_ranks(rank_fn, world_size, plan, ...)`` starts processes that join one process group
-(a ``TCPStore`` on 127.0.0.1) and returns what ``rank_fn(rank, plan, device, on_progress)``
-returns in each. Every collective waits at most ``timeout`` seconds; the first rank that
-raises, exits or stops reporting ends the run with ``RankFailure`` naming it, no process left.
+"""Start one process per rank in one process group, watch them, fail fast (``run_on_ranks``):
+the first rank that raises, exits or stops reporting ends the run with ``RankFailure``.
 """
 from __future__ import annotations
 
@@ -26,7 +22,7 @@ __all__ = ["DEFAULT_TIMEOUT", "RankFailure", "run_on_ranks", "default_backend", 
 #: Seconds any collective (and the rendezvous) may wait before the run fails.
 DEFAULT_TIMEOUT = 60.0
 #: After the first failure, how long the other ranks may take to report what they saw (up to
-#: min(timeout, 5 s) while every report so far is a failed collective, i.e. a consequence).
+#: min(timeout, 5 s) while every report so far is a failed collective).
 FAILURE_GRACE_S = 1.0
 
 
@@ -44,18 +40,21 @@ def default_backend(world_size: int) -> str:
 
 
 def rank_device(backend: str, local_rank: int) -> torch.device:
-    """Where a rank computes: its own GPU under NCCL, the CPU under gloo."""
-    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    """Where a rank computes (its own GPU under NCCL, made current; the CPU under gloo), with
+    one CPU thread per rank."""
+    torch.set_num_threads(1)
+    if backend != "nccl":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def pin_gloo_to_loopback() -> None:
     """Make gloo talk over the loopback interface (single-host runs) unless the user chose one."""
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        names = {name for _, name in socket.if_nameindex()}
-        for loopback in ("lo", "lo0"):
-            if loopback in names:
-                os.environ["GLOO_SOCKET_IFNAME"] = loopback
-                return
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
 def backend_message(e: BaseException) -> str:
@@ -97,11 +96,8 @@ def _rank_main(rank_fn, rank: int, world_size: int, port: int, plan, backend: st
     """Body of every rank process: join the group, run ``rank_fn``, report to the parent."""
     _exit_with_parent()
     pin_gloo_to_loopback()
-    torch.set_num_threads(1)
     try:
         device = rank_device(backend, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         wait = timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=wait)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
@@ -123,9 +119,8 @@ def _rank_main(rank_fn, rank: int, world_size: int, port: int, plan, backend: st
 def run_on_ranks(rank_fn, world_size: int, plan, *, timeout: float, backend: str,
                  start_method: str = "forkserver", preload: tuple[str, ...] = ()):
     """``rank_fn(rank, plan, device, on_progress)`` (module-level, picklable result) in
-    ``world_size`` fresh processes of one group: ``(results by rank, {"startup_s", "total_s"})``.
-    ``"forkserver"`` imports ``preload`` once and forks the ranks; ``RankFailure`` on any failure.
-    """
+    ``world_size`` fresh processes of one group (``"forkserver"``: ``preload`` imported once):
+    ``(results by rank, {"startup_s", "total_s"})``; ``RankFailure`` on any failure."""
     if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
         start_method = "spawn"  # Windows
     ctx = torch.multiprocessing.get_context(start_method)
@@ -165,8 +160,7 @@ def _stop(procs) -> None:
 
 
 def _supervise(procs, messages, timeout: float):
-    """Every rank's report, ``(results, ready_times)`` by rank; ``RankFailure`` at the first
-    failure."""
+    """Every rank's report, ``(results, ready_times)`` by rank; ``RankFailure`` at the first."""
     world_size = len(procs)
     start = time.monotonic()
     ready, done, errors, silent_exit, stalled = {}, {}, {}, {}, {}

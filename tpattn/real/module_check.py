@@ -1,18 +1,16 @@
 """The five-measure check for any ``nn.Module`` and any tensor-parallel sharding, on real ranks.
 
-``check_module(module, plan, x)`` starts ``world_size`` processes (``tpattn.real.launch``) and
-on every rank takes one training step (MSE against a fixed target, backward, SGD on the
-module's own parameters) with a whole copy and with a copy sharded by ``parallelize_module``
-(``plan`` a PyTorch TP plan) or by ``plan(copy, mesh)`` (a sharding function: Hugging Face's
-runtime, torchtitan's, one's own), the latter under ``CommDebugMode`` (the ledger). It
-compares them on ``tpattn.run``'s five measures (sharded tensors gathered) and compares the
-ranks' copies of every replicated tensor (replica disagreement: 0 when all hold the same bits).
+``check_module(module, plan, x)``: on every rank one training step (MSE, backward, SGD) of a
+whole copy and of a copy sharded by ``parallelize_module(plan)`` or ``plan(copy, mesh)`` (under
+``CommDebugMode``), compared on the five measures; plus how far the ranks' copies of every
+replicated tensor disagree.
 """
 from __future__ import annotations
 
 import copy
 import pickle
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +28,8 @@ TARGET_SEED = 0
 
 @dataclass
 class ModuleCheck:
-    """``check_module``'s findings: ``measures`` (and ``passed``), ``ledger`` (``{"forward":
-    {kind: n}, "backward": ...}``), ``replica_disagreement`` (per replicated tensor, vs rank 0),
+    """``check_module``'s findings: ``measures``, ``ledger`` (``{"forward": {kind: n},
+    "backward": ...}``), ``replica_disagreement`` (per replicated tensor, vs rank 0),
     ``sharded`` (placements), ``timings`` (not deterministic)."""
 
     world_size: int
@@ -65,9 +63,9 @@ def _kind(op) -> str:
 
 
 def _counts(mode) -> dict[str, int]:
-    counts: dict[str, int] = {}
+    counts = Counter()
     for op, n in mode.get_comm_counts().items():
-        counts[_kind(op)] = counts.get(_kind(op), 0) + n
+        counts[_kind(op)] += n
     return dict(sorted(counts.items()))
 
 
@@ -210,23 +208,17 @@ def check_module(module: torch.nn.Module, plan, x: torch.Tensor, *,
                  target: torch.Tensor | None = None, world_size: int = 2,
                  label: str = "plan", tolerance: float = TOLERANCE,
                  timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> ModuleCheck:
-    """Shard ``module`` over ``world_size`` real ranks with ``plan``, take one training step
-    with it and with the whole module, and compare them (module docstring).
-
-    module: picklable, one tensor in (``x``), one out. plan: ``parallelize_module``'s plan
-    (module name -> ``ColwiseParallel()`` ...), or a picklable ``fn(module, mesh) -> sharded
-    module`` keeping the parameter names (e.g. ``hf_runtime.hf_tp_runtime``). ``target``:
-    the MSE target (default a fixed random one); ``tolerance``: the measures' pass bound;
-    ``label`` names the plan. Only parameters the forward uses take part. Raises ``ValueError``
-    for bad arguments, ``launch.RankFailure`` (one line naming the rank) when a rank fails.
-    """
+    """Shard ``module`` (picklable, one tensor in, one out) over ``world_size`` real ranks with
+    ``plan`` (``parallelize_module``'s, or a picklable ``fn(module, mesh) -> sharded module``
+    keeping the parameter names), take one step with it and with the whole module, compare.
+    ``target``: the MSE target (default a fixed random one). Only parameters the forward uses
+    take part; ``launch.RankFailure`` when a rank fails."""
     return check_plans(module, {label: plan}, x, target=target, world_size=world_size,
                        tolerance=tolerance, timeout=timeout, backend=backend)[0]
 
 
 def _check_plan(label: str, plan, names: set[str]) -> None:
-    """``ValueError`` unless ``plan`` is a plan naming modules of the module, or a picklable
-    sharding function."""
+    """``ValueError`` unless ``plan`` is a plan of the module's modules or a picklable function."""
     if callable(plan) and not isinstance(plan, dict):
         try:
             pickle.dumps(plan)
@@ -255,8 +247,7 @@ def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
                 target: torch.Tensor | None = None, world_size: int = 2,
                 tolerance: float = TOLERANCE, timeout: float = DEFAULT_TIMEOUT,
                 backend: str | None = None) -> list[ModuleCheck]:
-    """``check_module`` for each of ``{label: plan}`` in one set of rank processes; one
-    ``ModuleCheck`` per plan, in order."""
+    """``check_module`` for each of ``{label: plan}`` in one set of rank processes, in order."""
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"module must be a torch.nn.Module (got {type(module).__name__})")
     if not isinstance(plans, dict) or not plans:
@@ -278,13 +269,9 @@ def check_plans(module: torch.nn.Module, plans: dict, x: torch.Tensor, *,
                            for k, v in plans.items()),
                x=x.detach().cpu(), target=None if target is None else target.detach().cpu(),
                tolerance=float(tolerance))
-    # the forkserver imports the module's code once, so that no rank pays for it again
     preload = ("tpattn.real.module_check",) + tuple(sorted(
         {type(m).__module__ for m in module.modules()} - {"__main__"}))
     results, timings = run_on_ranks(_rank_main, world_size, job, timeout=timeout, backend=backend,
                                     preload=preload)
-    return [ModuleCheck(world_size=world_size, backend=backend, tolerance=float(tolerance),
-                        measures=r["measures"], ledger=r["ledger"],
-                        replica_disagreement=r["replica_disagreement"], sharded=r["sharded"],
-                        timings=timings)
+    return [ModuleCheck(world_size, backend, float(tolerance), **r, timings=timings)
             for r in results[0]]

@@ -1,10 +1,6 @@
-"""The check on real ranks: one torch.distributed process per rank, the engine's step on each.
-
-Every process (one rank of ``cfg.ranks``, mesh order) builds the mode's checkpoint and
-batches, keeps its own shard and batch, and runs ``engine.train_step`` on
-``backend.RealRanks``; its ledger must equal the same program's on ``SimulatedRanks``. Rank 0
-reports the five measures as ``tpattn.run(seed, mode, cfg, "ranks")`` does, how far the
-ranks' copies of replicated tensors disagree, and the collectives (``RealRankReport``).
+"""The check on real ranks: one torch.distributed process per rank, each running
+``engine.train_step`` on ``backend.RealRanks`` with the ledger ``SimulatedRanks`` plans; rank 0
+reports the five measures, replica disagreement and the collectives (``RealRankReport``).
 """
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,7 +18,8 @@ import torch.distributed as dist
 from tpattn.block.kv_layout import has_replicas, kv_grad_bug_applies, replica_groups
 from tpattn.block.params import QK_NORM_NAMES
 from tpattn.bugs.modes import resolve
-from tpattn.check.core import (EQUIVALENCE, LR, MODES, SEEDS, block_inputs, check_seed,
+from tpattn.check.core import (EQUIVALENCE, LR, MODES, SEEDS, block_inputs, check_count,
+                               check_seed,
                                dense_step, dropout_masks, five_measures, make_inputs,
                                make_params, max_abs_diff, rank_batches, shard, unshard)
 from tpattn.config import Config
@@ -38,18 +36,20 @@ __all__ = ["job_setup", "planned_ledger", "rank_step", "rank_check", "rank_disag
            "RealRankReport", "RankFailure", "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS",
            "validate_run", "launched_by_torchrun", "run_under_torchrun"]
 
-#: Test-only fault injection (``run_distributed(fault=...)``): what the faulty rank does.
+#: What the faulty rank does under the test-only ``run_distributed(fault=...)``.
 FAULT_KINDS = ("raise", "exit_early", "skip_collective")
 #: The phases of the block's own collectives (``RealRankReport.traffic``, the ledger rows).
 BLOCK_PHASES = ("forward", "backward", "after backward")
-#: DTensor's plan: RowwiseParallel(wo) sums once in forward; each of the three ColwiseParallel
-#: layers (wq, wk, wv) reads the replicated input and sums its own share of dn in backward.
+#: The lists rank 0 reports (``RealRankReport``'s fields).
+REPORT_LISTS = ("results", "rank_disagreement", "ledger", "dtensor", "traffic")
+#: DTensor's plan: RowwiseParallel(wo) sums once in forward, each ColwiseParallel (wq, wk, wv)
+#: once in backward.
 DTENSOR_EXPECTED_ALL_REDUCES = {"forward": 1, "backward": 3}
 
 
 def job_setup(seed: int, mode: str, cfg: Config):
-    """``(inj, base, shards, batches)`` of ``mode``, one shard and batch per rank of
-    ``cfg.ranks``, as ``tpattn.run(seed, mode, cfg, "ranks")`` gets them."""
+    """``(inj, base, shards, batches)`` of ``mode``: one shard and batch per rank, as
+    ``tpattn.run(seed, mode, cfg, "ranks")`` gets them."""
     inj = resolve(mode, cfg).injection
     base = make_params(cfg, seed, inj)
     shards = shard(base, cfg, inj) * cfg.data_parallel
@@ -68,10 +68,9 @@ def rank_step(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
     """This rank's ``train_step`` of ``mode`` on ``comm``, then every rank's step gathered:
     ``(step, inj, base)``. ``skip_output_reduce``: this rank drops g (a test's fault)."""
     inj, base, shards, batches = job_setup(seed, mode, cfg)
-    rank = comm.rank
-    x, target = (t.to(device).unsqueeze(0) for t in batches[rank])
-    mine = {k: t.to(device) for k, t in stack_ranks([shards[rank]]).items()}
-    rng = process_streams(cfg, seed, rank % cfg.world_size, inj) if cfg.dropout > 0 else None
+    x, target = (t.to(device).unsqueeze(0) for t in batches[comm.rank])
+    mine = {k: t.to(device) for k, t in stack_ranks([shards[comm.rank]]).items()}
+    rng = process_streams(cfg, seed, comm.rank % cfg.world_size, inj) if cfg.dropout else None
     program = replace(inj, g=0) if skip_output_reduce else inj
     step = train_step(mine, x, target, cfg, program, comm, LR, rng)
     return gather_step(step, comm, torch.stack([t for _, t in batches])), inj, base
@@ -109,9 +108,7 @@ def rank_check(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
     step, inj, base = rank_step(seed, mode, cfg, comm, device, skip_output_reduce)
     if comm.rank != 0:
         return None, None
-
-    def gather(per_rank):
-        return unshard(per_rank, cfg, inj)
+    gather = partial(unshard, cfg=cfg, inj=inj)
     view = (mesh_view if cfg.data_parallel > 1 else rank0_view)(step, cfg, gather)
     x0, target = make_inputs(cfg, seed)
     dense = dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed))
@@ -122,6 +119,12 @@ def rank_check(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
 def _all_reduces(entries: list[dict]) -> dict[str, int]:
     return {phase: sum(e["collective"] == "all_reduce" and e["phase"] == phase
                        for e in entries) for phase in ("forward", "backward")}
+
+
+def _expected_actual(expected: dict[str, int], actual: dict[str, int]) -> dict[str, int]:
+    """``{"forward_expected": n, "forward_actual": n, "backward_expected": ...}``."""
+    return {f"{phase}_{which}": counts[phase] for phase in ("forward", "backward")
+            for which, counts in (("expected", expected), ("actual", actual))}
 
 
 def ledger_row(mode: str, comm: RealRanks, correct: list[dict]) -> dict:
@@ -139,16 +142,14 @@ def ledger_row(mode: str, comm: RealRanks, correct: list[dict]) -> dict:
         return {"variant": "tpattn SP", "mode": mode,
                 **{f"{phase} {kind}": n for (kind, phase), n in sorted(counts.items())},
                 "bytes_per_rank": sent}
-    expected, actual = _all_reduces(correct), _all_reduces(comm.ledger)
     return {"variant": "tpattn f/g", "mode": mode,
-            **{f"{phase}_{which}": counts[phase] for phase in ("forward", "backward")
-               for which, counts in (("expected", expected), ("actual", actual))}}
+            **_expected_actual(_all_reduces(correct), _all_reduces(comm.ledger))}
 
 
 @dataclass(frozen=True)
 class RunPlan:
     """What every rank runs (picklable): ``jobs`` ``(mode, seed)`` mode-major, the DTensor
-    cross-check's seeds, the test-only ``fault`` (``run_distributed``)."""
+    cross-check's seeds, the test-only ``fault``."""
 
     cfg: Config
     jobs: tuple[tuple[str, int], ...]
@@ -170,11 +171,11 @@ def _fault(plan: RunPlan, rank: int, index: int) -> bool:
 
 def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_progress=None,
              groups: dict | None = None) -> dict:
-    """Every job of ``plan`` on this rank of an initialized group (``groups``:
-    ``build_groups``'s by default). Returns ``compute_s`` and, on rank 0, the report's lists."""
+    """Every job of ``plan`` on this rank of an initialized group (``groups``: default
+    ``build_groups``'s). Returns ``compute_s`` and, on rank 0, ``REPORT_LISTS``."""
     start, cfg = time.monotonic(), plan.cfg
     groups = groups or build_groups(cfg, torch.device(device).type, plan.timeout)
-    out = {"results": [], "rank_disagreement": [], "ledger": [], "dtensor": [], "traffic": []}
+    out = {k: [] for k in REPORT_LISTS}
     plans = {}
     for index, (mode, seed) in enumerate(plan.jobs):
         if mode not in plans:
@@ -201,8 +202,8 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
 
 
 def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
-    """The DTensor cross-check of each seed on every rank: ``run()`` dicts (``{"seed",
-    "error"}`` where it fails on replicated KV heads) and its ledger row."""
+    """The DTensor cross-check of each seed: ``run()`` dicts (``{"seed", "error"}`` where it
+    fails on replicated KV heads) and its ledger row."""
     cfg = plan.cfg
     if cfg.sequence_parallel:
         from .dtensor_sp import dtensor_sp_check as check  # loads torch.distributed.tensor
@@ -224,9 +225,7 @@ def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
     if cfg.sequence_parallel:
         return rows, [{"variant": "DTensor SequenceParallel", "mode": EQUIVALENCE, **counts}]
     return rows, [{"variant": "DTensor parallelize_module", "mode": EQUIVALENCE,
-                   **{f"{phase}_{which}": c[phase] for phase in ("forward", "backward")
-                      for which, c in (("expected", DTENSOR_EXPECTED_ALL_REDUCES),
-                                       ("actual", counts))}}]
+                   **_expected_actual(DTENSOR_EXPECTED_ALL_REDUCES, counts)}]
 
 
 @dataclass
@@ -262,8 +261,7 @@ def _check_fault(fault, world_size: int, cfg: Config, jobs: bool) -> None:
 
 def validate_run(world_size, seeds, modes, config, timeout, fault):
     """``run_distributed``'s arguments checked: ``(cfg, seeds, modes, timeout)``."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1 (got {world_size!r})")
+    check_count("world_size", world_size)
     cfg = Config(world_size=world_size) if config is None else config
     if not isinstance(cfg, Config):
         raise ValueError(f"config must be a tpattn.Config (got {type(cfg).__name__})")
@@ -297,13 +295,10 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     """Start ``config.ranks`` processes (default ``Config(world_size=world_size)``), run every
     mode x seed and the DTensor cross-check in one process group; rank 0's report.
 
-    ``dtensor``: ``True`` (every seed), ``False``, or seeds (none on a TP x DP mesh).
-    ``start_method``: ``"forkserver"`` (later runs start fast) or ``"spawn"``; from a script,
-    call under ``if __name__ == "__main__":``. Any collective waits at most ``timeout`` s; a rank
-    that raises, exits or skips one ends the run with ``RankFailure`` naming it, no process left.
-    ``fault`` (test-only): ``{"rank": r, "kind": k}``, rank r's first job does ``"raise"``,
-    ``"exit_early"`` (exit code 0) or ``"skip_collective"`` (skips g).
-    """
+    ``dtensor``: ``True`` (every seed), ``False``, or seeds (none on a mesh). ``start_method``:
+    ``"forkserver"`` or ``"spawn"`` (from a script, call under ``if __name__ == "__main__":``).
+    A collective waits at most ``timeout`` s; a failing rank raises ``RankFailure``. ``fault``
+    (test-only): ``{"rank": r, "kind": k}``, ``k`` in ``FAULT_KINDS``."""
     cfg, seeds, modes, timeout = validate_run(world_size, seeds, modes, config, timeout, fault)
     dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
         else tuple(check_seed(s) for s in dtensor)
@@ -318,11 +313,8 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     results, timings = run_on_ranks(run_rank, cfg.ranks, plan, timeout=timeout, backend=backend,
                                     start_method=start_method, preload=preload)
     rank0 = results[0]
-    return RealRankReport(
-        world_size=world_size, backend=backend, results=rank0["results"],
-        rank_disagreement=rank0["rank_disagreement"], ledger=rank0["ledger"],
-        dtensor=rank0["dtensor"], timings={**timings, "compute_s": rank0["compute_s"]},
-        traffic=rank0["traffic"])
+    return RealRankReport(world_size, backend, **{k: rank0[k] for k in REPORT_LISTS},
+                          timings={**timings, "compute_s": rank0["compute_s"]})
 
 
 # --- the command line: torchrun, or self-spawned ----------------------------------------
@@ -337,10 +329,7 @@ def run_under_torchrun(plan: RunPlan, backend: str, rank_fn=run_rank) -> dict:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]:  # --standalone / one host
         pin_gloo_to_loopback()
-    torch.set_num_threads(1)
     device = rank_device(backend, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=plan.timeout))
     try:
         return rank_fn(rank, plan, device)
