@@ -153,22 +153,25 @@ def shard_with(kv_rank=lambda r, w: r, wo_rows=False, detach=False):
     return shard
 
 
-def collective(forward_sums: bool, backward_sums: bool):
-    class Wrong(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *ts):
-            if forward_sums:
-                total = sum(ts[1:], ts[0])
-                return tuple(total.clone() for _ in ts)
-            return tuple(t.view_as(t) for t in ts)
+def mlp_with(detach_n=False, gelu_after_g=False, dense_parts=False, call_g=True):
+    """A tp_mlp with one mistake: n detached per rank (no f), GELU after the sum, the dense
+    MLP split W ways, or g not called."""
+    def tp_mlp(n, fc1, fc2, w, g):
+        if dense_parts:
+            return g([F.linear(F.gelu(F.linear(n, fc1)), fc2) / w] * w)
+        block, parts = fc1.shape[0] // w, []
+        for r in range(w):
+            rows = slice(r * block, (r + 1) * block)
+            h = F.linear(n.detach() if detach_n else n, fc1[rows])
+            parts.append(F.linear(h if gelu_after_g else F.gelu(h), fc2[:, rows]))
+        out = g(parts) if call_g else sum(parts)
+        return F.gelu(out) if gelu_after_g else out
+    return tp_mlp
 
-        @staticmethod
-        def backward(ctx, *grads):
-            if backward_sums:
-                total = sum(grads[1:], grads[0])
-                return tuple(total.clone() for _ in grads)
-            return grads
-    return Wrong
+
+def gate_up_detached(gate_up, w):
+    gates, ups = (half.chunk(w) for half in gate_up.chunk(2))
+    return [torch.cat([a, b]).detach() for a, b in zip(gates, ups)]
 
 
 def fingerprint_with(which):
@@ -253,13 +256,15 @@ WRONG = [
                              and {h // cfg.group_size for h in r["query"]} == set(r["kv"])
                              for i, r in enumerate(layout)),
      "you said it splits a group, but the sharded block with this layout matches dense"),
-    ("check_g", collective(forward_sums=True, backward_sums=True), "backward sums the ranks'"),
-    ("check_g", collective(forward_sums=False, backward_sums=False),
-     "forward hands rank 0 its own tensor back"),
-    ("check_f", collective(forward_sums=True, backward_sums=False),  # f that sums in forward
-     "forward sums the ranks' tensors; f's forward is the identity"),
-    ("check_f", collective(forward_sums=False, backward_sums=False),
-     "backward passes each rank its own gradient"),
+    ("check_tp_mlp", mlp_with(detach_n=True), "the gradient of n differs"),
+    ("check_tp_mlp", mlp_with(gelu_after_g=True), "rank 0's partial is not fc2's columns 0.."),
+    ("check_tp_mlp", mlp_with(dense_parts=True), "rank 0's partial is not"),
+    ("check_tp_mlp", mlp_with(call_g=False), "your code called g 0 times"),
+    ("check_gate_up_shards", lambda gate_up, w: list(gate_up.chunk(w)),
+     "which are not the gate and up rows of the same features"),
+    ("check_gate_up_shards", gate_up_detached, "the gradient of gate_up differs"),
+    ("check_gate_up_shards", lambda gate_up, w: [gate_up] * w, "rank 0's shard has shape [64, 16]"),
+    ("check_gate_up_shards", lambda gate_up, w: gate_up, "should return a list of 2 tensors"),
     ("check_missing_g_signature", lambda: {"forward_max_abs_diff"}, "you left out loss_abs_diff"),
     ("check_missing_g_signature", lambda: "forward_max_abs_diff", "should be a set of measure"),
     ("check_missing_g_signature", lambda: {"forward"}, "'forward' is not one of the measure names"),
@@ -333,7 +338,7 @@ WRONG_AROUND_MODEL = [
 
 #: A wrong answer for each shared grading pattern the lists above do not reach.
 WRONG_GRADERS = [
-    ("check_g", lambda *ts: ts, "g should be a subclass of torch.autograd.Function"),
+    ("check_real_f_and_g", (lambda *ts: ts, None), "F should be a subclass of torch.autograd"),
     ("check_ledger_counts", lambda mode: {"forward": 1},
      "should return a dict with the keys 'forward' and 'backward'"),
     ("check_norm_grad_reduce", lambda grads: grads[:1], "should return a list of 2 tensors"),
@@ -381,20 +386,22 @@ def test_an_exception_in_the_readers_code_is_one_sentence_naming_the_line():
 
 
 def test_an_exception_in_the_readers_backward_names_the_backward():
-    class G(torch.autograd.Function):
+    class Copy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, *ts):
-            total = sum(ts[1:], ts[0])
-            return tuple(total.clone() for _ in ts)
+        def forward(ctx, n):
+            return n.view_as(n)
 
         @staticmethod
         def backward(ctx, *grads):
-            return grads[0] @ grads[1]  # shapes do not fit
+            return grads[0] @ grads[0]  # shapes do not fit
 
-    result = ex.check_g(G)
+    def tp_mlp(n, fc1, fc2, w, g):
+        return mlp_with()(Copy.apply(n), fc1, fc2, w, g)
+
+    result = ex.check_tp_mlp(tp_mlp)
     assert not result.passed
     assert re.match(r"your code raised RuntimeError \(.*\) at line \d+ of backward: "
-                    r"`return grads\[0\] @ grads\[1\]", result.message), result.message
+                    r"`return grads\[0\] @ grads\[0\]", result.message), result.message
 
 
 def test_a_wrong_call_signature_is_one_sentence():

@@ -29,7 +29,8 @@ from tpattn.exercises.real_ranks import (BYTES_CONFIGS, KV_CONFIGS, SP_CONFIGS,
                                          check_ledger_counts, check_missing_kv_parameters,
                                          check_norm_grad_reduce, check_real_f_and_g,
                                          check_rope_offset)
-from tpattn.exercises.splitting import (check_diagnose, check_f, check_fingerprint, check_g,
+from tpattn.exercises.splitting import (check_diagnose, check_fingerprint, check_gate_up_shards,
+                                        check_tp_mlp,
                                         check_keeps_groups, check_missing_f_parameters,
                                         check_missing_f_signature, check_missing_g_signature,
                                         check_separating_measures, check_shard_params)
@@ -38,7 +39,7 @@ __all__ = [
     "Result", "CHECKED_SEEDS", "CHECKED_CONFIGS",
     "check_train_step", "check_five_measures",
     "check_shard_params", "check_keeps_groups",
-    "check_g", "check_f",
+    "check_tp_mlp", "check_gate_up_shards",
     "check_missing_g_signature", "check_fingerprint",
     "check_missing_f_signature", "check_missing_f_parameters",
     "check_separating_measures", "check_diagnose",

@@ -1,5 +1,5 @@
-"""Part II, splitting the block across ranks (chapters 6-10): the shards, f and g as autograd
-Functions, the two missing reductions' signatures and fingerprint, and reading a signature."""
+"""Part II, splitting the block across ranks (chapters 6-10): the shards, f and g in a sharded
+MLP and its fused gate/up weight, the two missing reductions' signatures and fingerprint, and reading a signature."""
 from __future__ import annotations
 
 import functools
@@ -7,21 +7,21 @@ import random
 from itertools import combinations
 
 import torch
+import torch.nn.functional as F
 
 from tpattn.block.dense import attend_and_project, dense_forward
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, clone_trainable, rank_head_slices, shard_params
 from tpattn.bugs.modes import run
-from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE,
+from tpattn.check.core import (EQUIVALENCE, MEASURES, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, SIMULATIONS, TOLERANCE,
                                dense_reference)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
                                       coverage, exercise, expect_shape, failing, first_near,
-                                      function_class, grade_hits, grade_prediction, head_of,
-                                      mode_runs, must_pass, shape_text, tensor)
-from tpattn.parallel.injection import Injection
-from tpattn.parallel.simulated import rank0_view, simulated_step
+                                      grade_hits, grade_prediction, head_of,
+                                      mode_runs, must_pass, near, shape_text, tensor,
+                                      tensor_list)
 from tpattn.parallel.tp import tp_forward
 
 # --- chapter 6 ------------------------------------------------------------------------------
@@ -182,78 +182,113 @@ def check_keeps_groups(keeps_groups) -> str:
 
 # --- chapter 7 ------------------------------------------------------------------------------
 
-def _probe(collective, w: int, name: str) -> tuple[list, list, list, list]:
-    """``collective.apply`` on ``w`` random ``[3, 2, 4]`` tensors, backward from random output
-    gradients: (inputs, outputs, output gradients, input gradients)."""
-    gen = torch.Generator().manual_seed(7)
-    ts = [torch.randn(3, 2, 4, generator=gen).requires_grad_(True) for _ in range(w)]
-    cs = [torch.randn(3, 2, 4, generator=gen) for _ in range(w)]
-    outs = collective.apply(*ts)
-    if isinstance(outs, torch.Tensor) or not isinstance(outs, (tuple, list)) or len(outs) != w:
-        raise Wrong(f"{name}.apply(*tensors) with {w} tensors should return "
-                    f"{w} tensors, one per rank.")
-    for r, o in enumerate(outs):
-        expect_shape(tensor(o, f"{name}'s output for rank {r}"), ts[r].shape,
-                     f"{name}'s output for rank {r}")
-    sum((o * c).sum() for o, c in zip(outs, cs)).backward()
-    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ts]
-    return [t.detach() for t in ts], [o.detach() for o in outs], cs, grads
+#: (seq, batch, hidden, intermediate, world_size) of the MLP exercises.
+_MLP_SHAPES = ((5, 2, 16, 32, 2), (3, 1, 8, 24, 4))
 
 
-def _check_collective(collective, name: str, g: bool) -> None:
-    """The probe's verdict on a g (``g``: summing forward, identity backward) or an f."""
-    for w in (2, 4):
-        ts, outs, cs, grads = _probe(collective, w, name)
-        total, total_c = sum(ts), sum(cs)
-        for r in range(w):
-            first_near(outs[r], [
-                (total, w, None), (ts[r], 1, f"{name}'s forward hands rank {r} its own tensor "
-                                             f"back; g's forward gives every rank the sum of "
-                                             f"all ranks' partials.")] if g else [
-                (ts[r], w, None), (total, w, f"{name}'s forward sums the ranks' tensors; f's "
-                                             f"forward is the identity — every rank already "
-                                             f"holds the same n.")],
-                f"with {w} ranks, {name}'s forward output for rank {r} is neither its own tensor "
-                f"nor the sum of all ranks' tensors.")
-        for r in range(w):
-            first_near(grads[r], [
-                (cs[r], w, None), (total_c, w, f"{name}'s backward sums the ranks' gradients; "
-                                               f"g's backward is the identity — each rank's "
-                                               f"partial gets its own output's gradient (a sum "
-                                               f"would count it once per rank).")] if g else [
-                (total_c, w, None), (cs[r], 1, f"{name}'s backward passes each rank its own "
-                                               f"gradient; f's backward gives every rank the "
-                                               f"sum of all ranks' dn.")],
-                f"with {w} ranks, the gradient {name}'s backward gives rank {r} is neither its "
-                f"own nor the sum of all ranks'.")
+def _mlp_case(shape: tuple, seed: int, fused: bool) -> tuple:
+    """Trainable ``n`` ``[S, B, hidden]``, ``fc1`` ``[I, hidden]`` (``fused``: gate and up
+    stacked, ``[2I, hidden]``) and ``fc2`` ``[hidden, I]``."""
+    s, b, hidden, inter, _ = shape
+    gen = torch.Generator().manual_seed(seed)
+    n = torch.randn(s, b, hidden, generator=gen)
+    fc1 = torch.randn(inter * (2 if fused else 1), hidden, generator=gen) / hidden ** 0.5
+    fc2 = torch.randn(hidden, inter, generator=gen) / inter ** 0.5
+    return tuple(t.requires_grad_(True) for t in (n, fc1, fc2))
 
 
-def _block_with(f, g) -> str:
-    """The simulated ranks' step with the given f and g must equal dense."""
-    for cfg, seed, x0, target, base in cases():
-        step = simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
-                              Injection(), LR, f=f, g=g)
-        must_pass(seed, dense_reference(x0, target, base, cfg), rank0_view(step, cfg),
-                  f"in the sharded block, for seed {seed}, {shape_text(cfg)}, it fails")
-    return f"the sharded block with it equals dense on all five measures for {coverage()}"
+def _mlp(n: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, fused: bool) -> torch.Tensor:
+    """GELU MLP ``fc2(gelu(fc1 n))``, or (``fused``) SwiGLU with ``fc1`` = gate rows then up."""
+    if fused:
+        gate, up = fc1.chunk(2)
+        return F.linear(F.silu(F.linear(n, gate)) * F.linear(n, up), fc2)
+    return F.linear(F.gelu(F.linear(n, fc1)), fc2)
 
 
-@exercise("g as an autograd Function", 7)
-def check_g(g) -> str:
-    """Check a ``torch.autograd.Function`` ``g``: ``g.apply(*partials)``, a tensor per rank,
-    returns on every rank the sum (forward) and passes gradients through (backward)."""
-    _check_collective(g, function_class(g, "g"), g=True)
-    return ("forward sums, backward is the identity (probed on 2 and 4 ranks), and "
-            + _block_with(None, g) + ".")
+_GRAD_HINTS = {"n": "every rank's copy of n must stay in the graph, so that the backward "
+                    "sums the ranks' dn — that is f",
+               "gate_up": "cut the shards from gate_up by slicing and torch.cat, so that "
+                          "gradients flow back to it"}
 
 
-@exercise("f as an autograd Function", 7)
-def check_f(f) -> str:
-    """Check a ``torch.autograd.Function`` ``f``: ``f.apply(*ns)``, a tensor per rank, is the
-    identity forward and gives every rank the sum of the ranks' gradients backward."""
-    _check_collective(f, function_class(f, "f"), g=False)
-    return ("forward is the identity, backward sums (probed on 2 and 4 ranks), and "
-            + _block_with(f, None) + ".")
+def _grads_match(out, want, leaves: dict, where: str) -> None:
+    """``Wrong`` unless backward from ``out`` and from ``want`` give the same gradients of the
+    named ``leaves``."""
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
+    mine = torch.autograd.grad(out, list(leaves.values()), cot, allow_unused=True)
+    ref = torch.autograd.grad(want, list(leaves.values()), cot)
+    for name, g, r in zip(leaves, mine, ref):
+        if g is None or not near(g, r, 64):
+            raise Wrong(f"{where}, the gradient of {name} differs from the dense MLP's: "
+                        + _GRAD_HINTS.get(name, f"compute from {name} itself, not a copy")
+                        + ".")
+
+
+@exercise("f and g in the MLP", 7)
+def check_tp_mlp(tp_mlp) -> str:
+    """Check ``tp_mlp(n, fc1, fc2, world_size, g)``: the GELU MLP on a list of ranks, rank r
+    holding intermediate features block r; ``g`` (given) sums the list of partial outputs."""
+    for shape in _MLP_SHAPES:
+        w, inter = shape[4], shape[3]
+        for seed in CHECKED_SEEDS:
+            n, fc1, fc2 = _mlp_case(shape, seed, fused=False)
+            calls = []
+            out = tp_mlp(n, fc1, fc2, w, lambda parts: calls.append(list(parts)) or sum(parts))
+            where = f"with {w} ranks (hidden {shape[2]}, {inter} features), seed {seed}"
+            if len(calls) != 1:
+                raise Wrong(f"{where}, your code called g {len(calls)} times; it should call "
+                            f"it once, on the list of the ranks' partial outputs.")
+            parts = calls[0]
+            if len(parts) != w or not all(isinstance(p, torch.Tensor) for p in parts):
+                raise Wrong(f"{where}, g should get a list of {w} tensors, one partial "
+                            f"output per rank.")
+            block = inter // w
+            for r, part in enumerate(parts):
+                rows = slice(r * block, (r + 1) * block)
+                first_near(part, [(_mlp(n, fc1[rows], fc2[:, rows], False), block, None)],
+                           f"{where}, rank {r}'s partial is not fc2's columns {rows.start}.."
+                           f"{rows.stop - 1} applied to gelu of fc1's rows {rows.start}.."
+                           f"{rows.stop - 1} times n: each rank holds a contiguous block "
+                           f"of the intermediate features, fc1 by rows and fc2 by columns.")
+            want = _mlp(n, fc1, fc2, False)
+            if not near(tensor(out, "tp_mlp's output"), want, inter):
+                raise Wrong(f"{where}, the output is not the dense MLP's: return g's sum.")
+            _grads_match(out, want, {"n": n, "fc1": fc1, "fc2": fc2}, where)
+    return (f"every rank's partial, the output and the gradients of n, fc1 and fc2 equal the "
+            f"dense MLP's on {len(_MLP_SHAPES)} shapes (2 and 4 ranks) × "
+            f"{len(CHECKED_SEEDS)} seeds.")
+
+
+@exercise("a fused gate/up weight", 7)
+def check_gate_up_shards(shard_gate_up) -> str:
+    """Check ``shard_gate_up(gate_up, world_size)``: rank r's ``[2I/W, hidden]`` shard is its
+    block of gate rows then the same block of up rows, cut differentiably from ``gate_up``."""
+    for shape in _MLP_SHAPES:
+        w, inter, hidden = shape[4], shape[3], shape[2]
+        block = inter // w
+        for seed in CHECKED_SEEDS:
+            n, gate_up, fc2 = _mlp_case(shape, seed, fused=True)
+            shards = tensor_list(shard_gate_up(gate_up, w), w, [2 * block, hidden], "shard")
+            gate, up = gate_up.detach().chunk(2)
+            where = f"with {w} ranks ({inter} features), seed {seed}"
+            for r, shard in enumerate(shards):
+                rows = slice(r * block, (r + 1) * block)
+                cut = slice(2 * r * block, 2 * (r + 1) * block)
+                if torch.equal(shard.detach(), gate_up.detach()[cut]):
+                    raise Wrong(f"{where}, rank {r}'s shard is rows {cut.start}..{cut.stop - 1} "
+                                f"of the fused weight, which are not the gate and up rows of "
+                                f"the same features: cut gate and up each by rank, then "
+                                f"stack them.")
+                if not torch.equal(shard.detach(), torch.cat([gate[rows], up[rows]])):
+                    raise Wrong(f"{where}, rank {r}'s shard is not gate rows {rows.start}.."
+                                f"{rows.stop - 1} followed by up rows {rows.start}.."
+                                f"{rows.stop - 1}.")
+            out = sum(_mlp(n, s, fc2[:, r * block:(r + 1) * block], True)
+                      for r, s in enumerate(shards))
+            _grads_match(out, _mlp(n, gate_up, fc2, True), {"gate_up": gate_up}, where)
+    return (f"every rank holds its gate rows and the matching up rows, and the sharded SwiGLU "
+            f"MLP's gradient reaches gate_up equal to dense on {len(_MLP_SHAPES)} shapes (2 "
+            f"and 4 ranks) × {len(CHECKED_SEEDS)} seeds.")
 
 
 # --- chapters 8 and 9: predictions ----------------------------------------------------------
