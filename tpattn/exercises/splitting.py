@@ -13,7 +13,7 @@ from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, clone_trainable, rank_head_slices, shard_params
 from tpattn.bugs.modes import run
 from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_REDUCE,
-                               MISSING_OUTPUT_REDUCE, MODES, SIMULATIONS, TOLERANCE,
+                               MISSING_OUTPUT_REDUCE, MODES, TOLERANCE,
                                dense_reference)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
@@ -314,8 +314,8 @@ def check_missing_f_parameters(predict) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _real_runs() -> tuple[dict, ...]:
-    return tuple(run(seed, mode, cfg, simulate) for cfg in CHECKED_CONFIGS
-                 for seed in CHECKED_SEEDS for mode in MODES for simulate in SIMULATIONS)
+    return tuple(run(seed, mode, cfg, "ranks") for cfg in CHECKED_CONFIGS
+                 for seed in CHECKED_SEEDS for mode in MODES)
 
 
 def _synthetic(fails: tuple) -> dict:
@@ -343,8 +343,8 @@ def _result_text(result: dict) -> str:
 
 
 def _signatures() -> dict[str, frozenset]:
-    """Each mode's failing measures on every checked run (seeds × shapes × simulations);
-    ``Wrong`` if a mode's runs disagree."""
+    """Each mode's failing measures on every checked run (seeds × shapes); ``Wrong`` if a mode's
+    runs disagree."""
     found = {}
     for mode in MODES:
         sets = {failing for failing, _ in mode_runs(mode)}
@@ -382,8 +382,7 @@ def check_separating_measures(pick) -> str:
                     f"one that fails only without g and one that fails without either.")
     runs = len(mode_runs(MODES[0])) * len(MODES)
     return (f"right: {' and '.join(m for m in MEASURES if m in chosen)} tell the three modes "
-            f"apart on all {runs} checked runs (every mode, 3 seeds, 3 shapes, both "
-            f"simulations).")
+            f"apart on all {runs} checked runs (every mode, 3 seeds, 3 shapes).")
 
 
 @exercise("diagnose a signature", 10)
@@ -410,5 +409,5 @@ def check_diagnose(diagnose) -> str:
                     + (f"the run came from {want}." if want else
                        "no mode leaves that signature, so the answer is None."))
     return (f"right on {len(results)} results: every real run ({len(real)}: every mode, "
-            f"{len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes, both simulations) "
+            f"{len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes) "
             f"and every made-up signature that no mode leaves.")
