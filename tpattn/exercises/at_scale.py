@@ -51,7 +51,7 @@ def _bound_variants(cfg: Config) -> dict[str, float]:
 @exercise("the tolerance bound", 14)
 def check_relative_bound(bound) -> str:
     """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of the
-    step may differ by (``tpattn.check.tolerance``), up to Llama-3-8B's attention."""
+    step may differ by (``tpattn.check.tolerance``)."""
     configs = _bound_configs()
     for cfg in configs:
         got = number(bound(cfg), (int, float), "your bound should be a float, but it is {}.")
@@ -67,7 +67,6 @@ def check_relative_bound(bound) -> str:
             f"up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
 
 
-#: The dtypes and shapes ``check_classify`` runs.
 CLASSIFY_CONFIGS = (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
                     Config(query_heads=8, kv_heads=4, world_size=4, dtype="bfloat16"))
 
@@ -81,8 +80,8 @@ def _auto_runs() -> tuple[tuple[Config, dict], ...]:
 
 @exercise("rounding or a bug", 14)
 def check_classify(classify) -> str:
-    """Check ``classify(result) -> str``: ``"rounding"`` if a ``tpattn.run(...,
-    tolerance="auto")`` dict's measures are within its ``"bounds"``, else ``"bug"``."""
+    """Check ``classify(result) -> str``: ``"rounding"`` if a ``tpattn.run(tolerance="auto")``
+    dict's measures are within its ``"bounds"``, else ``"bug"``."""
     hidden = ("passed", "mode", "verdict", "reason", "floors", "amplification")
     runs = [(cfg, dict(r, bounds=dict(r["bounds"]))) for cfg, r in _auto_runs()]
     for cfg, result in runs:
@@ -108,7 +107,7 @@ def check_classify(classify) -> str:
 
 # --- chapter 15 -----------------------------------------------------------------------------
 
-#: Shapes the fused-QKV exercises read the heads on: two KV groups per rank among them.
+#: Shapes of the fused-QKV exercises: two KV groups per rank among them.
 FUSED_CONFIGS = CHECKED_CONFIGS + (Config(query_heads=8, kv_heads=4),)
 _KINDS = {"wq": "query head", "wk": "key head", "wv": "value head"}
 
@@ -123,8 +122,7 @@ def _block_source(block: torch.Tensor, params: dict, d: int) -> str:
 
 
 def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> None:
-    """``Wrong`` unless every head-sized block of the rank's ``wq``, ``wk``, ``wv`` is a dense
-    head of its own kind."""
+    """``Wrong`` unless every head in ``wq``, ``wk``, ``wv`` is a dense head of its kind."""
     d = cfg.head_dim
     if not isinstance(mine, dict) or any(k not in mine for k in _KINDS):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys wq, wk, wv.")
@@ -143,8 +141,8 @@ def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> 
 
 
 def _grade_fused(shard, fuse, layout: str) -> str:
-    """Grade ``shard(w, cfg)`` on ``w = fuse(params, cfg)``: the heads of every rank's rows,
-    then chapter 6's checks of the shards; the success text."""
+    """Grade ``shard(w, cfg)`` on ``w = fuse(params, cfg)``: every rank's heads, then chapter 6's
+    checks of the shards."""
     for cfg in FUSED_CONFIGS:
         base = clone_trainable(init_params(cfg, 11 + PARAM_SEED_OFFSET))
         shards = shard(fuse(base, cfg), cfg)
@@ -173,7 +171,7 @@ def _grade_fused(shard, fuse, layout: str) -> str:
 @exercise("shard a concatenated [Wq; Wk; Wv] weight", 15)
 def check_shard_concat_qkv(shard) -> str:
     """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows, cut
-    differentiably from ``w = [Wq; Wk; Wv]`` (``[(Hq + 2 Hkv) D, hidden]``)."""
+    differentiably from ``w = [Wq; Wk; Wv]``."""
     return _grade_fused(shard, lambda p, cfg: torch.cat([p["wq"], p["wk"], p["wv"]]),
                         "concatenated")
 
@@ -181,7 +179,7 @@ def check_shard_concat_qkv(shard) -> str:
 @exercise("shard Megatron's interleaved QKV weight", 15)
 def check_shard_fused_qkv(shard) -> str:
     """Check ``shard(w, cfg) -> list[dict]``: as ``check_shard_concat_qkv``, from Megatron's
-    fused weight (``interop.fuse_qkv``: per KV group its query heads, key head, value head)."""
+    fused weight (``interop.fuse_qkv``)."""
     from tpattn.interop import fuse_qkv
     return _grade_fused(shard, lambda p, cfg: fuse_qkv(p["wq"], p["wk"], p["wv"], cfg),
                         "interleaved")
