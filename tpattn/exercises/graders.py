@@ -68,10 +68,6 @@ class Wrong(Exception):
     """Raised inside a checker to end it with a failing message."""
 
 
-class NotWritten(Exception):
-    """The reader's stub still raises NotImplementedError."""
-
-
 _EXERCISES_DIR = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE_DIR = os.path.dirname(_EXERCISES_DIR)
 _LIBRARY_DIRS = tuple({os.path.abspath(p) for p in (
@@ -128,7 +124,7 @@ def exercise(name: str, chapter: int):
                 message = body(answer)
             except Wrong as e:
                 return Result(name, False, f"{e} See {CHAPTERS[chapter]}.")
-            except (NotWritten, NotImplementedError):
+            except NotImplementedError:
                 return Result(name, False, f"not written yet: replace `raise NotImplementedError` "
                                            f"in {name_of(answer)} with your code, then run this "
                                            f"cell again.")

@@ -24,6 +24,7 @@ from tpattn.exercises.graders import (CHECKED_CONFIGS, EXTRA_SEEDS, Wrong, as_na
                                       grade_sum, keyed, mesh_text, must_pass, near, number,
                                       shape_text, tensor, tensor_list)
 from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel.engine import stack_ranks
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.rng import RankStreams, simulated_streams
 from tpattn.parallel.simulated import mesh_view, rank0_view, simulated_step
@@ -327,10 +328,8 @@ def check_dp_grad_sync(sync) -> str:
             where = f"for seed {seed} on {mesh_text(cfg)}"
             _sync_grads(sync, step["grads"], cfg, where)
             base = make_params(cfg, seed, Injection())
-            start = shard_params(base, cfg) * cfg.data_parallel  # every rank's starting shards
-            step["weights"] = {name: torch.stack([
-                sgd_step({name: start[i][name]}, {name: g[i]}, LR)[name]
-                for i in range(cfg.ranks)]) for name, g in step["grads"].items()}
+            start = stack_ranks(shard_params(base, cfg) * cfg.data_parallel)
+            step["weights"] = sgd_step(start, step["grads"], LR)
             x0, target = make_inputs(cfg, seed)
             view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
             must_pass(seed, dense_step(x0, target, base, cfg, Injection()), view,

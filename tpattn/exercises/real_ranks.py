@@ -12,8 +12,8 @@ from tpattn.bugs.modes import resolve
 from tpattn.check.core import (EQUIVALENCE, LR, MODES, PARAM_SEED_OFFSET, dense_reference,
                                five_measures, make_inputs)
 from tpattn.config import Config
-from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, NotWritten,
-                                      Wrong, cases, counted, exercise, failing, first_near,
+from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, Wrong,
+                                      cases, counted, exercise, failing, first_near,
                                       function_class, grade_hits, grade_sum, keyed, must_pass,
                                       near, number, shape_text, tensor_list)
 from tpattn.parallel.injection import Injection
@@ -145,7 +145,7 @@ def check_real_f_and_g(f_and_g) -> str:
     except RankFailure as e:
         text = str(e).removeprefix("real-rank run failed: ")
         if "NotImplementedError" in text:
-            raise NotWritten() from None
+            raise NotImplementedError from None
         raise Wrong(f"on real ranks, {text}.") from None
     for metrics in results[0]:
         fails = failing(metrics)
