@@ -50,8 +50,7 @@ def _bound_variants(cfg: Config) -> dict[str, float]:
 
 @exercise("the tolerance bound", 14)
 def check_relative_bound(bound) -> str:
-    """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of the
-    step may differ by (``tpattn.check.tolerance``)."""
+    """Check ``bound(cfg) -> float``: the relative bound ``rho`` of ``tpattn.check.tolerance``."""
     configs = _bound_configs()
     for cfg in configs:
         got = number(bound(cfg), (int, float), "your bound should be a float, but it is {}.")
@@ -141,8 +140,7 @@ def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> 
 
 
 def _grade_fused(shard, fuse, layout: str) -> str:
-    """Grade ``shard(w, cfg)`` on ``w = fuse(params, cfg)``: every rank's heads, then chapter 6's
-    checks of the shards."""
+    """Grade ``shard(fuse(params, cfg), cfg)``: every rank's heads, then chapter 6's checks."""
     for cfg in FUSED_CONFIGS:
         base = clone_trainable(init_params(cfg, 11 + PARAM_SEED_OFFSET))
         shards = shard(fuse(base, cfg), cfg)
@@ -170,16 +168,14 @@ def _grade_fused(shard, fuse, layout: str) -> str:
 
 @exercise("shard a concatenated [Wq; Wk; Wv] weight", 15)
 def check_shard_concat_qkv(shard) -> str:
-    """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows, cut
-    differentiably from ``w = [Wq; Wk; Wv]``."""
+    """Check ``shard(w, cfg) -> list[dict]``: every rank's rows of ``w = [Wq; Wk; Wv]``."""
     return _grade_fused(shard, lambda p, cfg: torch.cat([p["wq"], p["wk"], p["wv"]]),
                         "concatenated")
 
 
 @exercise("shard Megatron's interleaved QKV weight", 15)
 def check_shard_fused_qkv(shard) -> str:
-    """Check ``shard(w, cfg) -> list[dict]``: as ``check_shard_concat_qkv``, from Megatron's
-    fused weight (``interop.fuse_qkv``)."""
+    """Check ``shard(w, cfg) -> list[dict]``: the same from ``interop.fuse_qkv``'s weight."""
     from tpattn.interop import fuse_qkv
     return _grade_fused(shard, lambda p, cfg: fuse_qkv(p["wq"], p["wk"], p["wv"], cfg),
                         "interleaved")

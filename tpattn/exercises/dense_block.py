@@ -92,8 +92,7 @@ def _grade_measures(got, want: dict, where: str) -> None:
 
 @exercise("the five measures", 5)
 def check_five_measures(measures) -> str:
-    """Check ``measures(dense, tp) -> dict``: the five measures (``MEASURES``, floats) between
-    two ``one_step`` dicts, on every mode."""
+    """Check ``measures(dense, tp) -> dict``: the five measures between two ``one_step`` dicts."""
     count = 0
     for cfg, seed, x0, target, base in cases(CHECKED_CONFIGS[:2]):
         dense = dense_reference(x0, target, base, cfg)

@@ -81,8 +81,7 @@ def check_bias_once(forward) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _zoo_forward_hits() -> dict[str, set[bool]]:
-    """Per runnable zoo bug: whether rank 0's forward output differs from dense's, on each hunt
-    shape (a set of bools)."""
+    """Per runnable zoo bug: whether its forward output differs from dense's, per hunt shape."""
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = {}
     for mode in zoo.runnable_modes():
@@ -136,8 +135,7 @@ QK_NORM_CONFIGS = tuple(Config(**{**c.as_dict(), "dropout": 0.0, "qk_norm": True
 
 
 def _stream_seeds(seeds, seed: int, cfg: Config, where: str) -> tuple[list[int], list[int]]:
-    """Every rank's residual and attention seeds; ``Wrong`` where two attention streams, or an
-    attention and the residual stream, coincide."""
+    """Every rank's residual and attention seeds; ``Wrong`` where two streams coincide."""
     drawn = [keyed(seeds(seed, r), ("residual", "attention")) for r in range(cfg.world_size)]
     residual, attention = ([number(d[k], int, f"the {k} seed should be an int, but it is {{}}.")
                             for d in drawn] for k in ("residual", "attention"))
@@ -153,8 +151,7 @@ def _stream_seeds(seeds, seed: int, cfg: Config, where: str) -> tuple[list[int],
 
 @exercise("dropout's two random streams", AROUND_CHAPTER)
 def check_dropout_streams(seeds) -> str:
-    """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: a TP rank's
-    residual- and attention-dropout generator seeds."""
+    """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: its seeds."""
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
         where = f"for seed {seed}, {shape_text(cfg)}"
         residual, attention = _stream_seeds(seeds, seed, cfg, where)
@@ -222,8 +219,7 @@ def check_rng_resync(resync) -> str:
 
 
 def _reader_qk_stage(reduce, where: str):
-    """A ``Program.qk_norm_grads`` stage that runs the reader's ``reduce`` on every rank's
-    q/k-norm gradients ``[R, head_dim]``, graded as it runs."""
+    """A ``qk_norm_grads`` stage running the reader's ``reduce``, graded as it runs."""
     def stage(gq, gk, comm):
         out = []
         for name, g in (("q_norm", gq), ("k_norm", gk)):
@@ -265,8 +261,7 @@ def check_qk_norm_grad_reduce(reduce) -> str:
 
 @exercise("which parameters the missing q/k-norm reduce hits", AROUND_CHAPTER)
 def check_qk_norm_hits(predict) -> str:
-    """Check ``predict() -> set``: the parameters with wrong gradients without the q/k-norm
-    gradients' all-reduce."""
+    """Check ``predict() -> set``: the parameters a missing q/k-norm reduce hits."""
     return grade_hits(predict, "qk_norm_grad_not_reduced", QK_NORM_CONFIGS[:2], EXTRA_SEEDS)
 
 
@@ -296,8 +291,7 @@ def _mesh_step(cfg: Config, seed: int, inj: Injection) -> dict:
 
 
 def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
-    """Replace every rank's gradient in ``grads`` (per name ``[ranks, ...]``) by the reader's
-    ``sync`` over its DP group, graded by ``grade_sum``."""
+    """Replace ``grads`` (per name ``[ranks, ...]``) by the reader's DP ``sync``, graded."""
     w, d = cfg.world_size, cfg.data_parallel
     for name, g in grads.items():
         for t in range(w):
@@ -320,8 +314,7 @@ def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
 
 @exercise("the data-parallel gradient sync", AROUND_CHAPTER)
 def check_dp_grad_sync(sync) -> str:
-    """Check ``sync(grads) -> list``: from one parameter's gradient on each DP replica, the
-    gradient each replica steps with."""
+    """Check ``sync(grads) -> list``: the gradient each DP replica steps with."""
     for cfg in MESH_CONFIGS:
         for seed in EXTRA_SEEDS:
             step = _mesh_step(cfg, seed, Injection(dp_grad="self"))
@@ -354,8 +347,7 @@ def _logged_loss_case(cfg: Config, seed: int) -> tuple[list[float], float]:
 
 @exercise("the logged loss of a TP x DP mesh", AROUND_CHAPTER)
 def check_logged_loss(logged) -> str:
-    """Check ``logged(shares, cfg) -> float``: from every rank's share of the global mean loss
-    (rank = dp * W + tp), the loss to log: dense's, within 1e-6 relative."""
+    """Check ``logged(shares, cfg) -> float``: the loss to log from every rank's share."""
     for cfg in MESH_CONFIGS:
         w, d = cfg.world_size, cfg.data_parallel
         for seed in EXTRA_SEEDS:
@@ -383,8 +375,7 @@ def check_logged_loss(logged) -> str:
 
 @exercise("the group of the sequence all-gather", AROUND_CHAPTER)
 def check_sp_gather_group(group_of) -> str:
-    """Check ``group_of(rank, cfg) -> list``: the global ranks, in order, of ``rank``'s sequence
-    all-gather on a TP x DP mesh (rank = dp * W + tp)."""
+    """Check ``group_of(rank, cfg) -> list``: the ranks of ``rank``'s sequence all-gather."""
     for cfg in SP_MESH_CONFIGS:
         comm = SimulatedRanks(cfg)
         for rank in range(cfg.ranks):
@@ -415,8 +406,7 @@ def check_sp_gather_group(group_of) -> str:
 
 @exercise("the sequence all-gather on a mesh", AROUND_CHAPTER)
 def check_sp_gather_tokens(gather) -> str:
-    """Check ``gather(tokens, cfg) -> list``: from every rank's ``[S/W, B, hidden]`` tokens, each
-    rank's gathered ``[S, B, hidden]`` sequence, bit for bit its TP group's all-gather."""
+    """Check ``gather(tokens, cfg) -> list``: each rank's gathered ``[S, B, hidden]``."""
     for cfg in SP_MESH_CONFIGS:
         comm = SimulatedRanks(cfg)
         for seed in EXTRA_SEEDS:
@@ -527,8 +517,7 @@ def _loading_observations() -> tuple:
 
 @exercise("tell the loading bugs apart from the shard checksums", AROUND_CHAPTER)
 def check_loading_verdict(verdict) -> str:
-    """Check ``verdict(checksums, scale) -> str | None``: from ``observe``'s per-rank
-    ``shard_checksums`` and ``shard_scale``, the loading bug (``LOADING_VERDICTS``) or None."""
+    """Check ``verdict(checksums, scale) -> str | None``: the loading bug, or None."""
     for name, answer, cfg, seed, sums, scale in _loading_observations():
         got = verdict(copy.deepcopy(sums), dict(scale))
         if got not in LOADING_VERDICTS:
@@ -580,8 +569,7 @@ def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
 
 @exercise("read the ledger", 18)
 def check_ledger_verdict(verdict) -> str:
-    """Check ``verdict(obs) -> str | None``: from ``obs["ledger"]`` against
-    ``obs["planned_ledger"]``, the bug of ``_LEDGER_BUGS`` the collectives show, or None."""
+    """Check ``verdict(obs) -> str | None``: the bug the ledger shows, or None."""
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     modes = zoo.runnable_modes()
     for mode in modes:
@@ -610,8 +598,7 @@ HUNTS = (0, 3, 10, 1)
 
 @exercise("three bug hunts and a healthy run", 18)
 def check_hunts(guess) -> str:
-    """Check ``guess(hunt) -> str``: per hunt of ``HUNTS``, the hidden cause (a registry bug or
-    ``NO_KNOWN_CAUSE``) named from the observables alone, as ``hunt.judge`` judges."""
+    """Check ``guess(hunt) -> str``: per hunt of ``HUNTS``, the hidden cause."""
     from tpattn.diagnosis.hunt import choices, hunt_case, judge
     for hunt in HUNTS:
         answer = guess(hunt)

@@ -57,8 +57,7 @@ BYTES_CONFIGS = CHECKED_CONFIGS + (
 
 @exercise("bytes f and g move", 11)
 def check_bytes_per_step(bytes_per_step) -> str:
-    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes f's and g's all-reduces
-    carry on one rank in one training step."""
+    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes each carries."""
     from tpattn.parallel.collectives import F_LABEL, G_LABEL
     for cfg in BYTES_CONFIGS:
         carried = _recorded_step(cfg)[1]
@@ -83,8 +82,7 @@ def check_bytes_per_step(bytes_per_step) -> str:
 
 @exercise("the ledger's counts", 11)
 def check_ledger_counts(ledger_counts) -> str:
-    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``: the all-reduces one
-    rank's training step issues per phase."""
+    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``."""
     for cfg in CHECKED_CONFIGS[:2]:
         for mode in MODES:
             want = _recorded_step(cfg, mode)[0]
@@ -129,8 +127,7 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
 
 @exercise("f and g on real ranks", 11)
 def check_real_f_and_g(f_and_g) -> str:
-    """Check ``(F, G)``: f and g as autograd Functions calling ``torch.distributed.all_reduce``,
-    on 2 forked gloo ranks."""
+    """Check ``(F, G)``: f and g as autograd Functions, on 2 forked gloo ranks."""
     from tpattn.real.launch import RankFailure, run_on_ranks
 
     if not isinstance(f_and_g, tuple) or len(f_and_g) != 2:
@@ -174,8 +171,7 @@ SP_CONFIGS = (
 
 @exercise("the norm-gradient all-reduce under SP", 12)
 def check_norm_grad_reduce(finalize) -> str:
-    """Check ``finalize(norm_grads) -> list``: from every rank's ``[hidden]`` norm gradient
-    under SP, the gradient each rank steps with."""
+    """Check ``finalize(norm_grads) -> list``: the norm gradient each SP rank steps with."""
     for cfg, seed, x0, target, base in cases(SP_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
         steps = rank_steps(simulated_step(
@@ -269,8 +265,7 @@ def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, w
 
 @exercise("reduce the KV gradients over the replica group", 13)
 def check_kv_grad_reduce(reduce) -> str:
-    """Check ``reduce(grads, cfg) -> list``: from every rank's ``[D, hidden]`` gradient of its
-    copy of a replicated ``wk`` or ``wv``, the gradient each copy must get."""
+    """Check ``reduce(grads, cfg) -> list``: each copy's gradient of a replicated KV head."""
     from tpattn.parallel.kv_heads import kv_weight_rows, replica_groups
     for cfg, seed, x0, target, base in cases(KV_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size

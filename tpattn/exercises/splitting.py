@@ -271,8 +271,7 @@ def check_missing_g_signature(predict) -> str:
 
 @exercise("the fingerprint of a missing g", 8)
 def check_fingerprint(fingerprint) -> str:
-    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: dense output minus the block's
-    without g, up to float32 rounding."""
+    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: dense minus the block without g."""
     for cfg, seed, x0, target, base in cases():
         with torch.no_grad():
             actual = dense_forward(x0, base, cfg) - tp_forward(x0, base, cfg, reduce_output=False)
@@ -360,8 +359,7 @@ def _confused(chosen: set, signatures: dict) -> tuple[str, str] | None:
 
 @exercise("two measures that tell the modes apart", 10)
 def check_separating_measures(pick) -> str:
-    """Check ``pick() -> set``: two measures whose pass/fail alone tells equivalence, a missing g
-    and a missing f apart."""
+    """Check ``pick() -> set``: two measures whose pass/fail tells the three modes apart."""
     chosen = as_names(pick(), MEASURES, "measure")
     signatures = _signatures()
     if len(chosen) < 2:
