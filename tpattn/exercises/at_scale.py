@@ -19,12 +19,11 @@ from tpattn.exercises.splitting import check_shard_params
 
 # --- chapter 14 -----------------------------------------------------------------------------
 
-
-def _bound_configs() -> tuple[Config, ...]:
-    return (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
-            Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, world_size=4),
-            llama3_8b_attention(), llama3_8b_attention(dtype="bfloat16"),
-            llama3_8b_attention(seq=512, world_size=2))
+#: Shapes of the bound exercise, up to Llama-3-8B's attention.
+_BOUND_CONFIGS = (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
+                  Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, world_size=4),
+                  llama3_8b_attention(), llama3_8b_attention(dtype="bfloat16"),
+                  llama3_8b_attention(seq=512, world_size=2))
 
 
 def _bound_variants(cfg: Config) -> dict[str, float]:
@@ -51,8 +50,7 @@ def _bound_variants(cfg: Config) -> dict[str, float]:
 @exercise("the tolerance bound", 14)
 def check_relative_bound(bound) -> str:
     """Check ``bound(cfg) -> float``: the relative bound ``rho`` of ``tpattn.check.tolerance``."""
-    configs = _bound_configs()
-    for cfg in configs:
+    for cfg in _BOUND_CONFIGS:
         got = number(bound(cfg), (int, float), "your bound should be a float, but it is {}.")
         want = relative_bound(cfg)
         if abs(got - want) <= 1e-9 * want:
@@ -62,7 +60,7 @@ def check_relative_bound(bound) -> str:
         ratio = got / want if want else float("inf")
         raise Wrong(f"for {shape_text(cfg)}, your bound is {ratio:.3g} times the package's"
                     + (f": {why}." if why else "."))
-    return (f"right for all {len(configs)} shapes, float32, float64 and bfloat16 among them, "
+    return (f"right for all {len(_BOUND_CONFIGS)} shapes, float32, float64 and bfloat16 among them, "
             f"up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
 
 

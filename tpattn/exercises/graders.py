@@ -49,12 +49,9 @@ class Result:
     passed: bool
     message: str
 
-    def text(self) -> str:
-        """The paragraph as one line of text, with a ✓ or ✗ in front."""
-        return ("✓ " if self.passed else "✗ ") + f"{self.exercise}: {self.message}"
-
     def __repr__(self) -> str:
-        return textwrap.fill(self.text(), WIDTH)
+        return textwrap.fill(("✓ " if self.passed else "✗ ") + f"{self.exercise}: {self.message}",
+                             WIDTH)
 
     def _repr_html_(self) -> str:
         color = "#1a7f37" if self.passed else "#b35900"
@@ -298,9 +295,14 @@ def mode_runs(mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> tuple:
     return tuple(found)
 
 
-def grade_prediction(predicted: set, found: list[set], what: str, mode: str, order,
-                     shapes: int = len(CHECKED_CONFIGS), seeds: int = len(CHECKED_SEEDS)) -> str:
-    """Compare a predicted set with the sets ``found`` on every run (all runs must agree)."""
+def grade_prediction(predict, mode: str, hits: bool = False, configs=CHECKED_CONFIGS,
+                     seeds=CHECKED_SEEDS) -> str:
+    """Grade ``predict() -> set``: the measures that fail on every run of ``mode`` or, with
+    ``hits``, the parameters whose gradients it makes wrong (all runs must agree)."""
+    noun, what = ("parameter", "parameter gradients") if hits else ("measure", "measures")
+    order = PARAM_NAMES + (QK_NORM_NAMES if configs[0].qk_norm else ()) if hits else MEASURES
+    predicted = as_names(predict(), order, noun)
+    found = [set(run[hits]) for run in mode_runs(mode, configs, seeds)]
     always, sometimes = set.intersection(*found), set.union(*found)
     if always != sometimes:  # not seen in the package so far; say it rather than guess
         raise Wrong(f"the runs of {mode} do not agree on which {what} fail; no single "
@@ -316,18 +318,9 @@ def grade_prediction(predicted: set, found: list[set], what: str, mode: str, ord
             parts.append(f"you named {', '.join(extra)}, which "
                          f"pass{'es' if len(extra) == 1 else ''} on every run")
         raise Wrong(f"not quite: {' and '.join(parts)} of {mode} ({len(found)} runs: "
-                    f"{seeds} seeds × {shapes} shapes).")
-    return (f"right: on all {len(found)} runs of {mode} ({seeds} seeds × {shapes} shapes, "
-            f"each rank training its own shard), exactly the {what} you named fail.")
-
-
-def grade_hits(predict, mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> str:
-    """Grade ``predict() -> set``: the parameters whose gradients ``mode`` makes wrong."""
-    names = PARAM_NAMES + (QK_NORM_NAMES if configs[0].qk_norm else ())
-    predicted = as_names(predict(), names, "parameter")
-    found = [set(hit) for _, hit in mode_runs(mode, configs, seeds)]
-    return grade_prediction(predicted, found, "parameter gradients", mode, names,
-                            shapes=len(configs), seeds=len(seeds))
+                    f"{len(seeds)} seeds × {len(configs)} shapes).")
+    return (f"right: on all {len(found)} runs of {mode} ({len(seeds)} seeds × {len(configs)} "
+            f"shapes, each rank training its own shard), exactly the {what} you named fail.")
 
 
 def function_class(obj, default: str) -> str:

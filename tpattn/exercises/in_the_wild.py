@@ -20,7 +20,7 @@ from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE,
                                shard, unshard)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, EXTRA_SEEDS, Wrong, as_names, cases,
-                                      counted, exercise, expect_shape, failing, grade_hits,
+                                      counted, exercise, expect_shape, failing, grade_prediction,
                                       grade_sum, keyed, mesh_text, must_pass, near, number,
                                       shape_text, tensor, tensor_list)
 from tpattn.parallel.collectives import SimulatedRanks
@@ -262,7 +262,8 @@ def check_qk_norm_grad_reduce(reduce) -> str:
 @exercise("which parameters the missing q/k-norm reduce hits", AROUND_CHAPTER)
 def check_qk_norm_hits(predict) -> str:
     """Check ``predict() -> set``: the parameters a missing q/k-norm reduce hits."""
-    return grade_hits(predict, "qk_norm_grad_not_reduced", QK_NORM_CONFIGS[:2], EXTRA_SEEDS)
+    return grade_prediction(predict, "qk_norm_grad_not_reduced", True, QK_NORM_CONFIGS[:2],
+                            EXTRA_SEEDS)
 
 
 # --- chapter 17: the TP x DP mesh and the sequence gather's group ----------------------------

@@ -8,13 +8,12 @@ from tpattn.block.dense import attend_and_project
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import init_params, shard_params
 from tpattn.block.sgd import sgd_step
-from tpattn.bugs.modes import resolve
 from tpattn.check.core import (EQUIVALENCE, LR, MODES, PARAM_SEED_OFFSET, dense_reference,
                                five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, Wrong,
                                       cases, counted, exercise, failing, first_near,
-                                      function_class, grade_hits, grade_sum, keyed, must_pass,
+                                      function_class, grade_prediction, grade_sum, keyed, must_pass,
                                       near, number, shape_text, tensor_list)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
@@ -289,4 +288,4 @@ def check_kv_grad_reduce(reduce) -> str:
 def check_missing_kv_parameters(predict) -> str:
     """Check ``predict() -> set``: the parameters with wrong gradients without the KV reduce."""
     from tpattn.check.core import MISSING_KV_GRAD_REDUCE
-    return grade_hits(predict, MISSING_KV_GRAD_REDUCE, KV_CONFIGS[:2], EXTRA_SEEDS)
+    return grade_prediction(predict, MISSING_KV_GRAD_REDUCE, True, KV_CONFIGS[:2], EXTRA_SEEDS)

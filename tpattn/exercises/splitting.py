@@ -18,8 +18,8 @@ from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, MISSING_INPUT_GRAD_RED
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
                                       coverage, exercise, expect_shape, failing, first_near,
-                                      function_class, grade_hits, grade_prediction, head_of,
-                                      mode_runs, must_pass, shape_text, tensor)
+                                      function_class, grade_prediction, head_of, must_pass,
+                                      shape_text, tensor)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import rank0_view, simulated_step
 from tpattn.parallel.tp import tp_forward
@@ -257,16 +257,10 @@ def check_f(f) -> str:
 
 # --- chapters 8 and 9: predictions ----------------------------------------------------------
 
-def _grade_signature(predict, mode: str) -> str:
-    found = [set(fails) for fails, _ in mode_runs(mode, CHECKED_CONFIGS, CHECKED_SEEDS)]
-    return grade_prediction(as_names(predict(), MEASURES, "measure"), found, "measures", mode,
-                            MEASURES)
-
-
 @exercise("predict missing g's signature", 8)
 def check_missing_g_signature(predict) -> str:
     """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without g."""
-    return _grade_signature(predict, MISSING_OUTPUT_REDUCE)
+    return grade_prediction(predict, MISSING_OUTPUT_REDUCE)
 
 
 @exercise("the fingerprint of a missing g", 8)
@@ -298,13 +292,13 @@ def check_fingerprint(fingerprint) -> str:
 @exercise("predict missing f's signature", 9)
 def check_missing_f_signature(predict) -> str:
     """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without f."""
-    return _grade_signature(predict, MISSING_INPUT_GRAD_REDUCE)
+    return grade_prediction(predict, MISSING_INPUT_GRAD_REDUCE)
 
 
 @exercise("which parameters a missing f hits", 9)
 def check_missing_f_parameters(predict) -> str:
     """Check ``predict() -> set``: the parameters with wrong gradients without f."""
-    return grade_hits(predict, MISSING_INPUT_GRAD_REDUCE)
+    return grade_prediction(predict, MISSING_INPUT_GRAD_REDUCE, hits=True)
 
 
 # --- chapter 10 -----------------------------------------------------------------------------
@@ -317,9 +311,8 @@ def _real_runs() -> tuple[dict, ...]:
 
 def _synthetic(fails: tuple) -> dict:
     """A made-up result: ``fails`` at exactly TOLERANCE, the other measures at half of it."""
-    result = {"seed": 0, "mode": "unknown"}
-    result.update({m: TOLERANCE if m in fails else 0.5 * TOLERANCE for m in MEASURES})
-    return dict(result, passed=not fails)
+    measures = {m: TOLERANCE if m in fails else 0.5 * TOLERANCE for m in MEASURES}
+    return {"seed": 0, "mode": "unknown", **measures, "passed": not fails}
 
 
 #: Signatures no mode of the package produces (the checkers' "unknown" cases).
