@@ -329,4 +329,3 @@ def function_class(obj, default: str) -> str:
         raise Wrong(f"{default} should be a subclass of torch.autograd.Function (a class with "
                     f"static forward and backward), but it is {type(obj).__name__}.")
     return obj.__name__
-
