@@ -280,8 +280,7 @@ def check_kv_grad_reduce(reduce) -> str:
                             f"for seed {seed}, {shape_text(cfg)}")
     return (f"every rank's copy of wk and wv gets its KV head's full gradient (the sum over "
             f"its replica group) on {2 * len(KV_CONFIGS) * len(EXTRA_SEEDS)} cases: "
-            f"{len(EXTRA_SEEDS)} seeds × "
-            f"{len(KV_CONFIGS)} shapes, 4 and 8 ranks.")
+            f"{len(EXTRA_SEEDS)} seeds × {len(KV_CONFIGS)} shapes, 4 and 8 ranks.")
 
 
 @exercise("which parameters a missing KV reduce hits", 13)
