@@ -19,12 +19,11 @@ from tpattn.exercises.splitting import check_shard_params
 
 # --- chapter 14 -----------------------------------------------------------------------------
 
-
-def _bound_configs() -> tuple[Config, ...]:
-    return (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
-            Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, world_size=4),
-            llama3_8b_attention(), llama3_8b_attention(dtype="bfloat16"),
-            llama3_8b_attention(seq=512, world_size=2))
+#: Shapes of the bound exercise, up to Llama-3-8B's attention.
+_BOUND_CONFIGS = (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
+                  Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, world_size=4),
+                  llama3_8b_attention(), llama3_8b_attention(dtype="bfloat16"),
+                  llama3_8b_attention(seq=512, world_size=2))
 
 
 def _bound_variants(cfg: Config) -> dict[str, float]:
@@ -50,10 +49,8 @@ def _bound_variants(cfg: Config) -> dict[str, float]:
 
 @exercise("the tolerance bound", 14)
 def check_relative_bound(bound) -> str:
-    """Check ``bound(cfg) -> float``: the relative bound ``rho`` two correct computations of the
-    step may differ by (``tpattn.check.tolerance``), up to Llama-3-8B's attention."""
-    configs = _bound_configs()
-    for cfg in configs:
+    """Check ``bound(cfg) -> float``: the relative bound ``rho`` of ``tpattn.check.tolerance``."""
+    for cfg in _BOUND_CONFIGS:
         got = number(bound(cfg), (int, float), "your bound should be a float, but it is {}.")
         want = relative_bound(cfg)
         if abs(got - want) <= 1e-9 * want:
@@ -63,11 +60,10 @@ def check_relative_bound(bound) -> str:
         ratio = got / want if want else float("inf")
         raise Wrong(f"for {shape_text(cfg)}, your bound is {ratio:.3g} times the package's"
                     + (f": {why}." if why else "."))
-    return (f"right for all {len(configs)} shapes, float32, float64 and bfloat16 among them, "
+    return (f"right for all {len(_BOUND_CONFIGS)} shapes, float32, float64 and bfloat16 among them, "
             f"up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
 
 
-#: The dtypes and shapes ``check_classify`` runs.
 CLASSIFY_CONFIGS = (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
                     Config(query_heads=8, kv_heads=4, world_size=4, dtype="bfloat16"))
 
@@ -81,8 +77,8 @@ def _auto_runs() -> tuple[tuple[Config, dict], ...]:
 
 @exercise("rounding or a bug", 14)
 def check_classify(classify) -> str:
-    """Check ``classify(result) -> str``: ``"rounding"`` if a ``tpattn.run(...,
-    tolerance="auto")`` dict's measures are within its ``"bounds"``, else ``"bug"``."""
+    """Check ``classify(result) -> str``: ``"rounding"`` if a ``tpattn.run(tolerance="auto")``
+    dict's measures are within its ``"bounds"``, else ``"bug"``."""
     hidden = ("passed", "mode", "verdict", "reason", "floors", "amplification")
     runs = [(cfg, dict(r, bounds=dict(r["bounds"]))) for cfg, r in _auto_runs()]
     for cfg, result in runs:
@@ -108,7 +104,7 @@ def check_classify(classify) -> str:
 
 # --- chapter 15 -----------------------------------------------------------------------------
 
-#: Shapes the fused-QKV exercises read the heads on: two KV groups per rank among them.
+#: Shapes of the fused-QKV exercises: two KV groups per rank among them.
 FUSED_CONFIGS = CHECKED_CONFIGS + (Config(query_heads=8, kv_heads=4),)
 _KINDS = {"wq": "query head", "wk": "key head", "wv": "value head"}
 
@@ -123,8 +119,7 @@ def _block_source(block: torch.Tensor, params: dict, d: int) -> str:
 
 
 def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> None:
-    """``Wrong`` unless every head-sized block of the rank's ``wq``, ``wk``, ``wv`` is a dense
-    head of its own kind."""
+    """``Wrong`` unless every head in ``wq``, ``wk``, ``wv`` is a dense head of its kind."""
     d = cfg.head_dim
     if not isinstance(mine, dict) or any(k not in mine for k in _KINDS):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys wq, wk, wv.")
@@ -143,8 +138,7 @@ def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> 
 
 
 def _grade_fused(shard, fuse, layout: str) -> str:
-    """Grade ``shard(w, cfg)`` on ``w = fuse(params, cfg)``: the heads of every rank's rows,
-    then chapter 6's checks of the shards; the success text."""
+    """Grade ``shard(fuse(params, cfg), cfg)``: every rank's heads, then chapter 6's checks."""
     for cfg in FUSED_CONFIGS:
         base = clone_trainable(init_params(cfg, 11 + PARAM_SEED_OFFSET))
         shards = shard(fuse(base, cfg), cfg)
@@ -172,16 +166,14 @@ def _grade_fused(shard, fuse, layout: str) -> str:
 
 @exercise("shard a concatenated [Wq; Wk; Wv] weight", 15)
 def check_shard_concat_qkv(shard) -> str:
-    """Check ``shard(w, cfg) -> list[dict]``: every rank's ``wq``, ``wk``, ``wv`` rows, cut
-    differentiably from ``w = [Wq; Wk; Wv]`` (``[(Hq + 2 Hkv) D, hidden]``)."""
+    """Check ``shard(w, cfg) -> list[dict]``: every rank's rows of ``w = [Wq; Wk; Wv]``."""
     return _grade_fused(shard, lambda p, cfg: torch.cat([p["wq"], p["wk"], p["wv"]]),
                         "concatenated")
 
 
 @exercise("shard Megatron's interleaved QKV weight", 15)
 def check_shard_fused_qkv(shard) -> str:
-    """Check ``shard(w, cfg) -> list[dict]``: as ``check_shard_concat_qkv``, from Megatron's
-    fused weight (``interop.fuse_qkv``: per KV group its query heads, key head, value head)."""
+    """Check ``shard(w, cfg) -> list[dict]``: the same from ``interop.fuse_qkv``'s weight."""
     from tpattn.interop import fuse_qkv
     return _grade_fused(shard, lambda p, cfg: fuse_qkv(p["wq"], p["wk"], p["wv"], cfg),
                         "interleaved")

@@ -51,8 +51,8 @@ def _step_dict(step) -> None:
 
 @exercise("one SGD step", 5)
 def check_train_step(train_step) -> str:
-    """Check ``train_step(x0, target, params, cfg) -> dict``: one SGD step of the dense block
-    (MSE loss, ``LR``) on copies of ``params``, returned as ``tpattn.check.core.one_step``'s."""
+    """Check ``train_step(x0, target, params, cfg) -> dict``: one SGD step of the dense block on
+    copies of ``params``, as ``tpattn.check.core.one_step`` returns it."""
     for cfg, seed, x0, target, base in cases():
         before = {k: v.clone() for k, v in base.items()}
         x_before = x0.clone()
@@ -72,8 +72,7 @@ def check_train_step(train_step) -> str:
 
 
 def _grade_measures(got, want: dict, where: str) -> None:
-    """``Wrong`` unless ``got`` holds ``want``'s five measures, each up to one float32 rounding
-    of the difference (two correct ways differ by no more)."""
+    """``Wrong`` unless ``got`` holds ``want``'s five measures, each up to one float32 rounding."""
     if not isinstance(got, dict):
         raise Wrong(f"your function should return a dict keyed by the five measure "
                     f"names, but it gave {type(got).__name__}.")
@@ -93,8 +92,7 @@ def _grade_measures(got, want: dict, where: str) -> None:
 
 @exercise("the five measures", 5)
 def check_five_measures(measures) -> str:
-    """Check ``measures(dense, tp) -> dict``: the five measures (``MEASURES``, floats) between
-    two ``one_step`` dicts, on every mode."""
+    """Check ``measures(dense, tp) -> dict``: the five measures between two ``one_step`` dicts."""
     count = 0
     for cfg, seed, x0, target, base in cases(CHECKED_CONFIGS[:2]):
         dense = dense_reference(x0, target, base, cfg)

@@ -1,6 +1,5 @@
 """What every checker shares: ``Result``, the ``exercise`` decorator, the checked shapes and
-seeds, and the grading patterns (types and shapes, the sum per rank, a predicted set of names).
-"""
+seeds, and the grading patterns (types and shapes, the sum per rank, a predicted set of names)."""
 from __future__ import annotations
 
 import functools
@@ -15,16 +14,16 @@ import torch
 
 from tpattn.block.params import PARAM_NAMES, QK_NORM_NAMES
 from tpattn.bugs.modes import resolve
-from tpattn.check.core import (EQUIVALENCE, MEASURES, SIMULATIONS, TOLERANCE, dense_reference,
-                               five_measures, make_inputs, make_params, max_abs_diff, tp_step)
+from tpattn.check.core import (EQUIVALENCE, MEASURES, TOLERANCE, dense_reference, five_measures,
+                               make_inputs, make_params, max_abs_diff, tp_step)
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
 
-#: Seeds of the checkers of chapters 5-11: two of the fixture's and one the chapters never show.
+#: Seeds of the checkers of chapters 5-11: two of the original fixture's, one never shown.
 CHECKED_SEEDS = (11, 17, 5)
-#: Seeds of the slower checkers (chapters 12 on): one of the fixture's, one never shown.
+#: Seeds of the slower checkers (chapters 12 on): one of the original fixture's, one never shown.
 EXTRA_SEEDS = (11, 5)
-#: The fixture's shape; 8 query heads sharing 4 KV heads on 4 ranks; a small odd one.
+#: The original fixture's shape; 8 query heads sharing 4 KV heads on 4 ranks; a small odd one.
 CHECKED_CONFIGS = (
     Config(),
     Config(query_heads=8, kv_heads=4, world_size=4),
@@ -50,12 +49,9 @@ class Result:
     passed: bool
     message: str
 
-    def text(self) -> str:
-        """The paragraph as one line of text, with a ✓ or ✗ in front."""
-        return ("✓ " if self.passed else "✗ ") + f"{self.exercise}: {self.message}"
-
     def __repr__(self) -> str:
-        return textwrap.fill(self.text(), WIDTH)
+        return textwrap.fill(("✓ " if self.passed else "✗ ") + f"{self.exercise}: {self.message}",
+                             WIDTH)
 
     def _repr_html_(self) -> str:
         color = "#1a7f37" if self.passed else "#b35900"
@@ -67,10 +63,6 @@ class Result:
 
 class Wrong(Exception):
     """Raised inside a checker to end it with a failing message."""
-
-
-class NotWritten(Exception):
-    """The reader's stub still raises NotImplementedError."""
 
 
 _EXERCISES_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -87,6 +79,7 @@ def _is_reader_file(filename: str) -> bool:
 
 
 def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, at most 160 characters."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return text if len(text) <= 160 else text[:157] + "..."
 
@@ -119,8 +112,7 @@ def name_of(answer) -> str:
 
 
 def exercise(name: str, chapter: int):
-    """A checker returning a ``Result`` of ``body``: its success message or ``Wrong``'s; a
-    reader's exception is one sentence, a stub 'not written yet'."""
+    """A checker returning ``body``'s success message or ``Wrong``'s as a ``Result``."""
 
     def decorate(body):
         @functools.wraps(body)
@@ -129,7 +121,7 @@ def exercise(name: str, chapter: int):
                 message = body(answer)
             except Wrong as e:
                 return Result(name, False, f"{e} See {CHAPTERS[chapter]}.")
-            except (NotWritten, NotImplementedError):
+            except NotImplementedError:
                 return Result(name, False, f"not written yet: replace `raise NotImplementedError` "
                                            f"in {name_of(answer)} with your code, then run this "
                                            f"cell again.")
@@ -146,7 +138,7 @@ def exercise(name: str, chapter: int):
 # --- cases and their words ------------------------------------------------------------------
 
 def shape_text(cfg: Config) -> str:
-    """A shape in words: heads and ranks, then what differs from the fixture's."""
+    """A shape in words: heads and ranks, then what differs from the original fixture's."""
     text = f"{cfg.query_heads} query / {cfg.kv_heads} KV heads on {cfg.world_size} ranks"
     if (cfg.seq, cfg.batch, cfg.hidden, cfg.head_dim) != (5, 2, 16, 4):
         text += f" (seq {cfg.seq}, batch {cfg.batch}, hidden {cfg.hidden}, head_dim {cfg.head_dim})"
@@ -165,6 +157,12 @@ def coverage() -> str:
     """The checked seeds and shapes in words."""
     return (f"{len(CHECKED_SEEDS)} seeds × {len(CHECKED_CONFIGS)} shapes, among them "
             f"{shape_text(CHECKED_CONFIGS[1])} and {shape_text(CHECKED_CONFIGS[2])}")
+
+
+def counted(configs, seeds, more: str = "", unit: str = "shapes", times: str = "×") -> str:
+    """'N cases (S seeds × C shapes<more>)': every shape × seed of ``cases(configs, seeds)``."""
+    return (f"{len(configs) * len(seeds)} cases ({len(seeds)} seeds {times} {len(configs)} "
+            f"{unit}{more})")
 
 
 def cases(configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS):
@@ -214,8 +212,7 @@ def tensor_list(value, count: int, shape, what: str) -> list[torch.Tensor]:
 
 
 def number(value, types, wrong: str):
-    """``value`` (a one-element tensor's item) if of ``types`` and no bool, else ``Wrong(wrong)``
-    with the type's name in place of ``{}``."""
+    """``value`` (a one-element tensor's item) if of ``types``, not bool, else ``Wrong(wrong)``."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, types):
@@ -249,8 +246,7 @@ def near(a: torch.Tensor, b: torch.Tensor, terms: int) -> bool:
 
 
 def first_near(got: torch.Tensor, options, otherwise: str) -> None:
-    """``Wrong(message)`` of the first ``(tensor, terms, message)`` ``got`` is ``near`` (None:
-    right), ``Wrong(otherwise)`` if none."""
+    """``Wrong(message)`` of the first ``(tensor, terms, message)`` ``got`` is ``near``."""
     for value, terms, message in options:
         if near(got, value, terms):
             if message is None:
@@ -260,8 +256,8 @@ def first_near(got: torch.Tensor, options, otherwise: str) -> None:
 
 
 def grade_sum(got: list, own: list, mean, mine, other) -> None:
-    """``Wrong`` unless each ``got[r]`` is the sum of the shares ``own``: ``mean(r)``,
-    ``mine(r)`` (its own share) or ``other(r)``."""
+    """``Wrong`` unless each ``got[r]`` is the sum of ``own``: ``mean(r)`` for the mean,
+    ``mine(r)`` for its own share, else ``other(r)``."""
     n = len(own)
     total = sum(own[1:], own[0])
     for r in range(n):
@@ -285,24 +281,28 @@ def as_names(prediction, allowed, what: str) -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def mode_runs(mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> tuple:
-    """Per shape × seed × simulation of ``mode``: the failing measures and the parameters with
-    wrong gradients, two frozensets; cached."""
+    """Per shape × seed, ``mode`` on simulated ranks: the failing measures and the parameters
+    with wrong gradients, two frozensets; cached."""
     found = []
     for cfg, seed, x0, target, base in cases(configs, seeds):
         dense = dense_reference(x0, target, base, cfg)
         names = PARAM_NAMES + (QK_NORM_NAMES if cfg.qk_norm else ())
-        for simulate in SIMULATIONS:
-            tp = tp_step(x0, target, base, cfg, resolve(mode, cfg).injection, simulate,
-                         rng_seed=seed if cfg.qk_norm else None)
-            hit = frozenset(k for k in names
-                            if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE)
-            found.append((frozenset(failing(five_measures(seed, mode, dense, tp))), hit))
+        tp = tp_step(x0, target, base, cfg, resolve(mode, cfg).injection, "ranks",
+                     rng_seed=seed if cfg.qk_norm else None)
+        hit = frozenset(k for k in names
+                        if max_abs_diff(dense["grads"][k], tp["grads"][k]) >= TOLERANCE)
+        found.append((frozenset(failing(five_measures(seed, mode, dense, tp))), hit))
     return tuple(found)
 
 
-def grade_prediction(predicted: set, found: list[set], what: str, mode: str, order,
-                     shapes: int = len(CHECKED_CONFIGS), seeds: int = len(CHECKED_SEEDS)) -> str:
-    """Compare a predicted set with the sets found on every run (all runs must agree)."""
+def grade_prediction(predict, mode: str, hits: bool = False, configs=CHECKED_CONFIGS,
+                     seeds=CHECKED_SEEDS) -> str:
+    """Grade ``predict() -> set``: the measures that fail on every run of ``mode`` or, with
+    ``hits``, the parameters whose gradients it makes wrong (all runs must agree)."""
+    noun, what = ("parameter", "parameter gradients") if hits else ("measure", "measures")
+    order = PARAM_NAMES + (QK_NORM_NAMES if configs[0].qk_norm else ()) if hits else MEASURES
+    predicted = as_names(predict(), order, noun)
+    found = [set(run[hits]) for run in mode_runs(mode, configs, seeds)]
     always, sometimes = set.intersection(*found), set.union(*found)
     if always != sometimes:  # not seen in the package so far; say it rather than guess
         raise Wrong(f"the runs of {mode} do not agree on which {what} fail; no single "
@@ -318,19 +318,9 @@ def grade_prediction(predicted: set, found: list[set], what: str, mode: str, ord
             parts.append(f"you named {', '.join(extra)}, which "
                          f"pass{'es' if len(extra) == 1 else ''} on every run")
         raise Wrong(f"not quite: {' and '.join(parts)} of {mode} ({len(found)} runs: "
-                    f"{seeds} seeds × {shapes} shapes × both simulations).")
-    return (f"right: on all {len(found)} runs of {mode} ({seeds} seeds × "
-            f"{shapes} shapes × the fixture's and the per-rank simulation), "
-            f"exactly the {what} you named fail.")
-
-
-def grade_hits(predict, mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> str:
-    """Grade ``predict() -> set``: the parameters whose gradients ``mode`` makes wrong."""
-    names = PARAM_NAMES + (QK_NORM_NAMES if configs[0].qk_norm else ())
-    predicted = as_names(predict(), names, "parameter")
-    found = [set(hit) for _, hit in mode_runs(mode, configs, seeds)]
-    return grade_prediction(predicted, found, "parameter gradients", mode, names,
-                            shapes=len(configs), seeds=len(seeds))
+                    f"{len(seeds)} seeds × {len(configs)} shapes).")
+    return (f"right: on all {len(found)} runs of {mode} ({len(seeds)} seeds × {len(configs)} "
+            f"shapes, each rank training its own shard), exactly the {what} you named fail.")
 
 
 def function_class(obj, default: str) -> str:

@@ -20,16 +20,15 @@ from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE,
                                shard, unshard)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, EXTRA_SEEDS, Wrong, as_names, cases,
-                                      exercise, expect_shape, failing, grade_hits, grade_sum,
-                                      keyed, mesh_text, must_pass, near, number, shape_text,
-                                      tensor, tensor_list)
+                                      counted, exercise, expect_shape, failing, grade_prediction,
+                                      grade_sum, keyed, mesh_text, must_pass, near, number,
+                                      shape_text, tensor, tensor_list)
 from tpattn.parallel.collectives import SimulatedRanks
-from tpattn.parallel.engine import train_step
+from tpattn.parallel.engine import stack_ranks
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.rng import RankStreams, simulated_streams
 from tpattn.parallel.simulated import mesh_view, rank0_view, simulated_step
 
-#: The chapter "Around the block".
 AROUND_CHAPTER = 17
 
 # --- chapter 16 -----------------------------------------------------------------------------
@@ -58,8 +57,7 @@ def _grade_bias_output(forward, x0, base: dict, dense: dict, cfg: Config, where:
 
 @exercise("add the row-parallel bias once", 16)
 def check_bias_once(forward) -> str:
-    """Check ``forward(x, p, cfg) -> [S, B, hidden]``: the sharded block (as ``tp_forward``) with
-    the replicated output bias ``p["bias"]`` ``[hidden]`` added once, against dense with it."""
+    """Check ``forward(x, p, cfg) -> [S, B, hidden]``: ``tp_forward`` plus ``p["bias"]`` once."""
     inj = zoo.Injection(bias="after_g")
     for cfg in CHECKED_CONFIGS:
         for seed in EXTRA_SEEDS:
@@ -69,8 +67,6 @@ def check_bias_once(forward) -> str:
             where = f"for seed {seed}, {shape_text(cfg)}"
             _grade_bias_output(forward, x0, base, dense, cfg, where)
             tp = one_step(lambda x, p: forward(x, p, cfg), x0, target, base)
-            expect_shape(tensor(tp["output"], "your output"), dense["output"].shape,
-                         f"for {shape_text(cfg)} your output")
             fails = failing(five_measures(seed, EQUIVALENCE, dense, tp))
             if fails and "forward_max_abs_diff" not in fails:
                 raise Wrong(f"{where} the output is right but {', '.join(fails)} fail: the bias "
@@ -85,13 +81,12 @@ def check_bias_once(forward) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _zoo_forward_hits() -> dict[str, set[bool]]:
-    """Per runnable registry bug: whether rank 0's forward output (``zoo.forward_fixture``)
-    differs from dense's by ``TOLERANCE`` or more, on each hunt shape (a set of bools)."""
+    """Per runnable zoo bug: whether its forward output differs from dense's, per hunt shape."""
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = {}
     for mode in zoo.runnable_modes():
         inj = zoo.get_mode(mode).injection
-        if zoo.get_mode(mode).is_correct:  # correct TP: no bug to hit
+        if zoo.get_mode(mode).is_correct:
             continue
         for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
             x0, _ = make_inputs(cfg, seed)
@@ -108,13 +103,12 @@ def _zoo_forward_hits() -> dict[str, set[bool]]:
 
 @exercise("which zoo bugs the forward shows", 16)
 def check_forward_visible(predict) -> str:
-    """Check ``predict() -> set``: the runnable zoo bugs whose forward output (rank 0's view)
-    differs from dense's, on both hunt shapes."""
+    """Check ``predict() -> set``: the runnable zoo bugs whose forward output is not dense's."""
     names = [m for m in zoo.runnable_modes() if not zoo.get_mode(m).is_correct]
     predicted = as_names(predict(), names, "zoo bug")
     for mode in names:
         hits = _zoo_forward_hits()[mode]
-        if len(hits) != 1:  # pragma: no cover - not seen in the package so far
+        if len(hits) != 1:  # pragma: no cover - not seen in the package
             raise Wrong(f"the shapes disagree on whether {mode}'s forward is wrong.")
         if (mode in predicted) == next(iter(hits)):
             continue
@@ -129,7 +123,7 @@ def check_forward_visible(predict) -> str:
 
 # --- chapter 17: dropout (Megatron's RNG discipline) and qk-norm ------------------------------
 
-#: Shapes of the dropout exercises: the fixture's (p = 0.1), 4 ranks (0.2), a small odd one (0.3).
+#: Shapes of the dropout exercises: the original fixture's (p = 0.1), 4 ranks (0.2), a small one.
 DROPOUT_CONFIGS = (
     Config(dropout=0.1),
     Config(query_heads=8, kv_heads=4, world_size=4, dropout=0.2),
@@ -141,17 +135,10 @@ QK_NORM_CONFIGS = tuple(Config(**{**c.as_dict(), "dropout": 0.0, "qk_norm": True
 
 
 def _stream_seeds(seeds, seed: int, cfg: Config, where: str) -> tuple[list[int], list[int]]:
-    """Every rank's residual and attention seeds; ``Wrong`` where two attention streams, or an
-    attention and the residual stream, coincide."""
-    drawn = []
-    for r in range(cfg.world_size):
-        got = keyed(seeds(seed, r), ("residual", "attention"))
-        for k, v in got.items():
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise Wrong(f"the {k} seed should be an int, but it is {type(v).__name__}.")
-        drawn.append(got)
-    residual = [d["residual"] for d in drawn]
-    attention = [d["attention"] for d in drawn]
+    """Every rank's residual and attention seeds; ``Wrong`` where two streams coincide."""
+    drawn = [keyed(seeds(seed, r), ("residual", "attention")) for r in range(cfg.world_size)]
+    residual, attention = ([number(d[k], int, f"the {k} seed should be an int, but it is {{}}.")
+                            for d in drawn] for k in ("residual", "attention"))
     if len(set(attention)) < cfg.world_size:
         raise Wrong(f"{where}, two ranks draw their attention masks from the same seed: their "
                     f"heads are different heads, so each rank needs its own stream inside the "
@@ -164,9 +151,7 @@ def _stream_seeds(seeds, seed: int, cfg: Config, where: str) -> tuple[list[int],
 
 @exercise("dropout's two random streams", AROUND_CHAPTER)
 def check_dropout_streams(seeds) -> str:
-    """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: the seeds of a TP
-    rank's residual-dropout and attention-dropout generators, graded on the simulated step."""
-    count = 0
+    """Check ``seeds(seed, tp_rank) -> {"residual": int, "attention": int}``: its seeds."""
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
         where = f"for seed {seed}, {shape_text(cfg)}"
         residual, attention = _stream_seeds(seeds, seed, cfg, where)
@@ -183,10 +168,9 @@ def check_dropout_streams(seeds) -> str:
                   f"rank holds the whole output after g, so the ranks drop different elements "
                   f"of one replicated tensor and the step fails" if len(set(residual)) > 1
                   else f"{where}, the step fails")
-        count += 1
     return (f"the residual stream is the same on every rank and each rank's heads have their "
-            f"own: the step equals dense on all five measures for {count} cases "
-            f"({len(EXTRA_SEEDS)} seeds × {len(DROPOUT_CONFIGS)} shapes, 2 and 4 ranks).")
+            f"own: the step equals dense on all five measures for "
+            f"{counted(DROPOUT_CONFIGS, EXTRA_SEEDS, ', 2 and 4 ranks')}.")
 
 
 def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,8 +189,7 @@ def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
 @exercise("re-sync the drifted RNG", AROUND_CHAPTER)
 def check_rng_resync(resync) -> str:
     """Check ``resync(states) -> list``: from every TP rank's generator state (uint8) after rank
-    0's loader drew from it, the state each continues with; outputs and losses must agree."""
-    count = 0
+    0's loader drew from it, the state each continues with."""
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
         where = f"for seed {seed}, {shape_text(cfg)}"
@@ -229,16 +212,14 @@ def check_rng_resync(resync) -> str:
                         + "; every TP rank must draw the residual mask from one state.")
         if len(set(step["losses"].tolist())) != 1:
             raise Wrong(f"{where}, the ranks' losses differ.")
-        count += 1
     return (f"every TP rank continues from one state: the residual masks, the outputs and "
-            f"the losses agree on all ranks for {count} cases ({len(EXTRA_SEEDS)} seeds × "
-            f"{len(DROPOUT_CONFIGS)} shapes). Megatron-DeepSpeed PR 276 removed the drift "
-            f"instead: the loader got its own generator.")
+            f"the losses agree on all ranks for {counted(DROPOUT_CONFIGS, EXTRA_SEEDS)}. "
+            f"Megatron-DeepSpeed PR 276 removed the drift instead: the loader got its own "
+            f"generator.")
 
 
 def _reader_qk_stage(reduce, where: str):
-    """A ``Program.qk_norm_grads`` stage that runs the reader's ``reduce`` on every rank's
-    q/k-norm gradients ``[R, head_dim]``, graded as it runs."""
+    """A ``qk_norm_grads`` stage running the reader's ``reduce``, graded as it runs."""
     def stage(gq, gk, comm):
         out = []
         for name, g in (("q_norm", gq), ("k_norm", gk)):
@@ -261,33 +242,28 @@ def _reader_qk_stage(reduce, where: str):
 @exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
 def check_qk_norm_grad_reduce(reduce) -> str:
     """Check ``reduce(grads) -> list``: from every TP rank's ``[head_dim]`` gradient of its
-    ``q_norm`` (or ``k_norm``) copy, its own heads' part, the gradient each rank steps with."""
-    count = 0
+    ``q_norm`` (or ``k_norm``) copy, the gradient each rank steps with."""
     for cfg, seed, x0, target, base in cases(QK_NORM_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
         where = f"for seed {seed}, {shape_text(cfg)}"
-        shards = shard_params(base, cfg)
-        stacked = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
         prog = replace(Injection().program(), qk_norm_grads=_reader_qk_stage(reduce, where))
-        step = train_step(stacked, torch.stack([x0] * w), torch.stack([target] * w), cfg,
-                          prog, SimulatedRanks(cfg, []), LR)
+        step = simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg, prog, LR)
         apart = max(max_abs_diff(step["weights"][k][r], step["weights"][k][0])
                     for k in ("q_norm", "k_norm") for r in range(w))
         if apart > 0:
             raise Wrong(f"{where}, the q/k-norm replicas differ by {apart:.2g} after the step.")
         must_pass(seed, dense_reference(x0, target, base, cfg), rank0_view(step, cfg),
                   f"{where}, the step fails")
-        count += 1
     return (f"every rank steps with the sum of the ranks' parts: the q/k-norm replicas stay "
-            f"identical and the step equals dense on all five measures for {count} cases "
-            f"({len(EXTRA_SEEDS)} seeds × {len(QK_NORM_CONFIGS)} shapes, 2 and 4 ranks).")
+            f"identical and the step equals dense on all five measures for "
+            f"{counted(QK_NORM_CONFIGS, EXTRA_SEEDS, ', 2 and 4 ranks')}.")
 
 
 @exercise("which parameters the missing q/k-norm reduce hits", AROUND_CHAPTER)
 def check_qk_norm_hits(predict) -> str:
-    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``, ``q_norm``, ``k_norm``) with
-    wrong gradients (rank 0's) without the q/k-norm gradients' all-reduce."""
-    return grade_hits(predict, "qk_norm_grad_not_reduced", QK_NORM_CONFIGS[:2], EXTRA_SEEDS)
+    """Check ``predict() -> set``: the parameters a missing q/k-norm reduce hits."""
+    return grade_prediction(predict, "qk_norm_grad_not_reduced", True, QK_NORM_CONFIGS[:2],
+                            EXTRA_SEEDS)
 
 
 # --- chapter 17: the TP x DP mesh and the sequence gather's group ----------------------------
@@ -309,16 +285,14 @@ SP_MESH_CONFIGS = (
 
 
 def _mesh_step(cfg: Config, seed: int, inj: Injection) -> dict:
-    """A simulated step of the whole mesh (``simulated_step``) of ``inj``'s program."""
-
+    """A simulated step of the whole mesh of ``inj``'s program."""
     base = make_params(cfg, seed, inj)
     return simulated_step(shard(base, cfg, inj) * cfg.data_parallel,
                           block_inputs(rank_batches(cfg, seed, inj), cfg), cfg, inj, LR)
 
 
 def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
-    """Replace every rank's gradient in ``grads`` (per name ``[ranks, ...]``) by the reader's
-    ``sync`` over its DP group, graded as the sum of the replicas' shares."""
+    """Replace ``grads`` (per name ``[ranks, ...]``) by the reader's DP ``sync``, graded."""
     w, d = cfg.world_size, cfg.data_parallel
     for name, g in grads.items():
         for t in range(w):
@@ -341,28 +315,22 @@ def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
 
 @exercise("the data-parallel gradient sync", AROUND_CHAPTER)
 def check_dp_grad_sync(sync) -> str:
-    """Check ``sync(grads) -> list``: from one parameter's gradient on each DP replica (its
-    batch's share of the global mean loss's), the gradient each replica steps with."""
-
-    count = 0
+    """Check ``sync(grads) -> list``: the gradient each DP replica steps with."""
     for cfg in MESH_CONFIGS:
         for seed in EXTRA_SEEDS:
             step = _mesh_step(cfg, seed, Injection(dp_grad="self"))
             where = f"for seed {seed} on {mesh_text(cfg)}"
             _sync_grads(sync, step["grads"], cfg, where)
             base = make_params(cfg, seed, Injection())
-            start = shard_params(base, cfg) * cfg.data_parallel  # every rank's starting shards
-            step["weights"] = {name: torch.stack([
-                sgd_step({name: start[i][name]}, {name: g[i]}, LR)[name]
-                for i in range(cfg.ranks)]) for name, g in step["grads"].items()}
+            start = stack_ranks(shard_params(base, cfg) * cfg.data_parallel)
+            step["weights"] = sgd_step(start, step["grads"], LR)
             x0, target = make_inputs(cfg, seed)
             view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
             must_pass(seed, dense_step(x0, target, base, cfg, Injection()), view,
                       f"{where}, the mesh's step fails")
-            count += 1
     return (f"every replica steps on the sum of the replicas' gradients, so the replicas "
-            f"stay identical and the mesh equals dense on all five measures for {count} cases "
-            f"({len(EXTRA_SEEDS)} seeds x {len(MESH_CONFIGS)} meshes, SP among them).")
+            f"stay identical and the mesh equals dense on all five measures for "
+            f"{counted(MESH_CONFIGS, EXTRA_SEEDS, ', SP among them', unit='meshes', times='x')}.")
 
 
 def _logged_loss_case(cfg: Config, seed: int) -> tuple[list[float], float]:
@@ -380,9 +348,7 @@ def _logged_loss_case(cfg: Config, seed: int) -> tuple[list[float], float]:
 
 @exercise("the logged loss of a TP x DP mesh", AROUND_CHAPTER)
 def check_logged_loss(logged) -> str:
-    """Check ``logged(shares, cfg) -> float``: from every rank's share of the global mean loss
-    (mesh order, rank = dp * W + tp), the loss to log: dense's, within 1e-6 relative."""
-    count = 0
+    """Check ``logged(shares, cfg) -> float``: the loss to log from every rank's share."""
     for cfg in MESH_CONFIGS:
         w, d = cfg.world_size, cfg.data_parallel
         for seed in EXTRA_SEEDS:
@@ -391,7 +357,6 @@ def check_logged_loss(logged) -> str:
                          "your function returned {}; return a float.")
             where = f"for seed {seed} on {mesh_text(cfg)}"
             if abs(got - true) <= 1e-6 * abs(true):
-                count += 1
                 continue
             if abs(got - w * true) <= 1e-5 * w * abs(true) and not cfg.sequence_parallel:
                 raise Wrong(f"{where}, you logged W = {w} times the loss: summing every rank "
@@ -404,16 +369,14 @@ def check_logged_loss(logged) -> str:
                             f"loss: the DP reduction was skipped (a Replicate DTensor's "
                             f"full_tensor() on the TP mesh, pytorch/torchtitan issue 3280).")
             raise Wrong(f"{where}, you logged {got:.6g}; the global mean loss is {true:.6g}.")
-    return (f"the logged loss equals the dense loss on the global batch for {count} cases "
-            f"({len(EXTRA_SEEDS)} seeds x {len(MESH_CONFIGS)} meshes): one share per replica "
-            f"(per rank under SP), summed over the DP group.")
+    return (f"the logged loss equals the dense loss on the global batch for "
+            f"{counted(MESH_CONFIGS, EXTRA_SEEDS, unit='meshes', times='x')}: one share per "
+            f"replica (per rank under SP), summed over the DP group.")
 
 
 @exercise("the group of the sequence all-gather", AROUND_CHAPTER)
 def check_sp_gather_group(group_of) -> str:
-    """Check ``group_of(rank, cfg) -> list``: the global ranks, in order, of ``rank``'s sequence
-    all-gather on a TP x DP mesh (rank = dp * W + tp): its own TP group."""
-    count = 0
+    """Check ``group_of(rank, cfg) -> list``: the ranks of ``rank``'s sequence all-gather."""
     for cfg in SP_MESH_CONFIGS:
         comm = SimulatedRanks(cfg)
         for rank in range(cfg.ranks):
@@ -425,7 +388,6 @@ def check_sp_gather_group(group_of) -> str:
                             f"ranks.") from None
             want = next(m for m in comm.groups("tp") if rank in m)
             if got == want:
-                count += 1
                 continue
             where = f"on {mesh_text(cfg)}, for rank {rank}"
             if got == next(m for m in comm.groups("dp") if rank in m):
@@ -439,14 +401,13 @@ def check_sp_gather_group(group_of) -> str:
             raise Wrong(f"{where} you gave {got}; its TP group is the ranks dp * W + t for "
                         f"t = 0 .. W-1 of its own replica dp.")
     return (f"every rank gathers over its own TP group, in order, on {len(SP_MESH_CONFIGS)} "
-            f"meshes ({count} ranks): the gathered sequence is its own replica's.")
+            f"meshes ({sum(c.ranks for c in SP_MESH_CONFIGS)} ranks): the gathered sequence is "
+            f"its own replica's.")
 
 
 @exercise("the sequence all-gather on a mesh", AROUND_CHAPTER)
 def check_sp_gather_tokens(gather) -> str:
-    """Check ``gather(tokens, cfg) -> list``: from every rank's ``[S/W, B, hidden]`` tokens, each
-    rank's gathered ``[S, B, hidden]`` sequence, bit for bit its TP group's all-gather."""
-    count = 0
+    """Check ``gather(tokens, cfg) -> list``: each rank's gathered ``[S, B, hidden]``."""
     for cfg in SP_MESH_CONFIGS:
         comm = SimulatedRanks(cfg)
         for seed in EXTRA_SEEDS:
@@ -468,9 +429,8 @@ def check_sp_gather_tokens(gather) -> str:
                                 f"(NVIDIA/Megatron-LM issue 7452).")
                 raise Wrong(f"{where}, rank {r}'s gathered sequence is not its TP group's "
                             f"tokens in TP order.")
-            count += 1
     return (f"every rank's gathered sequence is its own TP group's tokens in order on "
-            f"{count} cases ({len(EXTRA_SEEDS)} seeds x {len(SP_MESH_CONFIGS)} meshes).")
+            f"{counted(SP_MESH_CONFIGS, EXTRA_SEEDS, unit='meshes', times='x')}.")
 
 
 # --- chapter 17: loading a checkpoint into ranks --------------------------------------------
@@ -558,8 +518,7 @@ def _loading_observations() -> tuple:
 
 @exercise("tell the loading bugs apart from the shard checksums", AROUND_CHAPTER)
 def check_loading_verdict(verdict) -> str:
-    """Check ``verdict(checksums, scale) -> str | None``: from ``observe``'s per-rank
-    ``shard_checksums`` and ``shard_scale``, the loading bug (``LOADING_VERDICTS``) or None."""
+    """Check ``verdict(checksums, scale) -> str | None``: the loading bug, or None."""
     for name, answer, cfg, seed, sums, scale in _loading_observations():
         got = verdict(copy.deepcopy(sums), dict(scale))
         if got not in LOADING_VERDICTS:
@@ -611,8 +570,7 @@ def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
 
 @exercise("read the ledger", 18)
 def check_ledger_verdict(verdict) -> str:
-    """Check ``verdict(obs) -> str | None``: from ``obs["ledger"]`` against
-    ``obs["planned_ledger"]``, the bug of ``_LEDGER_BUGS`` the collectives show, or None."""
+    """Check ``verdict(obs) -> str | None``: the bug the ledger shows, or None."""
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     modes = zoo.runnable_modes()
     for mode in modes:
@@ -641,8 +599,7 @@ HUNTS = (0, 3, 10, 1)
 
 @exercise("three bug hunts and a healthy run", 18)
 def check_hunts(guess) -> str:
-    """Check ``guess(hunt) -> str``: per hunt of ``HUNTS``, the hidden cause (a registry bug or
-    ``NO_KNOWN_CAUSE``) named from the observables alone, as ``hunt.judge`` judges."""
+    """Check ``guess(hunt) -> str``: per hunt of ``HUNTS``, the hidden cause."""
     from tpattn.diagnosis.hunt import choices, hunt_case, judge
     for hunt in HUNTS:
         answer = guess(hunt)

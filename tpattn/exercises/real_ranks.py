@@ -1,5 +1,5 @@
-"""Part III, real ranks (chapters 11-13): what f and g carry, f and g on gloo ranks, the norm
-gradient and RoPE positions under sequence parallelism, replicated KV heads' gradients."""
+"""Part III, real ranks (chapters 11-13): f and g's bytes and counts and f and g on gloo ranks;
+the norm gradient and RoPE positions under SP; replicated KV heads' gradients."""
 from __future__ import annotations
 
 import torch
@@ -8,13 +8,12 @@ from tpattn.block.dense import attend_and_project
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import init_params, shard_params
 from tpattn.block.sgd import sgd_step
-from tpattn.bugs.modes import resolve
 from tpattn.check.core import (EQUIVALENCE, LR, MODES, PARAM_SEED_OFFSET, dense_reference,
                                five_measures, make_inputs)
 from tpattn.config import Config
-from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, NotWritten,
-                                      Wrong, cases, exercise, failing, first_near,
-                                      function_class, grade_hits, grade_sum, keyed, must_pass,
+from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, Wrong,
+                                      cases, counted, exercise, failing, first_near,
+                                      function_class, grade_prediction, grade_sum, keyed, must_pass,
                                       near, number, shape_text, tensor_list)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
@@ -23,12 +22,10 @@ from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
 
 
 def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
-    """One rank's step of ``mode`` as the real ranks run it. Returns ``(counts, carried)``:
-    the all-reduces per phase of the planned ledger (``tpattn.real.ranks.planned_ledger``),
-    and the bytes one rank hands each all-reduce, by ledger label (simulated ranks whose
-    ``group_sum`` measures rank 0's tensor)."""
+    """One step of ``mode`` as the real ranks run it: the all-reduces per phase of the planned
+    ledger, and the bytes rank 0 hands each all-reduce, by ledger label."""
     from tpattn.parallel.collectives import SimulatedRanks
-    from tpattn.parallel.engine import train_step
+    from tpattn.parallel.engine import stack_ranks, train_step
     from tpattn.real.ranks import job_setup, planned_ledger
 
     class Measured(SimulatedRanks):
@@ -45,13 +42,12 @@ def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
                          for e in planned_ledger(mode, cfg)) for phase in ("forward", "backward")}
     inj, _, shards, batches = job_setup(11, mode, cfg)
     comm = Measured()
-    train_step({k: torch.stack([s[k] for s in shards]) for k in shards[0]},
-               torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]),
-               cfg, inj, comm, LR)
+    train_step(stack_ranks(shards), torch.stack([b[0] for b in batches]),
+               torch.stack([b[1] for b in batches]), cfg, inj, comm, LR)
     return counts, comm.carried
 
 
-#: Shapes the bytes exercise is graded on: the checked ones, a float64 one and a wider one.
+#: The checked shapes, a float64 one and a wider one.
 BYTES_CONFIGS = CHECKED_CONFIGS + (
     Config(dtype="float64"),
     Config(seq=7, batch=3, hidden=32, query_heads=8, kv_heads=2, head_dim=4, world_size=2),
@@ -60,8 +56,7 @@ BYTES_CONFIGS = CHECKED_CONFIGS + (
 
 @exercise("bytes f and g move", 11)
 def check_bytes_per_step(bytes_per_step) -> str:
-    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes f's and g's all-reduces
-    carry on one rank in one training step, as the real ranks hand them to the ledger."""
+    """Check ``bytes_per_step(cfg) -> {"f": int, "g": int}``: the bytes each carries."""
     from tpattn.parallel.collectives import F_LABEL, G_LABEL
     for cfg in BYTES_CONFIGS:
         carried = _recorded_step(cfg)[1]
@@ -86,8 +81,7 @@ def check_bytes_per_step(bytes_per_step) -> str:
 
 @exercise("the ledger's counts", 11)
 def check_ledger_counts(ledger_counts) -> str:
-    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``: the all-reduces one
-    rank's training step issues per phase, as the ledger records them on real ranks."""
+    """Check ``ledger_counts(mode) -> {"forward": int, "backward": int}``."""
     for cfg in CHECKED_CONFIGS[:2]:
         for mode in MODES:
             want = _recorded_step(cfg, mode)[0]
@@ -102,8 +96,8 @@ def check_ledger_counts(ledger_counts) -> str:
 
 
 def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
-    """One rank of ``check_real_f_and_g`` (``run_on_ranks``): each seed's step with the reader's
-    f and g; rank 0 returns the five measures of the gathered steps, the others None."""
+    """One rank of ``check_real_f_and_g``: each seed's step with the reader's f and g; rank 0
+    returns the five measures of the gathered steps, the others None."""
     import torch.distributed as dist
     from tpattn.block.params import unshard_params
     from tpattn.check.core import one_step
@@ -132,8 +126,7 @@ def _real_fg_rank(rank: int, plan, device, on_progress) -> list | None:
 
 @exercise("f and g on real ranks", 11)
 def check_real_f_and_g(f_and_g) -> str:
-    """Check ``(F, G)``: f and g as autograd Functions on one rank's ``[S, B, hidden]`` tensor
-    calling ``torch.distributed.all_reduce``, run on 2 forked gloo ranks against dense."""
+    """Check ``(F, G)``: f and g as autograd Functions, on 2 forked gloo ranks."""
     from tpattn.real.launch import RankFailure, run_on_ranks
 
     if not isinstance(f_and_g, tuple) or len(f_and_g) != 2:
@@ -148,7 +141,7 @@ def check_real_f_and_g(f_and_g) -> str:
     except RankFailure as e:
         text = str(e).removeprefix("real-rank run failed: ")
         if "NotImplementedError" in text:
-            raise NotWritten() from None
+            raise NotImplementedError from None
         raise Wrong(f"on real ranks, {text}.") from None
     for metrics in results[0]:
         fails = failing(metrics)
@@ -166,7 +159,7 @@ def check_real_f_and_g(f_and_g) -> str:
 
 # --- chapter 12 -----------------------------------------------------------------------------
 
-#: Shapes of the sequence-parallel exercises: 2 ranks; 4 ranks; 3 ranks, batch 1, hidden 8.
+#: Shapes of the sequence-parallel exercises: 2, 4 and 3 ranks.
 SP_CONFIGS = (
     Config(seq=4, sequence_parallel=True),
     Config(seq=8, query_heads=8, kv_heads=4, world_size=4, sequence_parallel=True),
@@ -177,9 +170,7 @@ SP_CONFIGS = (
 
 @exercise("the norm-gradient all-reduce under SP", 12)
 def check_norm_grad_reduce(finalize) -> str:
-    """Check ``finalize(norm_grads) -> list``: from every rank's ``[hidden]`` norm gradient
-    under SP (its own tokens' share), the gradient each rank steps with."""
-    count = 0
+    """Check ``finalize(norm_grads) -> list``: the norm gradient each SP rank steps with."""
     for cfg, seed, x0, target, base in cases(SP_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
         steps = rank_steps(simulated_step(
@@ -203,16 +194,14 @@ def check_norm_grad_reduce(finalize) -> str:
                                             {"norm": got[r].detach()}, LR)["norm"]
         must_pass(seed, dense_reference(x0, target, base, cfg), gather_steps(steps, cfg),
                   f"{where}, the SP step fails")
-        count += 1
     return (f"every rank uses the sum of the ranks' shares, so the norm replicas stay "
-            f"equal and the SP step equals dense on all five measures for {count} cases "
-            f"({len(EXTRA_SEEDS)} seeds × {len(SP_CONFIGS)} shapes, 2 to 4 ranks).")
+            f"equal and the SP step equals dense on all five measures for "
+            f"{counted(SP_CONFIGS, EXTRA_SEEDS, ', 2 to 4 ranks')}.")
 
 
 @exercise("RoPE positions under SP", 12)
 def check_rope_offset(offset) -> str:
-    """Check ``offset(cfg, rank) -> int``: the position of rank ``rank``'s first token under SP,
-    ``apply_rope``'s offset, graded against rotating the whole gathered sequence."""
+    """Check ``offset(cfg, rank) -> int``: the position of rank ``rank``'s first token under SP."""
     from tpattn.block.layers import apply_rope
     from tpattn.parallel.sequence_parallel import rank_tokens
     configs = SP_CONFIGS + (Config(seq=12, query_heads=4, kv_heads=4, world_size=4,
@@ -243,7 +232,7 @@ def check_rope_offset(offset) -> str:
 
 # --- chapter 13 -----------------------------------------------------------------------------
 
-#: Fewer KV heads than ranks: 2 KV heads on 4 ranks; 1 on 4; 2 on 8 (a small odd shape).
+#: Fewer KV heads than ranks: 2 KV heads on 4 ranks; 1 on 4; 2 on 8.
 KV_CONFIGS = (
     Config(query_heads=8, kv_heads=2, world_size=4),
     Config(query_heads=4, kv_heads=1, world_size=4),
@@ -252,8 +241,7 @@ KV_CONFIGS = (
 
 
 def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, where: str) -> None:
-    """Each ``got[r]`` must be ``want[r]``, its KV head's gradient; else ``Wrong`` naming the
-    own-rank, all-rank or replica-mean mistake."""
+    """``Wrong`` unless each ``got[r]`` is ``want[r]``, its KV head's gradient."""
     w = len(own)
     everyone = sum(own[1:], own[0])
     for r in range(w):
@@ -276,10 +264,8 @@ def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, w
 
 @exercise("reduce the KV gradients over the replica group", 13)
 def check_kv_grad_reduce(reduce) -> str:
-    """Check ``reduce(grads, cfg) -> list``: from every rank's ``[D, hidden]`` gradient of its
-    copy of a replicated ``wk`` or ``wv``, the gradient each copy must get (dense's rows)."""
+    """Check ``reduce(grads, cfg) -> list``: each copy's gradient of a replicated KV head."""
     from tpattn.parallel.kv_heads import kv_weight_rows, replica_groups
-    count = 0
     for cfg, seed, x0, target, base in cases(KV_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
         steps = rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg,
@@ -292,15 +278,13 @@ def check_kv_grad_reduce(reduce) -> str:
             want = [dense["grads"][name][kv_weight_rows(cfg, r)] for r in range(w)]
             _grade_kv_grads(got, own, want, replica_groups(cfg), name,
                             f"for seed {seed}, {shape_text(cfg)}")
-            count += 1
     return (f"every rank's copy of wk and wv gets its KV head's full gradient (the sum over "
-            f"its replica group) on {count} cases: {len(EXTRA_SEEDS)} seeds × "
-            f"{len(KV_CONFIGS)} shapes, 4 and 8 ranks.")
+            f"its replica group) on {2 * len(KV_CONFIGS) * len(EXTRA_SEEDS)} cases: "
+            f"{len(EXTRA_SEEDS)} seeds × {len(KV_CONFIGS)} shapes, 4 and 8 ranks.")
 
 
 @exercise("which parameters a missing KV reduce hits", 13)
 def check_missing_kv_parameters(predict) -> str:
-    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``) with wrong gradients
-    without the replica-group all-reduce of the KV gradients."""
+    """Check ``predict() -> set``: the parameters with wrong gradients without the KV reduce."""
     from tpattn.check.core import MISSING_KV_GRAD_REDUCE
-    return grade_hits(predict, MISSING_KV_GRAD_REDUCE, KV_CONFIGS[:2], EXTRA_SEEDS)
+    return grade_prediction(predict, MISSING_KV_GRAD_REDUCE, True, KV_CONFIGS[:2], EXTRA_SEEDS)

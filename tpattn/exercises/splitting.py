@@ -1,5 +1,6 @@
 """Part II, splitting the block across ranks (chapters 6-10): the shards, f and g in a sharded
-MLP and its fused gate/up weight, the two missing reductions' signatures and fingerprint, and reading a signature."""
+MLP and its fused gate/up weight, the missing reductions' signatures and fingerprint, and
+reading a signature."""
 from __future__ import annotations
 
 import functools
@@ -14,13 +15,11 @@ from tpattn.block.layers import rms_norm
 from tpattn.block.params import PARAM_NAMES, clone_trainable, rank_head_slices, shard_params
 from tpattn.bugs.modes import run
 from tpattn.check.core import (EQUIVALENCE, MEASURES, MISSING_INPUT_GRAD_REDUCE,
-                               MISSING_OUTPUT_REDUCE, MODES, SIMULATIONS, TOLERANCE,
-                               dense_reference)
+                               MISSING_OUTPUT_REDUCE, MODES, TOLERANCE)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
                                       coverage, exercise, expect_shape, failing, first_near,
-                                      grade_hits, grade_prediction, head_of,
-                                      mode_runs, must_pass, near, shape_text, tensor,
+                                      grade_prediction, head_of, near, shape_text, tensor,
                                       tensor_list)
 from tpattn.parallel.tp import tp_forward
 
@@ -40,8 +39,8 @@ def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, ran
 
 
 def _rank_heads(mine, params: dict, cfg: Config, rank: int) -> tuple[list[int], list[int]]:
-    """The query and KV heads rank ``rank``'s shard holds; ``Wrong`` for a wrong shape, a
-    split head or group, or wo columns of other heads."""
+    """The query and KV heads rank ``rank``'s shard holds; ``Wrong`` for a wrong shape, a split
+    head or group, or wo columns of other heads."""
     d, g, lq, lkv = cfg.head_dim, cfg.group_size, cfg.local_query_heads, cfg.local_kv_heads
     expected = {"norm": [cfg.hidden], "wq": [lq * d, cfg.hidden], "wk": [lkv * d, cfg.hidden],
                 "wv": [lkv * d, cfg.hidden], "wo": [cfg.hidden, lq * d]}
@@ -91,7 +90,7 @@ def _grade_sharded_block(shard, cfg: Config, seed: int, x0, params: dict) -> Non
 @exercise("shard_params", 6)
 def check_shard_params(shard) -> str:
     """Check ``shard(params, cfg) -> list[dict]``: per rank ``norm`` and its heads' rows of
-    ``wq``, ``wk``, ``wv`` and columns of ``wo``, differentiable slices of ``params``."""
+    ``wq``, ``wk``, ``wv`` and columns of ``wo``, as differentiable slices."""
     for cfg, seed, x0, target, base in cases():
         params = clone_trainable(base)
         shards = shard(params, cfg)
@@ -126,8 +125,7 @@ def _layout_shard_fn(layout):
 
 
 def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
-    """Balanced layouts: the package's, groups moved between ranks, query heads shuffled, and
-    one query head swapped."""
+    """Layouts: the package's, groups moved, query heads shuffled, one query head swapped."""
     w, g, d = cfg.world_size, cfg.group_size, cfg.head_dim
     lq, lkv = cfg.local_query_heads, cfg.local_kv_heads
 
@@ -156,7 +154,7 @@ def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
 @exercise("detect a split group", 6)
 def check_keeps_groups(keeps_groups) -> str:
     """Check ``keeps_groups(layout, cfg) -> bool``: whether a layout (per rank the sorted lists
-    ``"query"`` and ``"kv"`` of its heads) keeps every group on one rank, as running it says."""
+    ``"query"`` and ``"kv"`` of its heads) keeps every group on one rank."""
     rng, count = random.Random(13), 0
     for cfg in CHECKED_CONFIGS:
         for layout in _layouts(cfg, rng):
@@ -293,22 +291,15 @@ def check_gate_up_shards(shard_gate_up) -> str:
 
 # --- chapters 8 and 9: predictions ----------------------------------------------------------
 
-def _grade_signature(predict, mode: str) -> str:
-    found = [set(fails) for fails, _ in mode_runs(mode, CHECKED_CONFIGS, CHECKED_SEEDS)]
-    return grade_prediction(as_names(predict(), MEASURES, "measure"), found, "measures", mode,
-                            MEASURES)
-
-
 @exercise("predict missing g's signature", 8)
 def check_missing_g_signature(predict) -> str:
     """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without g."""
-    return _grade_signature(predict, MISSING_OUTPUT_REDUCE)
+    return grade_prediction(predict, MISSING_OUTPUT_REDUCE)
 
 
 @exercise("the fingerprint of a missing g", 8)
 def check_fingerprint(fingerprint) -> str:
-    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: dense output minus the block's
-    without g (rank 0's view), up to float32 rounding of the sums involved."""
+    """Check ``fingerprint(x, params, cfg) -> [S, B, hidden]``: dense minus the block without g."""
     for cfg, seed, x0, target, base in cases():
         with torch.no_grad():
             actual = dense_forward(x0, base, cfg) - tp_forward(x0, base, cfg, reduce_output=False)
@@ -335,29 +326,27 @@ def check_fingerprint(fingerprint) -> str:
 @exercise("predict missing f's signature", 9)
 def check_missing_f_signature(predict) -> str:
     """Check ``predict() -> set``: the measures (``tpattn.MEASURES``) that fail without f."""
-    return _grade_signature(predict, MISSING_INPUT_GRAD_REDUCE)
+    return grade_prediction(predict, MISSING_INPUT_GRAD_REDUCE)
 
 
 @exercise("which parameters a missing f hits", 9)
 def check_missing_f_parameters(predict) -> str:
-    """Check ``predict() -> set``: the parameters (``PARAM_NAMES``) with wrong gradients
-    without f."""
-    return grade_hits(predict, MISSING_INPUT_GRAD_REDUCE)
+    """Check ``predict() -> set``: the parameters with wrong gradients without f."""
+    return grade_prediction(predict, MISSING_INPUT_GRAD_REDUCE, hits=True)
 
 
 # --- chapter 10 -----------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def _real_runs() -> tuple[dict, ...]:
-    return tuple(run(seed, mode, cfg, simulate) for cfg in CHECKED_CONFIGS
-                 for seed in CHECKED_SEEDS for mode in MODES for simulate in SIMULATIONS)
+    return tuple(run(seed, mode, cfg, "ranks") for cfg in CHECKED_CONFIGS
+                 for seed in CHECKED_SEEDS for mode in MODES)
 
 
 def _synthetic(fails: tuple) -> dict:
     """A made-up result: ``fails`` at exactly TOLERANCE, the other measures at half of it."""
-    result = {"seed": 0, "mode": "unknown"}
-    result.update({m: TOLERANCE if m in fails else 0.5 * TOLERANCE for m in MEASURES})
-    return dict(result, passed=not fails)
+    measures = {m: TOLERANCE if m in fails else 0.5 * TOLERANCE for m in MEASURES}
+    return {"seed": 0, "mode": "unknown", **measures, "passed": not fails}
 
 
 #: Signatures no mode of the package produces (the checkers' "unknown" cases).
@@ -377,16 +366,14 @@ def _result_text(result: dict) -> str:
             f"{'is' if len(fails) == 1 else 'are'} at TOLERANCE and the rest below")
 
 
-def _signatures() -> dict[str, frozenset]:
-    """Each mode's failing measures on every checked run (seeds × shapes × simulations);
-    ``Wrong`` if a mode's runs disagree."""
+def _signatures() -> dict[str, set]:
+    """Each mode's failing measures on every checked run; ``Wrong`` if a mode's runs disagree."""
     found = {}
-    for mode in MODES:
-        sets = {failing for failing, _ in mode_runs(mode)}
-        if len(sets) != 1:  # pragma: no cover - not seen in the package
-            raise Wrong(f"the runs of {mode} do not agree on which measures fail.")
-        found[mode] = sets.pop()
-    return found
+    for r in _real_runs():
+        found.setdefault(r["mode"], set()).add(_signature(r))
+    if any(len(sets) != 1 for sets in found.values()):  # pragma: no cover - not seen
+        raise Wrong("the runs of a mode do not agree on which measures fail.")
+    return {mode: set(sets.pop()) for mode, sets in found.items()}
 
 
 def _confused(chosen: set, signatures: dict) -> tuple[str, str] | None:
@@ -399,8 +386,7 @@ def _confused(chosen: set, signatures: dict) -> tuple[str, str] | None:
 
 @exercise("two measures that tell the modes apart", 10)
 def check_separating_measures(pick) -> str:
-    """Check ``pick() -> set``: two measures (``MEASURES`` names) whose pass/fail alone tells
-    equivalence, a missing g and a missing f apart on every checked run."""
+    """Check ``pick() -> set``: two measures whose pass/fail tells the three modes apart."""
     chosen = as_names(pick(), MEASURES, "measure")
     signatures = _signatures()
     if len(chosen) < 2:
@@ -415,10 +401,8 @@ def check_separating_measures(pick) -> str:
     if len(chosen) > 2:
         raise Wrong(f"these {len(chosen)} measures tell the modes apart, but two suffice: keep "
                     f"one that fails only without g and one that fails without either.")
-    runs = len(mode_runs(MODES[0])) * len(MODES)
     return (f"right: {' and '.join(m for m in MEASURES if m in chosen)} tell the three modes "
-            f"apart on all {runs} checked runs (every mode, 3 seeds, 3 shapes, both "
-            f"simulations).")
+            f"apart on all {len(_real_runs())} checked runs (every mode, 3 seeds, 3 shapes).")
 
 
 @exercise("diagnose a signature", 10)
@@ -445,5 +429,5 @@ def check_diagnose(diagnose) -> str:
                     + (f"the run came from {want}." if want else
                        "no mode leaves that signature, so the answer is None."))
     return (f"right on {len(results)} results: every real run ({len(real)}: every mode, "
-            f"{len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes, both simulations) "
+            f"{len(CHECKED_SEEDS)} seeds, {len(CHECKED_CONFIGS)} shapes) "
             f"and every made-up signature that no mode leaves.")
