@@ -1,18 +1,16 @@
 """``diagnose(observations)``: which known TP bugs explain what a run shows — or none.
 
-``deviations`` lists what the run shows that a correct run would not (``DEVIATIONS``). Every
-cause of the registry has a fingerprint (``FINGERPRINTS``): the deviations it always
-``shows`` (``alone``: only when no other forward-changing cause is present), those it
-``explains`` and the setups that ``allow`` it. The answer is the smallest set of causes that
-explains every deviation, each showing its own (up to ``MAX_CAUSES``); several smallest sets
-are a named tie; a deviation nothing explains gives ``NO_KNOWN_CAUSE``. ``TIERS``: tier 1 is
-the live job alone, tier 2 adds a known-good run on the same checkpoint and data.
+A run's ``DEVIATIONS`` (what a correct run would not show) are matched against every cause's
+``Fingerprint``; the answer is the smallest set of causes that explains them all (a tie when
+several), or ``NO_KNOWN_CAUSE``. ``TIERS``: what each tier of evidence holds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Callable
+
+from tpattn.check.measures import MEASURES, TOLERANCE
 
 __all__ = ["diagnose", "features", "deviations", "DEVIATIONS", "FINGERPRINTS", "Fingerprint",
            "register_fingerprint", "NO_KNOWN_CAUSE", "AGREE_REL", "TIERS", "lowest_tier",
@@ -38,15 +36,34 @@ def _spread(values: list[float]) -> bool:
     return any(not _close(v, values[0]) for v in values)
 
 
-def _count(ledger: list[dict], phase: str, group: str | None = None, op: str | None = None) -> int:
-    return sum(e["phase"] == phase and (group is None or e["group"] == group)
-               and (op is None or e.get("op", "sum") == op) for e in ledger)
+#: Ledger counts: name -> which entries it counts (each also counted in the plan, ``_plan``).
+_LEDGER_COUNTS: dict[str, Callable[[dict], bool]] = {
+    "fwd": lambda e: e["phase"] == "forward" and _reduction(e),
+    "bwd": lambda e: e["phase"] == "backward" and _reduction(e),
+    "bwd_avg": lambda e: e["phase"] == "backward" and e["group"] == "tp" and _op(e) == "avg",
+    "after_bwd": lambda e: e["phase"] == "after backward",
+    "after_bwd_avg": lambda e: e["phase"] == "after backward" and _op(e) == "avg",
+    "kv_reduces": lambda e: e["group"] == "kv_replicas",
+    "world_loss": lambda e: e["group"] == "world",
+    "dp_loss": lambda e: e["group"] == "dp" and e["phase"] == "step",
+    "self_grad": lambda e: e["group"] == "self",
+    "sp_dp": lambda e: e["group"] == "dp" and e["phase"] in ("forward", "backward"),
+}
 
 
-def _reductions(ledger: list[dict], phase: str) -> int:
-    """The reductions (``op`` not None) over the TP group (or DP in its place) in ``phase``."""
-    return sum(e["phase"] == phase and e["group"] in ("tp", "dp")
-               and e.get("op", "sum") is not None for e in ledger)
+def _op(entry: dict) -> str | None:
+    return entry.get("op", "sum")
+
+
+def _reduction(entry: dict) -> bool:
+    """A reduction (``op`` not None) over the TP group (or DP in its place)."""
+    return entry["group"] in ("tp", "dp") and _op(entry) is not None
+
+
+def _ledger_counts(ledger: list[dict], plan: list[dict]) -> dict:
+    """Every ``_LEDGER_COUNTS`` count of the ledger and of the plan (``_plan`` keys)."""
+    return {name + suffix: sum(map(test, entries)) for name, test in _LEDGER_COUNTS.items()
+            for suffix, entries in (("", ledger), ("_plan", plan))}
 
 
 def _norm_totals(obs: dict) -> tuple[float, float]:
@@ -112,11 +129,9 @@ def features(obs: dict) -> dict:
         "rng_states_agree": len(set(obs.get("rng_state_checksums", [0.0]))) == 1,
         "qk_replicas_agree_1": all(len(set(after_1[k])) == 1 for k in ("q_norm", "k_norm")
                                    if k in after_1),
-        "kv_reduces": sum(e["group"] == "kv_replicas" for e in ledger),
-        "kv_reduces_plan": sum(e["group"] == "kv_replicas" for e in plan),
     }
     f["ledger_as_planned"] = ledger == plan
-    f.update(_mesh_features(obs, ledger, plan))
+    f.update(_mesh_features(obs))
     once, every = _norm_totals(obs) if "rank_grad_norms" in obs else (None, None)
     logged = obs["logged_grad_norm"]
     f["logged_norm_is"] = ("unknown" if once is None else "once" if _close(logged, once)
@@ -125,20 +140,6 @@ def features(obs: dict) -> dict:
     if f["has_reference"]:
         f.update(_reference_features(obs))
     return f
-
-
-def _ledger_counts(ledger: list[dict], plan: list[dict]) -> dict:
-    """The ledger's reductions per phase against the plan's (``_plan`` keys)."""
-    return {
-        "fwd": _reductions(ledger, "forward"), "fwd_plan": _reductions(plan, "forward"),
-        "bwd": _reductions(ledger, "backward"), "bwd_plan": _reductions(plan, "backward"),
-        "bwd_avg": _count(ledger, "backward", "tp", "avg"),
-        "bwd_avg_plan": _count(plan, "backward", "tp", "avg"),
-        "after_bwd": _count(ledger, "after backward"),
-        "after_bwd_plan": _count(plan, "after backward"),
-        "after_bwd_avg": _count(ledger, "after backward", op="avg"),
-        "after_bwd_avg_plan": _count(plan, "after backward", op="avg"),
-    }
 
 
 def _reference_features(obs: dict) -> dict:
@@ -158,18 +159,12 @@ def _reference_features(obs: dict) -> dict:
     }
 
 
-def _mesh_features(obs: dict, ledger: list[dict], plan: list[dict]) -> dict:
-    """The TP x DP mesh's facts: the ledger's mesh collectives against the plan's, what the
-    logged loss is of the ranks' shares (total, W times, own share, neither), DP replicas."""
+def _mesh_features(obs: dict) -> dict:
+    """The TP x DP mesh's facts: what the logged loss is of the ranks' shares (total, W times,
+    own share, neither), whether the DP replicas agree after one step."""
     setup = obs["setup"]
     w, mesh = setup["world_size"], setup.get("data_parallel", 1)
     f = {"mesh": mesh > 1, "logged_loss_is": "total", "dp_replicas_agree_1": True}
-    for key, test in (("world_loss", lambda e: e["group"] == "world"),
-                      ("dp_loss", lambda e: e["group"] == "dp" and e["phase"] == "step"),
-                      ("self_grad", lambda e: e["group"] == "self"),
-                      ("sp_dp", lambda e: e["group"] == "dp"
-                       and e["phase"] in ("forward", "backward"))):
-        f[key], f[key + "_plan"] = sum(map(test, ledger)), sum(map(test, plan))
     if mesh > 1:
         shares = obs["loss_shares"]
         sp = setup.get("sequence_parallel", False)
@@ -185,6 +180,16 @@ def _mesh_features(obs: dict, ledger: list[dict], plan: list[dict]) -> dict:
     return f
 
 
+def _fewer(count: str) -> Callable[[dict], bool]:
+    """The test "the ledger has fewer ``count`` than the plan"."""
+    return lambda f: f[count] < f[count + "_plan"]
+
+
+def _more(count: str) -> Callable[[dict], bool]:
+    """The test "the ledger has more ``count`` than the plan"."""
+    return lambda f: f[count] > f[count + "_plan"]
+
+
 def _sharded_grads_off(f: dict) -> bool:
     return not all(ok for k, ok in f["grads_match"].items() if k not in ("norm", "bias"))
 
@@ -193,28 +198,26 @@ def _sharded_grads_off(f: dict) -> bool:
 #: A tier-2 deviation compares with the known-good run.
 DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
     "fwd_short": ("forward ledger: fewer reductions than the plan (a g missing)", 1,
-                  lambda f: f["fwd"] < f["fwd_plan"]),
-    "fwd_extra": ("forward ledger: more reductions than the plan (an extra g)", 1,
-                  lambda f: f["fwd"] > f["fwd_plan"]),
+                  _fewer("fwd")),
+    "fwd_extra": ("forward ledger: more reductions than the plan (an extra g)", 1, _more("fwd")),
     "bwd_short": ("backward ledger: fewer reductions than the plan (an f missing)", 1,
-                  lambda f: f["bwd"] < f["bwd_plan"]),
-    "bwd_extra": ("backward ledger: more reductions than the plan (an extra f)", 1,
-                  lambda f: f["bwd"] > f["bwd_plan"]),
+                  _fewer("bwd")),
+    "bwd_extra": ("backward ledger: more reductions than the plan (an extra f)", 1, _more("bwd")),
     "bwd_avg": ("backward ledger: an all-reduce with op avg where the plan has sum", 1,
-                lambda f: f["bwd_avg"] > f["bwd_avg_plan"]),
-    "after_bwd_short": ("after backward: fewer all-reduces than the plan (the norm "
-                        "gradient's)", 1, lambda f: f["after_bwd"] < f["after_bwd_plan"]),
-    "after_bwd_avg": ("after backward: the norm gradient's all-reduce has op avg where the "
-                      "plan has sum", 1, lambda f: f["after_bwd_avg"] > f["after_bwd_avg_plan"]),
+                _more("bwd_avg")),
+    "after_bwd_short": ("after backward: fewer all-reduces than the plan (the norm gradient's)", 1,
+                        _fewer("after_bwd")),
+    "after_bwd_avg": ("after backward: the norm gradient's all-reduce has op avg where the plan "
+                      "has sum", 1, _more("after_bwd_avg")),
     "kv_short": ("backward: fewer all-reduces over the KV replica groups than the plan", 1,
-                 lambda f: f["kv_reduces"] < f["kv_reduces_plan"]),
+                 _fewer("kv_reduces")),
     "batches": ("the ranks' batch checksums differ", 1, lambda f: not f["batches_agree"]),
     "qkv_shards": ("ranks hold Q/K/V numbers that are not their checkpoint slices", 1,
                    lambda f: not all(f["shards_ok"][k] for k in ("wq", "wk", "wv"))),
-    "qkv_rank0_only": ("rank 0 holds its Q/K/V slices, every other rank other numbers (the "
-                       "ranks narrowed one rank's rows)", 1, lambda f: f["qkv_rank0_only"]),
-    "qkv_within_rank": ("each rank's Q, K and V checksums are off but their sum is right (its "
-                        "own rows under the wrong names)", 1, lambda f: f["qkv_within_rank"]),
+    "qkv_rank0_only": ("rank 0 holds its Q/K/V slices, every other rank other numbers (the ranks "
+                       "narrowed one rank's rows)", 1, lambda f: f["qkv_rank0_only"]),
+    "qkv_within_rank": ("each rank's Q, K and V checksums are off but their sum is right (its own "
+                        "rows under the wrong names)", 1, lambda f: f["qkv_within_rank"]),
     "qkv_rank0_queries": ("rank 0's query rows are its slice, its key/value rows are not (a "
                           "contiguous cut of [Wq; Wk; Wv])", 1, lambda f: f["qkv_rank0_queries"]),
     "wo_shards": ("ranks hold output-projection numbers that are not their slices", 1,
@@ -230,35 +233,32 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
     "rng_states": ("the ranks' default random-generator states differ when the step starts "
                    "(dropout masks outside the sharded region differ)", 1,
                    lambda f: not f["rng_states_agree"]),
-    "qk_norm_replicas": ("the replicated q/k-norm weights differ across ranks after one step",
-                         1, lambda f: not f["qk_replicas_agree_1"]),
+    "qk_norm_replicas": ("the replicated q/k-norm weights differ across ranks after one step", 1,
+                         lambda f: not f["qk_replicas_agree_1"]),
     "late_drift": ("replicas identical after one step differ after the last", 1,
                    lambda f: f["replicas_agree_1"] and not f["replicas_agree_k"]),
-    "norm_counts_replicas": ("the logged gradient norm counts the replicated gradients on "
-                             "every rank (from the per-rank gradient norms)", 1,
+    "norm_counts_replicas": ("the logged gradient norm counts the replicated gradients on every "
+                             "rank (from the per-rank gradient norms)", 1,
                              lambda f: f["logged_norm_is"] == "per rank"),
-    "norm_unexplained": ("the logged gradient norm is not the per-rank gradient norms' total",
-                         1, lambda f: f["logged_norm_is"] == "neither"),
-    "loss_over_world": ("the ledger's logged-loss all-reduce runs over the whole mesh "
-                        "(group world) where the plan has the DP group", 1,
-                        lambda f: f["world_loss"] > f["world_loss_plan"]),
-    "loss_not_reduced": ("the ledger has no logged-loss all-reduce where the plan has one "
-                         "over the DP group", 1,
-                         lambda f: f["dp_loss"] + f["world_loss"]
+    "norm_unexplained": ("the logged gradient norm is not the per-rank gradient norms' total", 1,
+                         lambda f: f["logged_norm_is"] == "neither"),
+    "loss_over_world": ("the ledger's logged-loss all-reduce runs over the whole mesh (group "
+                        "world) where the plan has the DP group", 1, _more("world_loss")),
+    "loss_not_reduced": ("the ledger has no logged-loss all-reduce where the plan has one over "
+                         "the DP group", 1, lambda f: f["dp_loss"] + f["world_loss"]
                          < f["dp_loss_plan"] + f["world_loss_plan"]),
-    "logged_loss_w_times": ("the logged loss is W times the sum of the ranks' loss shares "
-                            "over the DP replicas", 1,
+    "logged_loss_w_times": ("the logged loss is W times the sum of the ranks' loss shares over "
+                            "the DP replicas", 1,
                             lambda f: f["mesh"] and f["logged_loss_is"] == "W times"),
-    "logged_loss_own_share": ("the logged loss is rank 0's replica's own share, not the sum "
-                              "over the DP replicas", 1,
+    "logged_loss_own_share": ("the logged loss is rank 0's replica's own share, not the sum over "
+                              "the DP replicas", 1,
                               lambda f: f["mesh"] and f["logged_loss_is"] == "own share"),
-    "dp_grad_self": ("the ledger's DP gradient all-reduce runs over a group of one rank "
-                     "(group self) where the plan has the DP group", 1,
-                     lambda f: f["self_grad"] > f["self_grad_plan"]),
+    "dp_grad_self": ("the ledger's DP gradient all-reduce runs over a group of one rank (group "
+                     "self) where the plan has the DP group", 1, _more("self_grad")),
     "dp_replicas": ("a parameter differs across the DP replicas after one step", 1,
                     lambda f: not f["dp_replicas_agree_1"]),
-    "sp_over_dp": ("the sequence all-gather/reduce-scatter runs over the DP group where the "
-                   "plan has the TP group", 1, lambda f: f["sp_dp"] > f["sp_dp_plan"]),
+    "sp_over_dp": ("the sequence all-gather/reduce-scatter runs over the DP group where the plan "
+                   "has the TP group", 1, _more("sp_dp")),
     "loss_off": ("the step-0 loss differs from the good run's (the forward is wrong)", 2,
                  lambda f: not f["loss_matches"]),
     "grads_off": ("the sharded weights' gradient norms differ from the good run's", 2,
@@ -267,15 +267,15 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                     lambda f: f["norm_ratio_is"]["W"]),
     "norm_grad_1w": ("the norm weight's gradient norm is 1/W times the good run's", 2,
                      lambda f: f["norm_ratio_is"]["1/W"]),
-    "norm_grad_off": ("the norm weight's gradient norm differs from the good run's (not W, "
-                      "not 1/W)", 2, lambda f: not any(f["norm_ratio_is"].values())),
+    "norm_grad_off": ("the norm weight's gradient norm differs from the good run's (not W, not "
+                      "1/W)", 2, lambda f: not any(f["norm_ratio_is"].values())),
     "outside_partials": ("the output's change from the good run's is no combination of the good "
                          "run's rank partials and bias (a partial itself changed)", 2,
                          lambda f: f["output_outside_partials"]),
     "bias_shift": ("the bias gradient moved along the bias itself (an extra copy of b in the "
                    "output)", 2, lambda f: f["bias"] and f["bias_shift_along_bias"]),
-    "curve_off": ("the loss curve leaves the good run's while step 0's loss and gradients "
-                  "match it", 2, lambda f: not f["curve_matches"] and f["loss_matches"]
+    "curve_off": ("the loss curve leaves the good run's while step 0's loss and gradients match "
+                  "it", 2, lambda f: not f["curve_matches"] and f["loss_matches"]
                   and all(f["grads_match"].values())),
 }
 
@@ -514,17 +514,12 @@ def _no_cause(evidence: list[str]) -> list[dict]:
              "citation": None, "tied_with": [], "with": []}]
 
 
-_FIVE = ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff",
-         "parameter_grad_max_abs_diff", "post_step_weight_max_abs_diff")
-
-
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
     from tpattn.bugs.modes import run
     from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
-    from tpattn.check.core import TOLERANCE
     from tpattn.config import Config
     cfg = cfg or Config()
-    failing = tuple(m for m in _FIVE if result[m] >= TOLERANCE)
+    failing = tuple(m for m in MEASURES if result[m] >= TOLERANCE)
     if not failing:
         return _no_cause(["all five measures pass"])
     if signatures is None:
@@ -535,19 +530,17 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
                 r = run(11, mode, cfg, "ranks")
             except ValueError:  # the shape does not meet the mode's needs
                 continue
-            signatures[mode] = tuple(m for m in _FIVE if r[m] >= TOLERANCE)
+            signatures[mode] = tuple(m for m in MEASURES if r[m] >= TOLERANCE)
     matches = [m for m, sig in signatures.items() if sig == failing and sig]
     printed = {}  # cause -> does the run's error equal that cause's exact error?
     if forward is not None:
         from .fingerprints import EXACT_ERROR_TESTS as EXACT
         printed = {m: EXACT[m](forward, result["seed"], cfg) for m in matches if m in EXACT}
-        ruled_out = [m for m, ok in printed.items() if not ok]
-        matches = [m for m in matches if m not in ruled_out]
-        if not matches:
-            return _no_cause(["failing measures: " + ", ".join(failing)] + [
-                f"the signature of {m}, not its numerical fingerprint" for m in ruled_out])
+        matches = [m for m in matches if printed.get(m, True)]
     if not matches:
-        return _no_cause(["failing measures: " + ", ".join(failing)])
+        return _no_cause(["failing measures: " + ", ".join(failing)] + [
+            f"the signature of {m}, not its numerical fingerprint"
+            for m, ok in printed.items() if not ok])
     found = [{"cause": m, "with": [], "score": len(failing) + printed.get(m, False),
               "evidence": ["failing measures match its signature: " + ", ".join(failing)]
               + (["its numerical fingerprint matches: the error is exactly what it leaves"]
@@ -591,7 +584,19 @@ def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
     reduction's exact error (``fingerprints.EXACT_ERROR_TESTS``). ``tier0=True`` adds each
     registry candidate's ``typecheck`` verdict (``_tier0``).
     """
-    found = _diagnose(observations, cfg, signatures, forward)
+    if not isinstance(observations, dict):
+        raise ValueError(f"observations must be a dict from tpattn.observe or tpattn.run "
+                         f"(got {type(observations).__name__})")
+    if all(m in observations for m in MEASURES) and "setup" not in observations:
+        found = _from_five_measures(observations, cfg, signatures, forward)
+    else:
+        missing = [k for k in ("setup", "rank_losses", "batch_checksums", "shard_checksums",
+                               "replica_checksums", "ledger", "planned_ledger")
+                   if k not in observations]
+        if missing:
+            raise ValueError(f"observations must have the keys of tpattn.observe (missing: "
+                             f"{', '.join(missing)})")
+        found = _from_observations(observations)
     if not tier0:
         return found
     if cfg is None:
@@ -601,17 +606,3 @@ def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
             world_size=setup["world_size"], query_heads=setup["query_heads"],
             kv_heads=setup["kv_heads"])
     return _tier0(found, cfg)
-
-
-def _diagnose(observations: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
-    if not isinstance(observations, dict):
-        raise ValueError(f"observations must be a dict from tpattn.observe or tpattn.run "
-                         f"(got {type(observations).__name__})")
-    if all(m in observations for m in _FIVE) and "setup" not in observations:
-        return _from_five_measures(observations, cfg, signatures, forward)
-    missing = [k for k in ("setup", "rank_losses", "batch_checksums", "shard_checksums",
-                           "replica_checksums", "ledger", "planned_ledger") if k not in observations]
-    if missing:
-        raise ValueError(f"observations must have the keys of tpattn.observe (missing: "
-                         f"{', '.join(missing)})")
-    return _from_observations(observations)

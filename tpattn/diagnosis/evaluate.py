@@ -1,10 +1,8 @@
 """How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
 
 The fingerprints are tuned on ``TUNING`` (and ``TUNING_MESH``); ``HELD_OUT`` and its kin are
-other shapes and world sizes, run at other seeds (500-504). Every case runs at tier 1
-(``observe(..., reference=False)``) and tier 2 (with the correct twin); ``classify`` puts each
-answer in one of ``CLASSES``. Two bugs at once (``pairs``) and bugs outside the registry
-(``MADE_UP``) are counted too.
+other shapes, run at other seeds, at tier 1 and tier 2; ``classify`` puts each answer in one of
+``CLASSES``. Two bugs at once (``pairs``) and bugs outside the registry (``MADE_UP``) too.
 """
 from __future__ import annotations
 
@@ -25,69 +23,61 @@ __all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH
 
 _FIXTURE_BUGS = ("missing_output_reduce", "missing_input_grad_reduce")
 _SP_MODES = _FIXTURE_BUGS + ("missing_norm_grad_reduce", "norm_grad_averaged")
+_DROP = ("dropout_rng_desync",)
+_QKN = ("qk_norm_grad_not_reduced",)
+_MESH_MODES = ("loss_reduced_over_world", "loss_full_tensor_tp_only", "dp_grad_group_of_one")
+_SP_MESH_MODES = _MESH_MODES + ("sp_gather_wrong_group",)
 #: The checkpoint-loading modes (not in ``runnable_modes()``).
 LOADING_MODES = AROUND_THE_BLOCK
-_W2 = Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8)
-_W4 = Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4, world_size=4)
-_W8 = Config(seq=4, hidden=32, query_heads=32, kv_heads=16, head_dim=4, world_size=8)
+
+
+def _shape(world: int, hq: int, kv: int, head_dim: int, seq: int = 4, hidden: int = 32,
+           **options) -> Config:
+    """A held-out ``Config``: ``world`` TP ranks, ``hq`` query and ``kv`` KV heads."""
+    return Config(seq=seq, hidden=hidden, query_heads=hq, kv_heads=kv, head_dim=head_dim,
+                  world_size=world, **options)
+
+
+_W2, _W4, _W8 = _shape(2, 8, 4, 8, seq=6), _shape(4, 16, 8, 4), _shape(8, 32, 16, 4)
 #: Held-out shapes: (name, Config, its modes; None: every plain-TP mode whose needs it meets).
 HELD_OUT = [
     ("W2 hq8 kv4", _W2, None),
     ("W4 hq16 kv8", _W4, None),
-    ("SP W4", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8, world_size=4,
-                     sequence_parallel=True), _SP_MODES),
-    ("KV W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8, world_size=4),
-     _FIXTURE_BUGS + ("missing_kv_grad_reduce",)),
-    ("SP W4 hq16 kv8", Config(seq=8, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
-                              world_size=4, sequence_parallel=True), _SP_MODES),
-    ("KV gather W4", Config(seq=4, hidden=32, query_heads=8, kv_heads=2, head_dim=8,
-                            world_size=4, kv_strategy="gather_activations"), _FIXTURE_BUGS),
+    ("SP W4", _shape(4, 8, 4, 8, seq=8, sequence_parallel=True), _SP_MODES),
+    ("KV W4", _shape(4, 8, 2, 8), _FIXTURE_BUGS + ("missing_kv_grad_reduce",)),
+    ("SP W4 hq16 kv8", _shape(4, 16, 8, 4, seq=8, sequence_parallel=True), _SP_MODES),
+    ("KV gather W4", _shape(4, 8, 2, 8, kv_strategy="gather_activations"), _FIXTURE_BUGS),
     ("W8 hq32 kv16", _W8, None),
 ]
 #: The checkpoint-loading modes' held-out shapes (``bench/diagnosis_tiers.py --loading``).
 LOADING_HELD_OUT = [
     ("W2 hq8 kv4", _W2, LOADING_MODES), ("W4 hq16 kv8", _W4, LOADING_MODES),
     ("W8 hq32 kv16", _W8, LOADING_MODES),
-    ("W2 hq16 kv8", Config(seq=6, hidden=32, query_heads=16, kv_heads=8, head_dim=4),
-     LOADING_MODES),
-    ("W2 hq12 kv4", Config(seq=5, hidden=24, query_heads=12, kv_heads=4, head_dim=4),
-     LOADING_MODES),
-    ("W4 hq8 kv8 MHA", Config(seq=4, hidden=32, query_heads=8, kv_heads=8, head_dim=4,
-                              world_size=4), LOADING_MODES),
-    ("W4 hq8 kv4", Config(seq=4, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
-                          world_size=4), ("qkv_loaded_from_rank0",)),
+    ("W2 hq16 kv8", _shape(2, 16, 8, 4, seq=6), LOADING_MODES),
+    ("W2 hq12 kv4", _shape(2, 12, 4, 4, seq=5, hidden=24), LOADING_MODES),
+    ("W4 hq8 kv8 MHA", _shape(4, 8, 8, 4), LOADING_MODES),
+    ("W4 hq8 kv4", _shape(4, 8, 4, 8), ("qkv_loaded_from_rank0",)),
 ]
-_DROP = ("dropout_rng_desync",)
-_QKN = ("qk_norm_grad_not_reduced",)
 #: Held-out shapes with dropout and qk-norm (``bench/diagnosis_tiers.py --model``).
 MODEL_HELD_OUT = [
-    ("drop W2 hq8 kv4", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
-                               dropout=0.1), _FIXTURE_BUGS + _DROP),
-    ("qk-norm W2 hq4 kv2", Config(seq=5, hidden=24, query_heads=4, kv_heads=2, head_dim=6,
-                                  qk_norm=True), _FIXTURE_BUGS + _QKN),
-    ("drop qk-norm W4 hq8 kv4", Config(seq=4, hidden=32, query_heads=8, kv_heads=4,
-                                       head_dim=8, world_size=4, dropout=0.2, qk_norm=True),
+    ("drop W2 hq8 kv4", _shape(2, 8, 4, 8, seq=6, dropout=0.1), _FIXTURE_BUGS + _DROP),
+    ("qk-norm W2 hq4 kv2", _shape(2, 4, 2, 6, seq=5, hidden=24, qk_norm=True),
+     _FIXTURE_BUGS + _QKN),
+    ("drop qk-norm W4 hq8 kv4", _shape(4, 8, 4, 8, dropout=0.2, qk_norm=True),
      _FIXTURE_BUGS + _DROP + _QKN),
-    ("qk-norm W4 hq16 kv8", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
-                                   world_size=4, qk_norm=True), _FIXTURE_BUGS + _QKN),
-    ("drop W4 hq8 kv8", Config(seq=6, hidden=16, query_heads=8, kv_heads=8, head_dim=4,
-                               world_size=4, dropout=0.05), _FIXTURE_BUGS + _DROP),
+    ("qk-norm W4 hq16 kv8", _shape(4, 16, 8, 4, qk_norm=True), _FIXTURE_BUGS + _QKN),
+    ("drop W4 hq8 kv8", _shape(4, 8, 8, 4, seq=6, hidden=16, dropout=0.05),
+     _FIXTURE_BUGS + _DROP),
 ]
-_MESH_MODES = ("loss_reduced_over_world", "loss_full_tensor_tp_only", "dp_grad_group_of_one")
 #: The TP x DP mesh's held-out shapes (seeds ``MESH_SEEDS``).
 HELD_OUT_MESH = [
-    ("TP2xDP2", Config(seq=6, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
-                       data_parallel=2), _MESH_MODES),
-    ("TP4xDP2", Config(seq=4, hidden=32, query_heads=16, kv_heads=8, head_dim=4,
-                       world_size=4, data_parallel=2), _MESH_MODES),
-    ("TP2xDP4", Config(seq=4, batch=3, hidden=32, query_heads=8, kv_heads=2, head_dim=8,
-                       data_parallel=4), _MESH_MODES),
-    ("SP TP2xDP2", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
-                          data_parallel=2, sequence_parallel=True),
-     _MESH_MODES + ("sp_gather_wrong_group",)),
-    ("TP4xDP4-SP", Config(seq=8, hidden=32, query_heads=8, kv_heads=4, head_dim=8,
-                          world_size=4, data_parallel=4, sequence_parallel=True),
-     _MESH_MODES + ("sp_gather_wrong_group",)),
+    ("TP2xDP2", _shape(2, 8, 4, 8, seq=6, data_parallel=2), _MESH_MODES),
+    ("TP4xDP2", _shape(4, 16, 8, 4, data_parallel=2), _MESH_MODES),
+    ("TP2xDP4", _shape(2, 8, 2, 8, batch=3, data_parallel=4), _MESH_MODES),
+    ("SP TP2xDP2", _shape(2, 8, 4, 8, seq=8, data_parallel=2, sequence_parallel=True),
+     _SP_MESH_MODES),
+    ("TP4xDP4-SP", _shape(4, 8, 4, 8, seq=8, data_parallel=4, sequence_parallel=True),
+     _SP_MESH_MODES),
 ]
 #: The shapes the fingerprints are tuned on (seeds 0-9).
 TUNING = [
@@ -95,10 +85,8 @@ TUNING = [
     ("W4, 2 KV heads per rank", Config(seq=4, query_heads=16, kv_heads=8, world_size=4), None),
 ]
 #: The mesh modes' tuning shape (seeds 21, 34).
-TUNING_MESH = [
-    ("TP2xDP2 tuning", Config(seq=4, data_parallel=2, sequence_parallel=True),
-     _MESH_MODES + ("sp_gather_wrong_group",)),
-]
+TUNING_MESH = [("TP2xDP2 tuning", Config(seq=4, data_parallel=2, sequence_parallel=True),
+                _SP_MESH_MODES)]
 #: Bugs outside the registry (``Injection``'s test knobs), two ranks.
 MADE_UP = {
     "attention partial x 1.05": Injection(partial_scale=1.05),

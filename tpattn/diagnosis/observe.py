@@ -1,9 +1,6 @@
-"""What an engineer can see of a TP run without a dense model to compare with.
-
-``observe(mode, seed, cfg)`` trains the block on simulated ranks for ``STEPS`` steps and
-returns only what a real job could log, as JSON-able numbers; with a known-good run (the
-mode's correct twin, ``Injection.correct``) also how the run differs from it. Checksums are
-float64 sums.
+"""What an engineer can see of a TP run without a dense model to compare with: ``observe``
+trains the block on simulated ranks and returns only what a real job could log (JSON-able;
+checksums are float64 sums), and how the run differs from its correct twin.
 """
 from __future__ import annotations
 
@@ -92,17 +89,16 @@ def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
         if cfg.data_parallel > 1:
             return simulated_step(p, batches, cfg, inj, LR, rng=rng)["losses"]
         return _losses(p, batches, cfg, inj, rng)
-    out = train_loop(stack_ranks(shards), step, losses, steps, last_update,
-                     lambda weights: replica_sums(weights, cfg))
+    out = train_loop(stack_ranks(shards), step, losses, steps, last_update, cfg)
     if checksums is not None:
         out["rng_checksums"] = checksums
     return out
 
 
-def train_loop(state, step, losses, steps: int, last_update: bool, sums) -> dict:
+def train_loop(state, step, losses, steps: int, last_update: bool, cfg: Config) -> dict:
     """An observation's loop: ``step(state) -> (result, state, every rank's weights)``,
-    ``losses(state)`` without a step, ``sums(weights)`` (``replica_sums``). Returns ``first``
-    (step 0's result), ``curve`` (rank 0's loss per step), ``replicas`` (after 1 and last)."""
+    ``losses(state)`` without a step. Returns ``first`` (step 0's result), ``curve`` (rank 0's
+    loss per step), ``replicas`` (``replica_sums`` after step 1 and the last)."""
     out = {"curve": [], "replicas": {}}
     for i in range(steps):
         if i == steps - 1 and i > 0 and not last_update:
@@ -113,7 +109,7 @@ def train_loop(state, step, losses, steps: int, last_update: bool, sums) -> dict
             out["first"] = result
         out["curve"].append(float(result["losses"][0]))
         if i in (0, steps - 1):
-            out["replicas"]["after_1" if i == 0 else "after_k"] = sums(weights)
+            out["replicas"]["after_1" if i == 0 else "after_k"] = replica_sums(weights, cfg)
     return out
 
 

@@ -1,9 +1,6 @@
-"""``observe`` and ``diagnose`` on real torch.distributed ranks.
-
-Every process trains its own shard on its own batch with ``engine.train_step`` on
-``RealRanks`` (every collective real, in the ledger) and gathers the other ranks' numbers
-after each step (``backend.gather_step``); every rank holds the same observables, rank 0
-diagnoses.
+"""``observe`` and ``diagnose`` on real torch.distributed ranks: every process trains its own
+shard on its own batch (``engine.train_step`` on ``RealRanks``) and gathers the other ranks'
+numbers after each step; every rank holds the same observables, rank 0 diagnoses.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from tpattn.real.backend import RealRanks, build_groups, gather_step
 from tpattn.real.ranks import run_rank
 
 from .diagnose import diagnose
-from .observe import observe, replica_sums, train_loop
+from .observe import observe, train_loop
 
 __all__ = ["RealTrain", "diagnose_rank"]
 
@@ -50,8 +47,7 @@ class RealTrain:
         def losses(p):  # a whole step: the logged loss may be a collective of it
             return list(whole(p)[1]["losses"])
         state = {k: t.to(self.device) for k, t in stack_ranks([shards[r]]).items()}
-        out = train_loop(state, step, losses, steps, last_update,
-                         lambda weights: replica_sums(weights, cfg))
+        out = train_loop(state, step, losses, steps, last_update, cfg)
         if checksum is not None:
             out["rng_checksums"] = _gathered(checksum)
         return out

@@ -1,10 +1,9 @@
 """Tier 0: the sharded block under ``spmd_types``' type checker, before any number is compared.
 
-``spmd_types`` gives every tensor a local SPMD type per mesh axis: ``I`` invariant, ``R``
-replicate (gradient pending a sum), ``V`` varying, ``P`` partial (a pending sum); collectives
-change types (``convert(I->R)`` is Megatron's f, ``all_reduce(P->I)`` its g). ``typecheck(mode,
-cfg)`` runs ``engine.rank_block`` for rank 0, forward and backward, its collectives
-``TypedCollectives`` on a fake process group of ``cfg.world_size`` ranks (no data moves).
+``typecheck(mode, cfg)`` runs ``engine.rank_block`` for rank 0, forward and backward, with
+``spmd_types``' typed collectives (``TypedCollectives``: f is ``convert(I->R)``, g
+``all_reduce(P->I)``; types ``I`` invariant, ``R`` replicate, ``V`` varying, ``P`` partial)
+on a fake process group of ``cfg.world_size`` ranks (no data moves).
 """
 from __future__ import annotations
 
@@ -17,10 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from spmd_types import (I, P, R, S, V, SpmdTypeError, all_gather, all_reduce, assert_type,
+                        convert, reduce_scatter, register_local_autograd_function,
+                        reinterpret, set_current_mesh, traceback_filtering)
+from spmd_types.checker import typecheck as spmd_typecheck
 
 from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                    MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_seed,
-                    make_inputs)
+                               MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_seed, make_inputs)
 from tpattn.config import Config
 from tpattn.bugs.modes import resolve
 from tpattn.bugs.zoo import MESH_NEEDS
@@ -37,72 +39,64 @@ __all__ = ["TYPECHECK_VERDICTS", "WHY", "TypedCollectives", "fake_process_group"
 #: or layout (``WHY``), a dropped collective the local types do not see.
 TYPECHECK_VERDICTS = ("type-checks", "caught", "not a type error", "missed")
 
-#: Per mode and verdict: why the type checker does or does not see it.
-WHY = {
-    EQUIVALENCE: {
-        "type-checks": "f turns the invariant norm output into R (its gradient is summed), "
-                       "g turns the partials into I: every op sees types that mix"},
-    MISSING_OUTPUT_REDUCE: {
-        "caught": "without g the varying partial meets the invariant residual x at the add",
-        "missed": "under sequence parallelism x is varying too (each rank its own tokens): "
-                  "a varying partial plus varying tokens type-checks; the local types do not "
-                  "record that the partial is a pending sum"},
-    MISSING_INPUT_GRAD_REDUCE: {
-        "caught": "without f the invariant norm output meets the varying wq in the "
-                  "projection: an invariant's gradient would not be summed"},
-    "input_grad_reduce_averaged": {
-        "not a type error": "f is there (convert I->R); dividing its backward by W is a scale "
-                            "on a gradient, a value no type records"},
-    "input_grad_reduced_twice": {
-        "caught": "the second f takes a tensor that is already R, and convert wants I"},
-    "output_reduced_twice": {
-        "caught": "the second g takes a tensor that is already I, and all_reduce wants P "
-                  "(or V)"},
-    "grad_norm_counts_replicas": {
-        "not a type error": "the block is correct; the bug is in the gradient norm after "
-                            "backward, a sum over parameters that counts a replicated one W "
-                            "times: a count, not a type"},
-    "row_bias_on_every_rank": {
-        "caught": "the invariant bias meets the varying partial before g (the hint's fix, "
-                  "convert(bias, I->R), would type-check and keep the W-fold bias: the "
-                  "right fix is to add it after g)"},
-    "fused_qkv_naive_split": {
-        "not a type error": "every rank's rows of the fused weight are varying whichever rows "
-                            "they are: which rows a rank holds is a layout, not a type"},
-    "qkv_loaded_from_rank0": {
-        "not a type error": "rank 0's rows on rank 1 are as varying as rank 1's own: which "
-                            "rank's rows a loader narrowed is a value, not a type"},
-    "grouped_qkv_read_as_plain": {
-        "not a type error": "key rows read as query rows have the query rows' shape and "
-                            "type: the order of a rank's rows is a layout, not a type"},
-    "repeat_kv_tiled": {
-        "not a type error": "tiling instead of interleaving is a permutation of heads inside "
-                            "one rank: same types, wrong pairing"},
-    "inputs_not_replicated": {
-        "not a type error": "x is declared invariant and the checker trusts declarations: "
-                            "ranks holding different values under an I type is a value fact "
-                            "one fake rank cannot see"},
-    "missing_norm_grad_reduce": {
-        "caught": "without the sum of its gradient the norm weight is I, and it meets the "
-                  "varying tokens in RMSNorm"},
-    "dropout_rng_desync": {
-        "not a type error": "the residual-dropout mask is declared invariant and the checker "
-                            "trusts declarations: tp_rank 0 drawing another mask from a "
-                            "drifted RNG is a value fact one fake rank cannot see"},
-    "qk_norm_grad_not_reduced": {
-        "caught": "without the sum of their gradients the q/k-norm weights are I, and they "
-                  "meet the varying heads of this rank in their RMSNorm"},
-    "norm_grad_averaged": {
-        "not a type error": "the norm weight's gradient is all-reduced (R); dividing by W is a "
-                            "scale, a value no type records"},
-    MISSING_KV_GRAD_REDUCE: {
-        "caught": "without the replica-group reduce wk is I on the replica axis, and it "
-                  "meets the R norm output in the K projection"},
+#: Why the checker raises on each of these modes' bugs.
+_CAUGHT = {
+    MISSING_OUTPUT_REDUCE: "without g the varying partial meets the invariant residual x at the "
+                           "add",
+    MISSING_INPUT_GRAD_REDUCE: "without f the invariant norm output meets the varying wq in the "
+                               "projection: an invariant's gradient would not be summed",
+    "input_grad_reduced_twice": "the second f takes a tensor that is already R, and convert "
+                                "wants I",
+    "output_reduced_twice": "the second g takes a tensor that is already I, and all_reduce wants "
+                            "P (or V)",
+    "row_bias_on_every_rank": "the invariant bias meets the varying partial before g (the hint's "
+                              "fix, convert(bias, I->R), would type-check and keep the W-fold "
+                              "bias: the right fix is to add it after g)",
+    "missing_norm_grad_reduce": "without the sum of its gradient the norm weight is I, and it "
+                                "meets the varying tokens in RMSNorm",
+    "qk_norm_grad_not_reduced": "without the sum of their gradients the q/k-norm weights are I, "
+                                "and they meet the varying heads of this rank in their RMSNorm",
+    MISSING_KV_GRAD_REDUCE: "without the replica-group reduce wk is I on the replica axis, and it "
+                            "meets the R norm output in the K projection",
 }
+#: Why these modes' bugs are values or layouts no local type records.
+_NOT_A_TYPE_ERROR = {
+    "input_grad_reduce_averaged": "f is there (convert I->R); dividing its backward by W is a "
+                                  "scale on a gradient, a value no type records",
+    "grad_norm_counts_replicas": "the block is correct; the bug is in the gradient norm after "
+                                 "backward, a sum over parameters that counts a replicated one "
+                                 "W times: a count, not a type",
+    "fused_qkv_naive_split": "every rank's rows of the fused weight are varying whichever rows "
+                             "they are: which rows a rank holds is a layout, not a type",
+    "qkv_loaded_from_rank0": "rank 0's rows on rank 1 are as varying as rank 1's own: which "
+                             "rank's rows a loader narrowed is a value, not a type",
+    "grouped_qkv_read_as_plain": "key rows read as query rows have the query rows' shape and "
+                                 "type: the order of a rank's rows is a layout, not a type",
+    "repeat_kv_tiled": "tiling instead of interleaving is a permutation of heads inside one "
+                       "rank: same types, wrong pairing",
+    "inputs_not_replicated": "x is declared invariant and the checker trusts declarations: "
+                             "ranks holding different values under an I type is a value fact "
+                             "one fake rank cannot see",
+    "dropout_rng_desync": "the residual-dropout mask is declared invariant and the checker "
+                          "trusts declarations: tp_rank 0 drawing another mask from a drifted "
+                          "RNG is a value fact one fake rank cannot see",
+    "norm_grad_averaged": "the norm weight's gradient is all-reduced (R); dividing by W is a "
+                          "scale, a value no type records",
+}
+#: Per mode and verdict: why the type checker does or does not see it.
+WHY = {EQUIVALENCE: {"type-checks": "f turns the invariant norm output into R (its gradient is "
+                                    "summed), g turns the partials into I: every op sees types "
+                                    "that mix"},
+       **{mode: {"caught": why} for mode, why in _CAUGHT.items()},
+       **{mode: {"not a type error": why} for mode, why in _NOT_A_TYPE_ERROR.items()}}
+WHY[MISSING_OUTPUT_REDUCE]["missed"] = (
+    "under sequence parallelism x is varying too (each rank its own tokens): a varying partial "
+    "plus varying tokens type-checks; the local types do not record that the partial is a "
+    "pending sum")
 
 
 def _in_dtype(t: torch.Tensor) -> dict:
-    """A backward reduction in ``t``'s own dtype (spmd_types asks it said)."""
+    """A backward reduction in ``t``'s own dtype (spmd_types asks for it)."""
     return {"op_dtype": t.dtype}
 
 
@@ -132,7 +126,6 @@ class TypedCollectives:
 
     def copy_to_ranks(self, n: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """f: ``convert(I->R)`` on every axis; ``op="avg"`` divides the gradient by W."""
-        from spmd_types import I, R, convert
         if op == "avg":
             n = ScaleGrad.apply(n, 1.0 / dist.get_world_size(self.tp))
         for axis in self.axes:
@@ -141,34 +134,29 @@ class TypedCollectives:
 
     def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
         """g: ``all_reduce(P->I)`` on every axis."""
-        from spmd_types import I, P, all_reduce
         for axis in self.axes:
             partial = all_reduce(partial, axis, src=P, dst=I)
         return partial
 
     def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
         """The replica-group reduce: ``convert(I->R)`` of wk and wv on the replica axis."""
-        from spmd_types import I, R, convert
         return tuple(ContiguousGrad.apply(convert(w, self.replica, src=I, dst=R,
                                                   backward_options=_in_dtype(w)))
                      for w in (wk, wv))
 
     def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
         """The K/V all-gather ``S(-1)->R``: ``[S, B, 2c]`` -> ``[S, B, W*2c]``."""
-        from spmd_types import R, S, all_gather
         return all_gather(local, self.tp, src=S(local.dim() - 1), dst=R,
                           backward_options=_in_dtype(local))
 
     def gather_sequence(self, n_local: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
         """SP's all-gather ``S(0)->R`` (``reduce_grad=False``: ``->I``, the backward keeps
         this rank's chunk)."""
-        from spmd_types import I, R, S, all_gather
         return all_gather(n_local, self.tp, src=S(0), dst=R if reduce_grad else I,
                           backward_options=_in_dtype(n_local) if reduce_grad else None)
 
     def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
         """SP's reduce-scatter ``P->S(0)``."""
-        from spmd_types import P, S, reduce_scatter
         return reduce_scatter(partial, self.tp, src=P, dst=S(0))
 
 
@@ -232,7 +220,6 @@ def fake_process_group(cfg: Config):
 
 def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> None:
     """``assert_type`` of ``t``: ``typ`` on every axis (``replica_typ`` on the replica's)."""
-    from spmd_types import assert_type
     assert_type(t, {axis: replica_typ if replica_typ is not None and axis is ops.replica
                     else typ for axis in ops.axes})
 
@@ -241,35 +228,33 @@ def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin
     """Rank 0's ``(injection, params, their types, x, target, type of x)``; types per axis as
     correct TP gives them: x I (SP: V); norm, bias I (SP: R, summed after backward); wq, wk,
     wv, wo V (replicated KV heads: wk, wv V on "kv", I on "rep")."""
-    from spmd_types import I, R, V
     inj = resolve(mode, cfg).injection  # the mode's program, looked up once
     x0, target = make_inputs(cfg, seed)
     if not inj.reduction_only or cfg.model_options:  # the zoo's setups
         from tpattn.bugs.zoo import make_params, rank_batches, shard
         inj = inj.correct() if twin else inj
-        params = {k: t.detach().clone().requires_grad_(True)
-                  for k, t in shard(make_params(cfg, seed, inj), cfg, inj)[0].items()}
+        shard0 = shard(make_params(cfg, seed, inj), cfg, inj)[0]
         x0, target = rank_batches(cfg, seed, inj)[0]
-        types = {name: (I if name in ("norm", "bias") else V,) for name in params}
+        types = {name: (I if name in ("norm", "bias") else V,) for name in shard0}
         for name in ("q_norm", "k_norm"):  # summed after backward (R) unless the bug skips it
-            if name in params:
+            if name in shard0:
                 types[name] = (R if inj.qk_norm_grad == "sum" else I,)
         x_type = (I,)
     else:
-        params = {k: t.detach().clone().requires_grad_(True)
-                  for k, t in shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0].items()}
+        shard0 = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0]
         if cfg.sequence_parallel:
             from tpattn.parallel.sequence_parallel import rank_tokens
             types = {name: ((R if inj.norm_grad != "none" else I) if name == "norm" else V,)
-                     for name in params}
+                     for name in shard0}
             tokens = rank_tokens(cfg, 0)
             x0, target = x0[tokens], target[tokens]
             x_type = (V,)
         else:
             types = {name: (I,) if name == "norm" else
                      (V, I) if name in ("wk", "wv") and ops.replica is not None
-                     else (V,) for name in params}
+                     else (V,) for name in shard0}
             x_type = (I,)
+    params = {k: t.detach().clone().requires_grad_(True) for k, t in shard0.items()}
     return inj, params, types, x0, target, x_type
 
 
@@ -279,7 +264,6 @@ def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
     if cfg.dropout <= 0:
         return {}, {}
     from types import SimpleNamespace
-    from spmd_types import I, V
     from tpattn.parallel.rng import simulated_streams
     drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
     masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
@@ -305,7 +289,6 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
         for t, typ in declared.values():
             _declare(t, ops, *typ)
         if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
-            from spmd_types import P, V, reinterpret
             share = F.mse_loss(forward(x), target, reduction="sum") / numel
             loss = reinterpret(share, ops.tp, src=V, dst=P)
         else:
@@ -355,20 +338,14 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
     ``where``: the lines that raised, ``why``: ``WHY``'s; None when it type-checks).
     ``twin=True`` checks the mode's bug-free twin (``Injection.correct``) instead.
     ``ValueError`` for a mode ``cfg`` cannot run."""
-    from spmd_types import (SpmdTypeError, register_local_autograd_function, set_current_mesh,
-                            traceback_filtering)
-    from spmd_types.checker import typecheck as spmd_typecheck
     for function in (ScaleGrad, ContiguousGrad):  # identity forwards: types pass through
         register_local_autograd_function(function)
     cfg = Config() if cfg is None else cfg
     inj = _validate(mode, cfg, seed)
     message = where = None
     with fake_process_group(cfg) as ops:
-        if twin and inj.reduction_only:  # the original fixture's modes: their twin is correct TP
-            mode_run = EQUIVALENCE
-        else:
-            mode_run = mode
-        run = _program(mode_run, cfg, seed, ops, twin)
+        # the twin of one of the original fixture's modes is correct TP
+        run = _program(EQUIVALENCE if twin and inj.reduction_only else mode, cfg, seed, ops, twin)
         try:
             with warnings.catch_warnings(), traceback_filtering("off"), \
                     set_current_mesh(ops.mesh), spmd_typecheck():
@@ -385,9 +362,9 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
         verdict = "type-checks"
     else:
         verdict = "not a type error" if "not a type error" in WHY.get(mode, {}) else "missed"
+    gathered = has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
     layout = ("replicated KV heads, 2-D mesh (kv, rep)" if kv_grad_bug_applies(cfg)
-              else "K/V all-gathered" if has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
-              else "whole KV heads per rank")
+              else "K/V all-gathered" if gathered else "whole KV heads per rank")
     why = WHY[EQUIVALENCE]["type-checks"] if twin and message is None \
         else WHY.get(mode, {}).get(verdict, "no reason recorded for this verdict")
     return {"mode": mode, "world_size": cfg.world_size,
