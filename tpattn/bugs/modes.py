@@ -1,6 +1,5 @@
 """The front door: ``resolve`` turns a mode name into its registry entry once; ``run`` checks
-the entry's ``Injection`` (``check.core.check_injection``). Below this, no mode names.
-"""
+the entry's ``Injection`` (``check.core.check_injection``). Below this, no mode names."""
 from __future__ import annotations
 
 from tpattn.block.params import shard_params
@@ -9,25 +8,9 @@ from tpattn.check.core import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, check_injec
 from tpattn.check.tolerance import check_tolerance
 from tpattn.config import Config
 
-from .zoo import REGISTRY, BugMode, check_mode, check_needs, modes_for
+from .zoo import REGISTRY, BugMode, modes_for, resolve
 
-__all__ = ["check_mode", "modes_for", "resolve", "resolve_all", "run",
-           "run_matrix"]
-
-
-def resolve(mode: str, cfg: Config | None = None) -> BugMode:
-    """The registry entry of ``mode``, checked against ``cfg`` (``check_mode`` for the original
-    fixture's modes, ``zoo.check_needs`` for the others; no ``cfg``: the name only);
-    ``ValueError`` naming ``modes_for(cfg)`` for a name the registry does not hold."""
-    entry = REGISTRY.get(mode) if isinstance(mode, str) else None
-    if entry is None:
-        raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
-                         f"(python -m tpattn --list-modes) (got {mode!r})")
-    if mode in ALL_MODES:
-        check_mode(mode, cfg)
-    elif cfg is not None and entry.injection is not None:
-        check_needs(mode, cfg)
-    return entry
+__all__ = ["modes_for", "resolve", "resolve_all", "run", "run_matrix"]
 
 
 def resolve_all(modes, cfg: Config | None = None) -> list[BugMode]:
@@ -53,9 +36,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
                              f"(got {init!r})")
         check_seed(seed)
         check_simulate(simulate)
-    inj = resolve(mode, cfg).injection
-    if inj is None:
-        check_needs(mode, cfg)  # raises: the mode has no injection of this block
+    inj = resolve(mode, cfg, strict=mode not in ALL_MODES).injection
     return check_injection(seed, mode, inj, cfg, simulate,
                            None if shard_fn is shard_params else shard_fn, tolerance, init)
 

@@ -22,9 +22,8 @@ from tpattn.parallel.wrong import ScaleGrad as GradScale
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 
-__all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
-           "mode_names", "list_modes", "runnable_modes", "reported_modes",
-           "check_needs", "check_mode", "modes_for", "tp_side",
+__all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "resolve", "get_mode",
+           "mode_names", "list_modes", "runnable_modes", "reported_modes", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
            "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "Need", "MODEL_OPTION_NEEDS",
            "AROUND_THE_BLOCK",
@@ -371,13 +370,6 @@ def list_modes() -> list[dict]:
     return [m.as_dict() for m in REGISTRY.values()]
 
 
-def get_mode(mode: str) -> BugMode:
-    """The registry entry of ``mode``; ``ValueError`` naming the choices if there is none."""
-    if mode not in REGISTRY:
-        raise ValueError(f"mode must be one of {', '.join(REGISTRY)} (got {mode!r})")
-    return REGISTRY[mode]
-
-
 def modes_for(cfg: Config | None) -> tuple[str, ...]:
     """The modes of ``cfg``'s matrix: ``SP_MODES`` under ``sequence_parallel``; ``MODES`` plus
     ``missing_kv_grad_reduce`` where KV heads are replicated; else ``MODES``."""
@@ -388,57 +380,71 @@ def modes_for(cfg: Config | None) -> tuple[str, ...]:
     return MODES
 
 
-def check_mode(mode: str, cfg: Config | None = None) -> str:
-    """Return ``mode`` if it is one of ``ALL_MODES`` and applies to ``cfg`` (``modes_for``),
-    else raise ``ValueError`` naming the choices, or the layout rule its injection needs."""
-    entry = REGISTRY.get(mode) if isinstance(mode, str) and mode in ALL_MODES else None
-    inj = entry.injection if entry is not None else None
-    if inj is not None and inj.norm_grad != "sum" \
-            and not (cfg is not None and cfg.sequence_parallel):
+def resolve(mode: str, cfg: Config | None = None, strict: bool = False) -> BugMode:
+    """The registry entry of ``mode`` if it can run on ``cfg`` (no ``cfg``: the name only),
+    else ``ValueError`` naming the rule it breaks. ``ALL_MODES`` meet the original fixture's
+    rules, and their ``Need``s only when ``strict`` (``run`` lets them run at world size 1);
+    the others need an injection (when ``strict``), plain TP off the mesh and every ``Need``."""
+    entry = REGISTRY.get(mode) if isinstance(mode, str) else None
+    if entry is None:
+        raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
+                         f"(python -m tpattn --list-modes) (got {mode!r})")
+    if cfg is None:
+        return entry
+    if mode in ALL_MODES:
+        _check_fixture_mode(mode, entry.injection, cfg)
+    if not strict and (mode in ALL_MODES or entry.injection is None):
+        return entry
+    if entry.injection is None:
+        raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
+                         f"registered it without one (tpattn.bugs.zoo.register)")
+    if mode not in ALL_MODES and not set(entry.needs) & set(MESH_NEEDS):
+        _check_plain_tp(mode, cfg)
+    for need in entry.needs:
+        if not need(cfg):
+            _raise_unmet(entry, need, cfg)
+    return entry
+
+
+#: ``resolve`` of a name alone: the registry entry (chapters 8 and 9 read one with it).
+get_mode = resolve
+
+
+def _check_fixture_mode(mode: str, inj: Injection, cfg: Config) -> None:
+    """The original fixture's rules for one of ``ALL_MODES``: its layout, then ``modes_for``."""
+    if inj.norm_grad != "sum" and not cfg.sequence_parallel:
         raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
                          f"only then is the norm weight's gradient a partial sum to all-reduce")
-    if inj is not None and inj.kv_grad != "sum" and cfg is not None \
-            and not kv_grad_bug_applies(cfg):
+    if inj.kv_grad != "sum" and not kv_grad_bug_applies(cfg):
         raise ValueError(
             f"mode {mode} needs replicated KV heads: kv_heads < world_size "
             f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
             f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
-    valid = modes_for(cfg) if cfg is not None else ALL_MODES
-    if mode not in valid:
-        raise ValueError(f"mode must be one of {', '.join(valid)} (got {mode!r})")
-    return mode
+    if mode not in modes_for(cfg):
+        raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} (got {mode!r})")
 
 
-def check_needs(mode: str, cfg: Config) -> BugMode:
-    """The entry of ``mode`` if it can run on ``cfg``, else ``ValueError`` naming the unmet
-    need: ``check_mode``'s rules for the original fixture's modes, plain TP for the zoo's other
-    injections off the mesh, then every ``Need``."""
-    entry = get_mode(mode)
-    if entry.injection is None:
-        raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
-                         f"registered it without one (tpattn.bugs.zoo.register)")
-    if mode in ALL_MODES:  # the original fixture's check's modes: its rules and layouts
-        check_mode(mode, cfg)
-    elif not set(entry.needs) & set(MESH_NEEDS):  # the zoo's other injections: plain TP
-        if cfg.sequence_parallel:
-            raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
-                             f"no sequence parallelism: sequence_parallel must be False")
-        if cfg.kv_heads < cfg.world_size:
-            raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
-                             f"not replicate KV heads: kv_heads must be >= world_size (got "
-                             f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
-    for need in entry.needs:
-        if need(cfg):
-            continue
-        if need in MODEL_OPTION_NEEDS:
-            raise ValueError(f"mode {mode!r} needs {need}: the model option its bug lives in "
-                             f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
-                             f"--dropout P, --qk-norm)")
-        mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
-                f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
-        raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
-                         f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
-    return entry
+def _check_plain_tp(mode: str, cfg: Config) -> None:
+    """The zoo's block off the mesh has neither sequence parallelism nor KV replicas."""
+    if cfg.sequence_parallel:
+        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
+                         f"no sequence parallelism: sequence_parallel must be False")
+    if cfg.kv_heads < cfg.world_size:
+        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
+                         f"not replicate KV heads: kv_heads must be >= world_size (got "
+                         f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
+
+
+def _raise_unmet(entry: BugMode, need: Need, cfg: Config) -> None:
+    """``ValueError`` naming ``need``, which ``cfg`` does not meet, and ``cfg``'s sizes."""
+    if need in MODEL_OPTION_NEEDS:
+        raise ValueError(f"mode {entry.name!r} needs {need}: the model option its bug lives in "
+                         f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
+                         f"--dropout P, --qk-norm)")
+    mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
+            f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
+    raise ValueError(f"mode {entry.name!r} needs {need} (got world_size={cfg.world_size}, "
+                     f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
 
 
 def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
@@ -454,7 +460,7 @@ def sides(mode: str, seed: int = 11, cfg: Config | None = None,
     """``(dense, tp, params)``: the two ``one_step`` dicts ``run`` compares for ``mode`` and
     the starting parameters (with the mode's bias)."""
     cfg = Config() if cfg is None else cfg
-    inj = check_needs(mode, cfg).injection
+    inj = resolve(mode, cfg, strict=True).injection
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
     return (dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed)),

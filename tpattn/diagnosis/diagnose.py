@@ -520,7 +520,7 @@ _FIVE = ("forward_max_abs_diff", "loss_abs_diff", "input_grad_max_abs_diff",
 
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
     from tpattn.bugs.modes import run
-    from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
+    from tpattn.bugs.zoo import REGISTRY, resolve, runnable_modes
     from tpattn.check.core import TOLERANCE
     from tpattn.config import Config
     cfg = cfg or Config()
@@ -531,7 +531,7 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
         signatures = {}
         for mode in runnable_modes():
             try:
-                check_needs(mode, cfg)
+                resolve(mode, cfg, strict=True)
                 r = run(11, mode, cfg, "ranks")
             except ValueError:  # the shape does not meet the mode's needs
                 continue
