@@ -13,13 +13,8 @@ from tpattn.block.layers import rms_norm
 from .kv_heads import ring_bytes
 from .wrong import ScaleGrad
 
-__all__ = ["NORM_GRAD_REDUCTIONS", "rank_tokens", "ScaleGrad", "ring_bytes",
+__all__ = ["rank_tokens", "ScaleGrad", "ring_bytes",
            "communication_ledger", "norm_activation_bytes"]
-
-#: How the ranks' ``norm`` gradients are combined after backward: ``"sum"`` (correct, an
-#: all-reduce), ``"mean"`` (the ``norm_grad_averaged`` bug), ``"none"`` (dropped).
-NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
-
 
 def rank_tokens(cfg: Config, rank: int) -> slice:
     """The positions of the sequence rank ``rank`` holds under SP: ``[r*S/W, (r+1)*S/W)``."""
