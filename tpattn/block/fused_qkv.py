@@ -1,12 +1,7 @@
 """Fused QKV checkpoints ``[(Hq + 2*Hkv)*D, hidden]`` in two row orders, and a rank's loader.
 
-``plain`` is ``[Wq; Wk; Wv]`` (GLM's, HF's concatenation); ``grouped`` is, for each KV group
-g, ``[q rows of g's query heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's).
-``fuse_qkv_weight``, ``split_qkv_weight`` and ``convert_qkv_weight`` are differentiable
-reshapes. ``load_qkv_weight`` narrows one rank's rows; in the grouped layout a rank's groups
-are one contiguous block that ``read_rank_qkv`` splits per group (correct) or as
-``[Q; K; V]``. The rank is ``kwargs.get("tp_rank", 0)``, as vllm-gguf-plugin's
-``load_qkv_weight`` read it (its issue 103): a caller without ``tp_rank`` gets rank 0's rows.
+``plain`` is ``[Wq; Wk; Wv]`` (GLM's); ``grouped`` is, per KV group g, ``[q rows of g's query
+heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's).
 """
 from __future__ import annotations
 
@@ -16,8 +11,7 @@ from tpattn.config import Config
 from .kv_layout import check_rank
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
-           "convert_qkv_weight",
-           "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
+           "convert_qkv_weight", "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
 
 #: The row orders of a fused QKV checkpoint.
 FUSED_LAYOUTS = ("plain", "grouped")
@@ -112,9 +106,8 @@ def read_rank_qkv(rows: torch.Tensor, cfg: Config, read_as: str = "grouped"):
 def load_qkv_weight(loaded_weight: torch.Tensor, cfg: Config, layout: str = "plain",
                     read_as: str | None = None, **kwargs):
     """Rank ``kwargs.get("tp_rank", 0)``'s ``(wq, wk, wv)`` narrowed from the fused
-    ``loaded_weight`` in ``layout``: ``"plain"`` its heads' rows inside each part,
-    ``"grouped"`` its ``rank_row_block`` read by ``read_rank_qkv`` as ``read_as`` (default
-    ``layout``). Needs ``kv_heads >= world_size``."""
+    ``loaded_weight`` in ``layout`` (``"grouped"``: its ``rank_row_block`` read as ``read_as``).
+    The rank defaults to 0 as vllm-gguf-plugin's loader read it (its issue 103)."""
     tp_rank = kwargs.get("tp_rank", 0)
     _check_layout(layout)
     _check_fused(loaded_weight, cfg, "loaded_weight")

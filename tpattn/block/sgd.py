@@ -1,6 +1,5 @@
 """The package's one SGD update, with float32 master weights for bfloat16 parameters (as
-Megatron-LM's and FSDP's mixed precision keep them: bfloat16's spacing near 0.15 is
-``2**-10``, larger than most ``lr * g``)."""
+Megatron-LM's and FSDP's mixed precision keep them)."""
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,5 @@
-"""Made-up bugs of the held-out evaluation (``tpattn.diagnosis.evaluate``): no registry entry.
-
-``Injection.partial_scale`` and ``Injection.rank_lr_scale`` name these substitutions;
-``parallel.wrong.program_of`` looks them up in ``parallel.wrong.MADE_UP_STAGES``, filled here.
-"""
+"""Made-up bugs of the held-out evaluation (``tpattn.diagnosis.evaluate``), no registry entry:
+the stages ``Injection.partial_scale`` and ``rank_lr_scale`` name (``wrong.MADE_UP_STAGES``)."""
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,5 @@
 """The bug zoo: every mode ``tpattn.run`` accepts, as a ``BugMode`` of ``REGISTRY``: its
-``Injection`` (one substituted stage of the sharded program), the public report, how faithfully
-it reproduces it (``fidelity``) and what it ``needs`` (``Need``: a named predicate of the
-``Config``). Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reports.
-"""
+``Injection``, the public report, how faithfully it reproduces it and what it ``needs``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,15 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from tpattn.block.kv_layout import kv_grad_bug_applies
-from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE,
+from tpattn.check.core import (ALL_MODES, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
-                               OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
+                               SP_MODES, block_inputs, check_seed,
                                clip_coef, dense_step, dropout_masks, load_rank_shard, make_inputs,
                                make_params, rank_batches, shard, tp_step, unshard)
 from tpattn.config import Config
-from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
-from tpattn.parallel.wrong import ScaleGrad as GradScale
+from tpattn.parallel.engine import MAX_GRAD_NORM
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 
@@ -26,9 +22,7 @@ __all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "resolv
            "mode_names", "list_modes", "runnable_modes", "reported_modes", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
            "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "Need", "MODEL_OPTION_NEEDS",
-           "AROUND_THE_BLOCK",
-           "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
-           "rank_batches", "dense_step", "clip_coef"]
+           "AROUND_THE_BLOCK", "MAX_GRAD_NORM", "rank_batches", "dense_step", "clip_coef"]
 
 #: How faithfully an entry reproduces its report: ``"mechanism"`` (the report's mechanism at its
 #: place), ``"consistent"`` (the simplest one consistent with a report without root cause),
@@ -37,8 +31,8 @@ FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 
 
 class Need(str):
-    """A condition on the ``Config``, named by its text (what ``--list-modes`` prints);
-    ``need(cfg)`` tests it. Without a test it is a setup the mode itself brings (``bias``)."""
+    """A condition on the ``Config`` named by its text; ``need(cfg)`` tests it (no test: a setup
+    the mode itself brings, such as ``bias``)."""
 
     def __new__(cls, text: str, test=None):
         need = super().__new__(cls, text)
@@ -333,8 +327,7 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
 
 def register(mode: BugMode) -> None:
     """Add (or complete) a mode of another module; ``ValueError`` for a fidelity not in
-    ``FIDELITIES``, a citation without a report's fidelity (or the reverse), or a name a
-    runnable mode of another provider holds."""
+    ``FIDELITIES``, a citation iff not a report's fidelity, or another provider's name."""
     if mode.fidelity not in FIDELITIES:
         raise ValueError(f"fidelity must be one of {', '.join(FIDELITIES)} "
                          f"(got {mode.fidelity!r})")
@@ -353,8 +346,8 @@ def mode_names() -> tuple[str, ...]:
 
 
 def runnable_modes() -> tuple[str, ...]:
-    """The modes with an injection that run on plain-TP shapes (the hunts', signatures' and
-    tables' cases): no ``LAYOUT_NEEDS`` need, not ``AROUND_THE_BLOCK``."""
+    """The modes with an injection that run on plain-TP shapes: no ``LAYOUT_NEEDS`` need, not
+    ``AROUND_THE_BLOCK``."""
     return tuple(n for n, m in REGISTRY.items()
                  if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS)
                  and n not in AROUND_THE_BLOCK)
@@ -449,16 +442,15 @@ def _raise_unmet(entry: BugMode, need: Need, cfg: Config) -> None:
 
 def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
                     inj: Injection) -> torch.Tensor:
-    """Rank 0's output ``[S, B, hidden]`` in one graph, the ranks' shards views of the dense
-    ``p``; xs: each rank's input (ranks >= 1's used only under ``inputs="per_rank"``)."""
+    """Rank 0's output ``[S, B, hidden]`` in one graph; xs: each rank's input (ranks >= 1's
+    only under ``inputs="per_rank"``)."""
     others = xs[1:] if inj.inputs == "per_rank" else None
     return one_graph_forward(xs[0], p, cfg, inj, lambda q, c: shard(q, c, inj), others)
 
 
 def sides(mode: str, seed: int = 11, cfg: Config | None = None,
           simulate: str = "ranks") -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    """``(dense, tp, params)``: the two ``one_step`` dicts ``run`` compares for ``mode`` and
-    the starting parameters (with the mode's bias)."""
+    """``(dense, tp, params)``: the two ``one_step`` dicts ``run`` compares, and the start."""
     cfg = Config() if cfg is None else cfg
     inj = resolve(mode, cfg, strict=True).injection
     x0, target = make_inputs(cfg, check_seed(seed))

@@ -1,8 +1,4 @@
-"""``Injection``: how the sharded block is wired and trained (the defaults are correct TP).
-
-Every registry mode (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection``; ``program()`` turns
-its fields into the engine's stages (``parallel.wrong.program_of``).
-"""
+"""``Injection``: how the sharded block is wired and trained; ``program()`` its engine stages."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -20,8 +20,6 @@ __all__ = ["REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "KV_STRATEGIES", "has_repl
            "fused_qkv_gather_bytes"]
 
 
-# --- what each strategy costs --------------------------------------------------------------
-
 def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> int:
     """Bytes one rank sends in a ring collective over ``group_size`` p: all-reduce of N
     elements ``2(p-1)/p * N``, all-gather (N: output) and reduce-scatter (N: input) ``(p-1)/p * N``."""
@@ -34,9 +32,8 @@ def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> 
 
 
 def kv_collectives(cfg: Config) -> list[dict]:
-    """The KV collectives of one rank in one correct step, in order: ``label``, ``phase``,
-    ``kind``, ``group_size``, ``elements`` (of the buffer: the all-reduce's tensor, the
-    all-gather's output, the reduce-scatter's input). Empty when ``kv_heads >= world_size``."""
+    """The KV collectives of one rank in one correct step: ``label``, ``phase``, ``kind``,
+    ``group_size``, ``elements`` (the buffer ``ring_bytes`` reads)."""
     if not has_replicas(cfg):
         return []
     if cfg.kv_strategy == GATHER_ACTIVATIONS:
@@ -80,21 +77,17 @@ def kv_costs(cfg: Config) -> dict:
 
 
 def fused_qkv_gather_bytes(cfg: Config) -> int:
-    """Bytes one rank sends per step when the whole fused Q/K/V activation (``tokens x (Hq +
-    2 Hkv) x D``) is all-gathered forward and reduce-scattered backward (Megatron-Core with
-    ``num_query_groups < tensor_model_parallel_size``, NVIDIA/Megatron-LM#2565)."""
+    """Bytes one rank sends per step when the fused Q/K/V activation is all-gathered forward
+    and reduce-scattered backward (Megatron-Core, NVIDIA/Megatron-LM#2565)."""
     size = torch.empty((), dtype=cfg.torch_dtype).element_size()
     elements = cfg.seq * cfg.batch * (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
     w = cfg.world_size
     return ring_bytes("all_gather", elements, w, size) + ring_bytes("reduce_scatter", elements, w, size)
 
 
-# --- replicas counted once: gradient norm, clipping, checkpoints ------------------------------
-
 def unique_parameters(cfg: Config, rank_tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Every distinct tensor of the block once, from each rank's ``norm``, ``wq``, ``wk``,
-    ``wv``, ``wo`` (one dict per rank): rank 0's ``norm``, every ``"wq@r"``/``"wo@r"``, and
-    ``"wk@r"``/``"wv@r"`` of the first copy of each KV head (``is_first_kv_copy``)."""
+    """Every distinct tensor of the block once, from one dict per rank: rank 0's ``norm``,
+    every ``"wq@r"``/``"wo@r"``, ``"wk@r"``/``"wv@r"`` of each KV head's first copy."""
     if len(rank_tensors) != cfg.world_size:
         raise ValueError(f"rank_tensors must hold one dict per rank, world_size={cfg.world_size} "
                          f"(got {len(rank_tensors)})")
@@ -107,8 +100,7 @@ def unique_parameters(cfg: Config, rank_tensors: list[dict[str, torch.Tensor]]) 
 
 
 def global_grad_norm(cfg: Config, rank_grads: list[dict[str, torch.Tensor]]) -> float:
-    """The block's gradient norm from every rank's gradients, each replica once
-    (``unique_parameters``), in float64."""
+    """The block's gradient norm, each replica once (``unique_parameters``), in float64."""
     unique = unique_parameters(cfg, rank_grads)
     return float(sum(g.double().square().sum() for g in unique.values()) ** 0.5)
 

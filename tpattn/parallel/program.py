@@ -1,8 +1,5 @@
-"""``Program``: the stages the per-rank block and its step run; the defaults are correct TP.
-
-Each field is one stage, called with the ranks' tensors and the backend ``comm``; a bug is a
-``Program`` with one stage replaced (``tpattn.parallel.wrong``).
-"""
+"""``Program``: the stages the per-rank block and its step run, each called with the ranks'
+tensors and the backend ``comm``; the defaults are correct TP, a bug replaces one stage."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

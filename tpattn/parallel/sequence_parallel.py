@@ -1,9 +1,5 @@
-"""Sequence parallelism (SP; Korthikanti et al. 2022, Megatron-LM's ``--sequence-parallel``).
-
-Each rank holds ``S/W`` tokens; f becomes an all-gather along the sequence, g a
-reduce-scatter (``collectives.GatherSequence``/``ScatterSequence``), the ``norm`` gradient
-is all-reduced after backward. This module: the token layout and what SP's collectives cost.
-"""
+"""Sequence parallelism (Korthikanti et al. 2022): each rank's tokens and what SP's collectives
+cost. f becomes an all-gather along the sequence, g a reduce-scatter (``collectives``)."""
 from __future__ import annotations
 
 import torch
@@ -21,8 +17,6 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
     local = cfg.seq // cfg.world_size
     return slice(rank * local, (rank + 1) * local)
 
-
-# --- what the collectives cost ----------------------------------------------------------
 
 def communication_ledger(cfg: Config) -> list[dict]:
     """The collectives of one correct step without and with SP, one row each: ``variant``,
