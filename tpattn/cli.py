@@ -28,8 +28,7 @@ _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim"
 
 
 def unknown_mode_message(mode: str) -> str:
-    """The one-line error for an unknown ``--mode``: at most three nearest modes and
-    ``--list-modes``."""
+    """The one-line error for an unknown ``--mode``: at most three nearest modes."""
     import difflib
 
     modes = CLI_MODES + registry_modes()

@@ -60,8 +60,7 @@ def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
 
 
 def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
-    """Run the CLI; returns the exit code (0 done, 1 ``--strict`` failure or a rank failed,
-    2 bad arguments). Under torchrun only rank 0 prints the JSON."""
+    """Run the CLI; the exit code as ``tpattn.cli``'s, 1 also when a rank failed."""
     ap = build_distributed_parser(prog)
     args = ap.parse_args(argv)
     if args.list_modes:

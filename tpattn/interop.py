@@ -54,8 +54,7 @@ def llama_config(cfg: Config, attn_implementation: str = "sdpa") -> LlamaConfig:
 
 def config_from_llama(hf: LlamaConfig, *, seq: int, batch: int, world_size: int = 1,
                       dtype=torch.float32) -> Config:
-    """The ``Config`` of a ``LlamaConfig``'s attention and the run's sizes; ``ValueError`` for
-    biases or another RoPE."""
+    """The ``Config`` of a ``LlamaConfig``'s attention (no biases, default RoPE) and the run's."""
     if getattr(hf, "attention_bias", False):
         raise ValueError("attention_bias must be False: the package's block has no biases")
     rope = dict(getattr(hf, "rope_parameters", None) or {})
@@ -125,8 +124,7 @@ class LlamaAttentionBlock(nn.Module):
 
 
 def llama_tp_plan(hf: LlamaConfig | None = None, prefix: str = "layer.") -> dict:
-    """HF's ``base_model_tp_plan`` attention entries as ``ColwiseParallel`` / ``RowwiseParallel``
-    styles, keyed by module name under ``LlamaAttentionBlock``."""
+    """HF's ``base_model_tp_plan`` attention entries as styles under ``LlamaAttentionBlock``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -28,8 +28,7 @@ def _location(obj) -> str:
 
 
 class Source:
-    """The source of functions, classes or modules for a notebook; ``text`` is each object's
-    ``inspect.getsource``, joined by a blank line."""
+    """The source of functions, classes or modules for a notebook (``text``: plain)."""
 
     def __init__(self, objects):
         if not objects:
@@ -58,6 +57,5 @@ class Source:
 
 
 def show_source(*objects) -> Source:
-    """The real source of ``objects`` (functions, classes, modules) for a cell's last
-    expression; ``ValueError`` when called with nothing."""
+    """The real source of ``objects`` (functions, classes, modules) for a cell's output."""
     return Source(objects)

@@ -47,8 +47,7 @@ def clone_trainable(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def rank_head_slices(cfg: Config, rank: int) -> tuple[slice, slice]:
-    """The rows of wq (columns of wo) and of wk/wv that TP rank ``rank`` owns: query heads
-    ``[r*Hq/W, (r+1)*Hq/W)``, and ``kv_layout.kv_weight_rows``."""
+    """Rank ``rank``'s rows of wq (columns of wo) and ``kv_weight_rows`` of wk/wv."""
     check_rank(cfg, rank)
     d, q = cfg.head_dim, cfg.local_query_heads
     return slice(rank * q * d, (rank + 1) * q * d), kv_weight_rows(cfg, rank)
@@ -73,8 +72,7 @@ def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str,
 
 
 def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, torch.Tensor]:
-    """``shard_params``' inverse: new detached full-size tensors; replicated ones from rank 0,
-    a replicated KV head from its replica group's first rank."""
+    """``shard_params``' inverse: new full-size tensors, each replica from its first rank."""
     first = shards[0]
     width = cfg.query_heads * cfg.head_dim
     full = {"norm": first["norm"].detach().clone(),

@@ -30,8 +30,7 @@ def master_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def sgd_step_in_place(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                       lr: float) -> dict[str, torch.Tensor]:
-    """``m -= lr * g`` on ``master_weights(params)`` (DTensors keep their placements);
-    returns the stepped master weights."""
+    """``m -= lr * g`` on ``master_weights(params)``, returned (DTensors keep placements)."""
     masters = master_weights(params)
     with torch.no_grad():
         for k, m in masters.items():

@@ -21,8 +21,7 @@ def scaled_partials(scale):
 
 
 def lr_scaled(scales: tuple):
-    """An ``update`` stage: TP rank r's SGD step with its learning rate times ``scales[r]``
-    (0: the rank keeps its pre-step weights)."""
+    """An ``update`` stage: TP rank r's SGD step with its learning rate times ``scales[r]``."""
     def update(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dict:
         per_rank = [sgd_step({k: t[i] for k, t in ps.items()},
                              {k: g[i] for k, g in grads.items()}, lr, scales[rank] * coefs[i])

@@ -44,8 +44,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture", tolerance: str = "seed",
                init: str = "seed") -> list[dict]:
-    """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the
-    original fixture does."""
+    """``run`` for every mode × seed, mode-major, as the original fixture does."""
     cfg = Config() if cfg is None else cfg
     modes = [resolve(m, cfg).name for m in modes]
     seeds = [check_seed(s) for s in seeds]

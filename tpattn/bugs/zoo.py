@@ -96,8 +96,7 @@ class BugMode:
         return self.injection is not None and self.injection == self.injection.correct()
 
     def as_dict(self) -> dict:
-        """What ``--list-modes`` prints for this mode; ``runnable`` and ``observable`` both
-        mean it has an injection."""
+        """What ``--list-modes`` prints for this mode."""
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
@@ -346,8 +345,7 @@ def mode_names() -> tuple[str, ...]:
 
 
 def runnable_modes() -> tuple[str, ...]:
-    """The modes with an injection that run on plain-TP shapes: no ``LAYOUT_NEEDS`` need, not
-    ``AROUND_THE_BLOCK``."""
+    """The modes with an injection on plain-TP shapes: no ``LAYOUT_NEEDS``, not around the block."""
     return tuple(n for n, m in REGISTRY.items()
                  if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS)
                  and n not in AROUND_THE_BLOCK)
@@ -442,8 +440,7 @@ def _raise_unmet(entry: BugMode, need: Need, cfg: Config) -> None:
 
 def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
                     inj: Injection) -> torch.Tensor:
-    """Rank 0's output ``[S, B, hidden]`` in one graph; xs: each rank's input (ranks >= 1's
-    only under ``inputs="per_rank"``)."""
+    """Rank 0's output ``[S, B, hidden]`` in one graph from each rank's input ``xs``."""
     others = xs[1:] if inj.inputs == "per_rank" else None
     return one_graph_forward(xs[0], p, cfg, inj, lambda q, c: shard(q, c, inj), others)
 

@@ -65,8 +65,7 @@ class SimulatedRanks:
         self.dp_ranks = [i // cfg.world_size for i in range(cfg.ranks)]
 
     def groups(self, group: str = "tp") -> list[list[int]]:
-        """The entries of each group of ``group`` in group order: ``"tp"`` consecutive, ``"dp"``
-        one per DP rank, ``"world"``, ``"kv_replicas"`` (the ranks sharing a KV head), ``"self"``."""
+        """The entries of each group of ``group``, in group order."""
         w, d = self.world_size, self.data_parallel
         if group == "tp":
             return [[i * w + t for t in range(w)] for i in range(d)]

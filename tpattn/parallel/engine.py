@@ -159,8 +159,7 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
 
 
 def grad_norm(grads: dict[str, torch.Tensor], comm, prog=CORRECT) -> torch.Tensor:
-    """The global gradient norm: ``prog.grad_squares`` summed over each TP group (a scalar,
-    ``[R]`` on a mesh)."""
+    """The global gradient norm: a scalar (``[R]`` on a mesh)."""
     squares = as_program(prog).grad_squares(grads, comm)
     return reduce_scalar(squares, comm, GRAD_NORM_LABEL).sqrt()
 

@@ -75,8 +75,7 @@ class Injection:
 
     @property
     def reduction_only(self) -> bool:
-        """Only f (``"sum"``/``"none"``), g (1/0), ``norm_grad`` or ``kv_grad`` differ from the
-        defaults: the original fixture's check's modes."""
+        """Only f, g, ``norm_grad`` or ``kv_grad`` dropped: the original fixture's modes."""
         return self.f in ("sum", "none") and self.g in (0, 1) \
             and Injection(f=self.f, g=self.g, norm_grad=self.norm_grad,
                           kv_grad=self.kv_grad) == self

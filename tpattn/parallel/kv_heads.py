@@ -32,8 +32,7 @@ def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> 
 
 
 def kv_collectives(cfg: Config) -> list[dict]:
-    """The KV collectives of one rank in one correct step: ``label``, ``phase``, ``kind``,
-    ``group_size``, ``elements`` (the buffer ``ring_bytes`` reads)."""
+    """The KV collectives of one rank in one correct step, as ``ring_bytes`` reads them."""
     if not has_replicas(cfg):
         return []
     if cfg.kv_strategy == GATHER_ACTIVATIONS:
@@ -77,8 +76,7 @@ def kv_costs(cfg: Config) -> dict:
 
 
 def fused_qkv_gather_bytes(cfg: Config) -> int:
-    """Bytes one rank sends per step when the fused Q/K/V activation is all-gathered forward
-    and reduce-scattered backward (Megatron-Core, NVIDIA/Megatron-LM#2565)."""
+    """Bytes one rank sends per step all-gathering the fused Q/K/V activation (Megatron-LM#2565)."""
     size = torch.empty((), dtype=cfg.torch_dtype).element_size()
     elements = cfg.seq * cfg.batch * (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
     w = cfg.world_size

@@ -130,8 +130,7 @@ def _gather_kv(local: torch.Tensor, comm) -> torch.Tensor:
 
 
 def one_graph_program(inj) -> Program:
-    """``inj.program()`` with one graph's collectives: f the identity (``mean``: dn / W,
-    ``twice``: dn * W), g the rank sum (twice: times W), SP's as concatenation and sum."""
+    """``inj.program()`` with one graph's collectives (f the identity, g the rank sum)."""
     prog = inj.program()
     f = {"sum": no_collective, "none": no_collective,
          "mean": lambda n, comm: ScaleGrad.apply(n, 1.0 / comm.world_size),

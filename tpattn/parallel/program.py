@@ -55,8 +55,7 @@ def sgd_ranks(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dic
 
 @dataclass(frozen=True)
 class Program:
-    """The block's stages (``f`` .. ``add_bias``), the step's (``norm_grad`` .. ``update``),
-    ``clip`` (a setup, not a bug)."""
+    """The block's stages (``f`` .. ``add_bias``) and the step's (``norm_grad`` .. ``update``)."""
 
     f: Callable = CopyToRanks.apply
     g: Callable = ReduceFromRanks.apply

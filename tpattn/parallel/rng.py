@@ -91,8 +91,7 @@ def process_streams(cfg: Config, seed: int, tp_rank: int, inj=None) -> RankStrea
 
 
 def replica_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
-    """One replica's masks of one correct step: ``attention`` ``[B, Hq, S, S]`` and
-    ``residual`` ``[S, B, hidden]`` (what the dense reference applies)."""
+    """A replica's step masks: ``attention`` ``[B, Hq, S, S]``, ``residual`` ``[S, B, hidden]``."""
     streams = simulated_streams(cfg, seed, tp_ranks=range(cfg.world_size))
     return {"attention": streams.attention_masks(cfg),
             "residual": streams.residual_masks(cfg)[0]}

@@ -21,8 +21,7 @@ def _stacked(per_rank):
 
 
 def with_reader_fg(prog, f=None, g=None) -> Program:
-    """``prog`` with a reader's f and/or g: Functions mapping one tensor per rank to one per
-    rank (``apply(*tensors)``), recorded in the ledger as f's and g's."""
+    """``prog`` with a reader's f and/or g (``apply(*per_rank)``), recorded in the ledger."""
     prog = as_program(prog)
     if f is None and g is None:
         return prog
