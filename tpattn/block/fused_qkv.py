@@ -11,7 +11,7 @@ from tpattn.config import Config
 from .kv_layout import check_rank
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
-           "convert_qkv_weight", "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
+           "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
 
 #: The row orders of a fused QKV checkpoint.
 FUSED_LAYOUTS = ("plain", "grouped")
@@ -69,13 +69,6 @@ def split_qkv_weight(w: torch.Tensor, cfg: Config, layout: str = "grouped"):
         kv = cfg.kv_heads * cfg.head_dim
         return tuple(w.split([cfg.query_heads * cfg.head_dim, kv, kv]))
     return _split_groups(w, cfg.kv_heads, cfg)
-
-
-def convert_qkv_weight(w: torch.Tensor, cfg: Config, src: str, dst: str) -> torch.Tensor:
-    """The fused weight ``w`` in layout ``src`` with its rows permuted into layout ``dst``."""
-    _check_layout(src, "src")
-    _check_layout(dst, "dst")
-    return fuse_qkv_weight(*split_qkv_weight(w, cfg, src), cfg, dst)
 
 
 def rank_row_block(cfg: Config, tp_rank: int) -> slice:
