@@ -65,7 +65,8 @@ class SimulatedRanks:
         self.dp_ranks = [i // cfg.world_size for i in range(cfg.ranks)]
 
     def groups(self, group: str = "tp") -> list[list[int]]:
-        """The entries of each group of ``group``, in group order."""
+        """The entries of each group of ``group`` in group order: ``"tp"`` consecutive, ``"dp"``
+        one per DP rank, ``"world"``, ``"kv_replicas"`` (the ranks sharing a KV head), ``"self"``."""
         w, d = self.world_size, self.data_parallel
         if group == "tp":
             return [[i * w + t for t in range(w)] for i in range(d)]
@@ -95,7 +96,8 @@ class SimulatedRanks:
         return torch.stack(out)
 
     def group_cat(self, t: torch.Tensor, dim: int, group: str = "tp") -> torch.Tensor:
-        """Every entry of ``t`` ``[R, ...]`` replaced by its group's entries joined along ``dim``."""
+        """Every entry of ``t`` ``[R, ...]`` replaced by its group's entries concatenated along
+        ``dim`` of an entry."""
         out = [None] * t.shape[0]
         for members in self.groups(group):
             full = torch.cat([t[m] for m in members], dim=dim)
@@ -243,7 +245,8 @@ def replica_share(share: torch.Tensor, comm) -> torch.Tensor:
 
 
 def reduce_loss(share: torch.Tensor, comm, group: str = "dp") -> torch.Tensor:
-    """The logged loss ``[R]``: the shares summed over ``group`` (``"tp"``: each its own)."""
+    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group``; ``"tp"``: each
+    rank's own share, no collective."""
     if group == "tp":
         return share.clone()
     comm.record("step", LOSS_LABEL, group=group)
