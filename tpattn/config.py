@@ -69,8 +69,7 @@ class Config:
             problems.append(
                 f"seq must be a multiple of world_size under sequence_parallel, so each rank "
                 f"holds seq // world_size tokens (got seq={self.seq}, world_size={self.world_size})")
-        if self.sequence_parallel is True and isinstance(self.world_size, int) \
-                and self.kv_heads < self.world_size:
+        if self.sequence_parallel is True and self.kv_heads < self.world_size:
             problems.append(
                 f"sequence_parallel needs kv_heads >= world_size: sequence parallelism with "
                 f"replicated or gathered KV heads is not built (got kv_heads={self.kv_heads}, "

@@ -54,9 +54,8 @@ def rank_head_slices(cfg: Config, rank: int) -> tuple[slice, slice]:
 
 
 def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
-    """Dense parameters -> one shard dict per rank (views): wq, wk, wv column-parallel (the
-    rows of its heads), wo row-parallel (the columns of its query heads), ``norm`` (and
-    ``q_norm``/``k_norm``) replicated. Gradients of the shards land in ``params``."""
+    """Dense parameters -> one shard dict of views per rank: wq, wk, wv rows and wo columns of
+    its heads, ``norm`` (and q/k-norm) replicated. Gradients of the shards land in ``params``."""
     shards = []
     for rank in range(cfg.world_size):
         q_rows, kv_rows = rank_head_slices(cfg, rank)

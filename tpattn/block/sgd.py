@@ -11,8 +11,7 @@ MASTER_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32,
 
 def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float,
              scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """A new dict ``w - (lr * scale) * g`` per name (any shapes), no graph: float32/float64
-    in that dtype (the original fixture's update), bfloat16 in float32 (``MASTER_DTYPE``)."""
+    """A new dict ``w - (lr * scale) * g`` per name, no graph, in ``MASTER_DTYPE``."""
     step = lr * scale
     with torch.no_grad():
         out = {}

@@ -362,8 +362,7 @@ def list_modes() -> list[dict]:
 
 
 def modes_for(cfg: Config | None) -> tuple[str, ...]:
-    """The modes of ``cfg``'s matrix: ``SP_MODES`` under ``sequence_parallel``; ``MODES`` plus
-    ``missing_kv_grad_reduce`` where KV heads are replicated; else ``MODES``."""
+    """The modes of ``cfg``'s matrix: ``SP_MODES``, or ``MODES`` (KV replicas: and their bug)."""
     if cfg is not None and cfg.sequence_parallel:
         return SP_MODES
     if cfg is not None and kv_grad_bug_applies(cfg):

@@ -54,8 +54,7 @@ def own_tokens(full: torch.Tensor, comm, group: str = "tp") -> torch.Tensor:
 
 
 class SimulatedRanks:
-    """Every rank of the job in one process, dim 0 in mesh order (``i = dp * W + tp``);
-    ``ledger``: the list the collectives are recorded in (``None``: none)."""
+    """Every rank of the job in one process, dim 0 in mesh order (``i = dp * W + tp``)."""
 
     def __init__(self, cfg: Config, ledger: list | None = None):
         self.cfg, self.ledger = cfg, ledger

@@ -59,8 +59,7 @@ def head_norm(t: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 
 def _kv(n: torch.Tensor, p: dict, cfg: Config, comm, prog: Program):
-    """Every rank's K and V ``[R, S, B, Hkv_r*D]``: from its wk/wv rows, or its KV head of the
-    gathered slices (``gather_activations``)."""
+    """Every rank's K and V ``[R, S, B, Hkv_r*D]`` (``gather_activations``: all-gathered)."""
     r, s, b, _ = n.shape
     if cfg.kv_heads < cfg.world_size and cfg.kv_strategy == KV_STRATEGIES[1]:
         local = torch.cat([_project(n, p["wk"]), _project(n, p["wv"])], dim=-1)

@@ -74,8 +74,7 @@ class OneGraphRanks:
 
 
 def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
-    """``shard_params``' shards of the dense ``p`` as ``[W, ...]`` views (``kv_heads >=
-    world_size``): replicated tensors expanded, wq/wk/wv rows and wo columns rank-major."""
+    """``shard_params``' shards of the dense ``p`` as ``[W, ...]`` views (no KV replicas)."""
     w, hidden = cfg.world_size, p["wq"].shape[1]
     return {"norm": _broadcast(p["norm"], w),
             **{k: p[k].view(w, -1, hidden) for k in ("wq", "wk", "wv")},
@@ -86,8 +85,7 @@ def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Te
 def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
                       shard_fn=shard_params, others: list[torch.Tensor] | None = None
                       ) -> torch.Tensor:
-    """``engine.rank_block`` on ``OneGraphRanks``: x ``[S, B, hidden]``, dense ``p`` (cut by
-    ``shard_fn``) -> rank 0's ``[S, B, hidden]``; no dropout or qk-norm (``ValueError``)."""
+    """``engine.rank_block`` on ``OneGraphRanks``: x ``[S, B, hidden]`` -> rank 0's output."""
     if cfg.model_options:
         raise ValueError(f"one_graph_forward models neither dropout nor qk_norm (got "
                          f"dropout={cfg.dropout}, qk_norm={cfg.qk_norm}): run the simulated "

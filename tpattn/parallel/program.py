@@ -36,8 +36,7 @@ def add_bias_after_g(out: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
-    """Each rank's squared gradients summed, ``[R]`` float64; ``REPLICATED`` ones on TP rank
-    0 only (a replicated KV head's copies on every rank: the logged norm)."""
+    """Each rank's squared gradients summed, ``[R]`` float64 (``REPLICATED`` ones on TP rank 0)."""
     first = torch.tensor(comm.ranks) == 0
     squares = 0.0
     for name, g in grads.items():

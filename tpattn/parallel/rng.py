@@ -81,8 +81,7 @@ def simulated_streams(cfg: Config, seed: int, inj=None, tp_ranks=None) -> RankSt
 
 
 def process_streams(cfg: Config, seed: int, tp_rank: int, inj=None) -> RankStreams:
-    """This process's streams: torch's global generator seeded with ``seed`` (``nn.Dropout``
-    reads it) and a model-parallel one; tp_rank 0 drifts under ``inj.rng == "rank0_drift"``."""
+    """This process's streams: torch's global generator (``nn.Dropout``'s) and its own."""
     torch.manual_seed(seed)
     parallel = torch.Generator().manual_seed(seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     if inj is not None and inj.rng == "rank0_drift" and tp_rank == 0:

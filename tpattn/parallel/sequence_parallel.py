@@ -19,8 +19,7 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
 
 
 def communication_ledger(cfg: Config) -> list[dict]:
-    """The collectives of one correct step without and with SP, one row each: ``variant``,
-    ``collective``, ``phase``, ``what``, ``elements``, ``bytes_per_rank`` (``ring_bytes``)."""
+    """The collectives of one correct step without and with SP, one row each (``ring_bytes``)."""
     w, item = cfg.world_size, torch.empty((), dtype=cfg.torch_dtype).element_size()
     act, hid = cfg.seq * cfg.batch * cfg.hidden, cfg.hidden
     rows = [("TP", "all_reduce", "forward", act, "g: sum of output partials"),

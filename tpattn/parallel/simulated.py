@@ -43,8 +43,7 @@ def with_reader_fg(prog, f=None, g=None) -> Program:
 
 def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
                    rng=None) -> dict:
-    """``engine.train_step`` on every rank of ``cfg.ranks``: shards per-rank dicts or stacked
-    ``[R, ...]``, batches ``(x, target)`` ``[S_r, B, hidden]`` per rank."""
+    """``engine.train_step`` on every rank; batches: ``(x, target)`` ``[S_r, B, hidden]`` each."""
     x = torch.stack([b[0] for b in batches])
     target = torch.stack([b[1] for b in batches])
     comm = SimulatedRanks(cfg, [])
