@@ -11,7 +11,7 @@ __all__ = ["scaled_partials", "lr_scaled"]
 
 
 def scaled_partials(scale):
-    """A ``before_g``: the partials ``[R, S, B, hidden]`` times ``scale`` (or ``scale[r]``)."""
+    """``before_g``: the partials ``[R, S, B, hidden]`` times ``scale`` (or ``scale[r]``)."""
     def before_g(partial: torch.Tensor, p: dict, comm) -> torch.Tensor:
         if isinstance(scale, tuple):
             return partial * partial.new_tensor([scale[r] for r in comm.ranks]).view(-1, 1, 1, 1)
