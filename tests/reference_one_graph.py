@@ -21,10 +21,9 @@ from tpattn.block.params import shard_params
 from tpattn.bugs.zoo import shard
 from tpattn.config import Config
 from tpattn.parallel.engine import ScaleGrad
-from tpattn.parallel.kv_heads import attend_gathered, local_kv
 from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials
 
-from .reference_ranks import rank_attend_and_project
+from .reference_ranks import attend_gathered, local_kv, rank_attend_and_project
 
 
 def tp_forward_kv(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,

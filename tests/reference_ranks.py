@@ -10,14 +10,37 @@ import torch.nn.functional as F
 from tpattn.check.core import LR, ranks_step  # noqa: F401 (test_engine calls ref.ranks_step)
 from tpattn.config import Config
 from tpattn.block.dense import attend_and_project, project_qkv
-from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, attend_gathered, local_kv, replica_groups
-from tpattn.block.layers import attention, repeat_kv, rms_norm
+from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, kv_head_of_rank, replica_groups
+from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import clone_trainable
 from tpattn.parallel.engine import REPLICATED, ScaleGrad
 from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.bugs.zoo import Injection, clip_coef
 
 NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
+
+
+# --- gather_activations: the per-rank pieces (the engine's ``_kv`` on one rank) ---------------
+
+def local_kv(n: torch.Tensor, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's K and V slices side by side (what it all-gathers): n ``[S, B, hidden]``,
+    ``shard["wk"]``, ``shard["wv"]`` ``[c, hidden]`` -> ``[S, B, 2c]``."""
+    return torch.cat([F.linear(n, shard["wk"]), F.linear(n, shard["wv"])], dim=-1)
+
+
+def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: torch.Tensor,
+                    cfg: Config, rank: int) -> torch.Tensor:
+    """One rank's partial ``[S, B, hidden]`` from the gathered K/V ``kv_all`` ``[S, B, W*2c]``
+    (every rank's ``local_kv``, rank order): its KV head, RoPE, its query heads, its wo columns."""
+    s, b, d, w = n.shape[0], n.shape[1], cfg.head_dim, cfg.world_size
+    parts = kv_all.view(s, b, w, 2, -1)  # rank, (K | V), slice
+    k_all = parts[:, :, :, 0].reshape(s, b, cfg.kv_heads, d)
+    v_all = parts[:, :, :, 1].reshape(s, b, cfg.kv_heads, d)
+    h = kv_head_of_rank(cfg, rank)
+    q = apply_rope(F.linear(n, shard["wq"]).view(s, b, -1, d))
+    k, v = apply_rope(k_all[:, :, h:h + 1]), v_all[:, :, h:h + 1]
+    ctx = attention(q, repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2]))
+    return F.linear(ctx.reshape(s, b, -1), shard["wo"])
 
 
 def rank_attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,

@@ -1,8 +1,7 @@
 """tpattn — tensor-parallel attention, built, sharded, checked and broken.
 
-``tpattn.observe`` and ``tpattn.diagnose`` shadow their modules' names (import those modules'
-other names from ``tpattn.diagnosis.*``). ``import tpattn`` loads torch and nothing heavier;
-``tpattn.check_module`` is imported on first use.
+``tpattn.observe`` and ``tpattn.diagnose`` shadow their modules' names; ``import tpattn``
+loads torch and nothing heavier (``tpattn.check_module`` is imported on first use).
 """
 from tpattn.config import Config
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm

@@ -1,7 +1,6 @@
-"""``python -m tpattn`` / ``tpattn``: the original fixture's command line and JSON, plus Config
-flags. Exit 0 when the run completed (a failing check is a result), 1 with ``--strict`` when an
-``equivalence`` run did not pass, 2 for bad arguments (one line on stderr).
-"""
+"""``python -m tpattn``: the original fixture's command line and JSON, plus Config flags. Exit
+0 when the run completed, 1 with ``--strict`` when an ``equivalence`` run failed, 2 for bad
+arguments (one line on stderr)."""
 from __future__ import annotations
 
 import argparse
@@ -29,8 +28,7 @@ _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim"
 
 
 def unknown_mode_message(mode: str) -> str:
-    """The one-line error for an unknown ``--mode``: at most three nearest modes (those it
-    begins, ``difflib``'s closest, those sharing its first word) and ``--list-modes``."""
+    """The one-line error for an unknown ``--mode``: at most three nearest modes."""
     import difflib
 
     modes = CLI_MODES + registry_modes()

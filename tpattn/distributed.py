@@ -1,6 +1,5 @@
-"""``python -m tpattn.distributed`` / ``torchrun -m tpattn.distributed``: the CLI on real ranks,
-``python -m tpattn``'s flags and JSON plus ``--timeout`` (``--diagnose`` observes on the ranks).
-"""
+"""``torchrun -m tpattn.distributed``: the CLI on real ranks, ``python -m tpattn``'s flags and
+JSON plus ``--timeout``."""
 from __future__ import annotations
 
 import json
@@ -61,8 +60,7 @@ def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
 
 
 def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
-    """Run the CLI; returns the exit code (0 done, 1 ``--strict`` failure or a rank failed,
-    2 bad arguments). Under torchrun only rank 0 prints the JSON."""
+    """Run the CLI; the exit code as ``tpattn.cli``'s, 1 also when a rank failed."""
     ap = build_distributed_parser(prog)
     args = ap.parse_args(argv)
     if args.list_modes:
@@ -102,8 +100,7 @@ def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distribu
 
 
 if __name__ == "__main__":
-    # Everything the rank processes run lives in imported modules (``tpattn.real.ranks``); hide this
-    # __main__ copy from multiprocessing so that it does not re-run it in every rank.
+    # hide this __main__ copy from multiprocessing so that the ranks do not re-run it
     __spec__ = None
     del __file__
     from tpattn.distributed import distributed_main as _main

@@ -17,7 +17,7 @@ from tpattn.block.fused_qkv import (fuse_qkv_weight, fused_qkv_rows, read_rank_q
 from tpattn.block.params import PARAM_NAMES, init_params
 
 __all__ = [
-    "ROPE_THETA", "FLOAT32_INTERNALS", "llama_config", "config_from_llama", "llama_layer",
+    "ROPE_THETA", "llama_config", "config_from_llama", "llama_layer",
     "llama_params", "load_llama_params", "LlamaAttentionBlock", "llama_tp_plan",
     "rotate_half_from_adjacent", "adjacent_from_rotate_half", "apply_rope_adjacent",
     "meta_dense_forward", "QKV_LAYOUTS", "fuse_qkv", "concat_qkv", "split_fused_qkv",
@@ -27,13 +27,10 @@ __all__ = [
 #: The RoPE base of ``rope_angles`` and HF's default; another ``rope_theta`` is refused.
 ROPE_THETA = 10000.0
 
-#: What HF's Llama computes in float32 whatever the model's dtype.
-FLOAT32_INTERNALS = ("LlamaRMSNorm: the normalization", "LlamaRotaryEmbedding: the cos/sin tables")
 
 def float32_tolerance(cfg: Config, scale: float) -> float:
-    """How far two correct computations of the block may differ when either rounds to float32:
-    the worst-case ``n u`` of its chain of dot products (``hidden``, ``seq``, ``query_heads *
-    head_dim``) times ``scale`` (the output's size, at least 1)."""
+    """How far two correct float32 computations of the block may differ: ``n u`` of its chain
+    of dot products (``hidden + seq + query_heads * head_dim``) times ``scale`` (at least 1)."""
     u = torch.finfo(torch.float32).eps / 2
     return u * (cfg.hidden + cfg.seq + cfg.query_heads * cfg.head_dim) * max(1.0, float(scale))
 
@@ -43,8 +40,6 @@ _HF_NAMES = {"norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
              "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
              "wo": "self_attn.o_proj.weight"}
 
-
-# --- Config and parameters, both ways -------------------------------------------------------
 
 def llama_config(cfg: Config, attn_implementation: str = "sdpa") -> LlamaConfig:
     """A one-layer ``LlamaConfig`` whose attention is ``cfg``'s block (the MLP unused)."""
@@ -59,8 +54,7 @@ def llama_config(cfg: Config, attn_implementation: str = "sdpa") -> LlamaConfig:
 
 def config_from_llama(hf: LlamaConfig, *, seq: int, batch: int, world_size: int = 1,
                       dtype=torch.float32) -> Config:
-    """The ``Config`` of a ``LlamaConfig``'s attention and the run's ``seq``, ``batch``,
-    ``world_size``, ``dtype``; ``ValueError`` for biases or another RoPE."""
+    """The ``Config`` of a ``LlamaConfig``'s attention (no biases, default RoPE) and the run's."""
     if getattr(hf, "attention_bias", False):
         raise ValueError("attention_bias must be False: the package's block has no biases")
     rope = dict(getattr(hf, "rope_parameters", None) or {})
@@ -93,8 +87,7 @@ def llama_params(layer: LlamaDecoderLayer, *, seq: int, batch: int,
 
 
 def load_llama_params(layer: LlamaDecoderLayer, params: dict[str, torch.Tensor]) -> LlamaDecoderLayer:
-    """Copy ``params`` into ``layer``'s attention half in place (``ValueError`` naming a
-    parameter of the wrong shape); returns ``layer``."""
+    """Copy ``params`` into ``layer``'s attention half in place; returns ``layer``."""
     state = layer.state_dict()
     for name in PARAM_NAMES:
         have, want = tuple(params[name].shape), tuple(state[_HF_NAMES[name]].shape)
@@ -131,8 +124,7 @@ class LlamaAttentionBlock(nn.Module):
 
 
 def llama_tp_plan(hf: LlamaConfig | None = None, prefix: str = "layer.") -> dict:
-    """The attention entries of HF's ``base_model_tp_plan`` as ``ColwiseParallel`` /
-    ``RowwiseParallel`` styles keyed by module name under ``LlamaAttentionBlock``."""
+    """HF's ``base_model_tp_plan`` attention entries as styles under ``LlamaAttentionBlock``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -146,8 +138,6 @@ def llama_tp_plan(hf: LlamaConfig | None = None, prefix: str = "layer.") -> dict
             plan[prefix + pattern.removeprefix("layers.*.")] = styles[style]()
     return plan
 
-
-# --- RoPE pairing: adjacent (Meta) <-> rotate-half (HF, tpattn) ---------------------------------
 
 def _check_rows(w: torch.Tensor, heads: int, name: str = "w") -> int:
     if w.dim() != 2 or heads < 1 or w.shape[0] % heads or (w.shape[0] // heads) % 2:
@@ -190,8 +180,6 @@ def meta_dense_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config)
     return x + F.linear(ctx.reshape(s, b, -1), p["wo"])
 
 
-# --- fused QKV: interleaved per KV group (Megatron) <-> separate; the naive concatenation --------
-
 #: Layouts of a fused QKV weight: Megatron's per-group interleaving, and plain ``[Wq; Wk; Wv]``.
 QKV_LAYOUTS = ("interleaved", "concatenated")
 
@@ -203,8 +191,7 @@ def fuse_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config) 
 
 
 def concat_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """The naive fused weight ``[Wq; Wk; Wv]``: ``[(Hq + 2*Hkv)*D, hidden]`` (layout
-    ``"plain"``)."""
+    """The naive fused weight ``[Wq; Wk; Wv]``: ``[(Hq + 2*Hkv)*D, hidden]``."""
     return fuse_qkv_weight(wq, wk, wv, cfg, "plain")
 
 

@@ -8,11 +8,8 @@ from typing import Callable, Sequence
 
 def lazy_names(package: str, namespace: dict, eager: Sequence[str],
                modules: Sequence[str]) -> tuple[Callable, Callable]:
-    """``(__getattr__, __dir__)`` for ``package`` (its ``globals()`` is ``namespace``).
-
-    ``eager`` are the names the package defines on import; the public names (``__all__``) of
-    ``modules`` are looked up in that order and imported on first use, as are submodules
-    (``viz.sharding``). A name found once is stored in ``namespace``: an ordinary attribute."""
+    """``(__getattr__, __dir__)`` for ``package`` (``namespace``: its ``globals()``): the
+    ``__all__`` names of ``modules``, and submodules, imported on first use and stored."""
     found: dict[str, str] = {}
 
     def names() -> dict[str, str]:

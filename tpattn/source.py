@@ -1,6 +1,4 @@
-"""``show_source(obj, ...)``: the package's real source as a notebook cell's output, highlighted
-HTML (Pygments, wrapped to the column) with a plain-text twin.
-"""
+"""``show_source(obj, ...)``: the package's real source as a notebook cell's output (HTML)."""
 from __future__ import annotations
 
 import html
@@ -30,10 +28,7 @@ def _location(obj) -> str:
 
 
 class Source:
-    """The source of one or more functions, classes or modules, displayable in a notebook.
-
-    ``text`` is exactly ``inspect.getsource`` of each object, joined by a blank line.
-    """
+    """The source of functions, classes or modules for a notebook (``text``: plain)."""
 
     def __init__(self, objects):
         if not objects:
@@ -62,6 +57,5 @@ class Source:
 
 
 def show_source(*objects) -> Source:
-    """The real source of ``objects`` (functions, classes, modules) for a cell's last
-    expression; ``ValueError`` when called with nothing."""
+    """The real source of ``objects`` (functions, classes, modules) for a cell's output."""
     return Source(objects)

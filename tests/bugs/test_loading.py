@@ -129,7 +129,7 @@ def test_read_as_plain_needs_two_groups_per_rank_with_one_it_is_correct():
                                      Injection(shard="grouped_as_plain"), cfg, simulate)
             assert result["passed"] is True, (cfg, result)
         with pytest.raises(ValueError, match="needs kv_heads >= 2 \\* world_size"):
-            tpattn.bugs.zoo.check_needs("grouped_qkv_read_as_plain", cfg)
+            tpattn.bugs.zoo.resolve("grouped_qkv_read_as_plain", cfg, strict=True)
     assert tpattn.run(11, "grouped_qkv_read_as_plain", CFG_KV4)["passed"] is False
 
 

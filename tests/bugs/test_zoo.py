@@ -98,7 +98,7 @@ def test_the_layout_modes_run_through_the_registry_and_on_the_engines_ranks():
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
         tpattn.observe("norm_grad_averaged", 11)
     with pytest.raises(ValueError, match="needs replicated KV heads"):
-        zoo.check_needs("missing_kv_grad_reduce", tpattn.Config())
+        zoo.resolve("missing_kv_grad_reduce", tpattn.Config(), strict=True)
 
 
 def test_a_mode_of_the_zoos_block_refuses_a_shape_the_block_does_not_have():
@@ -304,6 +304,14 @@ def test_resolve_looks_every_mode_up_once_and_its_injection_says_how_it_runs():
         resolve("missing_kv_grad_reduce", tpattn.Config())
     with pytest.raises(ValueError, match="mode must be one of .* registry mode"):
         resolve("nope")
+    # at world size 1 the original fixture's modes run (no bug to see); strict asks every need
+    ws1 = tpattn.Config(world_size=1)
+    assert resolve("missing_output_reduce", ws1) is zoo.REGISTRY["missing_output_reduce"]
+    with pytest.raises(ValueError, match="'missing_output_reduce' needs world_size >= 2"):
+        resolve("missing_output_reduce", ws1, strict=True)
+    with pytest.raises(ValueError, match="'output_reduced_twice' needs world_size >= 2"):
+        resolve("output_reduced_twice", ws1)
+    assert zoo.get_mode("norm_grad_averaged").name == "norm_grad_averaged"  # name only
 
 
 def test_register_adds_a_runnable_mode_and_refuses_to_steal_a_name():

@@ -139,4 +139,4 @@ def test_a_config_that_misses_the_needs_is_a_value_error_naming_the_rule(mode, c
         tpattn.observe(mode, 11, cfg)
     assert "not part of this build" not in str(e.value) and "cannot watch" not in str(e.value)
     with pytest.raises(ValueError, match=rule):
-        zoo.check_needs(mode, cfg)
+        zoo.resolve(mode, cfg, strict=True)

@@ -40,7 +40,7 @@ ZOO_MODES = [m for m in zoo.runnable_modes()]
 def test_engine_equals_the_zoo_rank_loop(mode, seed):
     cfg = Config(query_heads=8, kv_heads=4, world_size=2) if "kv_heads >= 2 * world_size" \
         in zoo.get_mode(mode).needs else Config()
-    inj = zoo.check_needs(mode, cfg).injection
+    inj = zoo.resolve(mode, cfg, strict=True).injection
     base = zoo.make_params(cfg, seed, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, cfg, inj)]
     batches = zoo.rank_batches(cfg, seed, inj)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tpattn.bugs.zoo import REGISTRY
 import tpattn
 from tpattn import EQUIVALENCE, MEASURES, TOLERANCE, Config
-from tpattn.bugs.modes import check_mode, modes_for, resolve
+from tpattn.bugs.modes import modes_for, resolve
 from tpattn.check.core import (LR, MISSING_KV_GRAD_REDUCE, PARAM_SEED_OFFSET,
                           dense_reference, make_inputs, tp_step)
 from tpattn.parallel.kv_heads import (GATHER_ACTIVATIONS, KV_STRATEGIES, REPLICATE_WEIGHTS, kv_collectives,
@@ -170,7 +170,7 @@ def test_the_bug_mode_is_refused_where_it_means_nothing():
             tpattn.run(11, MISSING_KV_GRAD_REDUCE, cfg)
         assert modes_for(cfg) == tpattn.MODES
     assert modes_for(CFG) == tpattn.MODES + (MISSING_KV_GRAD_REDUCE,)
-    assert check_mode(MISSING_KV_GRAD_REDUCE) == MISSING_KV_GRAD_REDUCE  # no Config: name only
+    assert resolve(MISSING_KV_GRAD_REDUCE).name == MISSING_KV_GRAD_REDUCE  # no Config: name only
 
 
 def test_inspect_shows_the_replica_groups_and_keeps_the_seeds_dict():

@@ -119,7 +119,7 @@ def test_sp_gather_wrong_group_mixes_replicas():
 ])
 def test_mesh_needs_are_checked(mode, cfg, rule):
     with pytest.raises(ValueError, match=rule):
-        zoo.check_needs(mode, cfg)
+        zoo.resolve(mode, cfg, strict=True)
 
 
 def test_mesh_modes_are_registered_mechanism_and_not_plain_tp():

@@ -139,7 +139,7 @@ def _zoo_old_step(x0, target, base, cfg, inj, seed):
 def test_zoo_fixture_is_the_engine(mode, seed):
     cfg = Config(query_heads=8, kv_heads=4, world_size=2) if "kv_heads >= 2 * world_size" \
         in zoo.get_mode(mode).needs else Config()
-    inj = zoo.check_needs(mode, cfg).injection
+    inj = zoo.resolve(mode, cfg, strict=True).injection
     x0, target = make_inputs(cfg, seed)
     base = zoo.make_params(cfg, seed, inj)
     dense, new, _ = zoo.sides(mode, seed, cfg, "fixture")

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tpattn import Config
-from tpattn.bugs.zoo import REGISTRY, check_needs
+from tpattn.bugs.zoo import REGISTRY, resolve
 from tpattn.cli import main as cli_main
 from tpattn.diagnosis.diagnose import diagnose
 from tpattn.diagnosis.observe import observe
@@ -44,7 +44,7 @@ def _modes(cfg: Config) -> list[str]:
     modes = []
     for mode in REGISTRY:
         try:
-            check_needs(mode, cfg)
+            resolve(mode, cfg, strict=True)
         except ValueError:
             continue
         modes.append(mode)

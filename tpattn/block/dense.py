@@ -32,9 +32,8 @@ def qk_normed_qkv(n: torch.Tensor, p: dict[str, torch.Tensor],
 
 def attend_and_project(n: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
                        drop: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention over the heads in ``p`` (complete query/KV groups: all, or one rank's),
-    then ``wo``: n ``[S, B, hidden]`` -> ``[S, B, hidden]``, the output for dense weights, a
-    rank's partial for a shard. ``drop``: an attention-dropout mask ``[B, H, S, S]``."""
+    """Attention over the heads in ``p`` (all, or one rank's), then ``wo``: n ``[S, B, hidden]``
+    -> ``[S, B, hidden]``; ``drop``: an attention-dropout mask ``[B, H, S, S]``."""
     if cfg.qk_norm:
         q, k, v = qk_normed_qkv(n, p, cfg)
     else:

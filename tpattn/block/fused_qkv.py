@@ -1,12 +1,8 @@
 """Fused QKV checkpoints ``[(Hq + 2*Hkv)*D, hidden]`` in two row orders, and a rank's loader.
 
-``plain`` is ``[Wq; Wk; Wv]`` (GLM's, HF's concatenation); ``grouped`` is, for each KV group
-g, ``[q rows of g's query heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's).
-``fuse_qkv_weight``, ``split_qkv_weight`` and ``convert_qkv_weight`` are differentiable
-reshapes. ``load_qkv_weight`` narrows one rank's rows; in the grouped layout a rank's groups
-are one contiguous block that ``read_rank_qkv`` splits per group (correct) or as
-``[Q; K; V]``. The rank is ``kwargs.get("tp_rank", 0)``, as vllm-gguf-plugin's
-``load_qkv_weight`` read it (its issue 103): a caller without ``tp_rank`` gets rank 0's rows.
+``plain`` is ``[Wq; Wk; Wv]`` (GLM's); ``grouped`` is, per KV group g, ``[q rows of g's query
+heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's). ``load_qkv_weight`` reads
+its rank as vllm-gguf-plugin's did (``kwargs.get("tp_rank", 0)``, that plugin's issue 103).
 """
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ from tpattn.config import Config
 from .kv_layout import check_rank
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
-           "convert_qkv_weight",
            "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
 
 #: The row orders of a fused QKV checkpoint.
@@ -75,13 +70,6 @@ def split_qkv_weight(w: torch.Tensor, cfg: Config, layout: str = "grouped"):
         kv = cfg.kv_heads * cfg.head_dim
         return tuple(w.split([cfg.query_heads * cfg.head_dim, kv, kv]))
     return _split_groups(w, cfg.kv_heads, cfg)
-
-
-def convert_qkv_weight(w: torch.Tensor, cfg: Config, src: str, dst: str) -> torch.Tensor:
-    """The fused weight ``w`` in layout ``src`` with its rows permuted into layout ``dst``."""
-    _check_layout(src, "src")
-    _check_layout(dst, "dst")
-    return fuse_qkv_weight(*split_qkv_weight(w, cfg, src), cfg, dst)
 
 
 def rank_row_block(cfg: Config, tp_rank: int) -> slice:

@@ -45,9 +45,7 @@ def replica_index(cfg: Config, rank: int) -> int:
 
 
 def kv_weight_rows(cfg: Config, rank: int) -> slice:
-    """The wk/wv rows of rank ``rank``: its KV heads' (replicated: head
-    ``kv_head_of_rank``'s), or under ``gather_activations`` the slice ``[r*c, (r+1)*c)``,
-    ``c = Hkv*D/W``."""
+    """Rank ``rank``'s wk/wv rows: its KV heads' (``gather_activations``: ``Hkv*D/W`` rows)."""
     d = cfg.head_dim
     if has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS:
         c = cfg.kv_heads * d // cfg.world_size

@@ -1,9 +1,7 @@
 """The block's parameters: deterministic init, trainable copies, head-group sharding.
 
-Layouts follow ``F.linear`` (``y = x @ w.T``): ``norm`` ``[hidden]``; ``wq``
-``[Hq*D, hidden]`` and ``wk``, ``wv`` ``[Hkv*D, hidden]``, rows grouped by head; ``wo``
-``[hidden, Hq*D]``, columns grouped by query head; with ``Config.qk_norm`` ``q_norm``,
-``k_norm`` ``[D]`` (replicated, as ``norm``).
+``F.linear`` layouts: ``norm`` ``[hidden]``, ``wq`` ``[Hq*D, hidden]``, ``wk``, ``wv``
+``[Hkv*D, hidden]`` (rows grouped by head), ``wo`` ``[hidden, Hq*D]``, ``q_norm``, ``k_norm`` ``[D]``.
 """
 from __future__ import annotations
 
@@ -49,18 +47,15 @@ def clone_trainable(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def rank_head_slices(cfg: Config, rank: int) -> tuple[slice, slice]:
-    """The rows of wq (columns of wo) and of wk/wv that TP rank ``rank`` owns: query heads
-    ``[r*Hq/W, (r+1)*Hq/W)``, and ``kv_layout.kv_weight_rows`` (its own KV heads, which its
-    query heads read, or with ``kv_heads < world_size`` a copy or a slice of one)."""
+    """Rank ``rank``'s rows of wq (columns of wo) and ``kv_weight_rows`` of wk/wv."""
     check_rank(cfg, rank)
     d, q = cfg.head_dim, cfg.local_query_heads
     return slice(rank * q * d, (rank + 1) * q * d), kv_weight_rows(cfg, rank)
 
 
 def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
-    """Dense parameters -> one shard dict per rank (views): wq, wk, wv column-parallel (the
-    rows of its heads), wo row-parallel (the columns of its query heads), ``norm`` (and
-    ``q_norm``/``k_norm``) replicated. Gradients of the shards land in ``params``."""
+    """Dense parameters -> one shard dict of views per rank: wq, wk, wv rows and wo columns of
+    its heads, ``norm`` (and q/k-norm) replicated. Gradients of the shards land in ``params``."""
     shards = []
     for rank in range(cfg.world_size):
         q_rows, kv_rows = rank_head_slices(cfg, rank)
@@ -76,9 +71,7 @@ def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str,
 
 
 def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, torch.Tensor]:
-    """``shard_params``' inverse: new full-size tensors (detached) from every rank's shard;
-    replicated tensors (``norm``, q/k-norm) from rank 0, a replicated KV head from its
-    replica group's first rank. Keys: ``PARAM_NAMES`` (then ``QK_NORM_NAMES`` if present)."""
+    """``shard_params``' inverse: new full-size tensors, each replica from its first rank."""
     first = shards[0]
     width = cfg.query_heads * cfg.head_dim
     full = {"norm": first["norm"].detach().clone(),

@@ -1,6 +1,5 @@
 """The package's one SGD update, with float32 master weights for bfloat16 parameters (as
-Megatron-LM's and FSDP's mixed precision keep them: bfloat16's spacing near 0.15 is
-``2**-10``, larger than most ``lr * g``)."""
+Megatron-LM's and FSDP's mixed precision keep them)."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +11,7 @@ MASTER_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32,
 
 def sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float,
              scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """A new dict ``w - (lr * scale) * g`` per name (any shapes), no graph: float32/float64
-    in that dtype (the original fixture's update), bfloat16 in float32 (``MASTER_DTYPE``)."""
+    """A new dict ``w - (lr * scale) * g`` per name, no graph, in ``MASTER_DTYPE``."""
     step = lr * scale
     with torch.no_grad():
         out = {}
@@ -31,8 +29,7 @@ def master_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def sgd_step_in_place(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                       lr: float) -> dict[str, torch.Tensor]:
-    """``m -= lr * g`` on ``master_weights(params)`` (DTensors keep their placements);
-    returns the stepped master weights."""
+    """``m -= lr * g`` on ``master_weights(params)``, returned (DTensors keep placements)."""
     masters = master_weights(params)
     with torch.no_grad():
         for k, m in masters.items():

@@ -1,8 +1,5 @@
-"""Made-up bugs of the held-out evaluation (``tpattn.diagnosis.evaluate``): no registry entry.
-
-``Injection.partial_scale`` and ``Injection.rank_lr_scale`` name these substitutions;
-``parallel.wrong.program_of`` looks them up in ``parallel.wrong.MADE_UP_STAGES``, filled here.
-"""
+"""Made-up bugs of the held-out evaluation (``tpattn.diagnosis.evaluate``), no registry entry:
+the stages ``Injection.partial_scale`` and ``rank_lr_scale`` name (``wrong.MADE_UP_STAGES``)."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +11,7 @@ __all__ = ["scaled_partials", "lr_scaled"]
 
 
 def scaled_partials(scale):
-    """A ``before_g`` stage: every rank's partial ``[R, S, B, hidden]`` times ``scale``, or
-    TP rank r's times ``scale[r]`` (a tuple)."""
+    """``before_g``: the partials ``[R, S, B, hidden]`` times ``scale`` (or ``scale[r]``)."""
     def before_g(partial: torch.Tensor, p: dict, comm) -> torch.Tensor:
         if isinstance(scale, tuple):
             return partial * partial.new_tensor([scale[r] for r in comm.ranks]).view(-1, 1, 1, 1)
@@ -24,8 +20,7 @@ def scaled_partials(scale):
 
 
 def lr_scaled(scales: tuple):
-    """An ``update`` stage: TP rank r's SGD step with its learning rate times ``scales[r]``
-    (0: the rank keeps its pre-step weights)."""
+    """An ``update`` stage: TP rank r's SGD step with its learning rate times ``scales[r]``."""
     def update(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dict:
         per_rank = [sgd_step({k: t[i] for k, t in ps.items()},
                              {k: g[i] for k, g in grads.items()}, lr, scales[rank] * coefs[i])

@@ -1,6 +1,5 @@
 """The front door: ``resolve`` turns a mode name into its registry entry once; ``run`` checks
-the entry's ``Injection`` (``check.core.check_injection``). Below this, no mode names.
-"""
+the entry's ``Injection`` (``check.core.check_injection``). Below this, no mode names."""
 from __future__ import annotations
 
 from tpattn.block.params import shard_params
@@ -9,25 +8,9 @@ from tpattn.check.core import (ALL_MODES, EQUIVALENCE, MODES, SEEDS, check_injec
 from tpattn.check.tolerance import check_tolerance
 from tpattn.config import Config
 
-from .zoo import REGISTRY, BugMode, check_mode, check_needs, modes_for
+from .zoo import REGISTRY, BugMode, modes_for, resolve
 
-__all__ = ["check_mode", "modes_for", "resolve", "resolve_all", "run",
-           "run_matrix"]
-
-
-def resolve(mode: str, cfg: Config | None = None) -> BugMode:
-    """The registry entry of ``mode``, checked against ``cfg`` (``check_mode`` for the original
-    fixture's modes, ``zoo.check_needs`` for the others; no ``cfg``: the name only);
-    ``ValueError`` naming ``modes_for(cfg)`` for a name the registry does not hold."""
-    entry = REGISTRY.get(mode) if isinstance(mode, str) else None
-    if entry is None:
-        raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
-                         f"(python -m tpattn --list-modes) (got {mode!r})")
-    if mode in ALL_MODES:
-        check_mode(mode, cfg)
-    elif cfg is not None and entry.injection is not None:
-        check_needs(mode, cfg)
-    return entry
+__all__ = ["modes_for", "resolve", "resolve_all", "run", "run_matrix"]
 
 
 def resolve_all(modes, cfg: Config | None = None) -> list[BugMode]:
@@ -38,9 +21,9 @@ def resolve_all(modes, cfg: Config | None = None) -> list[BugMode]:
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
         simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed",
         init: str = "seed") -> dict:
-    """Dense vs TP on the five measures for any registry mode: ``check_injection`` of its
-    resolved injection. ``shard_fn`` replaces the injection's cut; ``tolerance="auto"`` and
-    ``init="fan_in"`` only for ``ALL_MODES``."""
+    """Dense vs TP on the five measures for any registry mode (``check_injection``);
+    ``shard_fn`` replaces the injection's cut; ``tolerance="auto"``, ``init="fan_in"``:
+    ``ALL_MODES`` only."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
     if isinstance(mode, str) and mode in REGISTRY and mode not in ALL_MODES:
@@ -53,9 +36,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
                              f"(got {init!r})")
         check_seed(seed)
         check_simulate(simulate)
-    inj = resolve(mode, cfg).injection
-    if inj is None:
-        check_needs(mode, cfg)  # raises: the mode has no injection of this block
+    inj = resolve(mode, cfg, strict=mode not in ALL_MODES).injection
     return check_injection(seed, mode, inj, cfg, simulate,
                            None if shard_fn is shard_params else shard_fn, tolerance, init)
 
@@ -63,8 +44,7 @@ def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
 def run_matrix(seeds=SEEDS, modes=MODES, cfg: Config | None = None,
                simulate: str = "fixture", tolerance: str = "seed",
                init: str = "seed") -> list[dict]:
-    """``run`` for every mode × seed, mode-major (all seeds of the first mode first), as the
-    original fixture does."""
+    """``run`` for every mode × seed, mode-major, as the original fixture does."""
     cfg = Config() if cfg is None else cfg
     modes = [resolve(m, cfg).name for m in modes]
     seeds = [check_seed(s) for s in seeds]

@@ -1,8 +1,5 @@
 """The bug zoo: every mode ``tpattn.run`` accepts, as a ``BugMode`` of ``REGISTRY``: its
-``Injection`` (one substituted stage of the sharded program), the public report, how faithfully
-it reproduces it (``fidelity``) and what it ``needs`` (``Need``: a named predicate of the
-``Config``). Only ``"mechanism"`` entries (``reported_modes()``) count as reproduced reports.
-"""
+``Injection``, the public report, how faithfully it reproduces it and what it ``needs``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,26 +7,22 @@ from dataclasses import dataclass
 import torch
 
 from tpattn.block.kv_layout import kv_grad_bug_applies
-from tpattn.check.core import (ALL_MODES, BIAS_SEED_OFFSET, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE,
+from tpattn.check.core import (ALL_MODES, EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_KV_GRAD_REDUCE, MISSING_NORM_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, NORM_GRAD_AVERAGED,
-                               OTHER_BATCH_SEED_OFFSET, SP_MODES, block_inputs, check_seed,
+                               SP_MODES, block_inputs, check_seed,
                                clip_coef, dense_step, dropout_masks, load_rank_shard, make_inputs,
                                make_params, rank_batches, shard, tp_step, unshard)
 from tpattn.config import Config
-from tpattn.parallel.engine import MAX_GRAD_NORM, REPLICATED
-from tpattn.parallel.wrong import ScaleGrad as GradScale
+from tpattn.parallel.engine import MAX_GRAD_NORM
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 
-__all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "get_mode",
-           "mode_names", "list_modes", "runnable_modes", "reported_modes",
-           "check_needs", "check_mode", "modes_for", "tp_side",
+__all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "resolve", "get_mode",
+           "mode_names", "list_modes", "runnable_modes", "reported_modes", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
            "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "Need", "MODEL_OPTION_NEEDS",
-           "AROUND_THE_BLOCK",
-           "GradScale", "MAX_GRAD_NORM", "REPLICATED", "BIAS_SEED_OFFSET", "OTHER_BATCH_SEED_OFFSET",
-           "rank_batches", "dense_step", "clip_coef"]
+           "AROUND_THE_BLOCK", "MAX_GRAD_NORM", "rank_batches", "dense_step", "clip_coef"]
 
 #: How faithfully an entry reproduces its report: ``"mechanism"`` (the report's mechanism at its
 #: place), ``"consistent"`` (the simplest one consistent with a report without root cause),
@@ -38,8 +31,8 @@ FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 
 
 class Need(str):
-    """A condition on the ``Config``, named by its text (what ``--list-modes`` prints);
-    ``need(cfg)`` tests it. Without a test it is a setup the mode itself brings (``bias``)."""
+    """A condition on the ``Config`` named by its text; ``need(cfg)`` tests it (no test: a setup
+    the mode itself brings, such as ``bias``)."""
 
     def __new__(cls, text: str, test=None):
         need = super().__new__(cls, text)
@@ -103,8 +96,7 @@ class BugMode:
         return self.injection is not None and self.injection == self.injection.correct()
 
     def as_dict(self) -> dict:
-        """What ``--list-modes`` prints for this mode; ``runnable`` and ``observable`` both
-        mean it has an injection."""
+        """What ``--list-modes`` prints for this mode."""
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
@@ -334,8 +326,7 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
 
 def register(mode: BugMode) -> None:
     """Add (or complete) a mode of another module; ``ValueError`` for a fidelity not in
-    ``FIDELITIES``, a citation without a report's fidelity (or the reverse), or a name a
-    runnable mode of another provider holds."""
+    ``FIDELITIES``, a citation iff not a report's fidelity, or another provider's name."""
     if mode.fidelity not in FIDELITIES:
         raise ValueError(f"fidelity must be one of {', '.join(FIDELITIES)} "
                          f"(got {mode.fidelity!r})")
@@ -354,8 +345,7 @@ def mode_names() -> tuple[str, ...]:
 
 
 def runnable_modes() -> tuple[str, ...]:
-    """The modes with an injection that run on plain-TP shapes (the hunts', signatures' and
-    tables' cases): no ``LAYOUT_NEEDS`` need, not ``AROUND_THE_BLOCK``."""
+    """The modes with an injection on plain-TP shapes: no ``LAYOUT_NEEDS``, not around the block."""
     return tuple(n for n, m in REGISTRY.items()
                  if m.injection is not None and not set(m.needs) & set(LAYOUT_NEEDS)
                  and n not in AROUND_THE_BLOCK)
@@ -371,16 +361,8 @@ def list_modes() -> list[dict]:
     return [m.as_dict() for m in REGISTRY.values()]
 
 
-def get_mode(mode: str) -> BugMode:
-    """The registry entry of ``mode``; ``ValueError`` naming the choices if there is none."""
-    if mode not in REGISTRY:
-        raise ValueError(f"mode must be one of {', '.join(REGISTRY)} (got {mode!r})")
-    return REGISTRY[mode]
-
-
 def modes_for(cfg: Config | None) -> tuple[str, ...]:
-    """The modes of ``cfg``'s matrix: ``SP_MODES`` under ``sequence_parallel``; ``MODES`` plus
-    ``missing_kv_grad_reduce`` where KV heads are replicated; else ``MODES``."""
+    """The modes of ``cfg``'s matrix: ``SP_MODES``, or ``MODES`` (KV replicas: and their bug)."""
     if cfg is not None and cfg.sequence_parallel:
         return SP_MODES
     if cfg is not None and kv_grad_bug_applies(cfg):
@@ -388,73 +370,85 @@ def modes_for(cfg: Config | None) -> tuple[str, ...]:
     return MODES
 
 
-def check_mode(mode: str, cfg: Config | None = None) -> str:
-    """Return ``mode`` if it is one of ``ALL_MODES`` and applies to ``cfg`` (``modes_for``),
-    else raise ``ValueError`` naming the choices, or the layout rule its injection needs."""
-    entry = REGISTRY.get(mode) if isinstance(mode, str) and mode in ALL_MODES else None
-    inj = entry.injection if entry is not None else None
-    if inj is not None and inj.norm_grad != "sum" \
-            and not (cfg is not None and cfg.sequence_parallel):
+def resolve(mode: str, cfg: Config | None = None, strict: bool = False) -> BugMode:
+    """The registry entry of ``mode`` if it can run on ``cfg`` (no ``cfg``: the name only),
+    else ``ValueError`` naming the rule it breaks. ``ALL_MODES`` meet the original fixture's
+    rules, and their ``Need``s only when ``strict`` (``run`` lets them run at world size 1);
+    the others need an injection (when ``strict``), plain TP off the mesh and every ``Need``."""
+    entry = REGISTRY.get(mode) if isinstance(mode, str) else None
+    if entry is None:
+        raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} or a registry mode "
+                         f"(python -m tpattn --list-modes) (got {mode!r})")
+    if cfg is None:
+        return entry
+    if mode in ALL_MODES:
+        _check_fixture_mode(mode, entry.injection, cfg)
+    if not strict and (mode in ALL_MODES or entry.injection is None):
+        return entry
+    if entry.injection is None:
+        raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
+                         f"registered it without one (tpattn.bugs.zoo.register)")
+    if mode not in ALL_MODES and not set(entry.needs) & set(MESH_NEEDS):
+        _check_plain_tp(mode, cfg)
+    for need in entry.needs:
+        if not need(cfg):
+            _raise_unmet(entry, need, cfg)
+    return entry
+
+
+#: ``resolve`` of a name alone: the registry entry (chapters 8 and 9 read one with it).
+get_mode = resolve
+
+
+def _check_fixture_mode(mode: str, inj: Injection, cfg: Config) -> None:
+    """The original fixture's rules for one of ``ALL_MODES``: its layout, then ``modes_for``."""
+    if inj.norm_grad != "sum" and not cfg.sequence_parallel:
         raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
                          f"only then is the norm weight's gradient a partial sum to all-reduce")
-    if inj is not None and inj.kv_grad != "sum" and cfg is not None \
-            and not kv_grad_bug_applies(cfg):
+    if inj.kv_grad != "sum" and not kv_grad_bug_applies(cfg):
         raise ValueError(
             f"mode {mode} needs replicated KV heads: kv_heads < world_size "
             f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
             f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
-    valid = modes_for(cfg) if cfg is not None else ALL_MODES
-    if mode not in valid:
-        raise ValueError(f"mode must be one of {', '.join(valid)} (got {mode!r})")
-    return mode
+    if mode not in modes_for(cfg):
+        raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} (got {mode!r})")
 
 
-def check_needs(mode: str, cfg: Config) -> BugMode:
-    """The entry of ``mode`` if it can run on ``cfg``, else ``ValueError`` naming the unmet
-    need: ``check_mode``'s rules for the original fixture's modes, plain TP for the zoo's other
-    injections off the mesh, then every ``Need``."""
-    entry = get_mode(mode)
-    if entry.injection is None:
-        raise ValueError(f"mode {mode!r} has no injection of this block: {entry.provider} "
-                         f"registered it without one (tpattn.bugs.zoo.register)")
-    if mode in ALL_MODES:  # the original fixture's check's modes: its rules and layouts
-        check_mode(mode, cfg)
-    elif not set(entry.needs) & set(MESH_NEEDS):  # the zoo's other injections: plain TP
-        if cfg.sequence_parallel:
-            raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
-                             f"no sequence parallelism: sequence_parallel must be False")
-        if cfg.kv_heads < cfg.world_size:
-            raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
-                             f"not replicate KV heads: kv_heads must be >= world_size (got "
-                             f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
-    for need in entry.needs:
-        if need(cfg):
-            continue
-        if need in MODEL_OPTION_NEEDS:
-            raise ValueError(f"mode {mode!r} needs {need}: the model option its bug lives in "
-                             f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
-                             f"--dropout P, --qk-norm)")
-        mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
-                f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
-        raise ValueError(f"mode {mode!r} needs {need} (got world_size={cfg.world_size}, "
-                         f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
-    return entry
+def _check_plain_tp(mode: str, cfg: Config) -> None:
+    """The zoo's block off the mesh has neither sequence parallelism nor KV replicas."""
+    if cfg.sequence_parallel:
+        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
+                         f"no sequence parallelism: sequence_parallel must be False")
+    if cfg.kv_heads < cfg.world_size:
+        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
+                         f"not replicate KV heads: kv_heads must be >= world_size (got "
+                         f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
+
+
+def _raise_unmet(entry: BugMode, need: Need, cfg: Config) -> None:
+    """``ValueError`` naming ``need``, which ``cfg`` does not meet, and ``cfg``'s sizes."""
+    if need in MODEL_OPTION_NEEDS:
+        raise ValueError(f"mode {entry.name!r} needs {need}: the model option its bug lives in "
+                         f"(got dropout={cfg.dropout}, qk_norm={cfg.qk_norm}; "
+                         f"--dropout P, --qk-norm)")
+    mesh = (f", data_parallel={cfg.data_parallel}, sequence_parallel="
+            f"{cfg.sequence_parallel}" if set(entry.needs) & set(MESH_NEEDS) else "")
+    raise ValueError(f"mode {entry.name!r} needs {need} (got world_size={cfg.world_size}, "
+                     f"query_heads={cfg.query_heads}, kv_heads={cfg.kv_heads}{mesh})")
 
 
 def forward_fixture(xs: list[torch.Tensor], p: dict[str, torch.Tensor], cfg: Config,
                     inj: Injection) -> torch.Tensor:
-    """Rank 0's output ``[S, B, hidden]`` in one graph, the ranks' shards views of the dense
-    ``p``; xs: each rank's input (ranks >= 1's used only under ``inputs="per_rank"``)."""
+    """Rank 0's output ``[S, B, hidden]`` in one graph from each rank's input ``xs``."""
     others = xs[1:] if inj.inputs == "per_rank" else None
     return one_graph_forward(xs[0], p, cfg, inj, lambda q, c: shard(q, c, inj), others)
 
 
 def sides(mode: str, seed: int = 11, cfg: Config | None = None,
           simulate: str = "ranks") -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    """``(dense, tp, params)``: the two ``one_step`` dicts ``run`` compares for ``mode`` and
-    the starting parameters (with the mode's bias)."""
+    """``(dense, tp, params)``: the two ``one_step`` dicts ``run`` compares, and the start."""
     cfg = Config() if cfg is None else cfg
-    inj = check_needs(mode, cfg).injection
+    inj = resolve(mode, cfg, strict=True).injection
     x0, target = make_inputs(cfg, check_seed(seed))
     base = make_params(cfg, seed, inj)
     return (dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed)),

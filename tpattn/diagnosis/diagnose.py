@@ -516,7 +516,7 @@ def _no_cause(evidence: list[str]) -> list[dict]:
 
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
     from tpattn.bugs.modes import run
-    from tpattn.bugs.zoo import REGISTRY, check_needs, runnable_modes
+    from tpattn.bugs.zoo import REGISTRY, resolve, runnable_modes
     from tpattn.config import Config
     cfg = cfg or Config()
     failing = tuple(m for m in MEASURES if result[m] >= TOLERANCE)
@@ -526,7 +526,7 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
         signatures = {}
         for mode in runnable_modes():
             try:
-                check_needs(mode, cfg)
+                resolve(mode, cfg, strict=True)
                 r = run(11, mode, cfg, "ranks")
             except ValueError:  # the shape does not meet the mode's needs
                 continue

@@ -11,7 +11,7 @@ from collections import Counter
 
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
-from tpattn.bugs.zoo import AROUND_THE_BLOCK, REGISTRY, check_needs, runnable_modes
+from tpattn.bugs.zoo import AROUND_THE_BLOCK, REGISTRY, resolve, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
 from .observe import observe, observe_injection
 
@@ -136,7 +136,7 @@ def single_bug_answers(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) ->
     for name, cfg, modes in shapes:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
             try:
-                check_needs(mode, cfg)
+                resolve(mode, cfg, strict=True)
             except ValueError:  # this shape does not host the mode
                 continue
             for seed in seeds:

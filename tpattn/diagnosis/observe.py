@@ -16,7 +16,7 @@ from tpattn.config import Config
 from tpattn.parallel.engine import REPLICATED, stack_ranks, unstack_ranks
 from tpattn.parallel.rng import simulated_streams
 from tpattn.parallel.simulated import simulated_forward, simulated_step
-from tpattn.bugs.zoo import (Injection, block_inputs, check_needs, make_params, rank_batches,
+from tpattn.bugs.zoo import (Injection, block_inputs, make_params, rank_batches, resolve,
                              shard, unshard)
 
 __all__ = ["observe", "observe_injection", "simulated_train", "train_loop", "replica_sums",
@@ -261,7 +261,7 @@ def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = S
     and (not SP, not a mesh) ``output_outside_partials``. ``ValueError`` when ``cfg`` does
     not meet the mode's needs."""
     cfg = Config() if cfg is None else cfg
-    entry = check_needs(mode, cfg)
+    entry = resolve(mode, cfg, strict=True)
     if entry.injection is None:  # a mode another module runs (zoo.register with a runner)
         raise ValueError(f"mode {mode!r} is run by {entry.provider}: its observables are not "
                          f"an injection of this block")

@@ -317,7 +317,7 @@ def _validate(mode, cfg, seed):
     check_seed(seed)
     if not isinstance(mode, str):
         raise ValueError(f"mode must be a mode name (got {mode!r})")
-    entry = resolve(mode, cfg)  # check_mode's rules on cfg
+    entry = resolve(mode, cfg)  # the original fixture's rules on cfg
     inj = entry.injection
     if cfg.data_parallel > 1 or set(entry.needs) & set(MESH_NEEDS):
         raise ValueError(f"typecheck checks one TP group (a fake process group of world_size "
@@ -325,8 +325,7 @@ def _validate(mode, cfg, seed):
                          f"group (got data_parallel={cfg.data_parallel}; mode {mode!r} needs "
                          f"{', '.join(entry.needs) or 'nothing'})")
     if inj is None or not inj.reduction_only:
-        from tpattn.bugs.zoo import check_needs
-        check_needs(mode, cfg)  # ValueError naming the mode and what it needs (plain TP)
+        resolve(mode, cfg, strict=True)  # ValueError naming the mode and what it needs (plain TP)
     return inj
 
 

@@ -1,2 +1,1 @@
-"""Parallel execution: the sharded block written once (``engine``), per rank, with its
-collectives passed in (``collectives``), and the backends that hold the ranks."""
+"""Parallel execution: the sharded block written once (``engine``), its collectives, backends."""

@@ -1,12 +1,8 @@
 """Three primitives per backend, and every collective of the block as an autograd Function.
 
-A backend holds ``R`` ranks (dim 0 of every tensor) and supplies only ``group_sum(t, group)``,
-``group_cat(t, dim, group)``, ``scatter_sum(t, group)`` (a reduce-scatter along the
-sequence), ``record(phase, label, collective, group, op)`` (the ledger), ``groups``,
-``position`` and ``cfg, ledger, ranks, dp_ranks, world_size, data_parallel``. f, g, the
-sequence all-gather / reduce-scatter, the K/V all-gather and the replica-group reduce are
-Functions over them, as Megatron-LM's ``tensor_parallel/mappings.py`` writes them.
-``SimulatedRanks``: every rank of the job in one process, mesh order (``i = dp * W + tp``).
+A backend holds ``R`` ranks (dim 0 of every tensor) and supplies ``group_sum``, ``group_cat``,
+``scatter_sum`` (a reduce-scatter along the sequence) and ``record`` (the ledger); f, g and the
+other collectives are Functions over them, as Megatron-LM's ``tensor_parallel/mappings.py``.
 """
 from __future__ import annotations
 
@@ -51,16 +47,14 @@ def check_op(op: str) -> str:
 
 
 def own_tokens(full: torch.Tensor, comm, group: str = "tp") -> torch.Tensor:
-    """Each rank's ``S/W`` tokens (its position in ``group``) of its entry: ``[R, S, ...]``
-    -> ``[R, S/W, ...]``."""
+    """Each rank's ``S/W`` tokens (by its place in ``group``): ``[R, S, ...]`` -> ``[R, S/W, ...]``."""
     w = comm.world_size
     return torch.stack([full[i].chunk(w, dim=0)[comm.position(i, group)]
                         for i in range(full.shape[0])])
 
 
 class SimulatedRanks:
-    """Every rank of the job in one process, dim 0 in mesh order; ``ledger``: the list the
-    collectives are recorded in (``None``: none)."""
+    """Every rank of the job in one process, dim 0 in mesh order (``i = dp * W + tp``)."""
 
     def __init__(self, cfg: Config, ledger: list | None = None):
         self.cfg, self.ledger = cfg, ledger
@@ -111,8 +105,7 @@ class SimulatedRanks:
         return torch.stack(out)
 
     def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
-        """A reduce-scatter along the sequence: each rank's ``S/W`` tokens of its group's sum
-        of ``t`` ``[R, S, ...]``."""
+        """Reduce-scatter along the sequence: each rank's ``S/W`` tokens of its group's sum."""
         return own_tokens(self.group_sum(t, group), self, group).contiguous()
 
     def record(self, phase: str, label: str, collective: str = "all_reduce",

@@ -1,9 +1,8 @@
 """The sharded attention block, written once, for the ranks one process holds.
 
 Every tensor has a leading rank dim ``R``: x ``[R, S_r, B, hidden]`` (``S_r = S/W`` under
-SP), norm ``[R, hidden]``, wq ``[R, Hq/W*D, hidden]``, wk, wv ``[R, rows, hidden]``, wo
-``[R, hidden, Hq/W*D]``, bias ``[R, hidden]``, q_norm, k_norm ``[R, D]``. ``rank_block`` runs
-a ``Program``'s stages on a backend ``comm``; ``train_step`` is one step of it.
+SP), wq ``[R, Hq/W*D, hidden]``, wk, wv ``[R, rows, hidden]``, wo ``[R, hidden, Hq/W*D]``,
+norm, bias ``[R, hidden]``, q_norm, k_norm ``[R, D]``.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ __all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICAT
            "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad", "head_norm", "mesh_sync",
            "as_program", "attend", "grad_norm"]
 
-#: Ledger label of the gradient norm's all-reduce.
 GRAD_NORM_LABEL = "sum of squared gradient norms"
 #: Gradient clipping threshold of the modes that clip.
 MAX_GRAD_NORM = 0.25
@@ -61,8 +59,7 @@ def head_norm(t: torch.Tensor, w: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 
 def _kv(n: torch.Tensor, p: dict, cfg: Config, comm, prog: Program):
-    """Every rank's K and V ``[R, S, B, Hkv_r*D]``: its wk/wv rows (replicas: through the
-    replica reduce), or under ``gather_activations`` its KV head of the gathered slices."""
+    """Every rank's K and V ``[R, S, B, Hkv_r*D]`` (``gather_activations``: all-gathered)."""
     r, s, b, _ = n.shape
     if cfg.kv_heads < cfg.world_size and cfg.kv_strategy == KV_STRATEGIES[1]:
         local = torch.cat([_project(n, p["wk"]), _project(n, p["wv"])], dim=-1)
@@ -118,8 +115,8 @@ def rank_block(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, prog,
 
 
 def _losses(y: torch.Tensor, target: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Backward of every rank's loss; the losses ``[R]``: its MSE (SP: the global MSE, each
-    rank backpropagating its share; on a mesh: its share of the global mean)."""
+    """Backward of every rank's loss; the losses ``[R]``: its MSE (SP: the global MSE; on a
+    mesh: its share of the global mean)."""
     r = y.shape[0]
     sq = (y - target).pow(2)
     if cfg.data_parallel > 1:
@@ -137,9 +134,8 @@ def _losses(y: torch.Tensor, target: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
                cfg: Config, prog, comm, lr: float, rng=None) -> dict:
-    """One step on ``comm``'s ranks (forward, backward, reduces, norm, clipping, SGD): p
-    stacked, x, target ``[R, S_r, B, hidden]`` -> ``outputs``, ``losses``, ``input_grads``,
-    ``grads``, ``weights``, ``grad_norm``, ``ledger``."""
+    """One step on ``comm``'s ranks: p stacked, x, target ``[R, S_r, B, hidden]`` ->
+    ``outputs``, ``losses``, ``input_grads``, ``grads``, ``weights``, ``grad_norm``, ``ledger``."""
     prog = as_program(prog)
     r = x.shape[0]
     ps = {k: t.detach().clone().requires_grad_(True) for k, t in p.items()}
@@ -162,8 +158,7 @@ def train_step(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor
 
 
 def grad_norm(grads: dict[str, torch.Tensor], comm, prog=CORRECT) -> torch.Tensor:
-    """The global gradient norm: each rank's ``prog.grad_squares`` summed over its TP group
-    (a scalar, or ``[R]`` on a mesh)."""
+    """The global gradient norm: a scalar (``[R]`` on a mesh)."""
     squares = as_program(prog).grad_squares(grads, comm)
     return reduce_scalar(squares, comm, GRAD_NORM_LABEL).sqrt()
 

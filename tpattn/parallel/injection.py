@@ -1,8 +1,4 @@
-"""``Injection``: how the sharded block is wired and trained (the defaults are correct TP).
-
-Every registry mode (``tpattn.bugs.zoo.REGISTRY``) is one ``Injection``; ``program()`` turns
-its fields into the engine's stages (``parallel.wrong.program_of``).
-"""
+"""``Injection``: how the sharded block is wired and trained; ``program()`` its engine stages."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +75,7 @@ class Injection:
 
     @property
     def reduction_only(self) -> bool:
-        """Only f (``"sum"``/``"none"``), g (1/0), ``norm_grad`` or ``kv_grad`` differ from the
-        defaults: the original fixture's check's modes."""
+        """Only f, g, ``norm_grad`` or ``kv_grad`` dropped: the original fixture's modes."""
         return self.f in ("sum", "none") and self.g in (0, 1) \
             and Injection(f=self.f, g=self.g, norm_grad=self.norm_grad,
                           kv_grad=self.kv_grad) == self

@@ -1,4 +1,4 @@
-"""Fewer KV heads than ranks: the gather option's per-rank pieces and what each strategy costs.
+"""Fewer KV heads than ranks: what each strategy costs, and each replica counted once.
 
 With ``kv_heads < world_size`` rank r reads KV head ``r // (W/Hkv)``: ``replicate_weights``
 (a copy of its wk/wv rows per rank, their gradients all-reduced in the replica group) or
@@ -7,46 +7,18 @@ With ``kv_heads < world_size`` rank r reads KV head ``r // (W/Hkv)``: ``replicat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tpattn.config import KV_STRATEGIES, Config
 from .collectives import KV_GATHER_LABEL, KV_SCATTER_LABEL, REPLICA_GRAD_LABEL
-from tpattn.block.layers import apply_rope, attention, repeat_kv
 from tpattn.block.kv_layout import (GATHER_ACTIVATIONS, REPLICATE_WEIGHTS, has_replicas,
                                     is_first_kv_copy, kv_grad_bug_applies, kv_head_of_rank,
                                     kv_weight_rows, replica_groups, replica_index)
 
 __all__ = ["REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "KV_STRATEGIES", "has_replicas",
            "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
-           "is_first_kv_copy", "kv_grad_bug_applies", "local_kv", "attend_gathered",
-           "kv_collectives", "kv_costs", "ring_bytes", "unique_parameters", "global_grad_norm",
+           "is_first_kv_copy", "kv_grad_bug_applies", "kv_collectives", "kv_costs", "ring_bytes", "unique_parameters", "global_grad_norm",
            "fused_qkv_gather_bytes"]
 
-
-# --- gather_activations: the per-rank pieces --------------------------------------------------
-
-def local_kv(n: torch.Tensor, shard: dict[str, torch.Tensor]) -> torch.Tensor:
-    """This rank's K and V slices side by side (what it all-gathers): n ``[S, B, hidden]``,
-    ``shard["wk"]``, ``shard["wv"]`` ``[c, hidden]`` -> ``[S, B, 2c]``."""
-    return torch.cat([F.linear(n, shard["wk"]), F.linear(n, shard["wv"])], dim=-1)
-
-
-def attend_gathered(n: torch.Tensor, shard: dict[str, torch.Tensor], kv_all: torch.Tensor,
-                    cfg: Config, rank: int) -> torch.Tensor:
-    """One rank's partial ``[S, B, hidden]`` from the gathered K/V ``kv_all`` ``[S, B, W*2c]``
-    (every rank's ``local_kv``, rank order): its KV head, RoPE, its query heads, its wo columns."""
-    s, b, d, w = n.shape[0], n.shape[1], cfg.head_dim, cfg.world_size
-    parts = kv_all.view(s, b, w, 2, -1)  # rank, (K | V), slice
-    k_all = parts[:, :, :, 0].reshape(s, b, cfg.kv_heads, d)
-    v_all = parts[:, :, :, 1].reshape(s, b, cfg.kv_heads, d)
-    h = kv_head_of_rank(cfg, rank)
-    q = apply_rope(F.linear(n, shard["wq"]).view(s, b, -1, d))
-    k, v = apply_rope(k_all[:, :, h:h + 1]), v_all[:, :, h:h + 1]
-    ctx = attention(q, repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2]))
-    return F.linear(ctx.reshape(s, b, -1), shard["wo"])
-
-
-# --- what each strategy costs --------------------------------------------------------------
 
 def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> int:
     """Bytes one rank sends in a ring collective over ``group_size`` p: all-reduce of N
@@ -60,9 +32,7 @@ def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> 
 
 
 def kv_collectives(cfg: Config) -> list[dict]:
-    """The KV collectives of one rank in one correct step, in order: ``label``, ``phase``,
-    ``kind``, ``group_size``, ``elements`` (of the buffer: the all-reduce's tensor, the
-    all-gather's output, the reduce-scatter's input). Empty when ``kv_heads >= world_size``."""
+    """The KV collectives of one rank in one correct step, as ``ring_bytes`` reads them."""
     if not has_replicas(cfg):
         return []
     if cfg.kv_strategy == GATHER_ACTIVATIONS:
@@ -106,21 +76,16 @@ def kv_costs(cfg: Config) -> dict:
 
 
 def fused_qkv_gather_bytes(cfg: Config) -> int:
-    """Bytes one rank sends per step when the whole fused Q/K/V activation (``tokens x (Hq +
-    2 Hkv) x D``) is all-gathered forward and reduce-scattered backward (Megatron-Core with
-    ``num_query_groups < tensor_model_parallel_size``, NVIDIA/Megatron-LM#2565)."""
+    """Bytes one rank sends per step all-gathering the fused Q/K/V activation (Megatron-LM#2565)."""
     size = torch.empty((), dtype=cfg.torch_dtype).element_size()
     elements = cfg.seq * cfg.batch * (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
     w = cfg.world_size
     return ring_bytes("all_gather", elements, w, size) + ring_bytes("reduce_scatter", elements, w, size)
 
 
-# --- replicas counted once: gradient norm, clipping, checkpoints ------------------------------
-
 def unique_parameters(cfg: Config, rank_tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Every distinct tensor of the block once, from each rank's ``norm``, ``wq``, ``wk``,
-    ``wv``, ``wo`` (one dict per rank): rank 0's ``norm``, every ``"wq@r"``/``"wo@r"``, and
-    ``"wk@r"``/``"wv@r"`` of the first copy of each KV head (``is_first_kv_copy``)."""
+    """Every distinct tensor of the block once, from one dict per rank: rank 0's ``norm``,
+    every ``"wq@r"``/``"wo@r"``, ``"wk@r"``/``"wv@r"`` of each KV head's first copy."""
     if len(rank_tensors) != cfg.world_size:
         raise ValueError(f"rank_tensors must hold one dict per rank, world_size={cfg.world_size} "
                          f"(got {len(rank_tensors)})")
@@ -133,8 +98,7 @@ def unique_parameters(cfg: Config, rank_tensors: list[dict[str, torch.Tensor]]) 
 
 
 def global_grad_norm(cfg: Config, rank_grads: list[dict[str, torch.Tensor]]) -> float:
-    """The block's gradient norm from every rank's gradients, each replica once
-    (``unique_parameters``), in float64."""
+    """The block's gradient norm, each replica once (``unique_parameters``), in float64."""
     unique = unique_parameters(cfg, rank_grads)
     return float(sum(g.double().square().sum() for g in unique.values()) ** 0.5)
 

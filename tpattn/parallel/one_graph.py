@@ -1,9 +1,6 @@
-"""The original fixture's one-graph semantics (``simulate="fixture"``) as a program of the engine.
-
-``OneGraphRanks`` holds every rank in ONE autograd graph, rank 0's view: the shards are views
-of the dense leaves, ``x`` one leaf every rank sees, one loss on what rank 0 reports. Its
-collectives (``one_graph_program``) are plain tensor ops: f the identity (autograd sums dn),
-g a sum over the rank dim; a dropped collective is detached copies on ranks >= 1.
+"""The original fixture's one-graph view (``simulate="fixture"``) as a backend of the engine:
+every rank in ONE autograd graph, shards views of the dense leaves, f the identity (autograd
+sums dn), g a sum over the rank dim; a dropped collective is detached copies on ranks >= 1.
 """
 from __future__ import annotations
 
@@ -49,8 +46,8 @@ class OneGraphRanks:
 
     def rank_views(self, x: torch.Tensor, shards, inj, others: list[torch.Tensor] | None = None):
         """``(xs [W, S_r, B, hidden], p [W, ...])`` from the leaf ``x`` ``[S, B, hidden]`` and
-        ``shards`` (views of the dense leaves: per-rank dicts or ``stacked_views``), ``inj``'s
-        dropped collectives as detached copies on ranks >= 1. ``others``: ranks >= 1's inputs."""
+        ``shards`` (views of the dense leaves), ``inj``'s dropped collectives as detached
+        copies on ranks >= 1. ``others``: ranks >= 1's inputs."""
         cfg, w = self.cfg, self.world_size
         p = dict(shards) if isinstance(shards, dict) else \
             {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
@@ -72,14 +69,12 @@ class OneGraphRanks:
         return xs, p
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
-        """Rank 0's report of ``y`` ``[W, S_r, B, hidden]``: ``[S, B, hidden]`` (SP: every rank's
-        tokens)."""
+        """Rank 0's report of ``y`` ``[W, S_r, B, hidden]``: ``[S, B, hidden]``."""
         return y.reshape(-1, *y.shape[2:]) if self.cfg.sequence_parallel else y[0]
 
 
 def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
-    """``shard_params``' shards of the dense ``p`` as ``[W, ...]`` views (``kv_heads >=
-    world_size``): replicated tensors expanded, wq/wk/wv rows and wo columns rank-major."""
+    """``shard_params``' shards of the dense ``p`` as ``[W, ...]`` views (no KV replicas)."""
     w, hidden = cfg.world_size, p["wq"].shape[1]
     return {"norm": _broadcast(p["norm"], w),
             **{k: p[k].view(w, -1, hidden) for k in ("wq", "wk", "wv")},
@@ -90,9 +85,7 @@ def stacked_views(p: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Te
 def one_graph_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, inj,
                       shard_fn=shard_params, others: list[torch.Tensor] | None = None
                       ) -> torch.Tensor:
-    """``engine.rank_block`` on ``OneGraphRanks``: x ``[S, B, hidden]``, dense ``p`` (shards
-    ``shard_fn(p, cfg)``, views) -> rank 0's ``[S, B, hidden]``. ``others``: ranks >= 1's
-    inputs. No dropout or qk-norm here (``ValueError``: the simulated ranks run them)."""
+    """``engine.rank_block`` on ``OneGraphRanks``: x ``[S, B, hidden]`` -> rank 0's output."""
     if cfg.model_options:
         raise ValueError(f"one_graph_forward models neither dropout nor qk_norm (got "
                          f"dropout={cfg.dropout}, qk_norm={cfg.qk_norm}): run the simulated "
@@ -135,8 +128,7 @@ def _gather_kv(local: torch.Tensor, comm) -> torch.Tensor:
 
 
 def one_graph_program(inj) -> Program:
-    """``inj.program()`` with one graph's collectives: f the identity (``mean``: dn / W,
-    ``twice``: dn * W), g the rank sum (twice: times W), SP's as concatenation and sum."""
+    """``inj.program()`` with one graph's collectives (f the identity, g the rank sum)."""
     prog = inj.program()
     f = {"sum": no_collective, "none": no_collective,
          "mean": lambda n, comm: ScaleGrad.apply(n, 1.0 / comm.world_size),

@@ -1,8 +1,5 @@
-"""``Program``: the stages the per-rank block and its step run; the defaults are correct TP.
-
-Each field is one stage, called with the ranks' tensors and the backend ``comm``; a bug is a
-``Program`` with one stage replaced (``tpattn.parallel.wrong``).
-"""
+"""``Program``: the stages the per-rank block and its step run, each called with the ranks'
+tensors and the backend ``comm``; the defaults are correct TP, a bug replaces one stage."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,8 +36,7 @@ def add_bias_after_g(out: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
-    """Each rank's squared gradients summed, ``[R]`` float64; ``REPLICATED`` ones on TP rank
-    0 only (a replicated KV head's copies on every rank: the logged norm)."""
+    """Each rank's squared gradients summed, ``[R]`` float64 (``REPLICATED`` ones on TP rank 0)."""
     first = torch.tensor(comm.ranks) == 0
     squares = 0.0
     for name, g in grads.items():
@@ -58,8 +54,7 @@ def sgd_ranks(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dic
 
 @dataclass(frozen=True)
 class Program:
-    """The block's stages (``f`` .. ``add_bias``), the step's (``norm_grad`` .. ``update``),
-    ``clip`` (a setup, not a bug)."""
+    """The block's stages (``f`` .. ``add_bias``) and the step's (``norm_grad`` .. ``update``)."""
 
     f: Callable = CopyToRanks.apply
     g: Callable = ReduceFromRanks.apply

@@ -1,12 +1,8 @@
 """The ranks' random streams for dropout, as Megatron's model-parallel RNG tracker keeps them.
 
-Every rank has a default stream seeded with ``seed`` (the same on every TP rank: the residual
-dropout, outside the sharded region, drops the same elements) and a model-parallel stream
-seeded with ``seed + 2718 + tp_rank`` (attention dropout on the rank's own heads). A mask is
-``bernoulli(1 - p)`` in float32, times ``1 / (1 - p)``, in the run's dtype (``keep_mask``).
-``Injection.rng = "rank0_drift"``: tp_rank 0's default generator is consumed once by a
-``DataLoader`` iterator's base-seed draw (Megatron-DeepSpeed PR 276: a loader built on
-tp_rank 0 only); on the CPU that desyncs the residual masks across TP ranks.
+Every rank has a default stream seeded with ``seed`` (the same on every TP rank: residual
+dropout) and a model-parallel stream seeded with ``seed + 2718 + tp_rank`` (attention
+dropout on the rank's own heads).
 """
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ def state_checksum(generator: torch.Generator) -> float:
 
 
 class RankStreams:
-    """Each rank's ``defaults`` and ``model_parallel`` generators (``comm.ranks`` order);
-    each ``*_masks`` call draws every rank's next masks."""
+    """Each rank's ``defaults`` and ``model_parallel`` generators (``comm.ranks`` order)."""
 
     def __init__(self, defaults: list[torch.Generator], model_parallel: list[torch.Generator]):
         if len(defaults) != len(model_parallel):
@@ -53,8 +48,7 @@ class RankStreams:
         self.defaults, self.model_parallel = list(defaults), list(model_parallel)
 
     def attention_masks(self, cfg: Config) -> torch.Tensor:
-        """Every rank's attention mask (model-parallel stream), heads rank-major:
-        ``[B, R * Hq/W, S, S]``."""
+        """Every rank's attention mask (model-parallel stream): ``[B, R * Hq/W, S, S]``."""
         shape = (cfg.batch, cfg.local_query_heads, cfg.seq, cfg.seq)
         return torch.cat([keep_mask(shape, cfg.dropout, g, cfg.torch_dtype)
                           for g in self.model_parallel], dim=1)
@@ -87,9 +81,7 @@ def simulated_streams(cfg: Config, seed: int, inj=None, tp_ranks=None) -> RankSt
 
 
 def process_streams(cfg: Config, seed: int, tp_rank: int, inj=None) -> RankStreams:
-    """This process's streams (TP rank ``tp_rank``): torch's global generator seeded with
-    ``seed`` (the one ``nn.Dropout`` reads), and a model-parallel generator; tp_rank 0
-    drifts under ``inj.rng == "rank0_drift"``."""
+    """This process's streams: torch's global generator (``nn.Dropout``'s) and its own."""
     torch.manual_seed(seed)
     parallel = torch.Generator().manual_seed(seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     if inj is not None and inj.rng == "rank0_drift" and tp_rank == 0:
@@ -98,15 +90,13 @@ def process_streams(cfg: Config, seed: int, tp_rank: int, inj=None) -> RankStrea
 
 
 def replica_masks(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
-    """One DP replica's masks of one correct step, over its TP ranks: ``attention``
-    ``[B, Hq, S, S]`` and ``residual`` ``[S, B, hidden]`` (what the dense reference applies)."""
+    """A replica's step masks: ``attention`` ``[B, Hq, S, S]``, ``residual`` ``[S, B, hidden]``."""
     streams = simulated_streams(cfg, seed, tp_ranks=range(cfg.world_size))
     return {"attention": streams.attention_masks(cfg),
             "residual": streams.residual_masks(cfg)[0]}
 
 
 def tile_masks(masks: dict[str, torch.Tensor], data_parallel: int) -> dict[str, torch.Tensor]:
-    """``replica_masks`` tiled along the batch for ``data_parallel`` replicas (each draws
-    the same): ``[dp*B, Hq, S, S]`` and ``[S, dp*B, hidden]``."""
+    """``replica_masks`` tiled along the batch: ``[dp*B, Hq, S, S]``, ``[S, dp*B, hidden]``."""
     return {"attention": masks["attention"].repeat(data_parallel, 1, 1, 1),
             "residual": masks["residual"].repeat(1, data_parallel, 1)}

@@ -1,9 +1,5 @@
-"""Sequence parallelism (SP; Korthikanti et al. 2022, Megatron-LM's ``--sequence-parallel``).
-
-Each rank holds ``S/W`` tokens; f becomes an all-gather along the sequence, g a
-reduce-scatter (``collectives.GatherSequence``/``ScatterSequence``), the ``norm`` gradient
-is all-reduced after backward. This module: the token layout and what SP's collectives cost.
-"""
+"""Sequence parallelism (Korthikanti et al. 2022): each rank's tokens and what SP's collectives
+cost. f becomes an all-gather along the sequence, g a reduce-scatter (``collectives``)."""
 from __future__ import annotations
 
 import torch
@@ -13,13 +9,8 @@ from tpattn.block.layers import rms_norm
 from .kv_heads import ring_bytes
 from .wrong import ScaleGrad
 
-__all__ = ["NORM_GRAD_REDUCTIONS", "rank_tokens", "ScaleGrad", "ring_bytes",
+__all__ = ["rank_tokens", "ScaleGrad", "ring_bytes",
            "communication_ledger", "norm_activation_bytes"]
-
-#: How the ranks' ``norm`` gradients are combined after backward: ``"sum"`` (correct, an
-#: all-reduce), ``"mean"`` (the ``norm_grad_averaged`` bug), ``"none"`` (dropped).
-NORM_GRAD_REDUCTIONS = ("sum", "mean", "none")
-
 
 def rank_tokens(cfg: Config, rank: int) -> slice:
     """The positions of the sequence rank ``rank`` holds under SP: ``[r*S/W, (r+1)*S/W)``."""
@@ -27,11 +18,8 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
     return slice(rank * local, (rank + 1) * local)
 
 
-# --- what the collectives cost ----------------------------------------------------------
-
 def communication_ledger(cfg: Config) -> list[dict]:
-    """The collectives of one correct step without and with SP, one row each: ``variant``,
-    ``collective``, ``phase``, ``what``, ``elements``, ``bytes_per_rank`` (``ring_bytes``)."""
+    """The collectives of one correct step without and with SP, one row each (``ring_bytes``)."""
     w, item = cfg.world_size, torch.empty((), dtype=cfg.torch_dtype).element_size()
     act, hid = cfg.seq * cfg.batch * cfg.hidden, cfg.hidden
     rows = [("TP", "all_reduce", "forward", act, "g: sum of output partials"),

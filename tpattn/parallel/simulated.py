@@ -1,9 +1,5 @@
-"""The simulated backend's step and views: every rank of the job in one process.
-
-``simulated_step`` is ``engine.train_step`` on ``SimulatedRanks``: each rank its own
-parameters, input, loss and backward, graphs meeting only in the collectives;
-``rank0_view`` is what rank 0 reports of it.
-"""
+"""``engine.train_step`` on ``SimulatedRanks`` (every rank of the job in one process), and
+what rank 0 reports of it."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -25,8 +21,7 @@ def _stacked(per_rank):
 
 
 def with_reader_fg(prog, f=None, g=None) -> Program:
-    """``prog`` with a reader's f and/or g: Functions whose ``apply(*tensors)`` maps one
-    tensor per rank to one per rank, recorded in the ledger as f's and g's."""
+    """``prog`` with a reader's f and/or g (``apply(*per_rank)``), recorded in the ledger."""
     prog = as_program(prog)
     if f is None and g is None:
         return prog
@@ -48,9 +43,7 @@ def with_reader_fg(prog, f=None, g=None) -> Program:
 
 def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
                    rng=None) -> dict:
-    """``engine.train_step`` on every rank of ``cfg.ranks`` (mesh order): shards per-rank
-    dicts or stacked ``[R, ...]``, batches ``(x, target)`` ``[S_r, B, hidden]`` per rank;
-    ``f``, ``g``: ``with_reader_fg``; ``rng``: ``RankStreams`` (dropout)."""
+    """``engine.train_step`` on every rank; batches: ``(x, target)`` ``[S_r, B, hidden]`` each."""
     x = torch.stack([b[0] for b in batches])
     target = torch.stack([b[1] for b in batches])
     comm = SimulatedRanks(cfg, [])
@@ -75,7 +68,7 @@ def rank_steps(step: dict) -> list[dict]:
 
 def gather_steps(steps: list[dict], cfg: Config, unshard=None) -> dict:
     """Rank 0's ``one_step``-style report of ``rank_steps``: its output, loss, dX (SP: every
-    rank's tokens) and full-size grads and weights (``unshard``, default ``unshard_params``)."""
+    rank's tokens), full-size grads and weights (``unshard``, default ``unshard_params``)."""
     unshard = unshard or (lambda per_rank: unshard_params(per_rank, cfg))
     output, input_grad = steps[0]["output"], steps[0]["input_grad"]
     if cfg.sequence_parallel:
@@ -108,9 +101,8 @@ def mesh_view(step: dict, cfg: Config, unshard=None) -> dict:
 
 
 def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tensor]],
-                      cfg: Config, inj, f=None, g=None) -> list[torch.Tensor]:
-    """``engine.rank_block`` on one ``[S_r, B, hidden]`` per rank in and out (differentiable);
-    ``f``, ``g``: ``with_reader_fg``."""
+                      cfg: Config, inj) -> list[torch.Tensor]:
+    """``engine.rank_block`` on one ``[S_r, B, hidden]`` per rank in and out (differentiable)."""
     p = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
-    y = rank_block(torch.stack(list(xs)), p, cfg, with_reader_fg(inj, f, g), SimulatedRanks(cfg))
+    y = rank_block(torch.stack(list(xs)), p, cfg, inj, SimulatedRanks(cfg))
     return list(y.unbind(0))

@@ -1,10 +1,8 @@
 """Tensor-parallel attention in one autograd graph, rank 0's view: one list entry per rank.
 
-Each rank holds whole query/KV head groups (column-parallel Q/K/V rows, row-parallel ``wo``
-columns); Megatron-LM's f and g (``tensor_parallel/mappings.py``) join them. In one graph
-autograd writes their backward: a tensor every rank uses receives the sum of their
-gradients (f's all-reduce of dn), a sum hands its gradient to every term (g's identity).
-"""
+Each rank holds whole query/KV head groups; f and g join them, and autograd writes their
+backward: a tensor every rank uses receives the sum of their gradients (f), a sum hands its
+gradient to every term (g)."""
 from __future__ import annotations
 
 import torch
@@ -16,32 +14,23 @@ from tpattn.block.params import shard_params
 
 
 def copy_to_ranks(n: torch.Tensor, world_size: int, reduce_grad: bool = True) -> list[torch.Tensor]:
-    """Megatron's **f**: forward the identity, every rank gets ``n``; backward the sum of
-    every rank's dn (autograd accumulates the gradients of all uses of ``n``).
-
-    ``reduce_grad=False`` (``missing_input_grad_reduce``, rank 0's view): ranks ``1..W-1``
-    get ``n.detach()``, so dn is rank 0's contribution only.
-    n: ``[S, B, hidden]``; returns ``world_size`` tensors ``[S, B, hidden]``.
-    """
+    """Megatron's **f**: every rank gets ``n`` ``[S, B, hidden]``; backward the sum of every
+    rank's dn. ``reduce_grad=False``: ranks ``1..W-1`` get ``n.detach()`` (dn is rank 0's)."""
     return [n if reduce_grad or rank == 0 else n.detach() for rank in range(world_size)]
 
 
 def reduce_output_partials(partials: list[torch.Tensor], reduce: bool = True) -> torch.Tensor:
-    """Megatron's **g**: forward the sum of the ranks' partials (rank order); backward the
-    identity. ``reduce=False`` (``missing_output_reduce``, rank 0's view): rank 0's partial.
-    partials: ``world_size`` tensors ``[S, B, hidden]``; returns ``[S, B, hidden]``.
-    """
+    """Megatron's **g**: the sum of the ranks' partials ``[S, B, hidden]`` (rank order);
+    backward the identity. ``reduce=False``: rank 0's partial."""
     return sum(partials) if reduce else partials[0]
 
 
 def tp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
                reduce_output: bool = True, reduce_input_grad: bool = True,
                shard_fn=shard_params) -> torch.Tensor:
-    """``dense_forward`` computed by ``cfg.world_size`` simulated TP ranks: x ``[S, B,
-    hidden]``, ``p`` dense (sharded by ``shard_fn(p, cfg)``, gradients land in ``p``) ->
-    ``[S, B, hidden]``. ``reduce_output=False`` drops g, ``reduce_input_grad=False`` f's
-    backward sum.
-    """
+    """``dense_forward`` on ``cfg.world_size`` simulated ranks: x ``[S, B, hidden]``, dense
+    ``p`` (cut by ``shard_fn``; gradients land in ``p``) -> ``[S, B, hidden]``.
+    ``reduce_output=False`` drops g, ``reduce_input_grad=False`` f's backward sum."""
     n = rms_norm(x, p["norm"], cfg.eps)  # replicated: every rank computes the same n
     inputs = copy_to_ranks(n, cfg.world_size, reduce_grad=reduce_input_grad)
     partials = [attend_and_project(n_rank, shard, cfg)

@@ -1,6 +1,5 @@
 """Wrong stages, each a substitution for one stage of the correct ``Program``; ``program_of``
-turns an ``Injection``'s knobs into them (the made-up bugs' stages: ``tpattn.bugs.made_up``).
-"""
+turns an ``Injection``'s knobs into them."""
 from __future__ import annotations
 
 from dataclasses import replace

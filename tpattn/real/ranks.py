@@ -277,10 +277,8 @@ def validate_run(world_size, seeds, modes, config, timeout, fault):
     modes = tuple(modes)
     entries = [resolve(m, cfg) for m in modes]  # each mode checked, in order
     if any(e.injection is None or not e.injection.reduction_only for e in entries):
-        from tpattn.bugs.zoo import check_needs
-
         for m in modes:
-            check_needs(m, cfg)  # a mode this shape cannot run fails here, not in the ranks
+            resolve(m, cfg, strict=True)  # a mode this shape cannot run fails here, not in the ranks
     if fault is not None:
         _check_fault(fault, world_size, cfg, bool(modes and seeds))
     if cfg.data_parallel > 1 and cfg.kv_heads < cfg.world_size:
