@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tpattn.config import Config
-from .style import DENSE_COLOR, FAIL_COLOR, arrow, box, new_figure, rank_color
+from .style import DENSE_COLOR, FAIL_COLOR, arrow, bare_axes, box, new_figure, rank_color
 
 __all__ = ["gradient_paths_figure", "backward_flow_figure"]
 
@@ -18,28 +18,20 @@ def _arrow(ax, start, end, color=GRAD_COLOR, lw=1.5, ls="-", text=None, at=0.5, 
         ax.text(x, y, text, ha="center", va="bottom", fontsize=size, color=color)
 
 
-def _frame(ax, width, height):
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
-    ax.set_aspect("equal")
-    ax.axis("off")
-
-
 def gradient_paths_figure():
     """Forward in grey, backward in purple: ``dy`` reaches ``x`` through the residual and
     through the branch as ``dn``; ``dX`` is their sum."""
     fig, ax = new_figure(figsize=(9.0, 3.6))
-    _frame(ax, 10.0, 4.0)
+    bare_axes(ax, (0, 10.0), (0, 4.0), equal=True)
     yf, yb = 2.7, 1.3                      # forward row, backward row
-    boxes = {"x": 0.7, "norm": 2.5, "branch": 5.3, "plus": 7.7, "y": 9.3}
-    box(ax, boxes["x"], yf, 0.9, 0.6, "x")
-    box(ax, boxes["norm"], yf, 1.4, 0.6, "RMSNorm")
-    box(ax, boxes["branch"], yf, 2.4, 0.6, "branch: Q/K/V, RoPE,\nattention, wo", size=8.5)
-    box(ax, boxes["plus"], yf, 0.6, 0.6, "+", size=12)
-    box(ax, boxes["y"], yf, 0.9, 0.6, "y")
-    for a, b, w in (("x", "norm", (0.45, 0.7)), ("norm", "branch", (0.7, 1.2)),
-                    ("branch", "plus", (1.2, 0.3)), ("plus", "y", (0.3, 0.45))):
-        _arrow(ax, (boxes[a] + w[0], yf), (boxes[b] - w[1], yf), color=DENSE_COLOR, lw=1.2)
+    boxes = {"x": 0.7, "norm": 2.5, "branch": 5.3, "plus": 7.7, "y": 9.3}  # centers
+    half = {"x": 0.45, "norm": 0.7, "branch": 1.2, "plus": 0.3, "y": 0.45}  # half widths
+    for name, text, size in (("x", "x", 9), ("norm", "RMSNorm", 9),
+                             ("branch", "branch: Q/K/V, RoPE,\nattention, wo", 8.5),
+                             ("plus", "+", 12), ("y", "y", 9)):
+        box(ax, boxes[name], yf, 2 * half[name], 0.6, text, size=size)
+    for a, b in zip(list(boxes), list(boxes)[1:]):
+        _arrow(ax, (boxes[a] + half[a], yf), (boxes[b] - half[b], yf), color=DENSE_COLOR, lw=1.2)
     ax.text(3.85, yf + 0.12, "n", ha="center", va="bottom", fontsize=10, color=DENSE_COLOR)
     # the residual: x jumps over norm and branch
     _arrow(ax, (boxes["x"], yf + 0.3), (boxes["plus"], yf + 0.3), color=DENSE_COLOR, lw=1.0,
@@ -73,7 +65,7 @@ def backward_flow_figure(cfg: Config | None = None):
     lane = 0.9
     height = max(3.4, lane * world + 1.9)
     fig, ax = new_figure(figsize=(10.0, max(3.4, 0.95 * height)))
-    _frame(ax, 11.0, height)
+    bare_axes(ax, (0, 11.0), (0, height), equal=True)
     mid = height / 2 + 0.35
     lanes = [mid + lane * ((world - 1) / 2 - r) for r in range(world)]
     x_dy, x_rank, x_sum, x_norm, x_plus, x_dx = 10.2, 7.4, 4.7, 2.6, 1.4, 0.45

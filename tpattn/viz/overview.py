@@ -13,12 +13,13 @@ from tpattn.block.dense import dense_forward
 from tpattn.block.layers import attention, repeat_kv, rms_norm
 from tpattn.block.params import init_params, rank_head_slices
 from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials
-from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, arrow, box, new_figure, rank_color
+from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, arrow, bare_axes, box, new_figure, rank_color
 from tpattn.bugs.modes import run
 
 __all__ = ["rank_heads", "block_map_figure", "float32_rounding_errors", "float32_rounding_figure"]
 
 _F_G_COLOR = "#6a3d9a"  # the two collectives
+_boxed = functools.partial(box, pad=0.3)
 
 
 def rank_heads(cfg: Config, rank: int) -> tuple[range, range]:
@@ -34,29 +35,28 @@ def _heads_text(heads: range) -> str:
 
 def _rank_lane(ax, cfg: Config, rank: int, y: float, mid: float) -> None:
     """Rank ``rank``'s lane of the block map at height ``y``."""
-    boxed = functools.partial(box, pad=0.3)
     color = rank_color(rank)
     q_heads, kv_heads = rank_heads(cfg, rank)
     arrow(ax, (34.5, mid), (38.7, y), color=color)
     ax.text(38.7, y + 4.3, f"rank {rank}", color=color, fontsize=8.5, weight="bold",
             ha="left", va="bottom")
-    boxed(ax, 44, y, 10, 7, f"wq, wk, wv rows\nq heads {_heads_text(q_heads)}\n"
-          f"kv head{'s' if len(kv_heads) > 1 else ''} {_heads_text(kv_heads)}", color, size=8)
+    _boxed(ax, 44, y, 10, 7, f"wq, wk, wv rows\nq heads {_heads_text(q_heads)}\n"
+           f"kv head{'s' if len(kv_heads) > 1 else ''} {_heads_text(kv_heads)}", color, size=8)
     arrow(ax, (49.4, y), (52.3, y), color=color)
-    boxed(ax, 58.5, y, 10.5, 7, f"RoPE, {repeat_kv.__name__},\ncausal {attention.__name__}",
-          color, size=8)
+    _boxed(ax, 58.5, y, 10.5, 7, f"RoPE, {repeat_kv.__name__},\ncausal {attention.__name__}",
+           color, size=8)
     arrow(ax, (64.1, y), (67.0, y), color=color)
-    boxed(ax, 72.0, y, 9.0, 7, f"wo columns\n→ partial {rank}\n[{cfg.seq}, {cfg.batch}, "
-          f"{cfg.hidden}]", color, size=8)
+    _boxed(ax, 72.0, y, 9.0, 7, f"wo columns\n→ partial {rank}\n[{cfg.seq}, {cfg.batch}, "
+           f"{cfg.hidden}]", color, size=8)
     arrow(ax, (76.9, y), (80.0, mid), color=color)
 
 
 def _g_and_residual(ax, mid: float, top: float) -> None:
     """The block map's right end: g, ``+ x`` (the residual along ``top``), ``y``."""
     g_name = reduce_output_partials.__name__.replace("output_", "output_\n")
-    box(ax, 85.5, mid, 10.5, 11, f"g\n{g_name}\nfwd: all-reduce (Σ)\nbwd: identity",
-        _F_G_COLOR, face="#f3eef8", size=8, pad=0.3)
-    box(ax, 94.6, mid, 2.4, 3, "+", DENSE_COLOR, size=11, weight="bold", pad=0.3)
+    _boxed(ax, 85.5, mid, 10.5, 11, f"g\n{g_name}\nfwd: all-reduce (Σ)\nbwd: identity",
+           _F_G_COLOR, face="#f3eef8", size=8)
+    _boxed(ax, 94.6, mid, 2.4, 3, "+", DENSE_COLOR, size=11, weight="bold")
     arrow(ax, (91.1, mid), (93.2, mid))
     ax.text(99.6, mid, "y", ha="center", va="center", fontsize=11, weight="bold")
     arrow(ax, (96.1, mid), (98.6, mid))
@@ -70,7 +70,6 @@ def block_map_figure(cfg: Config | None = None):
     """The block split across ``cfg.world_size`` ranks: ``x`` → RMSNorm → f → a lane per rank
     → g → ``+ x``, labelled with the package's names."""
     cfg = Config() if cfg is None else cfg
-    boxed = functools.partial(box, pad=0.3)
     world = cfg.world_size
     lane_gap = 13.0
     lane_y = [-lane_gap * r for r in range(world)]
@@ -79,16 +78,14 @@ def block_map_figure(cfg: Config | None = None):
     bottom = lane_y[-1] - 6.5  # the notes
     y_range = (top + 3.0) - (bottom - 5.5)
     fig, ax = new_figure(figsize=(10.0, round(y_range * 0.105, 1)))
-    ax.set_xlim(-1, 101)
-    ax.set_ylim(bottom - 5.5, top + 3.0)
-    ax.set_axis_off()
+    bare_axes(ax, (-1, 101), (bottom - 5.5, top + 3.0))
     s, b, hidden = cfg.seq, cfg.batch, cfg.hidden
-    boxed(ax, 4, mid, 6.5, 6, f"x\n[{s}, {b}, {hidden}]", DENSE_COLOR, size=8.5)
-    boxed(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR, size=8)
+    _boxed(ax, 4, mid, 6.5, 6, f"x\n[{s}, {b}, {hidden}]", DENSE_COLOR, size=8.5)
+    _boxed(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR, size=8)
     arrow(ax, (7.8, mid), (11.2, mid))
     # f: one tensor in, one copy per rank out
-    boxed(ax, 29, mid, 10.5, 9, f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn",
-         _F_G_COLOR, face="#f3eef8", size=8)
+    _boxed(ax, 29, mid, 10.5, 9,
+           f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn", _F_G_COLOR, face="#f3eef8", size=8)
     arrow(ax, (20.8, mid), (23.5, mid))
     ax.text(22.15, mid + 0.8, "n", ha="center", va="bottom", fontsize=8.5, style="italic")
     for rank, y in enumerate(lane_y):
@@ -128,10 +125,8 @@ def float32_rounding_figure(seed: int = 11, cfg: Config | None = None):
     counts, _ = torch.histogram(shown, bins=edges)
     ax.stairs(counts.numpy(), edges.numpy(), fill=True, color="#bbbbbb",
               label=f"|float32 − float64|, {errors.numel()} output elements")
-    ax.set_xscale("log")
-    ax.set_xlim(floor / 2, top)
     ymax = float(counts.max()) * 1.35
-    ax.set_ylim(0, ymax)
+    ax.set(xscale="log", xlim=(floor / 2, top), ylim=(0, ymax))
     ax.axvline(TOLERANCE, color="black", ls="--", lw=1.2)
     ax.text(TOLERANCE * 1.3, ymax * 0.96, "threshold 1e-6", va="top", fontsize=8.5)
     for i, mode in enumerate(MODES):
@@ -144,8 +139,7 @@ def float32_rounding_figure(seed: int = 11, cfg: Config | None = None):
         ax.text(x / 1.3, ymax * (0.80 - 0.14 * i), label, color=color, ha="right", fontsize=8.5)
     ticks = [1e-12, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1]
     ax.set_xticks(ticks, ["0"] + [f"1e{round(math.log10(t))}" for t in ticks[1:]])
-    ax.set_xlabel("absolute difference")
-    ax.set_ylabel("elements")
-    ax.set_title(f"seed {seed}: float32 rounding sits below 1e-6, the bugs far above it")
+    ax.set(xlabel="absolute difference", ylabel="elements",
+           title=f"seed {seed}: float32 rounding sits below 1e-6, the bugs far above it")
     ax.legend(loc="upper left", fontsize=8, frameon=False)
     return fig

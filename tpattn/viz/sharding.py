@@ -10,7 +10,7 @@ from tpattn.check.core import MEASURES, MODES, TOLERANCE
 from tpattn.config import Config
 from .frames import draw_heads
 from .heads import heads_picture
-from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
+from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color, side_legend
 from .tables import MEASURE_LABELS
 
 __all__ = ["ZERO_FLOOR", "MODE_COLORS", "zero_floor", "value_label", "set_measures",
@@ -21,11 +21,7 @@ __all__ = ["ZERO_FLOOR", "MODE_COLORS", "zero_floor", "value_label", "set_measur
 #: Where a value of exactly 0 is drawn on a log axis (and labelled "0").
 ZERO_FLOOR = 1e-12
 
-MODE_COLORS = {
-    "equivalence": PASS_COLOR,
-    "missing_output_reduce": FAIL_COLOR,
-    "missing_input_grad_reduce": "#9467bd",
-}
+MODE_COLORS = dict(zip(MODES, (PASS_COLOR, FAIL_COLOR, "#9467bd")))
 
 
 def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None):
@@ -57,13 +53,8 @@ def weight_shards_figure(cfg: Config):
             ax.text(xy[0] + w / 2, xy[1] + h / 2, f"rank {r}", ha="center", va="center",
                     color="white", fontsize=8, fontweight="bold",
                     rotation=90 if name == "wo" else 0)
-        ax.set_xlim(0, cols)
-        ax.set_ylim(rows - tallest, rows)
-        ax.set_aspect("equal")
-        ax.set_xticks([])
-        ax.set_yticks([])
-        for side in ("left", "bottom"):
-            ax.spines[side].set_visible(False)
+        ax.set(xlim=(0, cols), ylim=(rows - tallest, rows), aspect="equal", xticks=[], yticks=[])
+        ax.spines[["left", "bottom"]].set_visible(False)
         kind = "columns → row-parallel" if name == "wo" else "rows → column-parallel"
         ax.set_title(f"{name} [{rows}, {cols}]\n{kind}", fontsize=9)
     return fig
@@ -85,8 +76,7 @@ def value_label(v: float) -> str:
 
 def _threshold_line(ax, floor: float, axis: str = "x") -> None:
     """Log scale from ``floor`` to 30 on ``axis``, the dashed 1e-6 line, labelled."""
-    getattr(ax, f"set_{axis}scale")("log")
-    getattr(ax, f"set_{axis}lim")(floor / 3, 30)
+    ax.set(**{f"{axis}scale": "log", f"{axis}lim": (floor / 3, 30)})
     (ax.axvline if axis == "x" else ax.axhline)(TOLERANCE, color="black", linestyle="--",
                                                linewidth=1)
     if axis == "x":
@@ -95,6 +85,12 @@ def _threshold_line(ax, floor: float, axis: str = "x") -> None:
     else:
         ax.text(1.0, TOLERANCE, " 1e-6", transform=ax.get_yaxis_transform(), va="center",
                 ha="left", fontsize=8)
+
+
+def _log_ticks(top: float) -> tuple[list, list]:
+    """Ticks and labels of a log axis from ``ZERO_FLOOR`` (labelled "0") to ``top``."""
+    ticks = [t for t in (ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3, 1) if t <= top]
+    return ticks, ["0", "1e-9", "1e-6", "1e-3", "1"][:len(ticks)]
 
 
 def _measure_bars(ax, ys, values, floor: float, fontsize: float, **style) -> None:
@@ -153,9 +149,8 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
         _measure_bars(ax, ys, values, floor, 7, height=height * 0.9,
                       color=palette[i % len(palette)], label=label)
     _measures_axis(ax, floor)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
-    if title:
-        ax.set_title(title)
+    side_legend(ax)
+    ax.set_title(title)
     return fig
 
 
@@ -178,8 +173,7 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
         for b in range(1, batch):
             ax.axvline(b * hidden - 0.5, color="white", linewidth=2)
         ax.set_title(name, fontsize=9, loc="left")
-        ax.set_ylabel("seq")
-        ax.set_yticks(range(im.shape[0]))
+        ax.set(ylabel="seq", yticks=range(im.shape[0]))
         ax.set_xticks([b * hidden + hidden / 2 - 0.5 for b in range(batch)],
                       [f"batch {b}" for b in range(batch)])
         if not shared_scale:
@@ -201,13 +195,10 @@ def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor])
                edgecolors="black", linewidths=0.8, label="sum of partials (g)")
     lim = 1.05 * max(abs(xs).max(), max(float(p.detach().abs().max()) for p in partials))
     ax.plot([-lim, lim], [-lim, lim], color="#888888", linestyle="--", linewidth=1)
-    ax.set_xlim(-lim, lim)
-    ax.set_ylim(-lim, lim)
-    ax.set_aspect("equal")
-    ax.set_xlabel("full attention output (dense)")
-    ax.set_ylabel("what the rank holds")
+    ax.set(xlim=(-lim, lim), ylim=(-lim, lim), aspect="equal",
+           xlabel="full attention output (dense)", ylabel="what the rank holds",
+           title="partials vs the full output, every element")
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title("partials vs the full output, every element")
     return fig
 
 
@@ -222,12 +213,8 @@ def channel_bars_figure(series: Mapping[str, torch.Tensor], title: str = "", yla
         xs = [c - 0.4 + width * (i + 0.5) for c in range(values.numel())]
         ax.bar(xs, values.numpy(), width=width * 0.95, color=palette[i % len(palette)], label=label)
     ax.axhline(0, color="black", linewidth=0.6)
-    ax.set_xticks(range(values.numel()))
-    ax.set_xlabel("channel")
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    if title:
-        ax.set_title(title)
+    ax.set(xticks=range(values.numel()), xlabel="channel", ylabel=ylabel, title=title)
+    side_legend(ax)
     return fig
 
 
@@ -241,11 +228,9 @@ def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequ
         steps = range(1, len(values) + 1)
         left.plot(steps, [v or ZERO_FLOOR for v in values], marker=markers[i % len(markers)],
                   markersize=4, label=name)
-    left.set_yscale("log")
-    left.set_ylim(ZERO_FLOOR / 3, 1)
+    left.set(yscale="log", ylim=(ZERO_FLOOR / 3, 1), xlabel="SGD step")
     left.axhline(TOLERANCE, color="black", linestyle="--", linewidth=1)
-    left.set_yticks([ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3], ["0", "1e-9", "1e-6", "1e-3"])
-    left.set_xlabel("SGD step")
+    left.set_yticks(*_log_ticks(1e-3))
     left.set_title(title, fontsize=10)
     left.legend(fontsize=7, ncol=2)
     palette = ["#444444", "#9467bd", "#1f77b4"]
@@ -270,12 +255,11 @@ def matrix_figure(results: Sequence[Mapping]):
             ax.scatter(xs, [float(r[measure]) or ZERO_FLOOR for r in rows], s=18,
                        color=MODE_COLORS[mode], label=mode if k == 0 else None, zorder=3)
     _threshold_line(ax, ZERO_FLOOR, "y")
-    ticks = [ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3, 1]
-    ax.set_yticks(ticks, ["0", "1e-9", "1e-6", "1e-3", "1"])
+    ax.set_yticks(*_log_ticks(1))
     ax.set_xticks(range(len(MEASURES)), [MEASURE_LABELS[m].replace(" ", "\n", 1) for m in MEASURES],
                   fontsize=8)
     ax.set_ylabel("max |dense − TP|")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    side_legend(ax)
     seeds = sorted({r["seed"] for r in results})
     ax.set_title(f"{len(seeds)} seeds × {len(modes)} modes")
     return fig
