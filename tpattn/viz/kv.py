@@ -5,8 +5,7 @@ from typing import Mapping, Sequence
 
 from tpattn.config import Config
 from tpattn.parallel.kv_heads import KV_STRATEGIES, has_replicas, kv_costs
-from .frames import draw_heads
-from .heads import replica_groups_layout
+from .heads import draw_heads, replica_groups_layout
 from .sharding import drift_figure
 from .style import FAIL_COLOR, new_figure
 

@@ -8,8 +8,7 @@ import torch
 
 from tpattn.check.core import MEASURES, MODES, TOLERANCE
 from tpattn.config import Config
-from .frames import draw_heads
-from .heads import heads_picture
+from .heads import draw_heads, heads_picture
 from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color, side_legend
 from .tables import MEASURE_LABELS
 
