@@ -5,7 +5,7 @@ import matplotlib.patches as mpatches
 
 from tpattn.config import Config
 from tpattn.parallel.collectives import SimulatedRanks
-from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure, rank_color
+from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, bare_axes, new_figure, rank_color
 
 __all__ = ["mesh_groups_figure", "mesh_panels", "sp_gather_figure", "gathered_sources"]
 
@@ -18,8 +18,7 @@ MESH_PANELS = (
 
 
 def mesh_panels(cfg: Config) -> list[dict]:
-    """Per panel ``title``, ``mode`` and the groups (global ranks) it uses ``right`` and
-    ``wrong``."""
+    """Per panel ``title``, ``mode`` and the groups (global ranks) used ``right`` and ``wrong``."""
     comm = SimulatedRanks(cfg)
     def groups(name):  # "tp": full_tensor() of a Replicate DTensor reduces nothing
         return [[r] for r in range(cfg.ranks)] if name in ("self", "tp") else comm.groups(name)
@@ -43,10 +42,7 @@ def _grid(ax, cfg: Config, groups: list[list[int]], color: str, title: str) -> N
             (min(xs) - 0.42, min(ys) - 0.38), max(xs) - min(xs) + 0.84,
             max(ys) - min(ys) + 0.76, boxstyle="round,pad=0.02", fill=False,
             edgecolor=color, linewidth=1.6, linestyle="-" if len(members) > 1 else ":"))
-    ax.set_xlim(-0.6, w - 0.4)
-    ax.set_ylim(-0.6, d - 0.4)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    bare_axes(ax, (-0.6, w - 0.4), (-0.6, d - 0.4), equal=True)
     ax.set_title(title, fontsize=8)
 
 
@@ -95,9 +91,7 @@ def sp_gather_figure(cfg: Config | None = None):
                         fontsize=7)
             ax.text(-0.15, y, f"rank {r} (dp{r // cfg.world_size})", ha="right",
                     va="center", fontsize=7)
-        ax.set_xlim(-1.9, cfg.world_size)
-        ax.set_ylim(-0.6, cfg.ranks - 0.4)
-        ax.axis("off")
+        bare_axes(ax, (-1.9, cfg.world_size), (-0.6, cfg.ranks - 0.4))
         ax.set_title(title, fontsize=9)
     fig.suptitle("chunks each rank gathers: r = replica, t = token chunk (red: another "
                  "replica's)", fontsize=8)

@@ -1,7 +1,7 @@
 """Figures of chapter 14 (Equal at scale): measures against their ``tolerance="auto"`` bound."""
 from __future__ import annotations
 
-from .style import FAIL_COLOR, PASS_COLOR, new_figure
+from .style import FAIL_COLOR, PASS_COLOR, new_figure, side_legend
 
 __all__ = ["bound_ratio_figure"]
 
@@ -29,10 +29,7 @@ def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest 
                    color=color, facecolors=face)
     ax.axhline(1.0, color="#444444", lw=1)
     ax.axhline(100.0, color="#444444", lw=1, ls=":")
-    ax.set_yscale("log")
-    ax.set_ylim(1e-6 / 2, None)
+    ax.set(yscale="log", ylim=(1e-6 / 2, None), ylabel="measure / bound", title=title)
     ax.set_xticks(range(len(groups)), [f"{d}\nTP {w}" for d, w in groups], fontsize=8)
-    ax.set_ylabel("measure / bound")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    side_legend(ax, loc="center left", bbox_to_anchor=(1.0, 0.5))
     return fig

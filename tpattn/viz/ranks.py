@@ -30,17 +30,14 @@ def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mappin
     for (mode, m), xy in points.items():
         ax.scatter(*zip(*xy), color=MODE_COLORS[mode], marker=_MEASURE_MARKERS[m], s=28,
                    alpha=0.8, edgecolor="none")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log")
     lo, hi = ZERO_FLOOR / 3, 3.0
     ax.plot([lo, hi], [lo, hi], color=DENSE_COLOR, lw=0.8, zorder=0)
     for line in (ax.axvline, ax.axhline):
         line(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8, zorder=0)
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    ax.set_xlabel("simulated ranks (one process)")
-    ax.set_ylabel("real ranks (one process per rank)")
-    ax.set_title("The same measures, simulated vs real ranks (0 drawn at 1e-12)")
+    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="simulated ranks (one process)",
+           ylabel="real ranks (one process per rank)",
+           title="The same measures, simulated vs real ranks (0 drawn at 1e-12)")
     modes = [ax.scatter([], [], color=MODE_COLORS[m], marker="o", label=m) for m in MODES]
     measures = [ax.scatter([], [], color="#999999", marker=_MEASURE_MARKERS[m],
                            label=MEASURE_LABELS[m]) for m in MEASURES]
@@ -67,9 +64,8 @@ def ledger_figure(ledger: Sequence[Mapping]):
         for y, (a, e, color) in enumerate(zip(actual, expected, colors)):
             ax.text(max(a, e) + 0.08, y, f"{a} of {e}" + ("" if a == e else "  missing"),
                     va="center", fontsize=8, color=DENSE_COLOR if a == e else color)
-        ax.set_title(f"all-reduces in {phase}")
-        ax.set_xlim(0, max(max(expected), max(actual)) + 1.6)
-        ax.set_xticks(range(0, max(max(expected), max(actual)) + 1))
+        most = max(*expected, *actual)
+        ax.set(title=f"all-reduces in {phase}", xlim=(0, most + 1.6), xticks=range(most + 1))
     axes[0].invert_yaxis()  # first row on top (the axes share y: invert once)
     axes[0].set_yticks(list(positions), labels, fontsize=8)
     axes[1].legend(loc="upper right", fontsize=8)
@@ -99,12 +95,10 @@ def rank_disagreement_figure(rows: Sequence[Mapping]):
                    color=color, label=label if i == 0 else None)
             ax.text(x, max(value, ZERO_FLOOR) * 1.6, "0" if value == 0 else f"{value:.0e}",
                     ha="center", fontsize=7)
-    ax.set_yscale("log")
     ax.axhline(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8)
     ax.text(-0.45, TOLERANCE * 1.6, "1e-6", ha="left", fontsize=8, color=DENSE_COLOR)
-    ax.set_ylim(ZERO_FLOOR / 2, 1e4)
+    ax.set(yscale="log", ylim=(ZERO_FLOOR / 2, 1e4), ylabel="max |rank r copy − rank 0 copy|",
+           title="Do the ranks hold the same values? (0 drawn at 1e-12)")
     ax.set_xticks(range(len(modes)), modes)
-    ax.set_ylabel("max |rank r copy − rank 0 copy|")
-    ax.set_title("Do the ranks hold the same values? (0 drawn at 1e-12)")
     ax.legend(fontsize=8, loc="upper center", ncols=4, frameon=False)
     return fig
