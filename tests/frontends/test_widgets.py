@@ -32,7 +32,7 @@ from tpattn.viz import sharding as viz_sharding
 from tpattn.viz.sharding import measures_figure
 from tpattn.viz.tables import format_measure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.measures import MeasuresPlot, live_run
+from tpattn.widgets.explorers import MeasuresPlot, live_run
 
 
 @pytest.fixture(autouse=True)
