@@ -47,8 +47,7 @@ def _grid(ax, cfg: Config, groups: list[list[int]], color: str, title: str) -> N
 
 
 def mesh_groups_figure(cfg: Config | None = None):
-    """A column per ``mesh_panels`` panel: the mesh's ranks framed by the correct groups
-    (green, top) and the bug's (red, bottom; dotted: a group of one)."""
+    """A column per ``mesh_panels`` panel: the ranks framed by the right groups, then the bug's."""
     cfg = cfg or Config(data_parallel=2)
     panels = mesh_panels(cfg)
     fig, axes = new_figure(len(panels), 2, figsize=(7.0, 3.8))
@@ -73,8 +72,7 @@ def gathered_sources(cfg: Config, group: str = "tp") -> list[list[tuple[int, int
 
 
 def sp_gather_figure(cfg: Config | None = None):
-    """Each rank's ``gathered_sources`` as a row of chunks colored by replica, over the TP
-    group and over the DP group."""
+    """Each rank's ``gathered_sources`` as chunks colored by replica, over the TP and DP groups."""
     cfg = cfg or Config(data_parallel=2, sequence_parallel=True, seq=4)
     fig, axes = new_figure(2, 1, figsize=(6.3, 0.5 + 0.45 * cfg.ranks))
     for ax, group, title in ((axes[0], "tp", "over the TP group (correct)"),

@@ -38,8 +38,7 @@ def dropout_masks_figure(cfg: Config, seed: int = 11):
 
 
 def qk_norm_replica_drift(cfg: Config, seed: int, inj: Injection, steps: int) -> list[float]:
-    """After each of ``steps`` SGD steps wired as ``inj``, the largest difference between any
-    rank's ``q_norm`` or ``k_norm`` and rank 0's."""
+    """After each of ``steps`` SGD steps (``inj``), how far any rank's q/k norms are from rank 0."""
     if not cfg.qk_norm:
         raise ValueError("cfg.qk_norm must be True: the drift is the q/k-norm replicas'")
     x, t = make_inputs(cfg, seed)

@@ -12,8 +12,7 @@ _STYLES = {"equivalence": ("o", PASS_COLOR, None),
 
 
 def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest of the five"):
-    """The largest ``measure / bound`` of each ``compare_world_sizes`` row, by dtype and
-    world size, log scale, lines at 1 and 100."""
+    """Each ``compare_world_sizes`` row's largest ``measure / bound`` by dtype and world size."""
     fig, ax = new_figure(figsize=(7.0, 3.4))
     groups = sorted({(r["dtype"], r["world_size"]) for r in rows},
                     key=lambda g: (_DTYPES.index(g[0]), g[1]))

@@ -135,7 +135,6 @@ def heads_svg(picture: HeadsPicture, dpi: int = 100) -> str:
     return "".join(out)
 
 
-
 def heads_picture(cfg: Config, query_ranks: Sequence[int] | None = None) -> HeadsPicture:
     """``heads_layout``, or ``replica_groups_layout`` for fewer KV heads than ranks."""
     if cfg.kv_heads < cfg.world_size and query_ranks is None:

@@ -241,8 +241,7 @@ def attention_dynamic_artists(fig) -> list:
 
 
 def gradient_figure(grads: dict[str, torch.Tensor]):
-    """A panel per parameter gradient (``init_params``' keys): ``norm`` as bars, the matrices
-    as heat maps, each titled with its norm."""
+    """A panel per parameter gradient: ``norm`` as bars, the matrices as heat maps, with norms."""
     if not isinstance(grads, dict) or set(grads) != set(PARAM_NAMES):
         raise ValueError(f"grads must be a dict with keys {list(PARAM_NAMES)} "
                          f"(got {sorted(grads) if isinstance(grads, dict) else type(grads).__name__})")

@@ -14,7 +14,8 @@ from tpattn.block.dense import dense_forward
 from tpattn.block.layers import attention, repeat_kv, rms_norm
 from tpattn.block.params import init_params, rank_head_slices
 from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials
-from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, arrow, bare_axes, box, new_figure, rank_color
+from .style import (DENSE_COLOR, FAIL_COLOR, PASS_COLOR, arrow, bare_axes, box, new_figure,
+                    rank_color)
 from tpattn.bugs.modes import run
 
 __all__ = ["rank_heads", "block_map_figure", "float32_rounding_errors", "float32_rounding_figure",
@@ -84,11 +85,13 @@ def block_map_figure(cfg: Config | None = None):
     bare_axes(ax, (-1, 101), (bottom - 5.5, top + 3.0))
     s, b, hidden = cfg.seq, cfg.batch, cfg.hidden
     _boxed(ax, 4, mid, 6.5, 6, f"x\n[{s}, {b}, {hidden}]", DENSE_COLOR, size=8.5)
-    _boxed(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR, size=8)
+    _boxed(ax, 16, mid, 9, 6, f"{rms_norm.__name__}\n(norm: every\nrank the same)", DENSE_COLOR,
+           size=8)
     arrow(ax, (7.8, mid), (11.2, mid))
     # f: one tensor in, one copy per rank out
     _boxed(ax, 29, mid, 10.5, 9,
-           f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn", _F_G_COLOR, face="#f3eef8", size=8)
+           f"f\n{copy_to_ranks.__name__}\nfwd: identity\nbwd: all-reduce dn", _F_G_COLOR,
+           face="#f3eef8", size=8)
     arrow(ax, (20.8, mid), (23.5, mid))
     ax.text(22.15, mid + 0.8, "n", ha="center", va="bottom", fontsize=8.5, style="italic")
     for rank, y in enumerate(lane_y):

@@ -270,8 +270,7 @@ _MEASURE_MARKERS = dict(zip(MEASURES, ["o", "s", "^", "D", "v"]))
 
 
 def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mapping]):
-    """Every measure of every run: simulated (x) against real ranks (y), log-log; color is the
-    mode, marker the measure."""
+    """Every measure of every run, simulated (x) vs real ranks (y); color: mode, marker: measure."""
     if len(real) != len(simulated) or not real:
         raise ValueError(f"real and simulated must list the same runs (got {len(real)} and "
                          f"{len(simulated)} results)")

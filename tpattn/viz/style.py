@@ -46,7 +46,7 @@ def new_figure(ncols: int = 1, nrows: int = 1, **kwargs):
 
 
 def bare_axes(ax, xlim, ylim, equal: bool = False) -> None:
-    """Limit ``ax`` to ``xlim`` x ``ylim`` (data units, equal aspect if ``equal``), no axis drawn."""
+    """Limit ``ax`` to ``xlim`` x ``ylim`` (data units; equal aspect if ``equal``), no axis."""
     ax.set(xlim=xlim, ylim=ylim)
     if equal:
         ax.set_aspect("equal")
@@ -54,7 +54,7 @@ def bare_axes(ax, xlim, ylim, equal: bool = False) -> None:
 
 
 def side_legend(ax, **kwargs):
-    """A frameless legend right of ``ax``, its top at the axes' top (``kwargs`` go to ``legend``)."""
+    """A frameless legend right of ``ax``, top-aligned (``kwargs`` go to ``legend``)."""
     kwargs = {"loc": "upper left", "bbox_to_anchor": (1.0, 1.0), "fontsize": 8, **kwargs}
     return ax.legend(frameon=False, **kwargs)
 
