@@ -104,9 +104,8 @@ def _measure_bars(ax, ys, values, floor: float, fontsize: float, **style) -> Non
 def _measures_axis(ax, floor: float) -> None:
     """The five measures' names (top first), the log axis from ``floor`` and the 1e-6 line."""
     ax.set_yticks(range(len(MEASURES))[::-1], [MEASURE_LABELS[m] for m in MEASURES])
-    ax.set_ylim(-0.5, len(MEASURES) + 0.1)
+    ax.set(ylim=(-0.5, len(MEASURES) + 0.1), xlabel="max |dense − TP|")
     _threshold_line(ax, floor, "x")
-    ax.set_xlabel("max |dense − TP|")
 
 
 def measures_figure(result: Mapping):
@@ -133,8 +132,8 @@ def set_measures(fig, result: Mapping) -> None:
         label.set_x((value or floor) * 1.4)
         label.set_text(value_label(value))
     verdict = "PASSED" if result["passed"] else "FAILED"
-    ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {verdict}")
-    ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
+    ax.title.set(text=f"seed {result['seed']}, mode {result['mode']}: {verdict}",
+                 color=PASS_COLOR if result["passed"] else FAIL_COLOR)
 
 
 def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
