@@ -9,8 +9,7 @@ from tpattn.check.core import shard
 from tpattn.parallel.injection import Injection
 from .style import FAIL_COLOR, new_figure
 
-__all__ = ["LOADERS_SHOWN", "SHARD_LAYOUTS", "KIND_COLORS", "loaded_heads",
-           "loaded_rows_figure"]
+__all__ = ["LOADERS_SHOWN", "SHARD_LAYOUTS", "KIND_COLORS", "loaded_heads", "loaded_rows_figure"]
 
 #: The loaders the figure shows by default: ``Injection.shard`` value -> title.
 LOADERS_SHOWN = {

@@ -85,8 +85,7 @@ def sp_gather_figure(cfg: Config | None = None):
                                                 facecolor=rank_color(4 + rep), alpha=0.55,
                                                 edgecolor=DENSE_COLOR if own else FAIL_COLOR,
                                                 linewidth=1.0 if own else 2.0))
-                ax.text(i + 0.47, y, f"r{rep} t{chunk}", ha="center", va="center",
-                        fontsize=7)
+                ax.text(i + 0.47, y, f"r{rep} t{chunk}", ha="center", va="center", fontsize=7)
             ax.text(-0.15, y, f"rank {r} (dp{r // cfg.world_size})", ha="right",
                     va="center", fontsize=7)
         bare_axes(ax, (-1.9, cfg.world_size), (-0.6, cfg.ranks - 0.4))

@@ -48,8 +48,7 @@ def qk_norm_replica_drift(cfg: Config, seed: int, inj: Injection, steps: int) ->
     for _ in range(steps):
         step = simulated_step(state, [(x, t)] * cfg.world_size, cfg, inj, LR, rng=rng)
         state = step["weights"]
-        out.append(max(float((state[k] - state[k][0]).abs().max())
-                       for k in ("q_norm", "k_norm")))
+        out.append(max(float((state[k] - state[k][0]).abs().max()) for k in ("q_norm", "k_norm")))
     return out
 
 

@@ -24,8 +24,7 @@ def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest 
             continue
         xs, ys = zip(*pts)
         ys = [max(y, 1e-6) for y in ys]  # an exact 0 is drawn on the floor of the axis
-        ax.scatter(xs, ys, marker=marker, s=28, alpha=0.8, label=mode,
-                   color=color, facecolors=face)
+        ax.scatter(xs, ys, marker=marker, s=28, alpha=0.8, label=mode, color=color, facecolors=face)
     ax.axhline(1.0, color="#444444", lw=1)
     ax.axhline(100.0, color="#444444", lw=1, ls=":")
     ax.set(yscale="log", ylim=(1e-6 / 2, None), ylabel="measure / bound", title=title)

@@ -245,8 +245,7 @@ def gradient_figure(grads: dict[str, torch.Tensor]):
     if not isinstance(grads, dict) or set(grads) != set(PARAM_NAMES):
         raise ValueError(f"grads must be a dict with keys {list(PARAM_NAMES)} "
                          f"(got {sorted(grads) if isinstance(grads, dict) else type(grads).__name__})")
-    fig, axes = new_figure(len(PARAM_NAMES), figsize=(10.0, 3.0),
-                           width_ratios=[1.4, 1, 1, 1, 1.6])
+    fig, axes = new_figure(len(PARAM_NAMES), figsize=(10.0, 3.0), width_ratios=[1.4, 1, 1, 1, 1.6])
     for ax, name in zip(axes, PARAM_NAMES):
         g = grads[name].detach().double()
         lim = max(g.abs().max().item(), 1e-12)

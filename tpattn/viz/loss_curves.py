@@ -29,8 +29,7 @@ def loss_curves_figure(panels: Mapping[str, Mapping[str, Sequence[float]]], titl
                            sharey=True, squeeze=False)
     for ax, (name, runs) in zip(axes[0], panels.items()):
         for (label, losses), (color, style) in zip(runs.items(), STYLES):
-            ax.plot(range(1, len(losses) + 1), losses, color=color, linestyle=style,
-                    label=label)
+            ax.plot(range(1, len(losses) + 1), losses, color=color, linestyle=style, label=label)
         heading = name
         if len(runs) > 1:
             first, second = list(runs.values())[:2]

@@ -168,10 +168,8 @@ def backward_flow_figure(cfg: Config | None = None):
     lanes = [mid + lane * ((world - 1) / 2 - r) for r in range(world)]
     x_dy, x_rank, x_sum, x_norm, x_plus, x_dx = 10.2, 7.4, 4.7, 2.6, 1.4, 0.45
     box(ax, x_dy, mid, 1.0, 0.6, "dy", edge=GRAD_COLOR)
-    ax.text(x_dy + 0.1, mid + 0.45, "∂L/∂y", ha="left", va="bottom", fontsize=8,
-            color=GRAD_COLOR)
-    box(ax, x_sum, mid, 1.2, 0.7, "f: Σ\nall-reduce", edge=FAIL_COLOR, size=8.5,
-         weight="bold")
+    ax.text(x_dy + 0.1, mid + 0.45, "∂L/∂y", ha="left", va="bottom", fontsize=8, color=GRAD_COLOR)
+    box(ax, x_sum, mid, 1.2, 0.7, "f: Σ\nall-reduce", edge=FAIL_COLOR, size=8.5, weight="bold")
     for rank, y in enumerate(lanes):
         color = rank_color(rank)
         _arrow(ax, (x_dy - 0.5, mid), (x_rank + 1.1, y), color=color, lw=1.2)
@@ -188,8 +186,7 @@ def backward_flow_figure(cfg: Config | None = None):
     box(ax, x_dx, mid, 0.8, 0.6, "dX", edge=GRAD_COLOR, weight="bold")
     _arrow(ax, (x_plus - 0.28, mid), (x_dx + 0.4, mid))
     bottom = min(lanes) - 0.55                # the residual runs below every lane
-    ax.plot([x_dy, x_dy, x_plus], [mid - 0.3, bottom, bottom], color=GRAD_COLOR, lw=1.2,
-            ls="--")
+    ax.plot([x_dy, x_dy, x_plus], [mid - 0.3, bottom, bottom], color=GRAD_COLOR, lw=1.2, ls="--")
     _arrow(ax, (x_plus, bottom), (x_plus, mid - 0.28), ls="--", lw=1.2)
     ax.text((x_dy + x_plus) / 2, bottom - 0.08, "residual: dy, once (not once per rank)",
             ha="center", va="top", fontsize=8, color=GRAD_COLOR)

@@ -128,8 +128,7 @@ def sharding_caption(cfg: Config) -> str:
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2,
                       layouts=None) -> Explorer:
     """Which rank holds which heads; the static twin: ``layouts`` (``SHARDING_LAYOUTS``)."""
-    controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
-                               world_size=world_size)
+    controls = config_controls(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
     layouts = SHARDING_LAYOUTS if layouts is None else layouts
     return heads_explorer("sharding", controls, MAX_DRAWN_HEADS, sharding_caption,
                           heads_picture, [layout_states(layouts)])
