@@ -106,8 +106,7 @@ class StandingFigure:
 
     def figure(self, structure):
         """The standing figure of ``structure``, or ``None``."""
-        entry = self._standing.get(structure)
-        return None if entry is None else entry[0]
+        return self._standing.get(structure, (None,))[0]
 
     def stand(self, structure, state) -> None:
         """Build the figure of ``structure`` now (in ``state``) unless it stands already."""
@@ -128,13 +127,12 @@ class StandingFigure:
         fig.draw_without_rendering()
         fig.set_layout_engine("none")
         titles = [(ax.title, ax.title.get_position()) for ax in fig.axes]
-        dynamic = self.dynamic(fig)
-        visible = [artist.get_visible() for artist in dynamic]
-        for artist in dynamic:
+        visible = {artist: artist.get_visible() for artist in self.dynamic(fig)}
+        for artist in visible:
             artist.set_visible(False)
         fig.canvas.draw()  # the one full draw: the background
         background = fig.canvas.copy_from_bbox(fig.bbox)
-        for artist, was_visible in zip(dynamic, visible):
+        for artist, was_visible in visible.items():
             artist.set_visible(was_visible)
         for title, place in titles:  # where a draw with everything visible puts them
             title.set_position(place)
