@@ -1,4 +1,4 @@
-"""Figures of chapter 11 (``tpattn.viz.ranks``), drawn from report-shaped dicts: no processes.
+"""Figures of chapter 11 (``tpattn.viz.sharding``), drawn from report-shaped dicts: no processes.
 
 Each figure must draw every point/bar it is given and refuse input it cannot draw with a
 ``ValueError`` naming the argument.

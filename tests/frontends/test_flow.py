@@ -1,4 +1,4 @@
-"""The gradient-flow diagrams of chapters 5 and 7 (tpattn.viz.flow) draw what their
+"""The gradient-flow diagrams of chapters 5 and 7 (tpattn.viz.overview) draw what their
 docstrings say: one lane per rank, f's sum of dn, dX never all-reduced."""
 import matplotlib
 

@@ -32,7 +32,7 @@ from tpattn.viz import sharding as viz_sharding
 from tpattn.viz.sharding import measures_figure
 from tpattn.viz.tables import format_measure, measures_table
 from tpattn.widgets import explorers
-from tpattn.widgets.measures import MeasuresPlot, live_run
+from tpattn.widgets.explorers import MeasuresPlot, live_run
 
 
 @pytest.fixture(autouse=True)
@@ -335,12 +335,11 @@ def test_svg_and_figure_draw_the_layouts_boxes_lines_labels_and_legend(
     """The explorers' SVG and the chapters' matplotlib figure draw one description
     (``HeadsPicture``): every head's box in its rank's color and its label, one line per query
     head (dashed where it crosses ranks), the replica groups, the legend and the title."""
-    from tpattn.viz import frames
 
     cfg = tpattn.Config(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size,
                         **({"kv_strategy": strategy} if strategy else {}))
     picture = viz_heads.heads_picture(cfg)
-    parts = _svg_parts(frames.heads_svg(picture))
+    parts = _svg_parts(viz_heads.heads_svg(picture))
     labels = [box[5].replace("\n", " ") for box in picture.boxes]
     ranks = [f"rank {r}" for r in range(picture.ranks)]
     assert parts["texts"][:2] == [" ".join(label.split()) for label, _ in picture.rows]
@@ -384,13 +383,12 @@ def test_a_split_group_is_dashed_in_the_fail_color():
 def test_the_explorers_show_the_svg_of_the_layout_live_and_static():
     """The live output area and the static twin's panel hold the same SVG, that of
     ``heads_svg(heads_picture(cfg))``, for a layout of each kind."""
-    from tpattn.viz.frames import heads_svg
 
     for layout in ((4, 2, 2), (8, 2, 4)):
         cfg = tpattn.Config(**dict(zip(("query_heads", "kv_heads", "world_size"), layout)))
         sharding = widgets.sharding_explorer(*layout, layouts=[layout])
         (svg,) = svgs(sharding)
-        assert svg == heads_svg(viz_heads.heads_picture(cfg))
+        assert svg == viz_heads.heads_svg(viz_heads.heads_picture(cfg))
         assert svg in sharding.static_html()
     kv = widgets.kv_explorer(8, 2, 4, "gather_activations", layouts=[(8, 2, 4)])
     static = kv.static()

@@ -4,6 +4,6 @@ from tpattn.lazy import lazy_names
 from .tables import *  # noqa: F401,F403
 from .tables import __all__ as _tables
 
-_FIGURE_MODULES = ("style", "overview", "layers", "heads", "sharding", "ranks", "sp", "kv", "flow")
+_FIGURE_MODULES = ("style", "overview", "layers", "heads", "sharding", "sp_layout", "kv")
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _tables, _FIGURE_MODULES)

@@ -9,8 +9,7 @@ from tpattn.check.core import shard
 from tpattn.parallel.injection import Injection
 from .style import FAIL_COLOR, new_figure
 
-__all__ = ["LOADERS_SHOWN", "SHARD_LAYOUTS", "KIND_COLORS", "loaded_heads",
-           "loaded_rows_figure"]
+__all__ = ["LOADERS_SHOWN", "SHARD_LAYOUTS", "KIND_COLORS", "loaded_heads", "loaded_rows_figure"]
 
 #: The loaders the figure shows by default: ``Injection.shard`` value -> title.
 LOADERS_SHOWN = {
@@ -68,8 +67,7 @@ def loaded_rows_figure(cfg: Config, layouts=tuple(LOADERS_SHOWN)):
                     (i + 0.06, y + 0.1), 0.88, 0.8, facecolor=KIND_COLORS[source[0]],
                     edgecolor="#444444" if right else FAIL_COLOR, linewidth=0.8 if right else 2))
                 ax.text(i + 0.5, y + 0.5, source, ha="center", va="center", fontsize=size)
-        ax.set_xlim(0, slots)
-        ax.set_ylim(0, cfg.world_size)
+        ax.set(xlim=(0, slots), ylim=(0, cfg.world_size))
         ax.set_yticks([cfg.world_size - 0.5 - r for r in range(cfg.world_size)],
                       [f"rank {r}" for r in range(cfg.world_size)])
         q, kv = cfg.local_query_heads, cfg.local_kv_heads
@@ -78,8 +76,7 @@ def loaded_rows_figure(cfg: Config, layouts=tuple(LOADERS_SHOWN)):
         for x in (q, q + kv):
             ax.axvline(x, color="#444444", linewidth=1)
         ax.set_title(LOADERS_SHOWN.get(layout, layout), fontsize=9, loc="left")
-        for side in ("left", "bottom"):
-            ax.spines[side].set_visible(False)
+        ax.spines[["left", "bottom"]].set_visible(False)
     fig.suptitle(f"what each rank loads: Hq={cfg.query_heads}, Hkv={cfg.kv_heads}, "
                  f"W={cfg.world_size} (red: not its own rows)", fontsize=10)
     return fig

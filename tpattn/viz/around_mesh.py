@@ -5,7 +5,7 @@ import matplotlib.patches as mpatches
 
 from tpattn.config import Config
 from tpattn.parallel.collectives import SimulatedRanks
-from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure, rank_color
+from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, bare_axes, new_figure, rank_color
 
 __all__ = ["mesh_groups_figure", "mesh_panels", "sp_gather_figure", "gathered_sources"]
 
@@ -18,8 +18,7 @@ MESH_PANELS = (
 
 
 def mesh_panels(cfg: Config) -> list[dict]:
-    """Per panel ``title``, ``mode`` and the groups (global ranks) it uses ``right`` and
-    ``wrong``."""
+    """Per panel ``title``, ``mode`` and the groups (global ranks) used ``right`` and ``wrong``."""
     comm = SimulatedRanks(cfg)
     def groups(name):  # "tp": full_tensor() of a Replicate DTensor reduces nothing
         return [[r] for r in range(cfg.ranks)] if name in ("self", "tp") else comm.groups(name)
@@ -43,16 +42,12 @@ def _grid(ax, cfg: Config, groups: list[list[int]], color: str, title: str) -> N
             (min(xs) - 0.42, min(ys) - 0.38), max(xs) - min(xs) + 0.84,
             max(ys) - min(ys) + 0.76, boxstyle="round,pad=0.02", fill=False,
             edgecolor=color, linewidth=1.6, linestyle="-" if len(members) > 1 else ":"))
-    ax.set_xlim(-0.6, w - 0.4)
-    ax.set_ylim(-0.6, d - 0.4)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    bare_axes(ax, (-0.6, w - 0.4), (-0.6, d - 0.4), equal=True)
     ax.set_title(title, fontsize=8)
 
 
 def mesh_groups_figure(cfg: Config | None = None):
-    """A column per ``mesh_panels`` panel: the mesh's ranks framed by the correct groups
-    (green, top) and the bug's (red, bottom; dotted: a group of one)."""
+    """A column per ``mesh_panels`` panel: the ranks framed by the right groups, then the bug's."""
     cfg = cfg or Config(data_parallel=2)
     panels = mesh_panels(cfg)
     fig, axes = new_figure(len(panels), 2, figsize=(7.0, 3.8))
@@ -77,8 +72,7 @@ def gathered_sources(cfg: Config, group: str = "tp") -> list[list[tuple[int, int
 
 
 def sp_gather_figure(cfg: Config | None = None):
-    """Each rank's ``gathered_sources`` as a row of chunks colored by replica, over the TP
-    group and over the DP group."""
+    """Each rank's ``gathered_sources`` as chunks colored by replica, over the TP and DP groups."""
     cfg = cfg or Config(data_parallel=2, sequence_parallel=True, seq=4)
     fig, axes = new_figure(2, 1, figsize=(6.3, 0.5 + 0.45 * cfg.ranks))
     for ax, group, title in ((axes[0], "tp", "over the TP group (correct)"),
@@ -91,13 +85,10 @@ def sp_gather_figure(cfg: Config | None = None):
                                                 facecolor=rank_color(4 + rep), alpha=0.55,
                                                 edgecolor=DENSE_COLOR if own else FAIL_COLOR,
                                                 linewidth=1.0 if own else 2.0))
-                ax.text(i + 0.47, y, f"r{rep} t{chunk}", ha="center", va="center",
-                        fontsize=7)
+                ax.text(i + 0.47, y, f"r{rep} t{chunk}", ha="center", va="center", fontsize=7)
             ax.text(-0.15, y, f"rank {r} (dp{r // cfg.world_size})", ha="right",
                     va="center", fontsize=7)
-        ax.set_xlim(-1.9, cfg.world_size)
-        ax.set_ylim(-0.6, cfg.ranks - 0.4)
-        ax.axis("off")
+        bare_axes(ax, (-1.9, cfg.world_size), (-0.6, cfg.ranks - 0.4))
         ax.set_title(title, fontsize=9)
     fig.suptitle("chunks each rank gathers: r = replica, t = token chunk (red: another "
                  "replica's)", fontsize=8)

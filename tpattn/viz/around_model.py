@@ -30,8 +30,7 @@ def dropout_masks_figure(cfg: Config, seed: int = 11):
             same = bool((masks[r] == masks[1 if w > 1 else 0]).all())
             ax.set_title(f"rank {r}: " + ("= rank 1" if same else "≠ rank 1"), fontsize=9,
                          color=PASS_COLOR if same else FAIL_COLOR)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
             if r == 0:
                 ax.set_ylabel(f"{label}\ntokens", fontsize=9)
     fig.suptitle(f"residual dropout masks (p = {cfg.dropout}), batch element 0", fontsize=10)
@@ -39,8 +38,7 @@ def dropout_masks_figure(cfg: Config, seed: int = 11):
 
 
 def qk_norm_replica_drift(cfg: Config, seed: int, inj: Injection, steps: int) -> list[float]:
-    """After each of ``steps`` SGD steps wired as ``inj``, the largest difference between any
-    rank's ``q_norm`` or ``k_norm`` and rank 0's."""
+    """After each of ``steps`` SGD steps (``inj``), how far any rank's q/k norms are from rank 0."""
     if not cfg.qk_norm:
         raise ValueError("cfg.qk_norm must be True: the drift is the q/k-norm replicas'")
     x, t = make_inputs(cfg, seed)
@@ -50,8 +48,7 @@ def qk_norm_replica_drift(cfg: Config, seed: int, inj: Injection, steps: int) ->
     for _ in range(steps):
         step = simulated_step(state, [(x, t)] * cfg.world_size, cfg, inj, LR, rng=rng)
         state = step["weights"]
-        out.append(max(float((state[k] - state[k][0]).abs().max())
-                       for k in ("q_norm", "k_norm")))
+        out.append(max(float((state[k] - state[k][0]).abs().max()) for k in ("q_norm", "k_norm")))
     return out
 
 
@@ -63,8 +60,7 @@ def qk_norm_drift_figure(cfg: Config, seed: int = 11, steps: int = 20):
     x = list(range(1, steps + 1))
     ax.plot(x, bug, color=FAIL_COLOR, marker="o", ms=3, label="gradient all-reduce skipped")
     ax.plot(x, good, color=PASS_COLOR, marker="s", ms=3, label="all-reduced (always 0)")
-    ax.set_xlabel("SGD step")
-    ax.set_ylabel("max |replica − rank 0's|")
+    ax.set(xlabel="SGD step", ylabel="max |replica − rank 0's|")
     ax.set_title("q/k-norm replicas across TP ranks", fontsize=10)
     ax.legend(fontsize=8, frameon=False)
     return fig

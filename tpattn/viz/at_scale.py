@@ -1,7 +1,7 @@
 """Figures of chapter 14 (Equal at scale): measures against their ``tolerance="auto"`` bound."""
 from __future__ import annotations
 
-from .style import FAIL_COLOR, PASS_COLOR, new_figure
+from .style import FAIL_COLOR, PASS_COLOR, new_figure, side_legend
 
 __all__ = ["bound_ratio_figure"]
 
@@ -12,8 +12,7 @@ _STYLES = {"equivalence": ("o", PASS_COLOR, None),
 
 
 def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest of the five"):
-    """The largest ``measure / bound`` of each ``compare_world_sizes`` row, by dtype and
-    world size, log scale, lines at 1 and 100."""
+    """Each ``compare_world_sizes`` row's largest ``measure / bound`` by dtype and world size."""
     fig, ax = new_figure(figsize=(7.0, 3.4))
     groups = sorted({(r["dtype"], r["world_size"]) for r in rows},
                     key=lambda g: (_DTYPES.index(g[0]), g[1]))
@@ -25,14 +24,10 @@ def bound_ratio_figure(rows: list[dict], title: str = "measure / bound, largest 
             continue
         xs, ys = zip(*pts)
         ys = [max(y, 1e-6) for y in ys]  # an exact 0 is drawn on the floor of the axis
-        ax.scatter(xs, ys, marker=marker, s=28, alpha=0.8, label=mode,
-                   color=color, facecolors=face)
+        ax.scatter(xs, ys, marker=marker, s=28, alpha=0.8, label=mode, color=color, facecolors=face)
     ax.axhline(1.0, color="#444444", lw=1)
     ax.axhline(100.0, color="#444444", lw=1, ls=":")
-    ax.set_yscale("log")
-    ax.set_ylim(1e-6 / 2, None)
+    ax.set(yscale="log", ylim=(1e-6 / 2, None), ylabel="measure / bound", title=title)
     ax.set_xticks(range(len(groups)), [f"{d}\nTP {w}" for d, w in groups], fontsize=8)
-    ax.set_ylabel("measure / bound")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    side_legend(ax, loc="center left", bbox_to_anchor=(1.0, 0.5))
     return fig

@@ -36,12 +36,10 @@ def stack_grid_figure(grad_diffs: list[dict[str, float]], tolerance: float, titl
     ax.set_yticks(range(len(labels)), labels)
     ax.xaxis.tick_top()
     ax.tick_params(length=0)
-    for spine in ax.spines.values():
-        spine.set_visible(False)
+    ax.spines[:].set_visible(False)
     ax.set_xticks([x - 0.5 for x in range(1, len(names))], minor=True)
     ax.set_yticks([y - 0.5 for y in range(1, len(labels))], minor=True)
     ax.grid(which="minor", color="white", linewidth=2)
     ax.grid(which="major", visible=False)
-    if title:
-        ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=10)
     return fig

@@ -5,8 +5,7 @@ from typing import Mapping, Sequence
 
 from tpattn.config import Config
 from tpattn.parallel.kv_heads import KV_STRATEGIES, has_replicas, kv_costs
-from .frames import draw_heads
-from .heads import replica_groups_layout
+from .heads import draw_heads, replica_groups_layout
 from .sharding import drift_figure
 from .style import FAIL_COLOR, new_figure
 
@@ -19,8 +18,7 @@ def replica_groups_figure(cfg: Config):
 
 
 def kv_drift_figure(bug: Sequence[Mapping], ok: Sequence[Mapping]):
-    """``drift_figure`` of ``train_steps`` rows: the missing replica reduce (``bug``) against
-    dense, and the losses of it and the correct run (``ok``)."""
+    """``drift_figure`` of ``train_steps`` rows: ``bug`` against dense; its losses and ``ok``'s."""
     labels = {"forward_max_abs_diff": "forward", "loss_abs_diff": "loss",
               "input_grad_max_abs_diff": "dX", "parameter_grad_max_abs_diff": "param grads",
               "kv_replica_max_diff": "KV copies apart"}

@@ -59,10 +59,9 @@ def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
     ax.bar(pos + 0.2, rms_after, width=0.4, color=DENSE_COLOR, label="RMSNorm(x) (after)")
     ax.axhline(1.0, color="k", ls="--", lw=0.8)
     ax.set_xticks(pos.tolist(), [f"s{s}\nb{b}" for b in range(batch) for s in range(seq)], fontsize=8)
-    ax.set_xlabel("token (position s, batch b)")
-    ax.set_ylabel("RMS over hidden")
-    ax.set_title("Every token leaves RMSNorm with RMS 1")
-    ax.set_ylim(0, 1.3 * max(rms_before.max().item(), 1.0))
+    ax.set(xlabel="token (position s, batch b)", ylabel="RMS over hidden",
+           title="Every token leaves RMSNorm with RMS 1",
+           ylim=(0, 1.3 * max(rms_before.max().item(), 1.0)))
     ax.legend(loc="upper center", ncol=2, fontsize=8, frameon=False)
     return fig
 
@@ -95,17 +94,13 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
         label = f"pair {i}: {freqs[i].item():.3g} rad/pos"
         angles.plot(range(max_position + 1), wrapped[:, i], marker=".", ms=4, lw=1,
                     color=colors[i], label=label if half <= 8 else None)
-    circle.set_aspect("equal")
-    circle.set_xlim(-1.15, 1.15)
-    circle.set_ylim(-1.15, 1.15)
-    circle.set_xlabel(r"channel $i$")
-    circle.set_ylabel(r"channel $i + D/2$")
+    circle.set(aspect="equal", xlim=(-1.15, 1.15), ylim=(-1.15, 1.15), xlabel=r"channel $i$",
+               ylabel=r"channel $i + D/2$")
     cursor = angles.axvline(0, color="k", ls="--", lw=0.8)
     angles.set_ylim(-math.pi - 0.2, math.pi + 0.2)
     angles.set_yticks([-math.pi, 0, math.pi], [r"$-\pi$", "0", r"$\pi$"])
-    angles.set_xlabel("position m")
-    angles.set_ylabel("angle of the pair (wrapped)")
-    angles.set_title(f"{half} pairs, {half} frequencies (head_dim {head_dim})")
+    angles.set(xlabel="position m", ylabel="angle of the pair (wrapped)",
+               title=f"{half} pairs, {half} frequencies (head_dim {head_dim})")
     if half <= 8:
         angles.legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tpattn_rope = {"cos": cos, "sin": sin, "arrows": arrows, "cursor": cursor,
@@ -142,9 +137,8 @@ def rope_relative_position_figure(scores: torch.Tensor):
                    vmin=-scores.abs().max().item(), vmax=scores.abs().max().item())
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("key position n")
-    ax.set_ylabel("query position m")
-    ax.set_title(r"$\mathrm{RoPE}(q)_m \cdot \mathrm{RoPE}(k)_n$: constant along diagonals")
+    ax.set(xlabel="key position n", ylabel="query position m",
+           title=r"$\mathrm{RoPE}(q)_m \cdot \mathrm{RoPE}(k)_n$: constant along diagonals")
     fig.colorbar(im, ax=ax, shrink=0.85)
     return fig
 
@@ -176,11 +170,8 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
                 transform=Affine2D().scale(1 / 72) + fig.dpi_scale_trans), autolim=False))
         ax.set_title(f"q head {h} → KV head {kv}", fontsize=9, color=kv_head_color(kv))
         for spine in ax.spines.values():
-            spine.set_visible(True)
-            spine.set_color(kv_head_color(kv))
-            spine.set_linewidth(3)
-        ax.set_xticks([])
-        ax.set_yticks([])
+            spine.set(visible=True, color=kv_head_color(kv), linewidth=3)
+        ax.set(xticks=[], yticks=[])
         if h % ncols == 0:
             ax.set_ylabel("query position")
         if h // ncols == nrows - 1:
@@ -250,13 +241,11 @@ def attention_dynamic_artists(fig) -> list:
 
 
 def gradient_figure(grads: dict[str, torch.Tensor]):
-    """A panel per parameter gradient (``init_params``' keys): ``norm`` as bars, the matrices
-    as heat maps, each titled with its norm."""
+    """A panel per parameter gradient: ``norm`` as bars, the matrices as heat maps, with norms."""
     if not isinstance(grads, dict) or set(grads) != set(PARAM_NAMES):
         raise ValueError(f"grads must be a dict with keys {list(PARAM_NAMES)} "
                          f"(got {sorted(grads) if isinstance(grads, dict) else type(grads).__name__})")
-    fig, axes = new_figure(len(PARAM_NAMES), figsize=(10.0, 3.0),
-                           width_ratios=[1.4, 1, 1, 1, 1.6])
+    fig, axes = new_figure(len(PARAM_NAMES), figsize=(10.0, 3.0), width_ratios=[1.4, 1, 1, 1, 1.6])
     for ax, name in zip(axes, PARAM_NAMES):
         g = grads[name].detach().double()
         lim = max(g.abs().max().item(), 1e-12)
@@ -267,8 +256,7 @@ def gradient_figure(grads: dict[str, torch.Tensor]):
             ax.set_xlabel("hidden channel")
         else:
             im = ax.imshow(g.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
-            ax.set_xlabel("in")
-            ax.set_ylabel("out")
+            ax.set(xlabel="in", ylabel="out")
             fig.colorbar(im, ax=ax, shrink=0.8)
         ax.set_title(title, fontsize=9)
     return fig

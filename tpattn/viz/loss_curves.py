@@ -1,9 +1,4 @@
-"""Loss curves side by side (chapter 9): one panel per setting, one line per run.
-
-``loss_curves_figure(panels)`` takes ``{panel title: {run label: loss per step}}`` and draws
-each panel's runs against the SGD step; ``final_gap(losses, reference)`` is the relative gap
-of one run's last loss to a reference run's, the number each panel's title reports.
-"""
+"""Loss curves side by side (chapter 9): one panel per setting, one line per run."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -26,17 +21,15 @@ def final_gap(losses: Sequence[float], reference: Sequence[float]) -> float:
 
 
 def loss_curves_figure(panels: Mapping[str, Mapping[str, Sequence[float]]], title: str = ""):
-    """One panel per entry of ``panels`` (shared y axis), each run's loss per step as a line;
-    a panel's title adds the last step's gap of its second run to its first (``final_gap``).
-    Returns the matplotlib ``Figure``; ``ValueError`` for no panels or a panel with no run."""
+    """``{panel title: {run label: loss per step}}`` as panels (shared y), a line per run; a
+    title adds the last step's gap of its second run to its first (``final_gap``)."""
     if not panels or any(not runs for runs in panels.values()):
         raise ValueError("panels must hold at least one panel, each with at least one run")
     fig, axes = new_figure(ncols=len(panels), figsize=(3.6 * len(panels) + 0.4, 3.0),
                            sharey=True, squeeze=False)
     for ax, (name, runs) in zip(axes[0], panels.items()):
         for (label, losses), (color, style) in zip(runs.items(), STYLES):
-            ax.plot(range(1, len(losses) + 1), losses, color=color, linestyle=style,
-                    label=label)
+            ax.plot(range(1, len(losses) + 1), losses, color=color, linestyle=style, label=label)
         heading = name
         if len(runs) > 1:
             first, second = list(runs.values())[:2]

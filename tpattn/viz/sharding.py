@@ -1,4 +1,5 @@
-"""Figures for Part II, sharding the block and breaking it (chapters 6–10); tensors are read only."""
+"""Figures for Part II, sharding the block and breaking it (chapters 6–10), and for chapter 11
+from what ``run_distributed`` reports (plain dicts); tensors are read only."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -8,24 +9,20 @@ import torch
 
 from tpattn.check.core import MEASURES, MODES, TOLERANCE
 from tpattn.config import Config
-from .frames import draw_heads
-from .heads import heads_picture
-from .style import FAIL_COLOR, PASS_COLOR, new_figure, rank_color
+from .heads import draw_heads, heads_picture
+from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure, rank_color, side_legend
 from .tables import MEASURE_LABELS
 
 __all__ = ["ZERO_FLOOR", "MODE_COLORS", "zero_floor", "value_label", "set_measures",
            "heads_to_ranks_figure", "weight_shards_figure", "measures_figure",
            "compare_measures_figure", "heatmaps_figure", "partial_vs_full_figure",
-           "channel_bars_figure", "drift_figure", "matrix_figure"]
+           "channel_bars_figure", "drift_figure", "matrix_figure", "real_vs_simulated_figure",
+           "ledger_figure", "rank_disagreement_figure"]
 
 #: Where a value of exactly 0 is drawn on a log axis (and labelled "0").
 ZERO_FLOOR = 1e-12
 
-MODE_COLORS = {
-    "equivalence": PASS_COLOR,
-    "missing_output_reduce": FAIL_COLOR,
-    "missing_input_grad_reduce": "#9467bd",
-}
+MODE_COLORS = dict(zip(MODES, (PASS_COLOR, FAIL_COLOR, "#9467bd")))
 
 
 def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None):
@@ -57,13 +54,8 @@ def weight_shards_figure(cfg: Config):
             ax.text(xy[0] + w / 2, xy[1] + h / 2, f"rank {r}", ha="center", va="center",
                     color="white", fontsize=8, fontweight="bold",
                     rotation=90 if name == "wo" else 0)
-        ax.set_xlim(0, cols)
-        ax.set_ylim(rows - tallest, rows)
-        ax.set_aspect("equal")
-        ax.set_xticks([])
-        ax.set_yticks([])
-        for side in ("left", "bottom"):
-            ax.spines[side].set_visible(False)
+        ax.set(xlim=(0, cols), ylim=(rows - tallest, rows), aspect="equal", xticks=[], yticks=[])
+        ax.spines[["left", "bottom"]].set_visible(False)
         kind = "columns → row-parallel" if name == "wo" else "rows → column-parallel"
         ax.set_title(f"{name} [{rows}, {cols}]\n{kind}", fontsize=9)
     return fig
@@ -85,8 +77,7 @@ def value_label(v: float) -> str:
 
 def _threshold_line(ax, floor: float, axis: str = "x") -> None:
     """Log scale from ``floor`` to 30 on ``axis``, the dashed 1e-6 line, labelled."""
-    getattr(ax, f"set_{axis}scale")("log")
-    getattr(ax, f"set_{axis}lim")(floor / 3, 30)
+    ax.set(**{f"{axis}scale": "log", f"{axis}lim": (floor / 3, 30)})
     (ax.axvline if axis == "x" else ax.axhline)(TOLERANCE, color="black", linestyle="--",
                                                linewidth=1)
     if axis == "x":
@@ -95,6 +86,12 @@ def _threshold_line(ax, floor: float, axis: str = "x") -> None:
     else:
         ax.text(1.0, TOLERANCE, " 1e-6", transform=ax.get_yaxis_transform(), va="center",
                 ha="left", fontsize=8)
+
+
+def _log_ticks(top: float) -> tuple[list, list]:
+    """Ticks and labels of a log axis from ``ZERO_FLOOR`` (labelled "0") to ``top``."""
+    ticks = [t for t in (ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3, 1) if t <= top]
+    return ticks, ["0", "1e-9", "1e-6", "1e-3", "1"][:len(ticks)]
 
 
 def _measure_bars(ax, ys, values, floor: float, fontsize: float, **style) -> None:
@@ -107,9 +104,8 @@ def _measure_bars(ax, ys, values, floor: float, fontsize: float, **style) -> Non
 def _measures_axis(ax, floor: float) -> None:
     """The five measures' names (top first), the log axis from ``floor`` and the 1e-6 line."""
     ax.set_yticks(range(len(MEASURES))[::-1], [MEASURE_LABELS[m] for m in MEASURES])
-    ax.set_ylim(-0.5, len(MEASURES) + 0.1)
+    ax.set(ylim=(-0.5, len(MEASURES) + 0.1), xlabel="max |dense − TP|")
     _threshold_line(ax, floor, "x")
-    ax.set_xlabel("max |dense − TP|")
 
 
 def measures_figure(result: Mapping):
@@ -136,8 +132,8 @@ def set_measures(fig, result: Mapping) -> None:
         label.set_x((value or floor) * 1.4)
         label.set_text(value_label(value))
     verdict = "PASSED" if result["passed"] else "FAILED"
-    ax.title.set_text(f"seed {result['seed']}, mode {result['mode']}: {verdict}")
-    ax.title.set_color(PASS_COLOR if result["passed"] else FAIL_COLOR)
+    ax.title.set(text=f"seed {result['seed']}, mode {result['mode']}: {verdict}",
+                 color=PASS_COLOR if result["passed"] else FAIL_COLOR)
 
 
 def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
@@ -153,9 +149,8 @@ def compare_measures_figure(results: Mapping[str, Mapping], title: str = ""):
         _measure_bars(ax, ys, values, floor, 7, height=height * 0.9,
                       color=palette[i % len(palette)], label=label)
     _measures_axis(ax, floor)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
-    if title:
-        ax.set_title(title)
+    side_legend(ax)
+    ax.set_title(title)
     return fig
 
 
@@ -178,8 +173,7 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
         for b in range(1, batch):
             ax.axvline(b * hidden - 0.5, color="white", linewidth=2)
         ax.set_title(name, fontsize=9, loc="left")
-        ax.set_ylabel("seq")
-        ax.set_yticks(range(im.shape[0]))
+        ax.set(ylabel="seq", yticks=range(im.shape[0]))
         ax.set_xticks([b * hidden + hidden / 2 - 0.5 for b in range(batch)],
                       [f"batch {b}" for b in range(batch)])
         if not shared_scale:
@@ -201,13 +195,10 @@ def partial_vs_full_figure(full: torch.Tensor, partials: Sequence[torch.Tensor])
                edgecolors="black", linewidths=0.8, label="sum of partials (g)")
     lim = 1.05 * max(abs(xs).max(), max(float(p.detach().abs().max()) for p in partials))
     ax.plot([-lim, lim], [-lim, lim], color="#888888", linestyle="--", linewidth=1)
-    ax.set_xlim(-lim, lim)
-    ax.set_ylim(-lim, lim)
-    ax.set_aspect("equal")
-    ax.set_xlabel("full attention output (dense)")
-    ax.set_ylabel("what the rank holds")
+    ax.set(xlim=(-lim, lim), ylim=(-lim, lim), aspect="equal",
+           xlabel="full attention output (dense)", ylabel="what the rank holds",
+           title="partials vs the full output, every element")
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title("partials vs the full output, every element")
     return fig
 
 
@@ -222,12 +213,8 @@ def channel_bars_figure(series: Mapping[str, torch.Tensor], title: str = "", yla
         xs = [c - 0.4 + width * (i + 0.5) for c in range(values.numel())]
         ax.bar(xs, values.numpy(), width=width * 0.95, color=palette[i % len(palette)], label=label)
     ax.axhline(0, color="black", linewidth=0.6)
-    ax.set_xticks(range(values.numel()))
-    ax.set_xlabel("channel")
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    if title:
-        ax.set_title(title)
+    ax.set(xticks=range(values.numel()), xlabel="channel", ylabel=ylabel, title=title)
+    side_legend(ax)
     return fig
 
 
@@ -241,11 +228,9 @@ def drift_figure(diffs: Mapping[str, Sequence[float]], losses: Mapping[str, Sequ
         steps = range(1, len(values) + 1)
         left.plot(steps, [v or ZERO_FLOOR for v in values], marker=markers[i % len(markers)],
                   markersize=4, label=name)
-    left.set_yscale("log")
-    left.set_ylim(ZERO_FLOOR / 3, 1)
+    left.set(yscale="log", ylim=(ZERO_FLOOR / 3, 1), xlabel="SGD step")
     left.axhline(TOLERANCE, color="black", linestyle="--", linewidth=1)
-    left.set_yticks([ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3], ["0", "1e-9", "1e-6", "1e-3"])
-    left.set_xlabel("SGD step")
+    left.set_yticks(*_log_ticks(1e-3))
     left.set_title(title, fontsize=10)
     left.legend(fontsize=7, ncol=2)
     palette = ["#444444", "#9467bd", "#1f77b4"]
@@ -270,12 +255,105 @@ def matrix_figure(results: Sequence[Mapping]):
             ax.scatter(xs, [float(r[measure]) or ZERO_FLOOR for r in rows], s=18,
                        color=MODE_COLORS[mode], label=mode if k == 0 else None, zorder=3)
     _threshold_line(ax, ZERO_FLOOR, "y")
-    ticks = [ZERO_FLOOR, 1e-9, TOLERANCE, 1e-3, 1]
-    ax.set_yticks(ticks, ["0", "1e-9", "1e-6", "1e-3", "1"])
+    ax.set_yticks(*_log_ticks(1))
     ax.set_xticks(range(len(MEASURES)), [MEASURE_LABELS[m].replace(" ", "\n", 1) for m in MEASURES],
                   fontsize=8)
     ax.set_ylabel("max |dense − TP|")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    side_legend(ax)
     seeds = sorted({r["seed"] for r in results})
     ax.set_title(f"{len(seeds)} seeds × {len(modes)} modes")
+    return fig
+
+
+_MEASURE_MARKERS = dict(zip(MEASURES, ["o", "s", "^", "D", "v"]))
+
+
+def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mapping]):
+    """Every measure of every run, simulated (x) vs real ranks (y); color: mode, marker: measure."""
+    if len(real) != len(simulated) or not real:
+        raise ValueError(f"real and simulated must list the same runs (got {len(real)} and "
+                         f"{len(simulated)} results)")
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (mode, measure) -> (x, y)
+    for r, s in zip(real, simulated):
+        if (r["seed"], r["mode"]) != (s["seed"], s["mode"]):
+            raise ValueError("real and simulated must list the same runs in the same order "
+                             f"(got seed {r['seed']} {r['mode']} vs seed {s['seed']} {s['mode']})")
+        for m in MEASURES:
+            points.setdefault((r["mode"], m), []).append((max(s[m], ZERO_FLOOR),
+                                                         max(r[m], ZERO_FLOOR)))
+    fig, ax = new_figure(figsize=(7.0, 4.6))
+    for (mode, m), xy in points.items():
+        ax.scatter(*zip(*xy), color=MODE_COLORS[mode], marker=_MEASURE_MARKERS[m], s=28,
+                   alpha=0.8, edgecolor="none")
+    ax.set(xscale="log", yscale="log")
+    lo, hi = ZERO_FLOOR / 3, 3.0
+    ax.plot([lo, hi], [lo, hi], color=DENSE_COLOR, lw=0.8, zorder=0)
+    for line in (ax.axvline, ax.axhline):
+        line(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8, zorder=0)
+    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="simulated ranks (one process)",
+           ylabel="real ranks (one process per rank)",
+           title="The same measures, simulated vs real ranks (0 drawn at 1e-12)")
+    modes = [ax.scatter([], [], color=MODE_COLORS[m], marker="o", label=m) for m in MODES]
+    measures = [ax.scatter([], [], color="#999999", marker=_MEASURE_MARKERS[m],
+                           label=MEASURE_LABELS[m]) for m in MEASURES]
+    first = ax.legend(handles=modes, loc="upper left", fontsize=8, title="mode", title_fontsize=8)
+    ax.add_artist(first)
+    ax.legend(handles=measures, loc="lower right", fontsize=8, title="measure", title_fontsize=8)
+    return fig
+
+
+def ledger_figure(ledger: Sequence[Mapping]):
+    """Expected and actual all-reduces, forward and backward, per ``RealRankReport.ledger`` row."""
+    if not ledger:
+        raise ValueError("ledger must have at least one row (RealRankReport.ledger)")
+    fig, axes = new_figure(ncols=2, figsize=(7.5, 3.2), sharey=True)
+    labels = [f"{row['mode']}\n({row['variant']})" for row in ledger]
+    positions = range(len(ledger))
+    for ax, phase in zip(axes, ("forward", "backward")):
+        expected = [row[f"{phase}_expected"] for row in ledger]
+        actual = [row[f"{phase}_actual"] for row in ledger]
+        colors = [PASS_COLOR if a == e else FAIL_COLOR for a, e in zip(actual, expected)]
+        ax.barh(positions, expected, color="none", edgecolor=DENSE_COLOR, ls="--", height=0.7,
+                label="expected")
+        ax.barh(positions, actual, color=colors, height=0.45, label="actual")
+        for y, (a, e, color) in enumerate(zip(actual, expected, colors)):
+            ax.text(max(a, e) + 0.08, y, f"{a} of {e}" + ("" if a == e else "  missing"),
+                    va="center", fontsize=8, color=DENSE_COLOR if a == e else color)
+        most = max(*expected, *actual)
+        ax.set(title=f"all-reduces in {phase}", xlim=(0, most + 1.6), xticks=range(most + 1))
+    axes[0].invert_yaxis()  # first row on top (the axes share y: invert once)
+    axes[0].set_yticks(list(positions), labels, fontsize=8)
+    axes[1].legend(loc="upper right", fontsize=8)
+    return fig
+
+
+_QUANTITIES = {
+    "output_max_rank_diff": ("output y", "#1f77b4"),
+    "input_grad_max_rank_diff": ("input grad dX", "#ff7f0e"),
+    "norm_grad_max_rank_diff": ("norm grad", "#8c564b"),
+    "norm_after_step_max_rank_diff": ("norm after the step", "#7f7f7f"),
+}
+
+
+def rank_disagreement_figure(rows: Sequence[Mapping]):
+    """Per mode, how far the ranks' copies are from rank 0's (``rank_disagreement`` rows)."""
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    if not modes:
+        raise ValueError("rows must hold at least one run (RealRankReport.rank_disagreement)")
+    fig, ax = new_figure(figsize=(7.5, 3.4))
+    width = 0.8 / len(_QUANTITIES)
+    for q, (key, (label, color)) in enumerate(_QUANTITIES.items()):
+        for i, mode in enumerate(modes):
+            value = max(r[key] for r in rows if r["mode"] == mode)
+            x = i + (q - (len(_QUANTITIES) - 1) / 2) * width
+            ax.bar(x, max(value - ZERO_FLOOR, 0), bottom=ZERO_FLOOR, width=width * 0.9,
+                   color=color, label=label if i == 0 else None)
+            ax.text(x, max(value, ZERO_FLOOR) * 1.6, "0" if value == 0 else f"{value:.0e}",
+                    ha="center", fontsize=7)
+    ax.axhline(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8)
+    ax.text(-0.45, TOLERANCE * 1.6, "1e-6", ha="left", fontsize=8, color=DENSE_COLOR)
+    ax.set(yscale="log", ylim=(ZERO_FLOOR / 2, 1e4), ylabel="max |rank r copy − rank 0 copy|",
+           title="Do the ranks hold the same values? (0 drawn at 1e-12)")
+    ax.set_xticks(range(len(modes)), modes)
+    ax.legend(fontsize=8, loc="upper center", ncols=4, frameon=False)
     return fig

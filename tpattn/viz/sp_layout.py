@@ -1,13 +1,16 @@
-"""Chapter 12's layout figure: where sequence parallelism shards the block and which
-collectives join the sequence-sharded and the head-sharded regions, in this book's, Megatron-LM's
-and the Ultra-Scale Playbook's names."""
+"""Figures of chapter 12, sequence parallelism: the layout (where SP shards the block, which
+collectives join the sequence-sharded and head-sharded regions, in this book's, Megatron-LM's and
+the Ultra-Scale Playbook's names) and plain numbers from simulated or real ranks."""
 from __future__ import annotations
+
+from typing import Mapping, Sequence
 
 import matplotlib.patches as mpatches
 
-from .style import DENSE_COLOR, arrow, box, new_figure
+from .style import DENSE_COLOR, FAIL_COLOR, arrow, bare_axes, box, new_figure, rank_color
 
-__all__ = ["sp_layout_figure", "SP_COLLECTIVE_NAMES"]
+__all__ = ["sp_layout_figure", "SP_COLLECTIVE_NAMES", "norm_grad_by_rank_figure",
+           "sp_ledger_figure"]
 
 #: Per collective: this book's Function, Megatron-LM's function, the paper's and the Playbook's
 #: letters, the forward and the backward.
@@ -19,6 +22,7 @@ SP_COLLECTIVE_NAMES = {
 }
 
 _SP_FACE, _TP_FACE = "#e8f1fa", "#fdf0e2"
+_COLLECTIVE_COLORS = {"all_reduce": "#7f7f7f", "all_gather": "#1f77b4", "reduce_scatter": "#ff7f0e"}
 # (x, label): the block's steps left to right; the collectives sit at x = 2 and x = 6
 _STEPS = ((0, "$x_r$\nS/W tokens"), (1, "RMSNorm\nown tokens"), (3, "Q, K, V\ncolumn-\nparallel"),
           (4, "attention\nH/W heads,\nall S tokens"), (5, "$W_o$\nrow-\nparallel"),
@@ -47,10 +51,8 @@ def _collective(ax, x: float, key: str) -> None:
 
 
 def sp_layout_figure():
-    """The sequence-parallel block, one rank's view: the norm on its own ``S/W`` tokens, an
-    all-gather into the column-parallel Q/K/V, the attention on its heads, the row-parallel
-    ``W_o``, a reduce-scatter back to its tokens; each collective labelled with this book's,
-    Megatron-LM's, the paper's and the Playbook's names."""
+    """One rank's sequence-parallel block: the norm on its ``S/W`` tokens, an all-gather, the
+    head-sharded attention, a reduce-scatter back to its tokens; each collective in four names."""
     fig, ax = new_figure(figsize=(8.6, 3.6))
     _regions(ax)
     for x, text in _STEPS:
@@ -66,7 +68,50 @@ def sp_layout_figure():
     _collective(ax, 6, "scatter")
     ax.set_title("sequence parallelism, one rank (g, ḡ: the SP paper's letters, not TP's g)",
                  fontsize=9.5)
-    ax.set_xlim(-0.6, 7.6)
-    ax.set_ylim(-1.35, 1.9)
-    ax.axis("off")
+    bare_axes(ax, (-0.6, 7.6), (-1.35, 1.9))
+    return fig
+
+
+def norm_grad_by_rank_figure(by_rank: Sequence[Sequence[float]], truth: Sequence[float],
+                             title: str = "norm gradient without its all-reduce"):
+    """Each rank's ``norm`` gradient (``W`` lists of ``hidden``), their sum and the truth."""
+    if not by_rank or any(len(g) != len(truth) for g in by_rank):
+        raise ValueError(f"by_rank must hold one gradient of length {len(truth)} per rank "
+                         f"(got {[len(g) for g in by_rank]})")
+    channels = range(len(truth))
+    fig, ax = new_figure(figsize=(7.5, 3.4))
+    ax.plot(channels, truth, color=DENSE_COLOR, lw=4, alpha=0.35, label="dense (the truth)")
+    for r, grad in enumerate(by_rank):
+        ax.plot(channels, grad, marker="o", ms=3.5, lw=1, color=rank_color(r), label=f"rank {r}")
+    total = [sum(g[c] for g in by_rank) for c in channels]
+    ax.plot(channels, total, "x", color=FAIL_COLOR, ms=6, label="sum over ranks")
+    ax.axhline(0, color=DENSE_COLOR, lw=0.5)
+    ax.set(xlabel="hidden channel", ylabel="∂L/∂norm", title=title)
+    ax.legend(fontsize=8, ncols=min(len(by_rank) + 2, 6), loc="upper center",
+              bbox_to_anchor=(0.5, -0.22), frameon=False)
+    return fig
+
+
+def sp_ledger_figure(rows: Sequence[Mapping]):
+    """Bytes a rank sends per step by variant, stacked by collective (``communication_ledger``)."""
+    variants = list(dict.fromkeys(row["variant"] for row in rows))
+    if not variants:
+        raise ValueError("rows must hold at least one collective (communication_ledger)")
+    fig, ax = new_figure(figsize=(7.5, 3.0))
+    seen = set()
+    for y, variant in enumerate(variants):
+        left = 0.0
+        for row in (r for r in rows if r["variant"] == variant):
+            label = row["collective"].replace("_", "-")
+            ax.barh(y, row["bytes_per_rank"], left=left, height=0.6, edgecolor="white",
+                    color=_COLLECTIVE_COLORS[row["collective"]],
+                    label=None if label in seen else label)
+            seen.add(label)
+            left += row["bytes_per_rank"]
+        ax.text(left, y, f"  {left:,.0f} B", va="center", fontsize=9)
+    ax.set_yticks(range(len(variants)), variants)
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes sent per rank per step (ring algorithm)")
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.18)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncols=3, frameon=False)
     return fig

@@ -5,7 +5,7 @@ import matplotlib.patches as mpatches
 import matplotlib.pyplot as plt
 
 __all__ = ["RANK_COLORS", "PASS_COLOR", "FAIL_COLOR", "DENSE_COLOR", "use_book_style",
-           "rank_color", "new_figure"]
+           "rank_color", "new_figure", "bare_axes", "side_legend"]
 
 #: One color per TP rank (tab10), reused by every figure that shows ranks.
 RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
@@ -43,6 +43,20 @@ def new_figure(ncols: int = 1, nrows: int = 1, **kwargs):
     use_book_style()
     kwargs.setdefault("layout", "constrained")
     return plt.subplots(nrows, ncols, **kwargs)
+
+
+def bare_axes(ax, xlim, ylim, equal: bool = False) -> None:
+    """Limit ``ax`` to ``xlim`` x ``ylim`` (data units; equal aspect if ``equal``), no axis."""
+    ax.set(xlim=xlim, ylim=ylim)
+    if equal:
+        ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def side_legend(ax, **kwargs):
+    """A frameless legend right of ``ax``, top-aligned (``kwargs`` go to ``legend``)."""
+    kwargs = {"loc": "upper left", "bbox_to_anchor": (1.0, 1.0), "fontsize": 8, **kwargs}
+    return ax.legend(frameon=False, **kwargs)
 
 
 def box(ax, x, y, w, h, text, edge=DENSE_COLOR, face="white", size=9, weight="normal",

@@ -8,29 +8,22 @@ from tpattn.check.core import MEASURES
 
 __all__ = ["MEASURE_LABELS", "SHORT_MEASURE_LABELS", "format_measure", "measures_table"]
 
-#: Short labels of the five measures, in ``MEASURES`` order.
-MEASURE_LABELS = {
-    "forward_max_abs_diff": "forward output",
-    "loss_abs_diff": "loss",
-    "input_grad_max_abs_diff": "input grad dX",
-    "parameter_grad_max_abs_diff": "parameter grads dW",
-    "post_step_weight_max_abs_diff": "weights after a step",
+_LABELS = {  # measure: (label, column header of measures_table(..., compact=True))
+    "forward_max_abs_diff": ("forward output", "forward"),
+    "loss_abs_diff": ("loss", "loss"),
+    "input_grad_max_abs_diff": ("input grad dX", "dX"),
+    "parameter_grad_max_abs_diff": ("parameter grads dW", "dW"),
+    "post_step_weight_max_abs_diff": ("weights after a step", "weights"),
 }
+#: Short labels of the five measures, in ``MEASURES`` order.
+MEASURE_LABELS = {m: label for m, (label, _) in _LABELS.items()}
+#: Column headers of ``measures_table(..., compact=True)``, in ``MEASURES`` order.
+SHORT_MEASURE_LABELS = {m: header for m, (_, header) in _LABELS.items()}
 
 
 def format_measure(value: float) -> str:
     """A measure as text with 3 significant digits (``"7.01e-01"``, ``"3.58e-08"``)."""
     return f"{value:.2e}"
-
-
-#: Column headers of ``measures_table(..., compact=True)``, in ``MEASURES`` order.
-SHORT_MEASURE_LABELS = {
-    "forward_max_abs_diff": "forward",
-    "loss_abs_diff": "loss",
-    "input_grad_max_abs_diff": "dX",
-    "parameter_grad_max_abs_diff": "dW",
-    "post_step_weight_max_abs_diff": "weights",
-}
 
 
 def measures_table(results: Sequence[Mapping], measures: Sequence[str] = MEASURES,

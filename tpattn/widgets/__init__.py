@@ -3,8 +3,7 @@ also carries its static twin (:class:`StaticExplorer`, precomputed states) for t
 The figure modules (matplotlib) load on first use of a name."""
 
 from tpattn.lazy import lazy_names
-from .core import Explorer, config_controls, mode_control, seed_control
-from .static import StaticExplorer
+from .core import Explorer, StaticExplorer, config_controls, mode_control, seed_control
 
 _EAGER = ["Explorer", "StaticExplorer", "seed_control", "mode_control", "config_controls"]
 _FIGURE_MODULES = ("explorers", "kv")

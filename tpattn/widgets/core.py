@@ -1,12 +1,16 @@
 """Explorer machinery: controls, an output area that never shows a traceback, PNGs. Outputs
-are assigned to ``Output.outputs``, never written ``with output:``: nothing leaks into a cell."""
+are assigned to ``Output.outputs``, never written ``with output:``: nothing leaks into a cell.
+The static twin (``StaticExplorer``): precomputed panels behind radio buttons that select one
+through CSS alone (no JavaScript); where ``<style>`` is stripped, every panel shows, captioned."""
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import html
 import io
 import itertools
+import re
 import struct
 import sys
 import zlib
@@ -19,11 +23,10 @@ from PIL import Image
 
 from tpattn.check.core import EQUIVALENCE, MODES
 from tpattn.config import Config
-from .static import StaticExplorer
 
 __all__ = ["Explorer", "seed_control", "mode_control", "config_controls", "drawn_config",
            "encode_png", "StandingFigure", "png_output", "html_output", "text_output",
-           "message_output", "png_img", "outputs_html", "single_thread"]
+           "message_output", "png_img", "outputs_html", "single_thread", "StaticExplorer"]
 
 
 def _close(fig) -> None:  # matplotlib loads only where a figure is drawn
@@ -103,8 +106,7 @@ class StandingFigure:
 
     def figure(self, structure):
         """The standing figure of ``structure``, or ``None``."""
-        entry = self._standing.get(structure)
-        return None if entry is None else entry[0]
+        return self._standing.get(structure, (None,))[0]
 
     def stand(self, structure, state) -> None:
         """Build the figure of ``structure`` now (in ``state``) unless it stands already."""
@@ -125,13 +127,12 @@ class StandingFigure:
         fig.draw_without_rendering()
         fig.set_layout_engine("none")
         titles = [(ax.title, ax.title.get_position()) for ax in fig.axes]
-        dynamic = self.dynamic(fig)
-        visible = [artist.get_visible() for artist in dynamic]
-        for artist in dynamic:
+        visible = {artist: artist.get_visible() for artist in self.dynamic(fig)}
+        for artist in visible:
             artist.set_visible(False)
         fig.canvas.draw()  # the one full draw: the background
         background = fig.canvas.copy_from_bbox(fig.bbox)
-        for artist, was_visible in zip(dynamic, visible):
+        for artist, was_visible in visible.items():
             artist.set_visible(was_visible)
         for title, place in titles:  # where a draw with everything visible puts them
             title.set_position(place)
@@ -212,6 +213,98 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+_CSS = """
+#{p} {{ border: 1px solid var(--pst-color-border, #d0d7de); border-radius: 6px;
+        padding: 0.6em 0.8em; margin: 0.5em 0 1em 0; }}
+#{p} > input {{ position: absolute; opacity: 0; width: 0; height: 0; margin: 0; }}
+#{p} .tpx-controls {{ display: flex !important; flex-wrap: wrap; gap: 0.3em 1.2em;
+                      margin-bottom: 0.5em; }}
+#{p} .tpx-group {{ display: flex; flex-wrap: wrap; align-items: center; gap: 0.25em; }}
+#{p} .tpx-name {{ font-weight: 600; margin-right: 0.2em; }}
+#{p} .tpx-controls label {{ cursor: pointer; padding: 0.1em 0.55em; margin: 0;
+                            border: 1px solid var(--pst-color-border, #d0d7de);
+                            border-radius: 4px; font-size: 0.9em; user-select: none; }}
+#{p} .tpx-controls label:hover {{ border-color: var(--pst-color-primary, #0969da); }}
+#{p} .tpx-panel {{ display: none; }}
+#{p} .tpx-caption {{ display: none; }}
+#{p} .tpx-panel img {{ max-width: 100%; height: auto; }}
+#{p} .tpx-note {{ font-size: 0.8em; opacity: 0.75; margin: 0.3em 0 0 0; }}
+"""
+_SELECTED = ("background: var(--pst-color-primary, #0969da); color: #fff; "
+             "border-color: var(--pst-color-primary, #0969da);")
+_FOCUSED = "outline: 2px solid var(--pst-color-primary, #0969da); outline-offset: 1px;"
+_HIDDEN = "position:absolute;opacity:0;width:0;height:0;margin:0"
+_DATA_URI = re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]+")
+
+
+class StaticExplorer:
+    """``panels`` ``{(i0, i1, …): html}`` for every combination of the options of ``groups``
+    ``[(name, [label, …]), …]``, ``initial`` selected; ids hash the text, not the PNGs."""
+
+    def __init__(self, kind: str, groups: Sequence[tuple[str, Sequence[str]]],
+                 panels: Mapping[tuple[int, ...], str], initial: tuple[int, ...] | None = None,
+                 note: str | None = None):
+        self.kind = kind
+        self.groups = [(name, list(options)) for name, options in groups]
+        combos = list(itertools.product(*(range(len(o)) for _, o in self.groups)))
+        missing = [c for c in combos if c not in panels]
+        if missing:
+            raise ValueError(f"panels must cover every combination of options (missing {missing[:3]})")
+        self.panels = {c: panels[c] for c in combos}
+        self.initial = tuple(initial) if initial is not None else combos[0]
+        if self.initial not in self.panels:
+            raise ValueError(f"initial must be a combination of option indices (got {initial!r})")
+        self.note = ("Precomputed when the book was built. Run the notebook to explore any "
+                     "value.") if note is None else note
+        text = [_DATA_URI.sub("", body) for body in self.panels.values()]
+        digest = hashlib.sha1(repr((kind, self.groups, text)).encode()).hexdigest()[:10]
+        self.prefix = f"tpx-{kind}-{digest}"
+        self.html = self._render()
+
+    def __len__(self) -> int:
+        return len(self.panels)
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def _render(self) -> str:
+        p = self.prefix
+        radio = lambda g, i: f"{p}-g{g}-{i}"  # noqa: E731
+        panel = lambda combo: f"{p}-p" + "-".join(map(str, combo))  # noqa: E731
+        rules, inputs, controls = [_CSS.format(p=p)], [], []
+        for combo in self.panels:
+            chain = " ~ ".join(f"#{radio(g, i)}:checked" for g, i in enumerate(combo))
+            rules.append(f"{chain} ~ .tpx-panels > #{panel(combo)} {{ display: block; }}")
+        for g, (name, options) in enumerate(self.groups):
+            controls.append(f'<div class="tpx-group" role="radiogroup" '
+                            f'aria-label="{html.escape(name)}">'
+                            f'<span class="tpx-name">{html.escape(name)}</span>')
+            for i, option in enumerate(options):
+                label = f"label[for={radio(g, i)}]"
+                rules += [f"#{radio(g, i)}:checked ~ .tpx-controls {label} {{ {_SELECTED} }}",
+                          f"#{radio(g, i)}:focus-visible ~ .tpx-controls {label} {{ {_FOCUSED} }}"]
+                checked = " checked" if self.initial[g] == i else ""
+                inputs.append(f'<input type="radio" name="{p}-g{g}" id="{radio(g, i)}" '
+                              f'style="{_HIDDEN}"{checked}>')
+                controls.append(f'<label for="{radio(g, i)}">{html.escape(option)}</label>')
+            controls.append("</div>")
+        out = [f'<div class="tpx" id="{p}" data-tpx-kind="{html.escape(self.kind)}">', "<style>",
+               *rules, "</style>", *inputs, '<div class="tpx-controls" style="display:none">',
+               *controls, "</div>", '<div class="tpx-panels">']
+        for combo, body in self.panels.items():
+            caption = " · ".join(f"{name} {options[i]}"
+                                 for (name, options), i in zip(self.groups, combo))
+            out.append(f'<div class="tpx-panel" id="{panel(combo)}" '
+                       f'data-state="{html.escape(caption)}">'
+                       f'<p class="tpx-caption"><strong>{html.escape(caption)}</strong></p>'
+                       f"{body}</div>")
+        out.append("</div>")
+        if self.note:
+            out.append(f'<p class="tpx-note">{html.escape(self.note)}</p>')
+        out.append("</div>")
+        return "\n".join(out)
 
 
 #: One group of a static twin: its name and its options, each ``(label, {control: value})``.

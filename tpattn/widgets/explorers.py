@@ -1,23 +1,32 @@
-"""The book's explorers: RoPE (chapter 3), attention (4), sharding (6), seed × mode (8–10), SP (12)."""
+"""The book's explorers: RoPE (chapter 3), attention (4), sharding (6), seed × mode (8–10), SP
+(12); the five measures in an output area (an HTML table, the verdict, a fast bar chart)."""
 from __future__ import annotations
+
+import copy
+import functools
+import html
+from typing import Mapping
 
 import ipywidgets as widgets
 
-from tpattn.check.core import EQUIVALENCE, MODES, SEEDS, SP_MODES
+from tpattn.bugs.modes import run
+from tpattn.check.core import EQUIVALENCE, MEASURES, MODES, SEEDS, SP_MODES, TOLERANCE
 from tpattn.config import Config
 from tpattn.block.layers import rope_angles
 from tpattn.viz.layers import (attention_dynamic_artists, attention_heatmaps, rope_dynamic_artists,
-                          rope_rotation_figure, set_attention_state, set_rope_position)
+                               rope_rotation_figure, set_attention_state, set_rope_position)
 from tpattn.viz.heads import heads_picture
-from tpattn.viz.tables import measures_table
+from tpattn.viz.sharding import measures_figure, set_measures, zero_floor
+from tpattn.viz.style import FAIL_COLOR, PASS_COLOR
+from tpattn.viz.tables import MEASURE_LABELS, format_measure, measures_table
 from .core import (Explorer, StandingFigure, config_controls, html_output, mode_control,
                    png_output, seed_control, single_thread, text_output)
 from .kv import control_states, heads_explorer, kv_caption, layout_states
-from .measures import MeasuresPlot, live_run, measures_html
 
 __all__ = ["rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
            "sp_explorer", "SP_EXPLORER_CONFIG", "ROPE_POSITIONS", "ATTENTION_LAYOUTS",
-           "ATTENTION_SEEDS", "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS"]
+           "ATTENTION_SEEDS", "SHARDING_LAYOUTS", "MAX_DRAWN_HEADS", "MeasuresPlot", "live_run",
+           "measures_html"]
 
 #: RoPE positions precomputed for the book (~0.5 s each).
 ROPE_POSITIONS = (0, 1, 3, 8, 16)
@@ -119,11 +128,66 @@ def sharding_caption(cfg: Config) -> str:
 def sharding_explorer(query_heads: int = 4, kv_heads: int = 2, world_size: int = 2,
                       layouts=None) -> Explorer:
     """Which rank holds which heads; the static twin: ``layouts`` (``SHARDING_LAYOUTS``)."""
-    controls = config_controls(query_heads=query_heads, kv_heads=kv_heads,
-                               world_size=world_size)
+    controls = config_controls(query_heads=query_heads, kv_heads=kv_heads, world_size=world_size)
     layouts = SHARDING_LAYOUTS if layouts is None else layouts
     return heads_explorer("sharding", controls, MAX_DRAWN_HEADS, sharding_caption,
                           heads_picture, [layout_states(layouts)])
+
+
+def live_run(seed, mode, cfg: Config | None = None, simulate: str = "fixture") -> dict:
+    """``run(seed, mode, cfg, simulate=simulate)`` on one thread, remembered for 256 states
+    (``True`` is not ``1``); a new dict each call; errors are not remembered."""
+    try:
+        return copy.deepcopy(_remembered_run(seed, mode, cfg, simulate))
+    except TypeError:  # not hashable, so not a value run accepts; let run say why
+        with single_thread():
+            return run(seed, mode, cfg, simulate=simulate)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _remembered_run(seed, mode, cfg, simulate) -> dict:
+    with single_thread():
+        return run(seed, mode, cfg, simulate=simulate)
+
+
+def measures_html(result: Mapping) -> str:
+    """The verdict and a table: each measure, its value and whether it is below the tolerance."""
+    color = PASS_COLOR if result["passed"] else FAIL_COLOR
+    cell = "padding:0.05em 1.2em 0.05em 0"
+    rows = "".join(
+        f'<tr><td style="{cell}">{html.escape(MEASURE_LABELS[m])}</td>'
+        f'<td style="{cell}; text-align:right; font-family:monospace">'
+        f"{format_measure(result[m])}</td>"
+        f'<td style="{cell}; color:{PASS_COLOR if result[m] < TOLERANCE else FAIL_COLOR}">'
+        f'{"below" if result[m] < TOLERANCE else "ABOVE"} 1e-6</td></tr>'
+        for m in MEASURES)
+    return (f'<div class="tpx-measures">'
+            f'<p style="margin:0.2em 0"><strong>seed {result["seed"]}, mode '
+            f'<code>{html.escape(result["mode"])}</code>: '
+            f'<span class="tpx-verdict" style="color:{color}">'
+            f'{"PASSED" if result["passed"] else "FAILED"}</span></strong></p>'
+            f'<table class="tpx-table" style="border-collapse:collapse; margin:0.2em 0">'
+            f'<thead><tr><th style="{cell}">measure (max |dense − TP|)</th>'
+            f'<th style="{cell}; text-align:right">value</th><th style="{cell}">vs tolerance</th>'
+            f"</tr></thead><tbody>{rows}</tbody></table></div>")
+
+
+def _measures_dynamic(fig) -> list:
+    """The bars, what lies over them (threshold line, spines), their value labels and the title."""
+    ax = fig.axes[0]
+    return [*ax.patches, *ax.lines, *ax.spines.values(), *ax.texts[:len(MEASURES)], ax.title]
+
+
+class MeasuresPlot(StandingFigure):
+    """``measures_figure(result)`` as PNG bytes, standing per zero floor."""
+
+    def __init__(self):
+        super().__init__(lambda _floor, result: measures_figure(result), set_measures,
+                         _measures_dynamic, size=2)
+
+    def png(self, result: Mapping) -> bytes:
+        """PNG bytes of ``measures_figure(result)``."""
+        return super().png(zero_floor([float(result[m]) for m in MEASURES]), result)
 
 
 def seed_mode_explorer(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,

@@ -9,8 +9,7 @@ import ipywidgets as widgets
 
 from tpattn.config import KV_STRATEGIES, Config
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
-from tpattn.viz.frames import HeadsPicture, heads_svg
-from tpattn.viz.heads import replica_groups_layout
+from tpattn.viz.heads import HeadsPicture, heads_svg, replica_groups_layout
 from .core import Explorer, config_controls, drawn_config, html_output, text_output
 
 __all__ = ["control_states", "layout_states", "heads_explorer", "KV_LAYOUTS", "kv_caption",
