@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tpattn.config import Config
 from tpattn.block.dense import dense_forward
-from tpattn.block.fused_qkv import fuse_qkv_weight, load_qkv_weight, split_qkv_weight
+from tpattn.block.fused_qkv import fuse_qkv_weight, load_qkv_weight
 from tpattn.block.kv_layout import has_replicas, replica_groups
 from tpattn.block.params import (INIT_STD, PARAM_NAMES, QK_NORM_NAMES, clone_trainable,
                                  init_params, rank_head_slices, shard_params, unshard_params)
@@ -264,45 +264,37 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
 
 
 def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) -> dict[str, torch.Tensor]:
-    """Full-size tensors from every rank's (replicated ones from rank 0): ``shard``'s inverse;
+    """Full-size tensors from every rank's: ``inverse_of`` the injection's ``shard``, each
+    element from the first rank that holds it (``norm``, ``bias``, q/k-norm: rank 0's);
     ``"fused_rank0"`` puts rank r's tensors on rank r's heads, as saving does."""
-    if inj.shard_offset:
-        k = inj.shard_offset % cfg.world_size
-        shards = shards[len(shards) - k:] + shards[:len(shards) - k]
-    if inj.shard in ("grouped_as_plain", "fused_naive"):  # each rank's rows, in place
-        rows = torch.cat([torch.cat([s["wq"], s["wk"], s["wv"]]) for s in shards]).detach()
-        wq, wk, wv = split_qkv_weight(rows, cfg, "plain" if inj.shard == "fused_naive"
-                                      else "grouped")
-        full = {"norm": shards[0]["norm"].detach().clone(), "wq": wq.clone(),
-                "wk": wk.clone(), "wv": wv.clone(),
-                "wo": torch.cat([s["wo"] for s in shards], dim=1).detach().clone()}
-    else:
-        full = unshard_params([{k: s[k] for k in PARAM_NAMES} for s in shards], cfg)
-    for name in ("bias",) + QK_NORM_NAMES:  # replicated: rank 0's copy
-        if name in shards[0]:
-            full[name] = shards[0][name].detach().clone()
-    return full
+    cut = replace(inj, shard="heads") if inj.shard == "fused_rank0" else inj
+    first, d = shards[0], cfg.head_dim
+    shapes = {"wq": (cfg.query_heads * d, cfg.hidden), "wk": (cfg.kv_heads * d, cfg.hidden),
+              "wv": (cfg.kv_heads * d, cfg.hidden), "wo": (cfg.hidden, cfg.query_heads * d)}
+    like = {k: first[k].new_zeros(shapes.get(k, first[k].shape))
+            for k in PARAM_NAMES + ("bias",) + QK_NORM_NAMES if k in first}
+    return inverse_of(lambda p, c: shard(p, c, cut), like, cfg)(shards)
 
 
 def inverse_of(shard_fn, like: dict[str, torch.Tensor], cfg: Config):
     """The gather of a cut ``shard_fn(p, cfg)``: per-rank dicts -> full-size tensors shaped as
-    ``like``, each element from the first rank that holds it; ``unshard_params`` where the cut
-    is a copy, not a view."""
+    ``like``, each element from the first rank that holds it, under whichever name the cut
+    gives it; ``unshard_params`` where the cut is a copy, not a view."""
     leaves = {k: torch.zeros_like(v).requires_grad_(True) for k, v in like.items()}
     cuts = shard_fn(leaves, cfg)
     if not all(t.requires_grad for c in cuts for t in c.values()):
         return lambda per_rank: unshard_params(per_rank, cfg)
 
     def gather(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        full = {}
-        for name, leaf in leaves.items():
-            out = torch.zeros_like(leaf).detach()
-            for cut, got in reversed(list(zip(cuts, per_rank))):
-                if name in cut and name in got:
-                    value, held = (torch.autograd.grad(cut[name], leaf, v, retain_graph=True)[0]
-                                   for v in (got[name].detach(), torch.ones_like(got[name])))
-                    out = torch.where(held > 0, value / held.clamp(min=1), out)
-            full[name] = out
+        full = {name: torch.zeros_like(leaf).detach() for name, leaf in leaves.items()}
+        for cut, got in reversed(list(zip(cuts, per_rank))):
+            names = [k for k in cut if k in got]
+            value, held = (torch.autograd.grad(
+                [cut[k] for k in names], list(leaves.values()), [fill(got[k]) for k in names],
+                retain_graph=True, allow_unused=True) for fill in (torch.detach, torch.ones_like))
+            for (name, out), v, h in zip(list(full.items()), value, held):
+                if h is not None:
+                    full[name] = torch.where(h > 0, v / h.clamp(min=1), out)
         return full
     return gather
 
