@@ -149,8 +149,8 @@ class ReduceFromRanks(torch.autograd.Function):
 
 
 class GatherSequence(torch.autograd.Function):
-    """SP's f: ``n`` ``[R, S/W, B, hidden]`` -> ``[R, S, B, hidden]``, the group's tokens in
-    group order (``group``: ``"tp"``); backward a reduce-scatter of dn."""
+    """In f's place under SP: ``n`` ``[R, S/W, B, hidden]`` -> ``[R, S, B, hidden]``, the
+    group's tokens in group order (``group``: ``"tp"``); backward a reduce-scatter of dn."""
 
     @staticmethod
     def forward(ctx, n, comm, group="tp"):
@@ -165,8 +165,8 @@ class GatherSequence(torch.autograd.Function):
 
 
 class ScatterSequence(torch.autograd.Function):
-    """SP's g: ``partial`` ``[R, S, B, hidden]`` -> ``[R, S/W, B, hidden]``, each rank's tokens
-    of its TP group's sum; backward an all-gather of dy."""
+    """In g's place under SP: ``partial`` ``[R, S, B, hidden]`` -> ``[R, S/W, B, hidden]``,
+    each rank's tokens of its TP group's sum; backward an all-gather of dy."""
 
     @staticmethod
     def forward(ctx, partial, comm):
