@@ -41,6 +41,14 @@ def init_params(cfg: Config, seed: int, init: str = "seed") -> dict[str, torch.T
     }
 
 
+def dense_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """The dense parameters' shapes: ``norm`` ``[hidden]``, wq ``[Hq*D, hidden]``, wk and wv
+    ``[Hkv*D, hidden]``, wo ``[hidden, Hq*D]``."""
+    q, kv = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return {"norm": (cfg.hidden,), "wq": (q, cfg.hidden), "wk": (kv, cfg.hidden),
+            "wv": (kv, cfg.hidden), "wo": (cfg.hidden, q)}
+
+
 def clone_trainable(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Independent leaf copies with ``requires_grad=True``."""
     return {name: t.clone().detach().requires_grad_(True) for name, t in params.items()}
@@ -73,12 +81,8 @@ def shard_params(params: dict[str, torch.Tensor], cfg: Config) -> list[dict[str,
 def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, torch.Tensor]:
     """``shard_params``' inverse: new full-size tensors, each replica from its first rank."""
     first = shards[0]
-    width = cfg.query_heads * cfg.head_dim
-    full = {"norm": first["norm"].detach().clone(),
-            "wq": first["wq"].new_empty(width, cfg.hidden),
-            "wk": first["wk"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-            "wv": first["wv"].new_empty(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-            "wo": first["wo"].new_empty(cfg.hidden, width)}
+    full = {k: first[k].new_empty(shape) for k, shape in dense_shapes(cfg).items()}
+    full["norm"] = first["norm"].detach().clone()
     with torch.no_grad():
         for rank, mine in enumerate(shards):
             q_rows, kv_rows = rank_head_slices(cfg, rank)

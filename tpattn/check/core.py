@@ -17,7 +17,8 @@ from tpattn.block.dense import dense_forward
 from tpattn.block.fused_qkv import fuse_qkv_weight, load_qkv_weight
 from tpattn.block.kv_layout import has_replicas, replica_groups
 from tpattn.block.params import (INIT_STD, PARAM_NAMES, QK_NORM_NAMES, clone_trainable,
-                                 init_params, rank_head_slices, shard_params, unshard_params)
+                                 dense_shapes, init_params, rank_head_slices, shard_params,
+                                 unshard_params)
 from tpattn.block.sgd import sgd_step
 from .magnitude import gradient_magnitudes
 from .measures import DIFF_CHUNK, MEASURES, TOLERANCE, five_measures, max_abs_diff
@@ -268,9 +269,7 @@ def unshard(shards: list[dict[str, torch.Tensor]], cfg: Config, inj: Injection) 
     element from the first rank that holds it (``norm``, ``bias``, q/k-norm: rank 0's);
     ``"fused_rank0"`` puts rank r's tensors on rank r's heads, as saving does."""
     cut = replace(inj, shard="heads") if inj.shard == "fused_rank0" else inj
-    first, d = shards[0], cfg.head_dim
-    shapes = {"wq": (cfg.query_heads * d, cfg.hidden), "wk": (cfg.kv_heads * d, cfg.hidden),
-              "wv": (cfg.kv_heads * d, cfg.hidden), "wo": (cfg.hidden, cfg.query_heads * d)}
+    first, shapes = shards[0], dense_shapes(cfg)
     like = {k: first[k].new_zeros(shapes.get(k, first[k].shape))
             for k in PARAM_NAMES + ("bias",) + QK_NORM_NAMES if k in first}
     return inverse_of(lambda p, c: shard(p, c, cut), like, cfg)(shards)
