@@ -89,8 +89,8 @@ def test_both_loading_bugs_fail_on_the_forward_and_every_measure_after_it(simula
 
 
 def test_the_registry_entries_cite_and_inject_the_loader_bugs():
-    rank0 = tpattn.bugs.zoo.get_mode("qkv_loaded_from_rank0")
-    plain = tpattn.bugs.zoo.get_mode("grouped_qkv_read_as_plain")
+    rank0 = tpattn.bugs.zoo.resolve("qkv_loaded_from_rank0")
+    plain = tpattn.bugs.zoo.resolve("grouped_qkv_read_as_plain")
     assert rank0.injection == Injection(shard="fused_rank0")
     assert plain.injection == Injection(shard="grouped_as_plain")
     assert "vllm-gguf-plugin issue 103" in rank0.citation and "PR 106" in rank0.citation

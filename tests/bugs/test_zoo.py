@@ -147,7 +147,7 @@ def test_the_zoo_block_is_the_packages_block_on_the_seeds_modes(mode, simulate):
     """The engine's block wired as the registry's injections of the seed's three modes (in
     the fixture's view on OneGraphRanks, not the seed's tp_forward) gives check.run's numbers
     (both semantics)."""
-    inj = zoo.get_mode(mode).injection
+    inj = zoo.resolve(mode).injection
     for cfg in (CFG, CFG_W4):
         for seed in SEEDS:
             x0, target = make_inputs(cfg, seed)
@@ -162,7 +162,7 @@ def test_the_zoo_block_is_the_packages_block_on_the_seeds_modes(mode, simulate):
 
 
 def _sides(mode, seed=11, cfg=CFG, simulate="ranks"):
-    inj = zoo.get_mode(mode).injection
+    inj = zoo.resolve(mode).injection
     x0, target = make_inputs(cfg, seed)
     base = zoo.make_params(cfg, seed, inj)
     return zoo.dense_step(x0, target, base, cfg, inj), zoo.tp_side(seed, cfg, inj, simulate), base
@@ -228,7 +228,7 @@ def test_counting_replicas_in_the_grad_norm_changes_only_the_step():
     failing = [m for m in MEASURES if result[m] >= TOLERANCE]
     assert failing == ["post_step_weight_max_abs_diff"], result
     # the logged norm: each rank adds the replicated norm's squared gradient
-    inj = zoo.get_mode("grad_norm_counts_replicas").injection
+    inj = zoo.resolve("grad_norm_counts_replicas").injection
     base = zoo.make_params(CFG, 11, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, CFG, inj)]
     batches = zoo.rank_batches(CFG, 11, inj)
@@ -254,7 +254,7 @@ def test_tiled_repeat_kv_hides_when_each_rank_holds_one_kv_head():
 
 
 def test_inputs_not_replicated_gives_every_rank_its_own_loss():
-    inj = zoo.get_mode("inputs_not_replicated").injection
+    inj = zoo.resolve("inputs_not_replicated").injection
     base = zoo.make_params(CFG_W4, 11, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, CFG_W4, inj)]
     step = simulated_step(shards, zoo.rank_batches(CFG_W4, 11, inj), CFG_W4, inj, LR)
@@ -263,7 +263,7 @@ def test_inputs_not_replicated_gives_every_rank_its_own_loss():
 
 
 def test_the_ledger_counts_each_collective_where_it_runs():
-    inj = zoo.get_mode("input_grad_reduced_twice").injection
+    inj = zoo.resolve("input_grad_reduced_twice").injection
     base = zoo.make_params(CFG, 11, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, CFG, inj)]
     step = simulated_step(shards, zoo.rank_batches(CFG, 11, inj), CFG, inj, LR)
@@ -311,7 +311,7 @@ def test_resolve_looks_every_mode_up_once_and_its_injection_says_how_it_runs():
         resolve("missing_output_reduce", ws1, strict=True)
     with pytest.raises(ValueError, match="'output_reduced_twice' needs world_size >= 2"):
         resolve("output_reduced_twice", ws1)
-    assert zoo.get_mode("norm_grad_averaged").name == "norm_grad_averaged"  # name only
+    assert zoo.resolve("norm_grad_averaged").name == "norm_grad_averaged"  # name only
 
 
 def test_register_adds_a_runnable_mode_and_refuses_to_steal_a_name():

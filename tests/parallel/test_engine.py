@@ -39,7 +39,7 @@ ZOO_MODES = [m for m in zoo.runnable_modes()]
 @pytest.mark.parametrize("mode", ZOO_MODES)
 def test_engine_equals_the_zoo_rank_loop(mode, seed):
     cfg = Config(query_heads=8, kv_heads=4, world_size=2) if "kv_heads >= 2 * world_size" \
-        in zoo.get_mode(mode).needs else Config()
+        in zoo.resolve(mode).needs else Config()
     inj = zoo.resolve(mode, cfg, strict=True).injection
     base = zoo.make_params(cfg, seed, inj)
     shards = [{k: t.detach() for k, t in s.items()} for s in zoo.shard(base, cfg, inj)]
@@ -174,7 +174,7 @@ def test_the_registry_and_run_share_one_injection_per_seed_mode():
     for mode in MODES:
         for simulate in ("fixture", "ranks"):
             assert tpattn.run(11, mode, simulate=simulate) == check_injection(
-                11, mode, zoo.get_mode(mode).injection, simulate=simulate)
+                11, mode, zoo.resolve(mode).injection, simulate=simulate)
 
 
 def test_the_correct_block_reads_as_the_correct_block():

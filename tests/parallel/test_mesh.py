@@ -124,7 +124,7 @@ def test_mesh_needs_are_checked(mode, cfg, rule):
 
 def test_mesh_modes_are_registered_mechanism_and_not_plain_tp():
     for name in MESH_MODES + ("sp_gather_wrong_group",):
-        entry = zoo.get_mode(name)
+        entry = zoo.resolve(name)
         if name == "loss_reduced_over_world":  # torchtitan PR 105 fixed a crash (issue 35)
             assert entry.fidelity == "no report" and not entry.citation
         else:

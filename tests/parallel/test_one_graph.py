@@ -138,7 +138,7 @@ def _zoo_old_step(x0, target, base, cfg, inj, seed):
 @pytest.mark.parametrize("mode", zoo.runnable_modes())
 def test_zoo_fixture_is_the_engine(mode, seed):
     cfg = Config(query_heads=8, kv_heads=4, world_size=2) if "kv_heads >= 2 * world_size" \
-        in zoo.get_mode(mode).needs else Config()
+        in zoo.resolve(mode).needs else Config()
     inj = zoo.resolve(mode, cfg, strict=True).injection
     x0, target = make_inputs(cfg, seed)
     base = zoo.make_params(cfg, seed, inj)

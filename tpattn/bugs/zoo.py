@@ -18,7 +18,7 @@ from tpattn.parallel.engine import MAX_GRAD_NORM
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.one_graph import one_graph_forward
 
-__all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "resolve", "get_mode",
+__all__ = ["Injection", "BugMode", "REGISTRY", "FIDELITIES", "register", "resolve",
            "mode_names", "list_modes", "runnable_modes", "reported_modes", "modes_for", "tp_side",
            "make_params", "shard", "unshard", "load_rank_shard", "sides", "forward_fixture",
            "block_inputs", "LAYOUT_NEEDS", "MESH_NEEDS", "Need", "MODEL_OPTION_NEEDS",
@@ -394,10 +394,6 @@ def resolve(mode: str, cfg: Config | None = None, strict: bool = False) -> BugMo
         if not need(cfg):
             _raise_unmet(entry, need, cfg)
     return entry
-
-
-#: ``resolve`` of a name alone: the registry entry (chapters 8 and 9 read one with it).
-get_mode = resolve
 
 
 def _check_fixture_mode(mode: str, inj: Injection, cfg: Config) -> None:

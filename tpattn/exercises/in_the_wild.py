@@ -85,8 +85,8 @@ def _zoo_forward_hits() -> dict[str, set[bool]]:
     from tpattn.diagnosis.hunt import HUNT_SHAPES
     found = {}
     for mode in zoo.runnable_modes():
-        inj = zoo.get_mode(mode).injection
-        if zoo.get_mode(mode).is_correct:
+        inj = zoo.resolve(mode).injection
+        if zoo.resolve(mode).is_correct:
             continue
         for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
             x0, _ = make_inputs(cfg, seed)
@@ -104,7 +104,7 @@ def _zoo_forward_hits() -> dict[str, set[bool]]:
 @exercise("which zoo bugs the forward shows", 16)
 def check_forward_visible(predict) -> str:
     """Check ``predict() -> set``: the runnable zoo bugs whose forward output is not dense's."""
-    names = [m for m in zoo.runnable_modes() if not zoo.get_mode(m).is_correct]
+    names = [m for m in zoo.runnable_modes() if not zoo.resolve(m).is_correct]
     predicted = as_names(predict(), names, "zoo bug")
     for mode in names:
         hits = _zoo_forward_hits()[mode]
@@ -503,7 +503,7 @@ def _loading_observations() -> tuple:
     """``(name, answer, cfg, seed, shard_checksums, shard_scale)`` of observed runs on two shapes:
     the three loading bugs, correct loads and a made-up wrong rank order (answer None)."""
     from tpattn.diagnosis.observe import observe_injection
-    runs = [(m, m, zoo.get_mode(m).injection) for m in LOADING_VERDICTS if m is not None]
+    runs = [(m, m, zoo.resolve(m).injection) for m in LOADING_VERDICTS if m is not None]
     runs += [("correct (grouped)", None, Injection(shard="grouped")),
              ("correct (fused)", None, Injection(shard="fused")),
              ("shards in the wrong rank order", None, Injection(shard="fused", shard_offset=1))]
@@ -558,7 +558,7 @@ def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
     shown = (f"forward {counts['forward']} (plan {plan['forward']}), backward "
              f"{counts['backward']} (plan {plan['backward']})")
     if want is None:
-        correct = zoo.get_mode(mode).is_correct
+        correct = zoo.resolve(mode).is_correct
         return (f"for {'a correct run' if correct else f'a run of {mode}'} the ledger shows "
                 f"{shown} — as planned — but you said {got}: "
                 + ("" if correct else "this bug leaves the collectives alone; ") + "answer None.")
