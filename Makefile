@@ -46,18 +46,30 @@ $(MATHJAX):
 book: setup
 	$(JB) build . --all -W -n --keep-going
 
-# make test: import-linter's layers contract (.importlinter), then three steps; each runs even if an earlier one failed, and make test fails if any
-# did:
-# 1. pytest: unit/property/CLI/distributed tests and every chapter under nbval. nbval executes every notebook from scratch; each notebook whose cells all passed is
-#    kept with the outputs nbval just compared (tools/nbval_record.py, in _build/nbval-executed);
-# 2. the book, which caches those executions instead of running the notebooks a second time
+# make test: import-linter's layers contract (.importlinter), then four steps; each runs even if an
+# earlier one failed, and make test fails if any did:
+# 1. pytest: unit/property/CLI/distributed tests, under this machine's kernels;
+# 2. pytest with nbval on every chapter, its kernels under other CPU kernels (BOOK_KERNELS): nbval
+#    executes every notebook from scratch and compares it with its stored outputs, which were
+#    made on another machine, so no stored output may depend on a CPU's rounding (a chapter
+#    prints rounding-level numbers through tests/nbval_sanitize.cfg). Each notebook whose cells
+#    all passed is kept with the outputs nbval just compared (tools/nbval_record.py, in
+#    _build/nbval-executed);
+# 3. the book, which caches those executions instead of running the notebooks a second time
 #    (book/_ext/tpattn_book.py: only for this package's digest and unchanged code cells);
-# 3. pytest on the tests that read the built HTML (marker built_book): the browser test, ...
+# 4. pytest on the tests that read the built HTML (marker built_book): the browser test, ...
 # Not here: every chapter in a real JupyterLab (marker lab), `make test-lab` below; CI runs both.
 # On every core: pytest-xdist hands out whole modules and classes (--dist loadscope), so a
 # notebook's nbval cells run in order in one kernel on one worker; PYTEST_WORKERS=0 runs each
-# step in one process. JUNIT=PREFIX writes PREFIX-1.xml and PREFIX-3.xml (bench/test_time.py).
+# step in one process. JUNIT=PREFIX writes PREFIX-1.xml, PREFIX-2.xml and PREFIX-4.xml
+# (bench/test_time.py).
+# BOOK_KERNELS: torch's portable kernels (ATEN_CPU_CAPABILITY=default), MKL's portable code path
+# (MKL_CBWR=COMPATIBLE) and one thread, all at once. Measured on an AVX2 AMD EPYC (torch 2.13,
+# MKL): each switch changes results (a 100003-term float32 sum, a 64x256x64 matmul, the seed
+# matrix's digits), and MKL_CBWR=COMPATIBLE reproduces an AVX-512 Xeon's seed-17 loss difference
+# of missing_output_reduce.
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+BOOK_KERNELS := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
 PYTEST_WORKERS ?= auto
 XDIST := -n $(PYTEST_WORKERS) --dist loadscope
 RECORD := -p tools.nbval_record --record-executed _build/nbval-executed
@@ -65,9 +77,10 @@ JUNIT ?=
 test: setup
 	@status=0; \
 	$(VENV)/bin/lint-imports --config .importlinter || status=1; \
-	$(PY) -m pytest -q $(XDIST) $(NBVAL) $(RECORD) -m "not built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-1.xml) tests book || status=1; \
+	$(PY) -m pytest -q $(XDIST) -m "not built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-1.xml) tests || status=1; \
+	env $(BOOK_KERNELS) $(PY) -m pytest -q $(XDIST) $(NBVAL) $(RECORD) $(if $(JUNIT),--junitxml=$(JUNIT)-2.xml) book || status=1; \
 	$(JB) build . --all -W -n --keep-going || status=1; \
-	$(PY) -m pytest -q $(XDIST) -m "built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-3.xml) tests || status=1; \
+	$(PY) -m pytest -q $(XDIST) -m "built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-4.xml) tests || status=1; \
 	exit $$status
 
 # Every chapter in a real JupyterLab driven by headless Chromium (tests/book/test_lab.py, issue 9):
@@ -80,28 +93,20 @@ test: setup
 test-lab: setup
 	$(PY) -m pytest -q $(XDIST) -m lab $(if $(JUNIT),--junitxml=$(JUNIT)-lab.xml) tests
 
-# The numeric tests and every chapter again under other CPU kernels, so that no test and no
-# stored output depends on this machine's rounding (CI's and readers' CPUs have other kernels).
-# Measured on an AVX2 AMD EPYC (torch 2.13, MKL), each setting really switches kernels:
-# ATEN_CPU_CAPABILITY=default changes a 100003-term float32 sum and a 64x256x64 matmul, and the
-# seed matrix's digits; OMP_NUM_THREADS=1 changes the sum; MKL_CBWR=COMPATIBLE (MKL's portable
-# code path) changes the matmul and reproduces an AVX-512 Xeon's missing_output_reduce seed-17
-# loss difference. The numeric tests (with the Llama-shape tolerance test) run under each
-# setting; nbval runs every chapter once, under all three switches at once (a chapter prints
-# rounding-level numbers through tests/nbval_sanitize.cfg, so only its asserts and a bug's
-# digits can differ). Does not rebuild the book.
+# The numeric tests again under other CPU kernels, so that no test depends on this machine's
+# rounding (CI's and readers' CPUs have other kernels; make test already runs every chapter under
+# BOOK_KERNELS). Each setting really switches kernels (see BOOK_KERNELS above; OMP_NUM_THREADS=1
+# changes the float32 sum). Runs the Llama-shape tolerance test under each. Does not rebuild the
+# book.
 PORTABLE_SETTINGS := "ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2" \
                      "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1" \
                      "MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1"
-BOOK_PORTABLE := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
 NUMERIC_TESTS := tests/check/test_golden.py tests/check/test_rederive.py tests/check/test_properties.py tests/frontends/test_cli.py \
                  tests/check/test_tolerance_llama.py
 KERNELS := import torch; print("kernels:", torch.backends.cpu.get_cpu_capability(), "threads:", torch.get_num_threads())
 test-portable: setup
 	@set -e; for s in $(PORTABLE_SETTINGS); do echo "== $$s"; env $$s $(PY) -c '$(KERNELS)'; \
 	  env $$s $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NUMERIC_TESTS); done
-	@echo "== $(BOOK_PORTABLE) (every chapter)"
-	env $(BOOK_PORTABLE) $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) book
 
 test-browser: book
 	$(PY) -m pytest -q $(XDIST) tests/book/test_browser.py
