@@ -10,6 +10,7 @@ import torch
 
 from tpattn.config import Config
 from .kv_layout import check_rank
+from .params import dense_shapes
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
            "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
@@ -40,10 +41,8 @@ def fuse_qkv_weight(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: C
                     layout: str = "grouped") -> torch.Tensor:
     """``wq`` ``[Hq*D, hidden]``, ``wk``, ``wv`` ``[Hkv*D, hidden]`` fused in ``layout``."""
     _check_layout(layout)
-    want = {"wq": (cfg.query_heads * cfg.head_dim, cfg.hidden),
-            "wk": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
-            "wv": (cfg.kv_heads * cfg.head_dim, cfg.hidden)}
-    for name, w in zip(want, (wq, wk, wv)):
+    want = dense_shapes(cfg)
+    for name, w in zip(("wq", "wk", "wv"), (wq, wk, wv)):
         if tuple(w.shape) != want[name]:
             raise ValueError(f"{name} must be {list(want[name])} for this Config "
                              f"(got {list(w.shape)})")

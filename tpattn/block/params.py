@@ -32,13 +32,9 @@ def init_params(cfg: Config, seed: int, init: str = "seed") -> dict[str, torch.T
         std = INIT_STD if init == "seed" else shape[1] ** -0.5
         return (torch.randn(*shape, generator=g) * std).to(cfg.torch_dtype)
 
-    return {
-        "norm": torch.ones(cfg.hidden, dtype=cfg.torch_dtype),
-        "wq": rand(cfg.query_heads * cfg.head_dim, cfg.hidden),
-        "wk": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-        "wv": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-        "wo": rand(cfg.hidden, cfg.query_heads * cfg.head_dim),
-    }
+    shapes = dense_shapes(cfg)  # drawn in PARAM_NAMES' order
+    return {"norm": torch.ones(cfg.hidden, dtype=cfg.torch_dtype),
+            **{k: rand(*shapes[k]) for k in PARAM_NAMES[1:]}}
 
 
 def dense_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
