@@ -16,19 +16,17 @@ from tpattn.block.kv_layout import (GATHER_ACTIVATIONS, REPLICATE_WEIGHTS, has_r
 
 __all__ = ["REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "KV_STRATEGIES", "has_replicas",
            "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
-           "is_first_kv_copy", "kv_grad_bug_applies", "kv_collectives", "kv_costs", "ring_bytes", "unique_parameters", "global_grad_norm",
-           "fused_qkv_gather_bytes"]
+           "is_first_kv_copy", "kv_grad_bug_applies", "kv_collectives", "kv_costs", "ring_bytes",
+           "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes"]
 
 
 def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> int:
     """Bytes one rank sends in a ring collective over ``group_size`` p: all-reduce of N
     elements ``2(p-1)/p * N``, all-gather (N: output) and reduce-scatter (N: input) ``(p-1)/p * N``."""
-    p = group_size
     factors = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     if kind not in factors:
         raise ValueError(f"kind must be one of {', '.join(factors)} (got {kind!r})")
-    factor = factors[kind]
-    return factor * (p - 1) * elements // p * element_size
+    return factors[kind] * (group_size - 1) * elements // group_size * element_size
 
 
 def kv_collectives(cfg: Config) -> list[dict]:
