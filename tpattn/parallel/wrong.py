@@ -13,8 +13,7 @@ from .program import CORRECT, Program
 
 __all__ = ["ScaleGrad", "GatherSequenceNoReduce", "no_collective", "f_averaged", "f_twice",
            "g_twice", "tiled_heads", "both_kept", "bias_before_g", "no_bias_after_g",
-           "norm_grad_averaged", "norm_grad_kept", "grad_squares_per_rank",
-           "MADE_UP_STAGES", "program_of"]
+           "norm_grad_averaged", "grad_squares_per_rank", "MADE_UP_STAGES", "program_of"]
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -39,7 +38,7 @@ class GatherSequenceNoReduce(GatherSequence):
 
 
 def no_collective(t: torch.Tensor, comm) -> torch.Tensor:
-    """A dropped f or g: ``t`` as it is."""
+    """A dropped collective (f, g, SP's norm-gradient all-reduce): ``t`` as it is."""
     return t
 
 
@@ -65,8 +64,7 @@ def tiled_heads(t: torch.Tensor, groups: int, ranks: int) -> torch.Tensor:
 
 
 def both_kept(a: torch.Tensor, b: torch.Tensor, comm):
-    """A pair's reduce dropped (wk/wv over the KV replicas, the q/k-norm gradients over TP):
-    each rank keeps its own."""
+    """A pair's reduce dropped (KV replicas' wk/wv, the q/k-norm gradients): both as they are."""
     return a, b
 
 
@@ -84,11 +82,6 @@ def norm_grad_averaged(grad: torch.Tensor, comm) -> torch.Tensor:
     """SP's norm-gradient all-reduce with op AVG: the TP group's sum / W."""
     comm.record("after backward", NORM_GRAD_LABEL, op="avg")
     return (comm.group_sum(grad, "tp") / comm.world_size).clone()
-
-
-def norm_grad_kept(grad: torch.Tensor, comm) -> torch.Tensor:
-    """SP's norm-gradient all-reduce dropped: each rank keeps its tokens' share."""
-    return grad.clone()
 
 
 def grad_squares_per_rank(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
@@ -117,9 +110,9 @@ def program_of(inj) -> Program:
                "twice": f_twice}[inj.f],
          "g": {1: CORRECT.g, 0: no_collective, 2: g_twice}[inj.g],
          "sp_gather": _gather_stage(inj.f, inj.sp_group),
-         "sp_scatter": CORRECT.sp_scatter if inj.g else (lambda t, comm: own_tokens(t, comm)),
+         "sp_scatter": CORRECT.sp_scatter if inj.g else own_tokens,
          "norm_grad": {"sum": CORRECT.norm_grad, "mean": norm_grad_averaged,
-                       "none": norm_grad_kept}[inj.norm_grad],
+                       "none": no_collective}[inj.norm_grad],
          "clip": inj.clip, "name": repr(inj)}
     if inj.kv == "tile":
         s["repeat_kv"] = tiled_heads
