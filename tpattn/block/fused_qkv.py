@@ -1,9 +1,7 @@
 """Fused QKV checkpoints ``[(Hq + 2*Hkv)*D, hidden]`` in two row orders, and a rank's loader.
 
 ``plain`` is ``[Wq; Wk; Wv]`` (GLM's); ``grouped`` is, per KV group g, ``[q rows of g's query
-heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's). ``load_qkv_weight`` reads
-its rank as vllm-gguf-plugin's did (``kwargs.get("tp_rank", 0)``, that plugin's issue 103).
-"""
+heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's)."""
 from __future__ import annotations
 
 import torch
@@ -98,8 +96,8 @@ def read_rank_qkv(rows: torch.Tensor, cfg: Config, read_as: str = "grouped"):
 
 def load_qkv_weight(loaded_weight: torch.Tensor, cfg: Config, layout: str = "plain",
                     read_as: str | None = None, **kwargs):
-    """Rank ``kwargs.get("tp_rank", 0)``'s ``(wq, wk, wv)`` narrowed from the fused
-    ``loaded_weight`` in ``layout``: ``"plain"`` its heads' rows inside each part,
+    """Rank ``kwargs.get("tp_rank", 0)``'s ``(wq, wk, wv)`` (vllm-gguf-plugin's default) narrowed
+    from the fused ``loaded_weight`` in ``layout``: ``"plain"`` its heads' rows inside each part,
     ``"grouped"`` its ``rank_row_block`` read by ``read_rank_qkv`` as ``read_as`` (default
     ``layout``). Needs ``kv_heads >= world_size``."""
     tp_rank = kwargs.get("tp_rank", 0)

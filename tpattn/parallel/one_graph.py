@@ -1,7 +1,6 @@
 """The original fixture's one-graph view (``simulate="fixture"``) as a backend of the engine:
 every rank in ONE autograd graph, shards views of the dense leaves, f the identity (autograd
-sums dn), g a sum over the rank dim; a dropped collective is detached copies on ranks >= 1.
-"""
+sums dn), g a sum over the rank dim; a dropped collective is detached copies on ranks >= 1."""
 from __future__ import annotations
 
 from dataclasses import replace

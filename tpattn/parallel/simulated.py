@@ -1,5 +1,4 @@
-"""``engine.train_step`` on ``SimulatedRanks`` (every rank of the job in one process), and
-what rank 0 reports of it."""
+"""``engine.train_step`` on ``SimulatedRanks`` (every rank in one process); rank 0's report."""
 from __future__ import annotations
 
 import torch
@@ -78,5 +77,4 @@ def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tenso
                       cfg: Config, inj) -> list[torch.Tensor]:
     """``engine.rank_block`` on one ``[S_r, B, hidden]`` per rank in and out (differentiable)."""
     p = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
-    y = rank_block(torch.stack(list(xs)), p, cfg, inj, SimulatedRanks(cfg))
-    return list(y.unbind(0))
+    return list(simulated_forward(p, xs, cfg, inj).unbind(0))
