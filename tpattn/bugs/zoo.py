@@ -64,8 +64,7 @@ LAYOUT_NEEDS = (SP, KV_REPLICAS, DROPOUT, QK_NORM, DP_2, DP_IS_TP)
 MESH_NEEDS = (DP_2, DP_IS_TP)
 #: The needs that are a model option (``--dropout P``, ``--qk-norm``).
 MODEL_OPTION_NEEDS = (DROPOUT, QK_NORM)
-#: Loading modes on plain-TP shapes that ``runnable_modes()`` leaves out (the earlier chapters'
-#: hunts and tables keep their cases; ``diagnosis.evaluate.HELD_OUT`` hosts them).
+#: Plain-TP loading modes that ``runnable_modes()`` leaves out (``evaluate.HELD_OUT`` hosts them).
 AROUND_THE_BLOCK = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
 
 
@@ -94,8 +93,7 @@ class BugMode:
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
-                "runnable": self.injection is not None,
-                "observable": self.injection is not None}
+                "runnable": self.injection is not None, "observable": self.injection is not None}
 
 
 #: name -> BugMode, in listing order.
@@ -388,13 +386,12 @@ def _check_fixture_mode(mode: str, inj: Injection, cfg: Config) -> None:
 
 def _check_plain_tp(mode: str, cfg: Config) -> None:
     """The zoo's block off the mesh has neither sequence parallelism nor KV replicas."""
+    block = f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which "
     if cfg.sequence_parallel:
-        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
-                         f"no sequence parallelism: sequence_parallel must be False")
+        raise ValueError(block + "has no sequence parallelism: sequence_parallel must be False")
     if cfg.kv_heads < cfg.world_size:
-        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
-                         f"not replicate KV heads: kv_heads must be >= world_size (got "
-                         f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
+        raise ValueError(block + f"does not replicate KV heads: kv_heads must be >= world_size "
+                         f"(got kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
 
 
 def _raise_unmet(entry: BugMode, need: Need, cfg: Config) -> None:
