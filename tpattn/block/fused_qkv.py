@@ -17,10 +17,9 @@ __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weig
 FUSED_LAYOUTS = ("plain", "grouped")
 
 
-def _check_layout(layout: str, name: str = "layout") -> str:
+def _check_layout(layout: str, name: str = "layout") -> None:
     if layout not in FUSED_LAYOUTS:
         raise ValueError(f"{name} must be one of {', '.join(FUSED_LAYOUTS)} (got {layout!r})")
-    return layout
 
 
 def fused_qkv_rows(cfg: Config) -> int:
@@ -64,8 +63,7 @@ def split_qkv_weight(w: torch.Tensor, cfg: Config, layout: str = "grouped"):
     _check_layout(layout)
     _check_fused(w, cfg)
     if layout == "plain":
-        kv = cfg.kv_heads * cfg.head_dim
-        return tuple(w.split([cfg.query_heads * cfg.head_dim, kv, kv]))
+        return tuple(w.split([dense_shapes(cfg)[k][0] for k in ("wq", "wk", "wv")]))
     return _split_groups(w, cfg.kv_heads, cfg)
 
 

@@ -1,7 +1,7 @@
 """The block's parameters: deterministic init, trainable copies, head-group sharding.
 
 ``F.linear`` layouts: ``norm`` ``[hidden]``, ``wq`` ``[Hq*D, hidden]``, ``wk``, ``wv``
-``[Hkv*D, hidden]`` (rows grouped by head), ``wo`` ``[hidden, Hq*D]``, ``q_norm``, ``k_norm`` ``[D]``."""
+``[Hkv*D, hidden]`` (rows by head), ``wo`` ``[hidden, Hq*D]``, ``q_norm``, ``k_norm`` ``[D]``."""
 from __future__ import annotations
 
 import torch
