@@ -242,8 +242,7 @@ def replica_share(share: torch.Tensor, comm) -> torch.Tensor:
 
 
 def reduce_loss(share: torch.Tensor, comm, group: str = "dp") -> torch.Tensor:
-    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group``; ``"tp"``: each
-    rank's own share, no collective."""
+    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group`` (``"tp"``: kept as is)."""
     if group == "tp":
         return share.clone()
     comm.record("step", LOSS_LABEL, group=group)

@@ -18,10 +18,8 @@ def _stacked(per_rank):
 
 def simulated_step(shards, batches, cfg: Config, inj, lr: float, rng=None) -> dict:
     """``engine.train_step`` on every rank; batches: ``(x, target)`` ``[S_r, B, hidden]`` each."""
-    x = torch.stack([b[0] for b in batches])
-    target = torch.stack([b[1] for b in batches])
-    comm = SimulatedRanks(cfg, [])
-    return train_step(_stacked(shards), x, target, cfg, inj, comm, lr, rng)
+    x, target = (torch.stack(t) for t in zip(*batches))
+    return train_step(_stacked(shards), x, target, cfg, inj, SimulatedRanks(cfg, []), lr, rng)
 
 
 def simulated_forward(shards, xs, cfg: Config, inj, rng=None) -> torch.Tensor:
