@@ -20,7 +20,7 @@ from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import shard_params
 from tpattn.bugs.zoo import shard
 from tpattn.config import Config
-from tpattn.parallel.engine import ScaleGrad
+from tpattn.parallel.wrong import ScaleGrad
 from tpattn.parallel.tp import copy_to_ranks, reduce_output_partials
 
 from .reference_ranks import attend_gathered, local_kv, rank_attend_and_project

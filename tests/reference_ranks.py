@@ -13,7 +13,8 @@ from tpattn.block.dense import attend_and_project, project_qkv
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, kv_head_of_rank, replica_groups
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import clone_trainable
-from tpattn.parallel.engine import REPLICATED, ScaleGrad
+from tpattn.parallel.engine import REPLICATED
+from tpattn.parallel.wrong import ScaleGrad
 from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.bugs.zoo import Injection, clip_coef
 

@@ -1,15 +1,14 @@
 """Fused QKV checkpoints ``[(Hq + 2*Hkv)*D, hidden]`` in two row orders, and a rank's loader.
 
 ``plain`` is ``[Wq; Wk; Wv]`` (GLM's); ``grouped`` is, per KV group g, ``[q rows of g's query
-heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's). ``load_qkv_weight`` reads
-its rank as vllm-gguf-plugin's did (``kwargs.get("tp_rank", 0)``, that plugin's issue 103).
-"""
+heads; k_g; v_g]`` (Megatron-Core's ``linear_qkv``, Falcon-40B's)."""
 from __future__ import annotations
 
 import torch
 
 from tpattn.config import Config
 from .kv_layout import check_rank
+from .params import dense_shapes
 
 __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weight",
            "rank_row_block", "read_rank_qkv", "load_qkv_weight"]
@@ -18,10 +17,9 @@ __all__ = ["FUSED_LAYOUTS", "fused_qkv_rows", "fuse_qkv_weight", "split_qkv_weig
 FUSED_LAYOUTS = ("plain", "grouped")
 
 
-def _check_layout(layout: str, name: str = "layout") -> str:
+def _check_layout(layout: str, name: str = "layout") -> None:
     if layout not in FUSED_LAYOUTS:
         raise ValueError(f"{name} must be one of {', '.join(FUSED_LAYOUTS)} (got {layout!r})")
-    return layout
 
 
 def fused_qkv_rows(cfg: Config) -> int:
@@ -40,10 +38,8 @@ def fuse_qkv_weight(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cfg: C
                     layout: str = "grouped") -> torch.Tensor:
     """``wq`` ``[Hq*D, hidden]``, ``wk``, ``wv`` ``[Hkv*D, hidden]`` fused in ``layout``."""
     _check_layout(layout)
-    want = {"wq": (cfg.query_heads * cfg.head_dim, cfg.hidden),
-            "wk": (cfg.kv_heads * cfg.head_dim, cfg.hidden),
-            "wv": (cfg.kv_heads * cfg.head_dim, cfg.hidden)}
-    for name, w in zip(want, (wq, wk, wv)):
+    want = dense_shapes(cfg)
+    for name, w in zip(("wq", "wk", "wv"), (wq, wk, wv)):
         if tuple(w.shape) != want[name]:
             raise ValueError(f"{name} must be {list(want[name])} for this Config "
                              f"(got {list(w.shape)})")
@@ -67,8 +63,7 @@ def split_qkv_weight(w: torch.Tensor, cfg: Config, layout: str = "grouped"):
     _check_layout(layout)
     _check_fused(w, cfg)
     if layout == "plain":
-        kv = cfg.kv_heads * cfg.head_dim
-        return tuple(w.split([cfg.query_heads * cfg.head_dim, kv, kv]))
+        return tuple(w.split([dense_shapes(cfg)[k][0] for k in ("wq", "wk", "wv")]))
     return _split_groups(w, cfg.kv_heads, cfg)
 
 
@@ -99,8 +94,8 @@ def read_rank_qkv(rows: torch.Tensor, cfg: Config, read_as: str = "grouped"):
 
 def load_qkv_weight(loaded_weight: torch.Tensor, cfg: Config, layout: str = "plain",
                     read_as: str | None = None, **kwargs):
-    """Rank ``kwargs.get("tp_rank", 0)``'s ``(wq, wk, wv)`` narrowed from the fused
-    ``loaded_weight`` in ``layout``: ``"plain"`` its heads' rows inside each part,
+    """Rank ``kwargs.get("tp_rank", 0)``'s ``(wq, wk, wv)`` (vllm-gguf-plugin's default) narrowed
+    from the fused ``loaded_weight`` in ``layout``: ``"plain"`` its heads' rows inside each part,
     ``"grouped"`` its ``rank_row_block`` read by ``read_rank_qkv`` as ``read_as`` (default
     ``layout``). Needs ``kv_heads >= world_size``."""
     tp_rank = kwargs.get("tp_rank", 0)

@@ -28,9 +28,7 @@ def kv_head_of_rank(cfg: Config, rank: int) -> int:
     """The (first) KV head of rank ``rank``: ``rank // (W/Hkv)`` if replicated, else
     ``rank * Hkv/W``."""
     check_rank(cfg, rank)
-    if has_replicas(cfg):
-        return rank // cfg.kv_replicas
-    return rank * cfg.local_kv_heads
+    return rank // cfg.kv_replicas if has_replicas(cfg) else rank * cfg.local_kv_heads
 
 
 def replica_groups(cfg: Config) -> list[list[int]]:

@@ -1,8 +1,7 @@
 """The block's parameters: deterministic init, trainable copies, head-group sharding.
 
 ``F.linear`` layouts: ``norm`` ``[hidden]``, ``wq`` ``[Hq*D, hidden]``, ``wk``, ``wv``
-``[Hkv*D, hidden]`` (rows grouped by head), ``wo`` ``[hidden, Hq*D]``, ``q_norm``, ``k_norm`` ``[D]``.
-"""
+``[Hkv*D, hidden]`` (rows by head), ``wo`` ``[hidden, Hq*D]``, ``q_norm``, ``k_norm`` ``[D]``."""
 from __future__ import annotations
 
 import torch
@@ -32,18 +31,13 @@ def init_params(cfg: Config, seed: int, init: str = "seed") -> dict[str, torch.T
         std = INIT_STD if init == "seed" else shape[1] ** -0.5
         return (torch.randn(*shape, generator=g) * std).to(cfg.torch_dtype)
 
-    return {
-        "norm": torch.ones(cfg.hidden, dtype=cfg.torch_dtype),
-        "wq": rand(cfg.query_heads * cfg.head_dim, cfg.hidden),
-        "wk": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-        "wv": rand(cfg.kv_heads * cfg.head_dim, cfg.hidden),
-        "wo": rand(cfg.hidden, cfg.query_heads * cfg.head_dim),
-    }
+    shapes = dense_shapes(cfg)  # drawn in PARAM_NAMES' order
+    return {"norm": torch.ones(cfg.hidden, dtype=cfg.torch_dtype),
+            **{k: rand(*shapes[k]) for k in PARAM_NAMES[1:]}}
 
 
 def dense_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """The dense parameters' shapes: ``norm`` ``[hidden]``, wq ``[Hq*D, hidden]``, wk and wv
-    ``[Hkv*D, hidden]``, wo ``[hidden, Hq*D]``."""
+    """The dense parameters' shapes, the ``F.linear`` layouts of this module's docstring."""
     q, kv = cfg.query_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return {"norm": (cfg.hidden,), "wq": (q, cfg.hidden), "wk": (kv, cfg.hidden),
             "wv": (kv, cfg.hidden), "wo": (cfg.hidden, q)}
@@ -82,7 +76,7 @@ def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[s
     """``shard_params``' inverse: new full-size tensors, each replica from its first rank."""
     first = shards[0]
     full = {k: first[k].new_empty(shape) for k, shape in dense_shapes(cfg).items()}
-    full["norm"] = first["norm"].detach().clone()
+    full.update({k: first[k].detach().clone() for k in ("norm",) + QK_NORM_NAMES if k in first})
     with torch.no_grad():
         for rank, mine in enumerate(shards):
             q_rows, kv_rows = rank_head_slices(cfg, rank)
@@ -91,7 +85,4 @@ def unshard_params(shards: list[dict[str, torch.Tensor]], cfg: Config) -> dict[s
                 full["wk"][kv_rows] = mine["wk"]
                 full["wv"][kv_rows] = mine["wv"]
             full["wo"][:, q_rows] = mine["wo"]
-    for k in QK_NORM_NAMES:
-        if k in first:
-            full[k] = first[k].detach().clone()
     return {k: full[k] for k in PARAM_NAMES + QK_NORM_NAMES if k in full}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tpattn.block.sgd import sgd_step
+from tpattn.parallel.program import sgd_ranks
 from tpattn.parallel.wrong import MADE_UP_STAGES
 
 __all__ = ["scaled_partials", "lr_scaled"]
@@ -22,10 +22,7 @@ def scaled_partials(scale):
 def lr_scaled(scales: tuple):
     """An ``update`` stage: TP rank r's SGD step with its learning rate times ``scales[r]``."""
     def update(ps: dict, grads: dict, lr: float, coefs: list[float], comm) -> dict:
-        per_rank = [sgd_step({k: t[i] for k, t in ps.items()},
-                             {k: g[i] for k, g in grads.items()}, lr, scales[rank] * coefs[i])
-                    for i, rank in enumerate(comm.ranks)]
-        return {k: torch.stack([w[k] for w in per_rank]) for k in ps}
+        return sgd_ranks(ps, grads, lr, [scales[r] * c for r, c in zip(comm.ranks, coefs)], comm)
     return update
 
 

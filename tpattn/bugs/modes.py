@@ -21,9 +21,8 @@ def resolve_all(modes, cfg: Config | None = None) -> list[BugMode]:
 def run(seed: int = 11, mode: str = EQUIVALENCE, cfg: Config | None = None,
         simulate: str = "fixture", shard_fn=shard_params, tolerance: str = "seed",
         init: str = "seed") -> dict:
-    """Dense vs TP on the five measures for any registry mode (``check_injection``);
-    ``shard_fn`` replaces the injection's cut; ``tolerance="auto"``, ``init="fan_in"``:
-    ``ALL_MODES`` only."""
+    """Dense vs TP on the five measures for any registry mode (``check_injection``); ``shard_fn``
+    replaces the injection's cut; ``tolerance="auto"``, ``init="fan_in"``: ``ALL_MODES`` only."""
     check_tolerance(tolerance)
     cfg = Config() if cfg is None else cfg
     if isinstance(mode, str) and mode in REGISTRY and mode not in ALL_MODES:

@@ -32,18 +32,18 @@ FIDELITIES = ("mechanism", "consistent", "no report", "correct")
 
 class Need(str):
     """A condition on the ``Config`` named by its text; ``need(cfg)`` tests it (no test: a setup
-    the mode itself brings, such as ``bias``)."""
+    the mode itself brings, such as ``bias``). Pickled as its text; the test is found by it."""
+
+    tests: dict = {}
 
     def __new__(cls, text: str, test=None):
-        need = super().__new__(cls, text)
-        need.test = test
-        return need
+        if test is not None:
+            cls.tests[text] = test
+        return super().__new__(cls, text)
 
     def __call__(self, cfg: Config) -> bool:
-        return self.test is None or bool(self.test(cfg))
-
-    def __reduce__(self):  # pickled by name: the test is a lambda
-        return _need, (str(self),)
+        test = self.tests.get(self)
+        return test is None or bool(test(cfg))
 
 
 WORLD_2 = Need("world_size >= 2", lambda cfg: cfg.world_size >= 2)
@@ -53,16 +53,10 @@ DROPOUT = Need("dropout > 0", lambda cfg: cfg.dropout > 0)
 QK_NORM = Need("qk_norm", lambda cfg: cfg.qk_norm)
 DP_2 = Need("data_parallel >= 2", lambda cfg: cfg.data_parallel >= 2)
 DP_IS_TP = Need("data_parallel == world_size", lambda cfg: cfg.data_parallel == cfg.world_size)
-TWO_KV_PER_RANK = Need("kv_heads >= 2 * world_size", lambda cfg: cfg.kv_heads >= 2 * cfg.world_size)
+TWO_KV_PER_RANK = Need("kv_heads >= 2 * world_size",
+                       lambda cfg: cfg.kv_heads >= 2 * cfg.world_size)
 GQA = Need("query_heads > kv_heads", lambda cfg: cfg.query_heads > cfg.kv_heads)
 BIAS, GRAD_CLIP, FUSED_QKV = Need("bias"), Need("grad_clip"), Need("fused_qkv")
-_ALL_NEEDS = {str(n): n for n in (WORLD_2, SP, KV_REPLICAS, DROPOUT, QK_NORM, DP_2, DP_IS_TP,
-                                  TWO_KV_PER_RANK, GQA, BIAS, GRAD_CLIP, FUSED_QKV)}
-
-
-def _need(text: str) -> Need:
-    return _ALL_NEEDS[text]
-
 
 #: Needs that name a layout of the ``Config``: the mode's injection exists only there.
 LAYOUT_NEEDS = (SP, KV_REPLICAS, DROPOUT, QK_NORM, DP_2, DP_IS_TP)
@@ -70,8 +64,7 @@ LAYOUT_NEEDS = (SP, KV_REPLICAS, DROPOUT, QK_NORM, DP_2, DP_IS_TP)
 MESH_NEEDS = (DP_2, DP_IS_TP)
 #: The needs that are a model option (``--dropout P``, ``--qk-norm``).
 MODEL_OPTION_NEEDS = (DROPOUT, QK_NORM)
-#: Loading modes on plain-TP shapes that ``runnable_modes()`` leaves out (the earlier chapters'
-#: hunts and tables keep their cases; ``diagnosis.evaluate.HELD_OUT`` hosts them).
+#: Plain-TP loading modes that ``runnable_modes()`` leaves out (``evaluate.HELD_OUT`` hosts them).
 AROUND_THE_BLOCK = ("qkv_loaded_from_rank0", "grouped_qkv_read_as_plain")
 
 
@@ -100,8 +93,7 @@ class BugMode:
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
                 "needs": list(self.needs), "provider": self.provider,
-                "runnable": self.injection is not None,
-                "observable": self.injection is not None}
+                "runnable": self.injection is not None, "observable": self.injection is not None}
 
 
 #: name -> BugMode, in listing order.
@@ -116,31 +108,29 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
         BugMode(MISSING_INPUT_GRAD_REDUCE, "f dropped: dn keeps one rank's contribution",
                 "bigcode-project/Megatron-LM PR 36 (fixes issue 35); "
                 "NVIDIA/Megatron-LM PR 6839 (open)",
-                (WORLD_2,), Injection(f="none"),
-                fidelity="mechanism",
+                (WORLD_2,), Injection(f="none"), fidelity="mechanism",
                 fidelity_note="bigcode PR 36: MQA's K/V projection, replicated over TP, lacked "
                 "the input-gradient all-reduce ColumnLinear does, so the loss exploded at TP 2 "
                 "with the weights in sync (issue 35); Megatron-LM PR 6839: MLA's shared K-RoPE "
                 "gradient summed over local heads only, fixed with "
-                "copy_to_tensor_model_parallel_region; there one branch missed f, here all of "
-                "dn (chapter 9)"),
+                "copy_to_tensor_model_parallel_region; there one branch missed f, here all of dn "
+                "(chapter 9)"),
         BugMode("input_grad_reduce_averaged",
                 "f averages dn over the ranks instead of summing it", None,
                 (WORLD_2,), Injection(f="mean"),
-                fidelity_note="no public report of f averaging dn was found; "
-                "EleutherAI/gpt-neox PR 1259 averaged the sequence-parallel LayerNorm "
-                "weight-gradient hook (dX unaffected), which is norm_grad_averaged, not this"),
+                fidelity_note="no public report of f averaging dn was found; EleutherAI/gpt-neox "
+                "PR 1259 averaged the sequence-parallel LayerNorm weight-gradient hook (dX "
+                "unaffected), which is norm_grad_averaged, not this"),
         BugMode("input_grad_reduced_twice",
                 "dn all-reduced twice: replicated gradients come out W times too large",
                 "modelscope/mcore-bridge PR 101; NVIDIA/Megatron-LM issue 1528 (open)",
-                (WORLD_2,), Injection(f="twice"),
-                fidelity="consistent",
+                (WORLD_2,), Injection(f="twice"), fidelity="consistent",
                 fidelity_note="mcore-bridge PR 101: OLMoE's q/k norms act on the gathered, "
                 "TP-replicated tensor, so each rank already holds their full gradient, yet the "
-                "name-matched qk-layernorm gradient all-reduce summed it again (x tp_size); "
-                "issue 1528 (open, no root cause) sees the LayerNorm weight gradient TP size "
-                "times too large only with FP8 + TP + CP; the zoo sums dn twice, so the norm "
-                "weight gradient is W times too large and dX is wrong too"),
+                "name-matched qk-layernorm gradient all-reduce summed it again (x tp_size); issue "
+                "1528 (open, no root cause) sees the LayerNorm weight gradient TP size times too "
+                "large only with FP8 + TP + CP; the zoo sums dn twice, so the norm weight "
+                "gradient is W times too large and dX is wrong too"),
         BugMode("output_reduced_twice",
                 "g applied twice: the output is W times the sum of the partials", None,
                 (WORLD_2,), Injection(g=2),
@@ -151,8 +141,7 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 "replicated parameters counted W times in the global gradient norm "
                 "(clipping wrong, every gradient right)",
                 "NVIDIA-NeMo/RL PR 3788 (open); ROCm/TransformerEngine PR 715",
-                (GRAD_CLIP, WORLD_2), Injection(norm="per_rank", clip=True),
-                fidelity="mechanism",
+                (GRAD_CLIP, WORLD_2), Injection(norm="per_rank", clip=True), fidelity="mechanism",
                 fidelity_note="RL PR 3788: get_grad_norm summed every parameter over the TP "
                 "group, so TP-replicated q_norm/k_norm were counted tp_size times, the loss "
                 "unchanged; TE PR 715: replicated weights marked tensor-parallel, counted tp_size "
@@ -161,73 +150,66 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 "the row-parallel output bias is added on every rank before g: "
                 "the output is off by (W-1)*b",
                 "huggingface/text-generation-inference issue 1036; Wenyueh/MinivLLM issue 80",
-                (BIAS, WORLD_2), Injection(bias="every_rank"),
-                fidelity="mechanism",
-                fidelity_note="both report the bias of a row-parallel linear added on every "
-                "rank before the all-reduce (SUM), so the output holds tp_size biases "
-                "(MinivLLM measured one extra bias at tp_size 2); the zoo adds it at that place"),
+                (BIAS, WORLD_2), Injection(bias="every_rank"), fidelity="mechanism",
+                fidelity_note="both report the bias of a row-parallel linear added on every rank "
+                "before the all-reduce (SUM), so the output holds tp_size biases (MinivLLM "
+                "measured one extra bias at tp_size 2); the zoo adds it at that place"),
         BugMode("fused_qkv_naive_split",
                 "a fused [Wq; Wk; Wv] weight cut into contiguous rank slices: "
                 "rank 0 gets only query rows",
                 "deepspeedai/DeepSpeed PR 3844",
-                (FUSED_QKV, WORLD_2), Injection(shard="fused_naive"),
-                fidelity="mechanism",
+                (FUSED_QKV, WORLD_2), Injection(shard="fused_naive"), fidelity="mechanism",
                 fidelity_note="AutoTP cut fused QKV weights whose layout it did not know (GLM: "
                 "all q heads, then all k, then all v) without regard to heads: incorrect "
-                "inference results, no error; the PR splits each known layout by heads (the "
-                "zoo's is that GLM layout, cut into contiguous slices, in training)"),
+                "inference results, no error; the PR splits each known layout by heads (the zoo's "
+                "is that GLM layout, cut into contiguous slices, in training)"),
         # the KV layout, the inputs, sequence parallelism
         BugMode("repeat_kv_tiled",
                 "repeat_kv tiles the KV heads instead of interleaving them: query heads "
                 "read the wrong KV head",
                 "onnx/onnx PR 7274 (open); ekzhang/jax-js PR 180",
-                (TWO_KV_PER_RANK, GQA), Injection(kv="tile"),
-                fidelity="mechanism",
-                fidelity_note="a GQA layout bug independent of TP, reported on one device: "
-                "ONNX's Attention op and jax-js tiled the KV heads ([h0, h1, h0, h1]) where "
-                "torch repeat-interleaves; not a TP report: the zoo injects it on each rank's "
-                "local KV heads, visible once a rank holds two"),
+                (TWO_KV_PER_RANK, GQA), Injection(kv="tile"), fidelity="mechanism",
+                fidelity_note="a GQA layout bug independent of TP, reported on one device: ONNX's "
+                "Attention op and jax-js tiled the KV heads ([h0, h1, h0, h1]) where torch "
+                "repeat-interleaves; not a TP report: the zoo injects it on each rank's local KV "
+                "heads, visible once a rank holds two"),
         BugMode("inputs_not_replicated",
                 "each TP rank draws its own batch (the batches of a TP group differ)",
                 "deepspeedai/DeepSpeed issue 7199", (WORLD_2,),
-                Injection(inputs="per_rank"),
-                fidelity="consistent",
+                Injection(inputs="per_rank"), fidelity="consistent",
                 fidelity_note="DeepSpeed's AutoTP check stopped an HF Trainer run with 'Data "
                 "inconsistency within the TP group'; the thread gives no root cause. Not "
-                "bigscience-workshop/Megatron-DeepSpeed PR 276: there the data were identical "
-                "and the CPU generator's state (torch_rng_state) desynced (the loader's seed "
-                "consumed a draw on tp_rank 0 only), and nn.Dropout of CPU tensors with it: "
-                "that one is dropout_rng_desync"),
+                "bigscience-workshop/Megatron-DeepSpeed PR 276: there the data were identical and "
+                "the CPU generator's state (torch_rng_state) desynced (the loader's seed consumed "
+                "a draw on tp_rank 0 only), and nn.Dropout of CPU tensors with it: that one is "
+                "dropout_rng_desync"),
         BugMode(MISSING_NORM_GRAD_REDUCE,
                 "sequence parallelism without the all-reduce of the norm weight's gradient",
                 "NVIDIA-NeMo/Speech PR 7184; hpcaitech/ColossalAI PR 4915",
-                (SP,), Injection(norm_grad="none"),
-                provider="tpattn.parallel.sequence_parallel",
+                (SP,), Injection(norm_grad="none"), provider="tpattn.parallel.sequence_parallel",
                 fidelity="mechanism",
                 fidelity_note="NeMo PR 7184: the all-reduce of sequence-parallel LayerNorm "
-                "gradients looked for a 'sequence_parallel' attribute that apex's LayerNorm "
-                "names 'sequence_parallel_enabled', so it was skipped; ColossalAI PR 4915 adds "
-                "the missing all-reduce; tpattn.parallel.sequence_parallel drops it at that place"),
+                "gradients looked for a 'sequence_parallel' attribute that apex's LayerNorm names "
+                "'sequence_parallel_enabled', so it was skipped; ColossalAI PR 4915 adds the "
+                "missing all-reduce; tpattn.parallel.sequence_parallel drops it at that place"),
         BugMode(NORM_GRAD_AVERAGED,
                 "sequence parallelism: the norm weight's gradient averaged instead of summed",
                 "EleutherAI/gpt-neox PR 1259", (SP,),
-                Injection(norm_grad="mean"),
-                provider="tpattn.parallel.sequence_parallel",
+                Injection(norm_grad="mean"), provider="tpattn.parallel.sequence_parallel",
                 fidelity="mechanism",
-                fidelity_note="the SP LayerNorm gradient hook averaged over the sequence "
-                "shards instead of summing (and was registered before deepspeed.initialize); "
-                "the PR sums, and says it does not fix the run's convergence issue, whose "
-                "slowly changing LayerNorm weights it reports as still open"),
+                fidelity_note="the SP LayerNorm gradient hook averaged over the sequence shards "
+                "instead of summing (and was registered before deepspeed.initialize); the PR "
+                "sums, and says it does not fix the run's convergence issue, whose slowly "
+                "changing LayerNorm weights it reports as still open"),
         # the KV replicas and the model options
         BugMode(MISSING_KV_GRAD_REDUCE,
                 "replicated KV heads without the all-reduce of their gradients",
                 "bigcode-project/Megatron-LM issue 11; fixed by PR 12",
-                (KV_REPLICAS,), Injection(kv_grad="none"),
-                provider="tpattn.parallel.kv_heads",
+                (KV_REPLICAS,), Injection(kv_grad="none"), provider="tpattn.parallel.kv_heads",
                 fidelity="mechanism",
                 fidelity_note="issue 11: the reduction of MQA's key/value gradients, replicated "
-                "over TP, left out the biases and was missing from the distributed optimizer; "
-                "PR 12's log shows the K/V bias differing across TP ranks before the fix, equal "
+                "over TP, left out the biases and was missing from the distributed optimizer; PR "
+                "12's log shows the K/V bias differing across TP ranks before the fix, equal "
                 "after; the zoo drops the wk/wv gradient all-reduce of each replica group (no "
                 "bias); the activation-gradient half is missing_input_grad_reduce"),
         BugMode("dropout_rng_desync",
@@ -235,55 +217,50 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 "workers' base seed): CPU residual-dropout masks differ across TP ranks",
                 "bigscience-workshop/Megatron-DeepSpeed PR 276 (merged); "
                 "NVIDIA/Megatron-LM PR 206 (not merged)", (DROPOUT, WORLD_2),
-                Injection(rng="rank0_drift"),
-                fidelity="mechanism",
+                Injection(rng="rank0_drift"), fidelity="mechanism",
                 fidelity_note="PR 276: the loader, built on tp_rank 0 only, drew the workers' "
                 "base_seed from the CPU generator, so torch_rng_state differed across TP ranks, "
-                "the data identical; the zoo drifts the same CPU generator with a real "
-                "DataLoader iterator, and its CPU residual dropout reads it; on a GPU, dropout "
-                "reads the CUDA generator: that drift desyncs only CPU draws (shuffles, "
-                "CPU-side masks), and CUDA masks desync only when a CUDA random op runs on "
-                "some TP ranks alone or the ranks seed CUDA differently"),
+                "the data identical; the zoo drifts the same CPU generator with a real DataLoader "
+                "iterator, and its CPU residual dropout reads it; on a GPU, dropout reads the "
+                "CUDA generator: that drift desyncs only CPU draws (shuffles, CPU-side masks), "
+                "and CUDA masks desync only when a CUDA random op runs on some TP ranks alone or "
+                "the ranks seed CUDA differently"),
         BugMode("qk_norm_grad_not_reduced",
                 "qk-norm weights replicated over TP without the all-reduce of their "
                 "gradients: each rank steps on its own heads' part and the replicas drift",
                 "NVIDIA-NeMo/RL issue 3716 (open)", (QK_NORM, WORLD_2),
-                Injection(qk_norm_grad="none"),
-                fidelity="mechanism",
+                Injection(qk_norm_grad="none"), fidelity="mechanism",
                 fidelity_note="the issue: the split-API train step bypassed finalize_model_grads "
                 "and its TP SUM for replicated params, so qk-layernorm replicas ([head_dim], "
-                "local heads' partial grads) drift, no crash; the zoo skips that all-reduce "
-                "in its train step (one block, plain SGD; not the SP layernorm half)"),
+                "local heads' partial grads) drift, no crash; the zoo skips that all-reduce in "
+                "its train step (one block, plain SGD; not the SP layernorm half)"),
         # a TP x DP mesh: the logged loss over the wrong group
         BugMode("loss_reduced_over_world",
                 "TP x DP: the logged loss all-reduced over the world mesh, not the DP group",
-                None, (DP_2,), Injection(loss_group="world"),
-                fidelity="no report",
-                fidelity_note="no public report of an over-reported loss: pytorch/torchtitan "
-                "PR 105 (FSDP + SP) moved the loss metric's all-reduce from the 2D world mesh "
-                "to the DP submesh to fix a crash, and with its mean reduction the world "
-                "group would have logged the right value; the TP-degree over-report exists "
-                "only under this book's convention (each rank's loss is its share of the "
-                "global mean, summed over DP)"),
+                None, (DP_2,), Injection(loss_group="world"), fidelity="no report",
+                fidelity_note="no public report of an over-reported loss: pytorch/torchtitan PR "
+                "105 (FSDP + SP) moved the loss metric's all-reduce from the 2D world mesh to the "
+                "DP submesh to fix a crash, and with its mean reduction the world group would "
+                "have logged the right value; the TP-degree over-report exists only under this "
+                "book's convention (each rank's loss is its share of the global mean, summed over "
+                "DP)"),
         BugMode("loss_full_tensor_tp_only",
                 "TP x DP: the logged loss is a Replicate DTensor on the TP mesh whose "
                 "full_tensor() skips the DP reduction",
                 "pytorch/torchtitan issue 3280; PR 3313 (root cause); PR 3204; fixed by PR 3159",
-                (DP_2,), Injection(loss_group="tp"),
-                fidelity="mechanism",
+                (DP_2,), Injection(loss_group="tp"), fidelity="mechanism",
                 fidelity_note="issue 3280 was reported for TP + CP: PR 3313 traced the "
-                "under-reported loss to _dist_reduce's full_tensor() on a TP-only DTensor, "
-                "which skips every mesh dimension outside the DTensor's; the DP case is PR "
-                "3159's note ('under-reported by dp_shard x cp') and PR 3204's tests (a "
-                "Replicate-on-TP loss over an orthogonal batch mesh); here the skipped "
-                "dimension is DP of a TP x DP mesh, each replica logging its share"),
+                "under-reported loss to _dist_reduce's full_tensor() on a TP-only DTensor, which "
+                "skips every mesh dimension outside the DTensor's; the DP case is PR 3159's note "
+                "('under-reported by dp_shard x cp') and PR 3204's tests (a Replicate-on-TP loss "
+                "over an orthogonal batch mesh); here the skipped dimension is DP of a TP x DP "
+                "mesh, each replica logging its share"),
         # the DP gradient sync and the SP gather over the wrong group
         BugMode("dp_grad_group_of_one",
                 "TP x DP: the data-parallel gradient all-reduce runs over a group of one "
                 "rank, a silent no-op",
                 "ByteDance-Seed/VeOmni issue 1059; PR 1115; fixed by PR 1086", (DP_2,),
-                Injection(dp_grad="self"),
-                fidelity="mechanism",
+                Injection(dp_grad="self"), fidelity="mechanism",
                 fidelity_note="there Ulysses SP shrank DDP's dp_group to one rank, so the "
                 "gradient all-reduce was a no-op and each rank kept its sequence shard's "
                 "gradient; here the missing dimension is DP of a TP x DP mesh"),
@@ -292,35 +269,32 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 "reduce-scatter) runs over the other mesh dimension's group",
                 "NVIDIA/Megatron-LM issue 7452",
                 (SP, DP_2, DP_IS_TP),
-                Injection(sp_group="dp"),
-                fidelity="mechanism",
+                Injection(sp_group="dp"), fidelity="mechanism",
                 fidelity_note="finding 06 of the issue: CrossAttention builds linear_q and "
-                "linear_kv without tp_group, so their SP all-gather runs over the global MPU "
-                "TP group and mixes replicas (linear_proj keeps its group); here it is the "
+                "linear_kv without tp_group, so their SP all-gather runs over the global MPU TP "
+                "group and mixes replicas (linear_proj keeps its group); here it is the "
                 "self-attention block's Q/K/V input and the wrong group is DP's"),
         # loading a fused or grouped QKV checkpoint
         BugMode("qkv_loaded_from_rank0",
                 "every rank narrows rank 0's rows of a fused [Wq; Wk; Wv] checkpoint: "
                 "the shapes are right, the numbers rank 0's",
                 "vllm-project/vllm-gguf-plugin issue 103 (fixed by PR 106)",
-                (FUSED_QKV, WORLD_2), Injection(shard="fused_rank0"),
-                fidelity="mechanism",
+                (FUSED_QKV, WORLD_2), Injection(shard="fused_rank0"), fidelity="mechanism",
                 fidelity_note="the plugin's load_qkv_weight and load_merged_column_weight read "
                 "tp_rank from kwargs with default 0, which vLLM's weight_loader_v2 never passes, "
                 "so every rank kept rank 0's shard (right shapes, wrong output at TP > 1; PR 106 "
-                "asks the process group); the zoo's loader does that to the block's fused QKV, "
-                "in training (no MLP, so no merged gate/up weight)"),
+                "asks the process group); the zoo's loader does that to the block's fused QKV, in "
+                "training (no MLP, so no merged gate/up weight)"),
         BugMode("grouped_qkv_read_as_plain",
                 "a QKV checkpoint fused per KV group read as plain [Q; K; V] on each rank: "
                 "wrong once a rank holds two groups",
                 "tenstorrent/tt-metal issue 6243 (closed)",
                 (FUSED_QKV, TWO_KV_PER_RANK),
-                Injection(shard="grouped_as_plain"),
-                fidelity="mechanism",
-                fidelity_note="nlp_create_qkv_heads split each device's fused QKV output "
-                "assuming concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had "
-                "concat(q1, k1, v1, q2, k2, v2): bad PCC (fine at one group per device); the "
-                "zoo reads the rank's weight rows that way (output column j is weight row j)"),
+                Injection(shard="grouped_as_plain"), fidelity="mechanism",
+                fidelity_note="nlp_create_qkv_heads split each device's fused QKV output assuming "
+                "concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had concat(q1, "
+                "k1, v1, q2, k2, v2): bad PCC (fine at one group per device); the zoo reads the "
+                "rank's weight rows that way (output column j is weight row j)"),
 ]}
 
 
@@ -412,13 +386,12 @@ def _check_fixture_mode(mode: str, inj: Injection, cfg: Config) -> None:
 
 def _check_plain_tp(mode: str, cfg: Config) -> None:
     """The zoo's block off the mesh has neither sequence parallelism nor KV replicas."""
+    block = f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which "
     if cfg.sequence_parallel:
-        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which has "
-                         f"no sequence parallelism: sequence_parallel must be False")
+        raise ValueError(block + "has no sequence parallelism: sequence_parallel must be False")
     if cfg.kv_heads < cfg.world_size:
-        raise ValueError(f"mode {mode!r} is an injection of tpattn.bugs.zoo's block, which does "
-                         f"not replicate KV heads: kv_heads must be >= world_size (got "
-                         f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
+        raise ValueError(block + f"does not replicate KV heads: kv_heads must be >= world_size "
+                         f"(got kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
 
 
 def _raise_unmet(entry: BugMode, need: Need, cfg: Config) -> None:

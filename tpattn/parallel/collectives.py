@@ -2,8 +2,7 @@
 
 A backend holds ``R`` ranks (dim 0 of every tensor) and supplies ``group_sum``, ``group_cat``,
 ``scatter_sum`` (a reduce-scatter along the sequence) and ``record`` (the ledger); f, g and the
-other collectives are Functions over them, as Megatron-LM's ``tensor_parallel/mappings.py``.
-"""
+other collectives are Functions over them, as Megatron-LM's ``tensor_parallel/mappings.py``."""
 from __future__ import annotations
 
 import torch
@@ -48,8 +47,7 @@ def check_op(op: str) -> str:
 
 def own_tokens(full: torch.Tensor, comm, group: str = "tp") -> torch.Tensor:
     """Each rank's ``S/W`` tokens (by its place in ``group``): ``[R, S, ...]`` -> ``[R, S/W, ...]``."""
-    w = comm.world_size
-    return torch.stack([full[i].chunk(w, dim=0)[comm.position(i, group)]
+    return torch.stack([full[i].chunk(comm.world_size, dim=0)[comm.position(i, group)]
                         for i in range(full.shape[0])])
 
 
@@ -244,8 +242,7 @@ def replica_share(share: torch.Tensor, comm) -> torch.Tensor:
 
 
 def reduce_loss(share: torch.Tensor, comm, group: str = "dp") -> torch.Tensor:
-    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group``; ``"tp"``: each
-    rank's own share, no collective."""
+    """The logged loss ``[R]``: the shares ``[R]`` summed over ``group`` (``"tp"``: kept as is)."""
     if group == "tp":
         return share.clone()
     comm.record("step", LOSS_LABEL, group=group)

@@ -2,8 +2,7 @@
 
 Every tensor has a leading rank dim ``R``: x ``[R, S_r, B, hidden]`` (``S_r = S/W`` under
 SP), wq ``[R, Hq/W*D, hidden]``, wk, wv ``[R, rows, hidden]``, wo ``[R, hidden, Hq/W*D]``,
-norm, bias ``[R, hidden]``, q_norm, k_norm ``[R, D]``.
-"""
+norm, bias ``[R, hidden]``, q_norm, k_norm ``[R, D]``."""
 from __future__ import annotations
 
 import torch
@@ -13,11 +12,9 @@ from tpattn.config import KV_STRATEGIES, Config
 from tpattn.block.layers import apply_rope, attention, rms_norm
 from .collectives import reduce_scalar, replica_share
 from .program import CORRECT, REPLICATED, Program
-from .wrong import ScaleGrad
 
-__all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED",
-           "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "ScaleGrad", "head_norm", "mesh_sync",
-           "as_program", "attend", "grad_norm"]
+__all__ = ["rank_block", "train_step", "stack_ranks", "unstack_ranks", "REPLICATED", "grad_norm",
+           "GRAD_NORM_LABEL", "MAX_GRAD_NORM", "head_norm", "mesh_sync", "as_program", "attend"]
 
 GRAD_NORM_LABEL = "sum of squared gradient norms"
 #: Gradient clipping threshold of the modes that clip.

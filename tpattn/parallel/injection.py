@@ -8,64 +8,30 @@ __all__ = ["Injection"]
 
 @dataclass(frozen=True)
 class Injection:
-    """How the sharded block is built and trained; the defaults are correct TP::
+    """How the sharded block is built and trained; the defaults are correct TP. Made up: the
+    held-out evaluation's bugs (``tpattn.bugs.made_up``), no registry entries."""
 
-        f             backward of the copy to ranks (SP: of the
-                      all-gather): "sum", "none", "mean", "twice"
-        g             times the partials are all-reduced (SP:
-                      reduce-scattered): 1, 0, 2
-        bias          output bias: None, "after_g" (correct),
-                      "every_rank" (before g)
-        shard         "heads", "fused" ([Wq; Wk; Wv] split by heads),
-                      "fused_naive" (contiguous slices), "fused_rank0"
-                      (rank 0's rows on every rank), "grouped" (per-KV-
-                      group checkpoint), "grouped_as_plain" (read as
-                      [Q; K; V])
-        kv            "interleave" (repeat_kv) or "tile" (KV heads
-                      tiled on each rank)
-        inputs        "replicated" or "per_rank" (each rank draws its
-                      own batch)
-        norm          logged/clipping gradient norm: "once" or
-                      "per_rank"; clip: clip it
-        kv_grad       replicated KV heads' wk/wv gradient reduce: "sum"
-                      or "none"
-        norm_grad     SP's norm-gradient all-reduce: "sum", "mean",
-                      "none"
-        loss_group    the logged loss's all-reduce group: "dp",
-                      "world", "tp" (none)
-        dp_grad       the DP gradient all-reduce's group: "dp" or
-                      "self" (a no-op)
-        sp_group      SP's gather/scatter group on a TP x DP mesh:
-                      "tp" or "dp"
-        rng           TP ranks' default RNG: "synced" or "rank0_drift"
-                      (rng module)
-        qk_norm_grad  the q/k-norm gradients' TP all-reduce: "sum" or
-                      "none"
-
-    The held-out evaluation's made-up bugs (``tpattn.bugs.made_up``), no registry entries:
-    ``rank_lr_scale`` (a learning-rate factor per rank), ``partial_scale`` (the partials
-    times a factor, or one per rank, before g), ``shard_offset`` (rank r loads rank
-    ``(r + k) mod W``'s shards).
-    """
-
-    f: str = "sum"
-    g: int = 1
-    bias: str | None = None
+    f: str = "sum"  # f's backward (SP: the all-gather's): "sum", "none", "mean", "twice"
+    g: int = 1  # times the partials are all-reduced (SP: reduce-scattered): 1, 0, 2
+    bias: str | None = None  # output bias: None, "after_g" (correct), "every_rank" (before g)
+    # "heads", "fused" ([Wq; Wk; Wv] split by heads), "fused_naive" (contiguous slices),
+    # "fused_rank0" (rank 0's rows on every rank), "grouped" (per-KV-group checkpoint),
+    # "grouped_as_plain" (read as [Q; K; V])
     shard: str = "heads"
-    kv: str = "interleave"
-    inputs: str = "replicated"
-    norm: str = "once"
-    clip: bool = False
-    rank_lr_scale: tuple = ()
-    kv_grad: str = "sum"
-    norm_grad: str = "sum"
-    partial_scale: float | tuple = 1.0
-    shard_offset: int = 0
-    loss_group: str = "dp"
-    dp_grad: str = "dp"
-    sp_group: str = "tp"
-    rng: str = "synced"
-    qk_norm_grad: str = "sum"
+    kv: str = "interleave"  # "interleave" (repeat_kv) or "tile" (KV heads tiled on each rank)
+    inputs: str = "replicated"  # or "per_rank" (each rank draws its own batch)
+    norm: str = "once"  # the logged/clipping gradient norm: "once" or "per_rank"
+    clip: bool = False  # clip the gradient norm
+    rank_lr_scale: tuple = ()  # made up: a learning-rate factor per rank
+    kv_grad: str = "sum"  # replicated KV heads' wk/wv gradient reduce: "sum" or "none"
+    norm_grad: str = "sum"  # SP's norm-gradient all-reduce: "sum", "mean", "none"
+    partial_scale: float | tuple = 1.0  # made up: the partials times it (or one per rank) before g
+    shard_offset: int = 0  # made up: rank r loads rank (r + k) mod W's shards
+    loss_group: str = "dp"  # the logged loss's all-reduce group: "dp", "world", "tp" (none)
+    dp_grad: str = "dp"  # the DP gradient all-reduce's group: "dp" or "self" (a no-op)
+    sp_group: str = "tp"  # SP's gather/scatter group on a TP x DP mesh: "tp" or "dp"
+    rng: str = "synced"  # TP ranks' default RNG: "synced" or "rank0_drift" (rng module)
+    qk_norm_grad: str = "sum"  # the q/k-norm gradients' TP all-reduce: "sum" or "none"
 
     def correct(self) -> "Injection":
         """The bug-free twin: the same setup (bias, clipping, fused checkpoint), all else right."""

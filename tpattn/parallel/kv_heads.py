@@ -1,10 +1,8 @@
-"""Fewer KV heads than ranks: what each strategy costs, and each replica counted once.
-
-With ``kv_heads < world_size`` rank r reads KV head ``r // (W/Hkv)``: ``replicate_weights``
-(a copy of its wk/wv rows per rank, their gradients all-reduced in the replica group) or
-``gather_activations`` (each rank a slice, K/V all-gathered; Megatron-LM PR 2565).
-"""
+"""Fewer KV heads than ranks (rank r reads KV head ``r // (W/Hkv)``): what ``replicate_weights``
+and ``gather_activations`` (Megatron-LM PR 2565) cost, and each replica counted once."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -16,19 +14,17 @@ from tpattn.block.kv_layout import (GATHER_ACTIVATIONS, REPLICATE_WEIGHTS, has_r
 
 __all__ = ["REPLICATE_WEIGHTS", "GATHER_ACTIVATIONS", "KV_STRATEGIES", "has_replicas",
            "kv_head_of_rank", "replica_groups", "replica_index", "kv_weight_rows",
-           "is_first_kv_copy", "kv_grad_bug_applies", "kv_collectives", "kv_costs", "ring_bytes", "unique_parameters", "global_grad_norm",
-           "fused_qkv_gather_bytes"]
+           "is_first_kv_copy", "kv_grad_bug_applies", "kv_collectives", "kv_costs", "ring_bytes",
+           "unique_parameters", "global_grad_norm", "fused_qkv_gather_bytes"]
 
 
 def ring_bytes(kind: str, elements: int, group_size: int, element_size: int) -> int:
     """Bytes one rank sends in a ring collective over ``group_size`` p: all-reduce of N
     elements ``2(p-1)/p * N``, all-gather (N: output) and reduce-scatter (N: input) ``(p-1)/p * N``."""
-    p = group_size
     factors = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     if kind not in factors:
         raise ValueError(f"kind must be one of {', '.join(factors)} (got {kind!r})")
-    factor = factors[kind]
-    return factor * (p - 1) * elements // p * element_size
+    return factors[kind] * (group_size - 1) * elements // group_size * element_size
 
 
 def kv_collectives(cfg: Config) -> list[dict]:
@@ -49,8 +45,6 @@ def kv_collectives(cfg: Config) -> list[dict]:
 def kv_costs(cfg: Config) -> dict:
     """Per rank and step, for each strategy the shape allows: ``weight_elements``/``_bytes``,
     ``kv_weight_elements``, ``kv_activation_elements``, ``kv_bytes_moved``, ``fg_bytes_moved``."""
-    from dataclasses import replace
-
     size = torch.empty((), dtype=cfg.torch_dtype).element_size()
     d, h, w, tokens = cfg.head_dim, cfg.hidden, cfg.world_size, cfg.seq * cfg.batch
     fg = 2 * ring_bytes("all_reduce", tokens * h, w, size) if w > 1 else 0
@@ -62,10 +56,8 @@ def kv_costs(cfg: Config) -> dict:
             continue
         kv_rows = 2 * (kv_weight_rows(c, 0).stop - kv_weight_rows(c, 0).start)
         weights = h + 2 * cfg.local_query_heads * d * h + kv_rows * h
-        if has_replicas(cfg) and strategy == GATHER_ACTIVATIONS:
-            activations = 2 * tokens * cfg.kv_heads * d
-        else:
-            activations = 2 * tokens * cfg.local_kv_heads * d
+        gathered = has_replicas(cfg) and strategy == GATHER_ACTIVATIONS
+        activations = 2 * tokens * (cfg.kv_heads if gathered else cfg.local_kv_heads) * d
         moved = sum(ring_bytes(r["kind"], r["elements"], r["group_size"], size)
                     for r in kv_collectives(c))
         out[strategy] = {"weight_elements": weights, "weight_bytes": weights * size,

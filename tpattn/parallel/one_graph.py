@@ -1,7 +1,6 @@
 """The original fixture's one-graph view (``simulate="fixture"``) as a backend of the engine:
 every rank in ONE autograd graph, shards views of the dense leaves, f the identity (autograd
-sums dn), g a sum over the rank dim; a dropped collective is detached copies on ranks >= 1.
-"""
+sums dn), g a sum over the rank dim; a dropped collective is detached copies on ranks >= 1."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,7 +12,7 @@ from tpattn.block.kv_layout import has_replicas, replica_index
 from tpattn.block.params import shard_params
 from .engine import rank_block
 from .program import Program
-from .wrong import ScaleGrad, no_collective, replicas_kept
+from .wrong import ScaleGrad, both_kept, no_collective
 
 __all__ = ["OneGraphRanks", "ScaleForward", "stacked_views", "one_graph_forward",
            "one_graph_program"]
@@ -140,4 +139,4 @@ def one_graph_program(inj) -> Program:
         gather = lambda n, comm: ScaleGrad.apply(_gather(n, comm), 1.0 / comm.world_size)
     return replace(prog, f=f, g=g[inj.g], sp_gather=gather,
                    sp_scatter=_scatter if inj.g else _own_tokens, kv_gather=_gather_kv,
-                   replica_reduce=replicas_kept)
+                   replica_reduce=both_kept)

@@ -1,9 +1,6 @@
-"""The ranks' random streams for dropout, as Megatron's model-parallel RNG tracker keeps them.
-
-Every rank has a default stream seeded with ``seed`` (the same on every TP rank: residual
-dropout) and a model-parallel stream seeded with ``seed + 2718 + tp_rank`` (attention
-dropout on the rank's own heads).
-"""
+"""The ranks' random streams for dropout, as Megatron's model-parallel RNG tracker keeps them:
+a default stream seeded with ``seed`` on every TP rank (residual dropout) and a model-parallel
+one seeded with ``seed + 2718 + tp_rank`` (attention dropout on the rank's own heads)."""
 from __future__ import annotations
 
 import torch

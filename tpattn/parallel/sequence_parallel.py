@@ -7,10 +7,9 @@ import torch
 from tpattn.config import Config
 from tpattn.block.layers import rms_norm
 from .kv_heads import ring_bytes
-from .wrong import ScaleGrad
 
-__all__ = ["rank_tokens", "ScaleGrad", "ring_bytes",
-           "communication_ledger", "norm_activation_bytes"]
+__all__ = ["rank_tokens", "ring_bytes", "communication_ledger", "norm_activation_bytes"]
+
 
 def rank_tokens(cfg: Config, rank: int) -> slice:
     """The positions of the sequence rank ``rank`` holds under SP: ``[r*S/W, (r+1)*S/W)``."""

@@ -1,54 +1,25 @@
-"""``engine.train_step`` on ``SimulatedRanks`` (every rank of the job in one process), and
-what rank 0 reports of it."""
+"""``engine.train_step`` on ``SimulatedRanks`` (every rank in one process); rank 0's report."""
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
 from tpattn.config import Config
 from tpattn.block.params import unshard_params
-from .collectives import F_LABEL, G_LABEL, SimulatedRanks
-from .engine import as_program, rank_block, stack_ranks, train_step
-from .program import Program
+from .collectives import SimulatedRanks
+from .engine import rank_block, stack_ranks, train_step
 
 __all__ = ["simulated_step", "simulated_forward", "forward_rank_list", "rank_steps",
-           "gather_steps", "rank0_view", "mesh_view", "replica_views", "with_reader_fg"]
+           "gather_steps", "rank0_view", "mesh_view", "replica_views"]
 
 
 def _stacked(per_rank):
     return per_rank if isinstance(per_rank, dict) else stack_ranks(per_rank)
 
 
-def with_reader_fg(prog, f=None, g=None) -> Program:
-    """``prog`` with a reader's f and/or g (``apply(*per_rank)``), recorded in the ledger."""
-    prog = as_program(prog)
-    if f is None and g is None:
-        return prog
-    stages = {}
-    if f is not None:
-        def reader_f(n, comm):
-            out = torch.stack(f.apply(*n.unbind(0)))
-            if out.requires_grad:
-                out.register_hook(lambda grad: comm.record("backward", F_LABEL))
-            return out
-        stages["f"] = reader_f
-    if g is not None:
-        def reader_g(partial, comm):
-            comm.record("forward", G_LABEL)
-            return torch.stack(g.apply(*partial.unbind(0)))
-        stages["g"] = reader_g
-    return replace(prog, **stages)
-
-
-def simulated_step(shards, batches, cfg: Config, inj, lr: float, f=None, g=None,
-                   rng=None) -> dict:
+def simulated_step(shards, batches, cfg: Config, inj, lr: float, rng=None) -> dict:
     """``engine.train_step`` on every rank; batches: ``(x, target)`` ``[S_r, B, hidden]`` each."""
-    x = torch.stack([b[0] for b in batches])
-    target = torch.stack([b[1] for b in batches])
-    comm = SimulatedRanks(cfg, [])
-    return train_step(_stacked(shards), x, target, cfg, with_reader_fg(inj, f, g), comm, lr,
-                      rng)
+    x, target = (torch.stack(t) for t in zip(*batches))
+    return train_step(_stacked(shards), x, target, cfg, inj, SimulatedRanks(cfg, []), lr, rng)
 
 
 def simulated_forward(shards, xs, cfg: Config, inj, rng=None) -> torch.Tensor:
@@ -104,5 +75,4 @@ def forward_rank_list(xs: list[torch.Tensor], shards: list[dict[str, torch.Tenso
                       cfg: Config, inj) -> list[torch.Tensor]:
     """``engine.rank_block`` on one ``[S_r, B, hidden]`` per rank in and out (differentiable)."""
     p = {k: torch.stack([s[k] for s in shards]) for k in shards[0]}
-    y = rank_block(torch.stack(list(xs)), p, cfg, inj, SimulatedRanks(cfg))
-    return list(y.unbind(0))
+    return list(simulated_forward(p, xs, cfg, inj).unbind(0))

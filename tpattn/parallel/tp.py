@@ -1,8 +1,5 @@
-"""Tensor-parallel attention in one autograd graph, rank 0's view: one list entry per rank.
-
-Each rank holds whole query/KV head groups; f and g join them, and autograd writes their
-backward: a tensor every rank uses receives the sum of their gradients (f), a sum hands its
-gradient to every term (g)."""
+"""Tensor-parallel attention in one autograd graph, rank 0's view: one list entry per rank,
+f and g as plain tensor ops whose backward autograd writes."""
 from __future__ import annotations
 
 import torch
@@ -28,9 +25,9 @@ def reduce_output_partials(partials: list[torch.Tensor], reduce: bool = True) ->
 def tp_forward(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config,
                reduce_output: bool = True, reduce_input_grad: bool = True,
                shard_fn=shard_params) -> torch.Tensor:
-    """``dense_forward`` on ``cfg.world_size`` simulated ranks: x ``[S, B, hidden]``, dense
-    ``p`` (cut by ``shard_fn``; gradients land in ``p``) -> ``[S, B, hidden]``.
-    ``reduce_output=False`` drops g, ``reduce_input_grad=False`` f's backward sum."""
+    """``dense_forward`` on ``cfg.world_size`` simulated ranks: x ``[S, B, hidden]``, dense ``p``
+    (cut by ``shard_fn``, gradients land in ``p``) -> ``[S, B, hidden]``; ``reduce_output=False``
+    drops g, ``reduce_input_grad=False`` f's backward sum."""
     n = rms_norm(x, p["norm"], cfg.eps)  # replicated: every rank computes the same n
     inputs = copy_to_ranks(n, cfg.world_size, reduce_grad=reduce_input_grad)
     partials = [attend_and_project(n_rank, shard, cfg)

@@ -12,9 +12,8 @@ from .collectives import (G_LABEL, AGAIN, F_LABEL, NORM_GRAD_LABEL, CopyToRanks,
 from .program import CORRECT, Program
 
 __all__ = ["ScaleGrad", "GatherSequenceNoReduce", "no_collective", "f_averaged", "f_twice",
-           "g_twice", "tiled_heads", "replicas_kept", "bias_before_g", "no_bias_after_g",
-           "norm_grad_averaged", "norm_grad_kept", "qk_norm_grads_kept", "grad_squares_per_rank",
-           "MADE_UP_STAGES", "program_of"]
+           "g_twice", "tiled_heads", "both_kept", "bias_before_g", "no_bias_after_g",
+           "norm_grad_averaged", "grad_squares_per_rank", "MADE_UP_STAGES", "program_of"]
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -39,7 +38,7 @@ class GatherSequenceNoReduce(GatherSequence):
 
 
 def no_collective(t: torch.Tensor, comm) -> torch.Tensor:
-    """A dropped f or g: ``t`` as it is."""
+    """A dropped collective (f, g, SP's norm-gradient all-reduce): ``t`` as it is."""
     return t
 
 
@@ -64,9 +63,9 @@ def tiled_heads(t: torch.Tensor, groups: int, ranks: int) -> torch.Tensor:
     return t.view(s, b, ranks, -1, d).repeat(1, 1, 1, groups, 1).reshape(s, b, -1, d)
 
 
-def replicas_kept(wk: torch.Tensor, wv: torch.Tensor, comm):
-    """No replica-group reduce: each copy of a KV head keeps its own gradient."""
-    return wk, wv
+def both_kept(a: torch.Tensor, b: torch.Tensor, comm):
+    """A pair's reduce dropped (KV replicas' wk/wv, the q/k-norm gradients): both as they are."""
+    return a, b
 
 
 def bias_before_g(partial: torch.Tensor, p: dict, comm) -> torch.Tensor:
@@ -83,16 +82,6 @@ def norm_grad_averaged(grad: torch.Tensor, comm) -> torch.Tensor:
     """SP's norm-gradient all-reduce with op AVG: the TP group's sum / W."""
     comm.record("after backward", NORM_GRAD_LABEL, op="avg")
     return (comm.group_sum(grad, "tp") / comm.world_size).clone()
-
-
-def norm_grad_kept(grad: torch.Tensor, comm) -> torch.Tensor:
-    """SP's norm-gradient all-reduce dropped: each rank keeps its tokens' share."""
-    return grad.clone()
-
-
-def qk_norm_grads_kept(gq: torch.Tensor, gk: torch.Tensor, comm):
-    """The q/k-norm gradients' all-reduce dropped: each rank keeps its own heads' part."""
-    return gq, gk
 
 
 def grad_squares_per_rank(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
@@ -121,14 +110,14 @@ def program_of(inj) -> Program:
                "twice": f_twice}[inj.f],
          "g": {1: CORRECT.g, 0: no_collective, 2: g_twice}[inj.g],
          "sp_gather": _gather_stage(inj.f, inj.sp_group),
-         "sp_scatter": CORRECT.sp_scatter if inj.g else (lambda t, comm: own_tokens(t, comm)),
+         "sp_scatter": CORRECT.sp_scatter if inj.g else own_tokens,
          "norm_grad": {"sum": CORRECT.norm_grad, "mean": norm_grad_averaged,
-                       "none": norm_grad_kept}[inj.norm_grad],
+                       "none": no_collective}[inj.norm_grad],
          "clip": inj.clip, "name": repr(inj)}
     if inj.kv == "tile":
         s["repeat_kv"] = tiled_heads
     if inj.kv_grad == "none":
-        s["replica_reduce"] = replicas_kept
+        s["replica_reduce"] = both_kept
     if inj.partial_scale != 1.0:
         s["before_g"] = MADE_UP_STAGES["partial_scale"](inj.partial_scale)
     if inj.bias is None:  # a program without the bias: any "bias" in p is left out
@@ -138,7 +127,7 @@ def program_of(inj) -> Program:
         s["before_g"] = lambda t, p, comm: bias_before_g(scaled(t, p, comm), p, comm)
         s["add_bias"] = no_bias_after_g
     if inj.qk_norm_grad == "none":
-        s["qk_norm_grads"] = qk_norm_grads_kept
+        s["qk_norm_grads"] = both_kept
     if inj.dp_grad != "dp":
         s["dp_grads"] = lambda grads, comm: reduce_dp_grads(grads, comm, inj.dp_grad)
     if inj.loss_group != "dp":
