@@ -1,8 +1,5 @@
-"""The check: one dense step and one TP step from the same start, compared on five measures.
-
-``check_injection(seed, mode, inj)`` runs the program ``inj`` (an ``Injection``) and returns
-the original fixture's dict: ``seed``, ``mode``, the five ``MEASURES`` and ``passed``.
-"""
+"""The check: one dense step and one TP step (the program ``inj``, an ``Injection``) from the
+same start, compared on the five ``MEASURES`` (``check_injection``)."""
 from __future__ import annotations
 
 import platform

@@ -1,7 +1,6 @@
 r"""How far correct TP may be from dense: ``bound_m = rho * scale_m``, ``rho = C (u_acc sqrt(n)
 + u (W + L))`` (Higham and Mary's probabilistic bound), and a verdict; a measure between its
-bound and its amplified floor (``amplification``) is ``"inconclusive"``.
-"""
+bound and its amplified floor (``amplification``) is ``"inconclusive"``."""
 from __future__ import annotations
 
 import math
