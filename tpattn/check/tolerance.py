@@ -205,11 +205,6 @@ def ratios(metrics: dict, bounds: dict) -> dict[str, float]:
     return {m: _ratio(metrics[m], bounds[m]) for m in bounds}
 
 
-def bug_margin(metrics: dict, bounds: dict) -> float:
-    """How far a run fails: ``max_m measure_m / bound_m`` (a passing run has this < 1)."""
-    return max(ratios(metrics, bounds).values())
-
-
 def conditioning(cfg: Config, dense: dict, probe: dict, lr: float,
                  worst: dict | None = None) -> tuple[dict, dict]:
     """``(rounding_floors, amplification)`` of ``dense`` and its ``probe``."""

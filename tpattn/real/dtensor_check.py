@@ -1,5 +1,6 @@
 """Cross-check with PyTorch's own tensor-parallel API (DTensor): ``AttentionBlock`` sharded by
-``parallelize_module`` with Megatron's plan, PyTorch placing the collectives."""
+``parallelize_module`` with Megatron's plan (or ``dtensor_sp``'s), PyTorch placing the
+collectives."""
 from __future__ import annotations
 
 from collections import Counter
@@ -103,7 +104,7 @@ def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu",
         loss.backward()
     placement = norm_grad_placement(block)
     params = block.weights()
-    grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}  # a Partial grad: summed on reading
+    grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}  # a Partial: summed on reading
     with comms["SGD step"]:
         stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
     out, x_grad = y.detach(), x.grad
