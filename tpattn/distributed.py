@@ -12,8 +12,8 @@ from tpattn.check.core import inspect_fixture
 from tpattn.cli import build_parser, config_from_args, modes_listing, print_results
 from tpattn.config import Config
 from tpattn.real.launch import RankFailure, default_backend, describe_error, run_on_ranks
-from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_rank,
-                               run_under_torchrun, validate_run)
+from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, plan_run, run_rank,
+                               run_under_torchrun)
 
 __all__ = ["build_distributed_parser", "distributed_main"]
 
@@ -80,8 +80,7 @@ def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distribu
         else:
             seeds, modes = (args.seeds, modes_for(cfg)) if args.mode == "matrix" \
                 else ([args.seed], [args.mode])
-            cfg, seeds, modes, timeout = validate_run(cfg.world_size, seeds, modes, cfg, args.timeout, None)
-            plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds), timeout=timeout)
+            plan = plan_run(cfg.world_size, seeds, modes, cfg, args.timeout)
     except ValueError as e:
         return fail(2, e)
     if args.mode != "inspect":

@@ -99,12 +99,10 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not 0 <= value < float("inf"):
             raise ValueError(f"{name} must be a finite number >= 0 (got {value!r})")
-    if actual.shape != expected.shape:
-        raise ValueError(f"{what}: actual and expected must have one shape "
-                         f"(got {list(actual.shape)} and {list(expected.shape)})")
-    if actual.dtype != expected.dtype:
-        raise ValueError(f"{what}: actual and expected must have one dtype "
-                         f"(got {actual.dtype} and {expected.dtype})")
+    for rule, a, e in (("shape", list(actual.shape), list(expected.shape)),
+                       ("dtype", actual.dtype, expected.dtype)):
+        if a != e:
+            raise ValueError(f"{what}: actual and expected must have one {rule} (got {a} and {e})")
     actual, expected = actual.detach(), expected.detach()
     matches = torch.isclose(actual, expected, rtol=rtol, atol=atol)
     if bool(matches.all()):

@@ -33,7 +33,7 @@ from .launch import (DEFAULT_TIMEOUT, RankFailure, default_backend, describe_err
 __all__ = ["job_setup", "planned_ledger", "rank_step", "rank_disagreement",
            "ledger_row", "run_rank", "dtensor_jobs", "RunPlan", "run_distributed",
            "RealRankReport", "RankFailure", "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS",
-           "validate_run", "launched_by_torchrun", "run_under_torchrun"]
+           "plan_run", "launched_by_torchrun", "run_under_torchrun"]
 
 #: What the faulty rank does under the test-only ``run_distributed(fault=...)``.
 FAULT_KINDS = ("raise", "exit_early", "skip_collective")
@@ -247,8 +247,8 @@ def _check_fault(fault, world_size: int, cfg: Config, jobs: bool) -> None:
                          "or config.data_parallel > 1")
 
 
-def validate_run(world_size, seeds, modes, config, timeout, fault):
-    """``run_distributed``'s arguments checked: ``(cfg, seeds, modes, timeout)``."""
+def plan_run(world_size, seeds, modes, config, timeout, fault=None, dtensor=False) -> RunPlan:
+    """``run_distributed``'s arguments checked: the ``RunPlan`` every rank runs."""
     check_count("world_size", world_size)
     cfg = Config(world_size=world_size) if config is None else config
     if not isinstance(cfg, Config):
@@ -272,7 +272,11 @@ def validate_run(world_size, seeds, modes, config, timeout, fault):
     if cfg.data_parallel > 1 and cfg.kv_heads < cfg.world_size:
         raise ValueError(f"a TP x DP mesh on real ranks needs kv_heads >= world_size (got "
                          f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
-    return cfg, seeds, modes, float(timeout)
+    dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
+        else tuple(check_seed(s) for s in dtensor)
+    return RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds),
+                   dtensor_seeds=() if cfg.data_parallel > 1 else dtensor_seeds,
+                   timeout=float(timeout), fault=dict(fault) if fault else None)
 
 
 def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | None = None, *,
@@ -285,19 +289,13 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     ``"forkserver"`` or ``"spawn"`` (from a script, call under ``if __name__ == "__main__":``).
     A collective waits at most ``timeout`` s; a failing rank raises ``RankFailure``. ``fault``
     (test-only): ``{"rank": r, "kind": k}``, ``k`` in ``FAULT_KINDS``."""
-    cfg, seeds, modes, timeout = validate_run(world_size, seeds, modes, config, timeout, fault)
-    dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
-        else tuple(check_seed(s) for s in dtensor)
-    if cfg.data_parallel > 1:
-        dtensor_seeds = ()
-    plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds),
-                   dtensor_seeds=dtensor_seeds, timeout=timeout,
-                   fault=dict(fault) if fault else None)
+    plan = plan_run(world_size, seeds, modes, config, timeout, fault, dtensor)
+    cfg = plan.cfg
     backend = backend or default_backend(cfg.ranks)
-    preload = ("tpattn.real.ranks",) + (() if not dtensor_seeds else (
+    preload = ("tpattn.real.ranks",) + (() if not plan.dtensor_seeds else (
         "tpattn.real.dtensor_sp",) if cfg.sequence_parallel else ("tpattn.real.dtensor_check",))
-    results, timings = run_on_ranks(run_rank, cfg.ranks, plan, timeout=timeout, backend=backend,
-                                    start_method=start_method, preload=preload)
+    results, timings = run_on_ranks(run_rank, cfg.ranks, plan, timeout=plan.timeout,
+                                    backend=backend, start_method=start_method, preload=preload)
     rank0 = results[0]
     return RealRankReport(world_size, backend, **{k: rank0[k] for k in REPORT_LISTS},
                           timings={**timings, "compute_s": rank0["compute_s"]})
