@@ -427,12 +427,9 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
     metrics = five_measures(seed, mode, dense, tp)
     if tolerance == "auto":
         metrics, bounds = per_parameter(cfg, metrics, dense, tp, LR)
-
-        def probe():
-            return conditioning(cfg, dense, probe_step(cfg, x0, target, base), LR,
-                                metrics["worst_parameter"])
-
-        metrics = apply_auto(metrics, bounds, probe)
+        worst = metrics["worst_parameter"]  # the probe runs only when a bound is exceeded
+        metrics = apply_auto(metrics, bounds, lambda: conditioning(
+            cfg, dense, probe_step(cfg, x0, target, base), LR, worst))
     return metrics
 
 
