@@ -15,23 +15,21 @@ from tpattn.block.params import INITS
 from tpattn.check.tolerance import TOLERANCES
 
 CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
+_CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
 
-def registry_modes() -> tuple[str, ...]:
-    """The bug registry's modes beyond ``CLI_MODES`` (``tpattn.bugs.zoo``), in listing order."""
+def cli_modes() -> tuple[str, ...]:
+    """``--mode``'s choices: ``CLI_MODES``, then the bug registry's others in listing order."""
     from tpattn.bugs.zoo import mode_names
 
-    return tuple(m for m in mode_names() if m not in CLI_MODES)
-
-
-_CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
+    return tuple(dict.fromkeys(CLI_MODES + tuple(mode_names())))
 
 
 def unknown_mode_message(mode: str) -> str:
     """The one-line error for an unknown ``--mode``: at most three nearest modes."""
     import difflib
 
-    modes = CLI_MODES + registry_modes()
+    modes = cli_modes()
     word = mode.split("_")[0] + "_"  # "missing_f": every missing_* mode is a candidate
     near = ([m for m in modes if len(mode) >= 3 and m.startswith(mode)]
             + difflib.get_close_matches(mode, modes, n=4, cutoff=0.5)
@@ -84,8 +82,7 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
     ap = _OneLineParser(prog=prog, description=(
         "Compare a dense attention block with its tensor-parallel version on five measures "
         "(forward, loss, input grad, parameter grads, weights after one SGD step)."))
-    modes = CLI_MODES + registry_modes()
-    ap.add_argument("--mode", choices=modes, default=EQUIVALENCE, metavar="MODE",
+    ap.add_argument("--mode", choices=cli_modes(), default=EQUIVALENCE, metavar="MODE",
                     help="what to run: inspect, matrix, or a mode of --list-modes "
                          "(default: %(default)s)")
     ap.add_argument("--seed", type=int, default=11, help="seed of one run (default: %(default)s)")
@@ -123,13 +120,9 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
-    return Config(**{name: getattr(args, name) for name in _CONFIG_FLAGS},
-                  eps=args.eps, dtype=args.dtype, kv_strategy=args.kv_strategy,
-                  **({"data_parallel": args.data_parallel}
-                     if getattr(args, "data_parallel", 1) != 1 else {}),
-                  **({"sequence_parallel": True} if args.sequence_parallel else {}),
-                  **({"dropout": args.dropout} if args.dropout else {}),
-                  **({"qk_norm": True} if args.qk_norm else {}))
+    names = _CONFIG_FLAGS + ("eps", "dtype", "kv_strategy", "data_parallel",
+                             "sequence_parallel", "dropout", "qk_norm")
+    return Config(**{name: getattr(args, name) for name in names})
 
 
 def modes_listing() -> list[dict]:
@@ -166,11 +159,11 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
         else:
             out = run(args.seed, args.mode, cfg, args.simulate, tolerance=args.tolerance,
                       init=args.init)
-        if args.diagnose and isinstance(out, (list, dict)) and out is not None:
+        if args.diagnose:
             from tpattn.diagnosis.diagnose import diagnose
             from tpattn.diagnosis.observe import observe
 
-            for result in (out if isinstance(out, list) else [out] if "passed" in out else []):
+            for result in _results(out):
                 result["diagnosis"] = diagnose(observe(result["mode"], result["seed"], cfg))
     except ValueError as e:
         ap.exit(2, f"{prog}: error: {e}\n")
@@ -180,8 +173,12 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
 def print_results(out, strict: bool) -> int:
     """Print ``out`` as JSON; the exit code: 1 if ``strict`` and an equivalence run failed."""
     print(json.dumps(out, indent=2))
-    results = out if isinstance(out, list) else [out] if "passed" in out else []
-    return int(strict and any(r["mode"] == EQUIVALENCE and not r["passed"] for r in results))
+    return int(strict and any(r["mode"] == EQUIVALENCE and not r["passed"] for r in _results(out)))
+
+
+def _results(out) -> list[dict]:
+    """The run dicts in ``out``: a matrix's list, one run's dict, none for ``inspect``."""
+    return out if isinstance(out, list) else [out] if out and "passed" in out else []
 
 
 def console_main() -> None:

@@ -15,12 +15,10 @@ _POSITIVE_INTS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim
 
 @dataclass(frozen=True)
 class Config:
-    """Shape of one attention block and how it is split across tensor-parallel ranks; a
-    broken rule raises ``ValueError`` naming it. Defaults are the original fixture's: 5
-    tokens, batch 2, hidden 16, 4 query heads sharing 2 KV heads, head_dim 4, 2 TP ranks.
-    Around the block (off by default): ``data_parallel`` (a TP × DP mesh of ``world_size *
-    data_parallel`` ranks), ``dropout`` in ``[0, 1)`` and ``qk_norm`` (both need plain TP).
-    """
+    """Shape of one attention block and how it is split across tensor-parallel ranks (defaults:
+    the original fixture's); a broken rule raises ``ValueError`` naming it. Around the block,
+    off by default: ``data_parallel`` (a TP × DP mesh of ``world_size * data_parallel`` ranks),
+    ``dropout`` in ``[0, 1)`` and ``qk_norm`` (both need plain TP)."""
 
     seq: int = 5
     batch: int = 2

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 from tpattn.bugs.modes import modes_for
 from tpattn.check.core import inspect_fixture
 from tpattn.cli import build_parser, config_from_args, modes_listing, print_results
 from tpattn.config import Config
 from tpattn.real.launch import RankFailure, default_backend, describe_error, run_on_ranks
-from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, run_distributed,
-                               run_rank, run_under_torchrun, validate_run)
+from tpattn.real.ranks import (DEFAULT_TIMEOUT, RunPlan, launched_by_torchrun, plan_run, run_rank,
+                               run_under_torchrun)
 
 __all__ = ["build_distributed_parser", "distributed_main"]
 
@@ -50,13 +51,11 @@ def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
     backend = default_backend(plan.cfg.ranks)
     if torchrun:
         return run_under_torchrun(plan, backend, rank_fn)
-    if diagnose:
-        return run_on_ranks(rank_fn, plan.cfg.ranks, plan, timeout=plan.timeout, backend=backend,
-                            preload=("tpattn.diagnosis.observe_real",))[0][0]
-    seeds = tuple(dict.fromkeys(s for _, s in plan.jobs))
-    modes = tuple(dict.fromkeys(m for m, _ in plan.jobs))
-    return {"results": run_distributed(plan.cfg.world_size, seeds, modes, plan.cfg,
-                                       timeout=plan.timeout, dtensor=False).results}
+    if not diagnose:  # each (mode, seed) once
+        plan = replace(plan, jobs=tuple(dict.fromkeys(plan.jobs)))
+    preload = "tpattn.diagnosis.observe_real" if diagnose else "tpattn.real.ranks"
+    return run_on_ranks(rank_fn, plan.cfg.ranks, plan, timeout=plan.timeout, backend=backend,
+                        preload=(preload,))[0][0]
 
 
 def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:
@@ -81,8 +80,7 @@ def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distribu
         else:
             seeds, modes = (args.seeds, modes_for(cfg)) if args.mode == "matrix" \
                 else ([args.seed], [args.mode])
-            cfg, seeds, modes, timeout = validate_run(cfg.world_size, seeds, modes, cfg, args.timeout, None)
-            plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds), timeout=timeout)
+            plan = plan_run(cfg.world_size, seeds, modes, cfg, args.timeout)
     except ValueError as e:
         return fail(2, e)
     if args.mode != "inspect":

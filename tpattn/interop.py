@@ -1,7 +1,6 @@
 """The book's block is Hugging Face's Llama attention: parameters both ways (HF is batch-first
 ``[B, S, hidden]``), Meta's adjacent-pair RoPE rows, and Megatron's fused QKV interleaved per KV
-group. Importing this module imports ``transformers``; ``import tpattn`` does not.
-"""
+group. Importing this module imports ``transformers``; ``import tpattn`` does not."""
 from __future__ import annotations
 
 import torch

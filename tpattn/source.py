@@ -20,10 +20,8 @@ _CAPTION_STYLE = ("font-family: monospace; font-size: 0.8em; color: #57606a; bac
 def _location(obj) -> str:
     """``tpattn/block/params.py · shard_params`` for an object of this package."""
     path = Path(inspect.getsourcefile(obj)).resolve()
-    try:
+    if path.is_relative_to(_ROOT):
         path = path.relative_to(_ROOT)
-    except ValueError:
-        pass
     return f"{path.as_posix()} · {getattr(obj, '__qualname__', getattr(obj, '__name__', ''))}"
 
 

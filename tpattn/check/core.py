@@ -1,8 +1,5 @@
-"""The check: one dense step and one TP step from the same start, compared on five measures.
-
-``check_injection(seed, mode, inj)`` runs the program ``inj`` (an ``Injection``) and returns
-the original fixture's dict: ``seed``, ``mode``, the five ``MEASURES`` and ``passed``.
-"""
+"""The check: one dense step and one TP step (the program ``inj``, an ``Injection``) from the
+same start, compared on the five ``MEASURES`` (``check_injection``)."""
 from __future__ import annotations
 
 import platform
@@ -102,12 +99,10 @@ def assert_close_within(actual: torch.Tensor, expected: torch.Tensor, *, rtol: f
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not 0 <= value < float("inf"):
             raise ValueError(f"{name} must be a finite number >= 0 (got {value!r})")
-    if actual.shape != expected.shape:
-        raise ValueError(f"{what}: actual and expected must have one shape "
-                         f"(got {list(actual.shape)} and {list(expected.shape)})")
-    if actual.dtype != expected.dtype:
-        raise ValueError(f"{what}: actual and expected must have one dtype "
-                         f"(got {actual.dtype} and {expected.dtype})")
+    for rule, a, e in (("shape", list(actual.shape), list(expected.shape)),
+                       ("dtype", actual.dtype, expected.dtype)):
+        if a != e:
+            raise ValueError(f"{what}: actual and expected must have one {rule} (got {a} and {e})")
     actual, expected = actual.detach(), expected.detach()
     matches = torch.isclose(actual, expected, rtol=rtol, atol=atol)
     if bool(matches.all()):
@@ -206,12 +201,6 @@ def make_params(cfg: Config, seed: int, inj: Injection, init: str = "seed") -> d
     return base
 
 
-def fused_rows(cfg: Config, rank: int) -> slice:
-    """Rank ``rank``'s contiguous slice of the fused ``[Wq; Wk; Wv]`` rows (``fused_naive``)."""
-    rows = (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim // cfg.world_size
-    return slice(rank * rows, (rank + 1) * rows)
-
-
 #: ``Injection.shard`` -> (fused checkpoint layout, how a rank reads it, passes ``tp_rank``).
 LOADERS = {"fused_rank0": ("plain", "plain", False), "grouped": ("grouped", "grouped", True),
            "grouped_as_plain": ("grouped", "plain", True)}
@@ -248,9 +237,10 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
     else:
         fused = torch.cat([p["wq"], p["wk"], p["wv"]])
         q, kv = cfg.local_query_heads * cfg.head_dim, cfg.local_kv_heads * cfg.head_dim
+        n = fused.shape[0] // cfg.world_size  # rank r: rows [r n, (r + 1) n)
         shards = []
         for rank in range(cfg.world_size):
-            rows = fused[fused_rows(cfg, rank)]
+            rows = fused[rank * n:(rank + 1) * n]
             q_cols, _ = rank_head_slices(cfg, rank)
             shards.append({"norm": p["norm"], "wq": rows[:q], "wk": rows[q:q + kv],
                            "wv": rows[q + kv:], "wo": p["wo"][:, q_cols]})
@@ -363,11 +353,6 @@ def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.T
                     x0, target, base, clip)
 
 
-def cuts_by_heads(inj: Injection) -> bool:
-    """True when the injection's loader hands rank r its own heads' rows (``shard_params``)."""
-    return inj.shard in ("heads", "fused") and not inj.shard_offset
-
-
 def original_program(inj: Injection, cfg: Config) -> bool:
     """The original fixture's programs (f and g kept or dropped) on plain TP, which
     ``tp_forward`` runs to keep the original fixture's digits bit for bit."""
@@ -413,7 +398,8 @@ def tp_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor
                                                 shard_fn=shard_fn or shard_params),
                         x0, target, base)
     others = [b[0] for b in batches[1:]] if inj.inputs == "per_rank" else None
-    views = shard_fn is None and cuts_by_heads(inj) and not has_replicas(cfg)
+    views = shard_fn is None and inj.shard in ("heads", "fused") and not inj.shard_offset \
+        and not has_replicas(cfg)  # the loader hands rank r its own heads' rows
     return fixture_step(x0, target, base, cfg, inj, shard_params if views else cut, others)
 
 
@@ -441,12 +427,9 @@ def check_injection(seed: int, mode: str, inj: Injection, cfg: Config | None = N
     metrics = five_measures(seed, mode, dense, tp)
     if tolerance == "auto":
         metrics, bounds = per_parameter(cfg, metrics, dense, tp, LR)
-
-        def probe():
-            return conditioning(cfg, dense, probe_step(cfg, x0, target, base), LR,
-                                metrics["worst_parameter"])
-
-        metrics = apply_auto(metrics, bounds, probe)
+        worst = metrics["worst_parameter"]  # the probe runs only when a bound is exceeded
+        metrics = apply_auto(metrics, bounds, lambda: conditioning(
+            cfg, dense, probe_step(cfg, x0, target, base), LR, worst))
     return metrics
 
 

@@ -26,11 +26,12 @@ def init_stack(cfg: Config, layers: int, seed: int) -> dict[str, torch.Tensor]:
     """``layers`` blocks' parameters, flat; block ``l``: ``init_params(cfg, seed + l *
     BLOCK_SEED_STRIDE)``."""
     check_count("layers", layers)
-    flat = {}
-    for layer in range(layers):
-        for name, tensor in init_params(cfg, seed + layer * BLOCK_SEED_STRIDE).items():
-            flat[f"{layer}.{name}"] = tensor
-    return flat
+    return _flat([init_params(cfg, seed + layer * BLOCK_SEED_STRIDE) for layer in range(layers)])
+
+
+def _flat(blocks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One parameter dict per block as one flat dict ``"<block>.<name>"`` (the same tensors)."""
+    return {f"{layer}.{name}": t for layer, block in enumerate(blocks) for name, t in block.items()}
 
 
 def blocks_of(flat: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -60,29 +61,19 @@ def tp_stack_forward_ranks(xs: list[torch.Tensor], rank_flats: list[dict[str, to
                            cfg: Config, inj: Injection = Injection()) -> list[torch.Tensor]:
     """``forward_rank_list`` of every block in turn, each rank its own flat shards: one ``[S, B,
     hidden]`` per rank in and out."""
-    per_rank = [blocks_of(flat) for flat in rank_flats]
-    for layer in range(len(per_rank[0])):
-        xs = forward_rank_list(xs, [blocks[layer] for blocks in per_rank], cfg, inj)
+    for blocks in zip(*map(blocks_of, rank_flats)):
+        xs = forward_rank_list(xs, list(blocks), cfg, inj)
     return xs
 
 
 def _shard_stack(flat: dict[str, torch.Tensor], cfg: Config) -> list[dict[str, torch.Tensor]]:
     """Each rank's flat dict of its shards of every block."""
-    rank_flats = [{} for _ in range(cfg.world_size)]
-    for layer, block in enumerate(blocks_of(flat)):
-        for rank, shard in enumerate(shard_params(block, cfg)):
-            rank_flats[rank].update({f"{layer}.{name}": t for name, t in shard.items()})
-    return rank_flats
+    return [_flat(blocks) for blocks in zip(*(shard_params(b, cfg) for b in blocks_of(flat)))]
 
 
 def _unshard_stack(rank_flats: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, torch.Tensor]:
     """Full-size tensors of every block from every rank's shards (rank 0's ``norm``)."""
-    per_rank = [blocks_of(flat) for flat in rank_flats]
-    flat = {}
-    for layer in range(len(per_rank[0])):
-        full = unshard_params([blocks[layer] for blocks in per_rank], cfg)
-        flat.update({f"{layer}.{name}": t for name, t in full.items()})
-    return flat
+    return _flat([unshard_params(list(blocks), cfg) for blocks in zip(*map(blocks_of, rank_flats))])
 
 
 def _stack_start(seed: int, program, cfg: Config | None, layers: int, simulate: str):

@@ -1,7 +1,6 @@
 r"""How far correct TP may be from dense: ``bound_m = rho * scale_m``, ``rho = C (u_acc sqrt(n)
 + u (W + L))`` (Higham and Mary's probabilistic bound), and a verdict; a measure between its
-bound and its amplified floor (``amplification``) is ``"inconclusive"``.
-"""
+bound and its amplified floor (``amplification``) is ``"inconclusive"``."""
 from __future__ import annotations
 
 import math
@@ -204,11 +203,6 @@ def rounding_floors(cfg: Config, dense: dict, amp: dict[str, float], lr: float,
 def ratios(metrics: dict, bounds: dict) -> dict[str, float]:
     """``measure / bound`` for each measure: < 1 passes; a bug's largest ratio is its margin."""
     return {m: _ratio(metrics[m], bounds[m]) for m in bounds}
-
-
-def bug_margin(metrics: dict, bounds: dict) -> float:
-    """How far a run fails: ``max_m measure_m / bound_m`` (a passing run has this < 1)."""
-    return max(ratios(metrics, bounds).values())
 
 
 def conditioning(cfg: Config, dense: dict, probe: dict, lr: float,

@@ -1,7 +1,6 @@
 """One real torch.distributed rank as the engine's backend: ``SimulatedRanks`` with R = 1 whose
 group primitives are ``all_reduce``, ``all_gather`` and ``reduce_scatter_single``; each issues
-only what the plan says comes next and names its ledger entry when it fails.
-"""
+only what the plan says comes next and names its ledger entry when it fails."""
 from __future__ import annotations
 
 from datetime import timedelta

@@ -1,11 +1,12 @@
 """Cross-check with PyTorch's own tensor-parallel API (DTensor): ``AttentionBlock`` sharded by
-``parallelize_module`` with Megatron's plan, PyTorch placing the collectives.
-"""
+``parallelize_module`` with Megatron's plan (or ``dtensor_sp``'s), PyTorch placing the
+collectives."""
 from __future__ import annotations
 
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -18,9 +19,11 @@ from tpattn.config import Config
 from tpattn.block.layers import apply_rope, attention, repeat_kv, rms_norm
 from tpattn.block.params import PARAM_NAMES, init_params
 from tpattn.block.sgd import sgd_step_in_place
+from tpattn.parallel.sequence_parallel import rank_tokens
 from .module_check import full_value
 
-__all__ = ["RMSNorm", "AttentionBlock", "parallelize_block", "dtensor_check", "comm_counts"]
+__all__ = ["RMSNorm", "AttentionBlock", "parallelize_block", "dtensor_check", "comm_counts",
+           "norm_grad_placement"]
 
 
 class RMSNorm(nn.Module):
@@ -79,29 +82,49 @@ def parallelize_block(block: AttentionBlock, world_size: int,
     return parallelize_module(block, mesh, plan)
 
 
-def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with DTensor's TP, and
-    the all-reduces it issued, ``{"forward": n, "backward": n}``."""
+def dtensor_check(seed: int, cfg: Config, device: torch.device | str = "cpu",
+                  parallelize=parallelize_block) -> tuple[dict, dict]:
+    """On every rank: ``run(seed, "equivalence", cfg)``'s measures with the block sharded by
+    ``parallelize(block, world_size, device_type)`` (under ``cfg.sequence_parallel`` on this
+    rank's tokens ``[S/W, B, hidden]``), and its collectives ``{"<phase> <kind>": n}`` (phases
+    forward, backward, SGD step) with ``norm_grad_placement``."""
     device = torch.device(device)
     x0, target = (t.to(device) for t in make_inputs(cfg, seed))
     base = {k: v.to(device) for k, v in init_params(cfg, seed + PARAM_SEED_OFFSET).items()}
-
-    block = parallelize_block(AttentionBlock(base, cfg), cfg.world_size, device.type)
-    x = x0.clone().requires_grad_(True)
-    with CommDebugMode() as forward_comms:
+    sp = cfg.sequence_parallel
+    tokens = rank_tokens(cfg, dist.get_rank()) if sp else slice(None)
+    block = parallelize(AttentionBlock(base, cfg), cfg.world_size, device.type)
+    x = x0[tokens].clone().requires_grad_(True)
+    comms = {phase: CommDebugMode() for phase in ("forward", "backward", "SGD step")}
+    with comms["forward"]:
         y = block(x)
-    loss = F.mse_loss(y, target)
-    with CommDebugMode() as backward_comms:
+    with comms["backward"]:
+        loss = F.mse_loss(y, target[tokens], reduction="sum") / target.numel() if sp \
+            else F.mse_loss(y, target)
         loss.backward()
-    ledger = {p: comm_counts(c, p)[f"{p} all_reduce"]
-              for p, c in (("forward", forward_comms), ("backward", backward_comms))}
-
+    placement = norm_grad_placement(block)
     params = block.weights()
-    grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}
-    stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
-    tp = {"output": y.detach(), "loss": loss.detach(), "input_grad": x.grad, "grads": grads,
+    grads = {k: full_value(params[k].grad) for k in PARAM_NAMES}  # a Partial: summed on reading
+    with comms["SGD step"]:
+        stepped = sgd_step_in_place(params, {k: p.grad for k, p in params.items()}, LR)
+    out, x_grad = y.detach(), x.grad
+    if sp:  # every rank's tokens
+        parts = [[torch.empty_like(t) for _ in range(cfg.world_size)] for t in (out, x_grad)]
+        for part, t in zip(parts, (out, x_grad)):
+            dist.all_gather(part, t.contiguous())
+        out, x_grad = torch.cat(parts[0]), torch.cat(parts[1])
+        loss = F.mse_loss(out, target)
+    tp = {"output": out, "loss": loss.detach(), "input_grad": x_grad, "grads": grads,
           "weights": {k: full_value(stepped[k]) for k in PARAM_NAMES}}
-    return five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp), ledger
+    ledger = {k: n for phase, mode in comms.items() for k, n in comm_counts(mode, phase).items()}
+    return (five_measures(seed, EQUIVALENCE, dense_reference(x0, target, base, cfg), tp),
+            {**ledger, "norm_grad_placement": placement})
+
+
+def norm_grad_placement(block: AttentionBlock) -> str:
+    """How DTensor holds the ``norm`` weight's gradient after backward, e.g. ``"Replicate()"``."""
+    grad = block.norm.weight.grad
+    return ", ".join(str(p) for p in grad.placements) if hasattr(grad, "placements") else "plain"
 
 
 def comm_counts(mode: CommDebugMode, phase: str) -> dict[str, int]:

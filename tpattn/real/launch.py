@@ -1,6 +1,5 @@
 """Start one process per rank in one process group, watch them, fail fast (``run_on_ranks``):
-the first rank that raises, exits or stops reporting ends the run with ``RankFailure``.
-"""
+the first rank that raises, exits or stops reporting ends the run with ``RankFailure``."""
 from __future__ import annotations
 
 import multiprocessing

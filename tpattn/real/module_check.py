@@ -1,10 +1,6 @@
-"""The five-measure check for any ``nn.Module`` and any tensor-parallel sharding, on real ranks.
-
-``check_module(module, plan, x)``: on every rank one training step (MSE, backward, SGD) of a
-whole copy and of a copy sharded by ``parallelize_module(plan)`` or ``plan(copy, mesh)`` (under
-``CommDebugMode``), compared on the five measures; plus how far the ranks' copies of every
-replicated tensor disagree.
-"""
+"""The five-measure check for any ``nn.Module`` and any tensor-parallel sharding, on real ranks:
+``check_module(module, plan, x)`` takes one step (MSE, backward, SGD) with a whole copy and a
+sharded copy on every rank, and compares them and the ranks' replicated tensors."""
 from __future__ import annotations
 
 import copy
@@ -56,16 +52,13 @@ class _Job:
     tolerance: float
 
 
-def _kind(op) -> str:
-    """``"all_reduce"`` for ``c10d_functional.all_reduce`` and friends."""
-    name = str(op).split(".")[-1].removesuffix("_")
-    return {"allreduce": "all_reduce"}.get(name, name)
-
-
 def _counts(mode) -> dict[str, int]:
+    """``{kind: n}`` of ``mode``'s collectives, sorted (``c10d_functional.all_reduce``:
+    ``"all_reduce"``)."""
     counts = Counter()
     for op, n in mode.get_comm_counts().items():
-        counts[_kind(op)] += n
+        name = str(op).split(".")[-1].removesuffix("_")
+        counts[{"allreduce": "all_reduce"}.get(name, name)] += n
     return dict(sorted(counts.items()))
 
 

@@ -1,7 +1,6 @@
 """The check on real ranks: one torch.distributed process per rank, each running
 ``engine.train_step`` on ``backend.RealRanks`` with the ledger ``SimulatedRanks`` plans; rank 0
-reports the five measures, replica disagreement and the collectives (``RealRankReport``).
-"""
+reports the five measures, replica disagreement and the collectives (``RealRankReport``)."""
 from __future__ import annotations
 
 import math
@@ -31,10 +30,10 @@ from .backend import RealRanks, build_groups, gather_step
 from .launch import (DEFAULT_TIMEOUT, RankFailure, default_backend, describe_error,
                      pin_gloo_to_loopback, rank_device, run_on_ranks)
 
-__all__ = ["job_setup", "planned_ledger", "rank_step", "rank_check", "rank_disagreement",
+__all__ = ["job_setup", "planned_ledger", "rank_step", "rank_disagreement",
            "ledger_row", "run_rank", "dtensor_jobs", "RunPlan", "run_distributed",
            "RealRankReport", "RankFailure", "default_backend", "DEFAULT_TIMEOUT", "FAULT_KINDS",
-           "validate_run", "launched_by_torchrun", "run_under_torchrun"]
+           "plan_run", "launched_by_torchrun", "run_under_torchrun"]
 
 #: What the faulty rank does under the test-only ``run_distributed(fault=...)``.
 FAULT_KINDS = ("raise", "exit_early", "skip_collective")
@@ -102,20 +101,6 @@ def rank_disagreement(seed: int, mode: str, step: dict, cfg: Config, unshard_fn)
     return out
 
 
-def rank_check(seed: int, mode: str, cfg: Config, comm: RealRanks, device="cpu",
-               skip_output_reduce: bool = False):
-    """``(metrics, rank_disagreement)`` of ``mode`` on rank 0, ``(None, None)`` elsewhere."""
-    step, inj, base = rank_step(seed, mode, cfg, comm, device, skip_output_reduce)
-    if comm.rank != 0:
-        return None, None
-    gather = partial(unshard, cfg=cfg, inj=inj)
-    view = (mesh_view if cfg.data_parallel > 1 else rank0_view)(step, cfg, gather)
-    x0, target = make_inputs(cfg, seed)
-    dense = dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed))
-    return (five_measures(seed, mode, dense, view),
-            rank_disagreement(seed, mode, step, cfg, gather))
-
-
 def _all_reduces(entries: list[dict]) -> dict[str, int]:
     return {phase: sum(e["collective"] == "all_reduce" and e["phase"] == phase
                        for e in entries) for phase in ("forward", "backward")}
@@ -181,12 +166,15 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
         if mode not in plans:
             plans[mode] = planned_ledger(mode, cfg)
         comm = RealRanks(cfg, groups, rank, plans[mode], f"seed {seed} {mode}")
-        skip = _fault(plan, rank, index)
-        metrics, disagreement = rank_check(seed, mode, cfg, comm, device, skip)
+        step, inj, base = rank_step(seed, mode, cfg, comm, device, _fault(plan, rank, index))
         comm.check_plan()
-        if rank == 0:
-            out["results"].append(metrics)
-            out["rank_disagreement"].append(disagreement)
+        if rank == 0:  # the five measures against the dense step, and where ranks disagree
+            gather = partial(unshard, cfg=cfg, inj=inj)
+            view = (mesh_view if cfg.data_parallel > 1 else rank0_view)(step, cfg, gather)
+            x0, target = make_inputs(cfg, seed)
+            dense = dense_step(x0, target, base, cfg, inj, dropout_masks(cfg, seed))
+            out["results"].append(five_measures(seed, mode, dense, view))
+            out["rank_disagreement"].append(rank_disagreement(seed, mode, step, cfg, gather))
             if mode not in {row["mode"] for row in out["ledger"]}:
                 correct = plans[mode] if mode == EQUIVALENCE else planned_ledger(EQUIVALENCE, cfg)
                 out["ledger"].append(ledger_row(mode, comm, correct))
@@ -205,14 +193,13 @@ def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
     """The DTensor cross-check of each seed: ``run()`` dicts (``{"seed", "error"}`` where it
     fails on replicated KV heads) and its ledger row."""
     cfg = plan.cfg
+    from .dtensor_check import dtensor_check, parallelize_block as parallelize  # loads DTensor
     if cfg.sequence_parallel:
-        from .dtensor_sp import dtensor_sp_check as check  # loads torch.distributed.tensor
-    else:
-        from .dtensor_check import dtensor_check as check
+        from .dtensor_sp import parallelize_sp_block as parallelize
     rows, counts = [], None
     for seed in plan.dtensor_seeds:
         try:
-            metrics, ledger = check(seed, cfg, device)
+            metrics, ledger = dtensor_check(seed, cfg, device, parallelize)
         except RuntimeError as e:  # ColwiseParallel splits a KV head: every rank fails alike
             if not has_replicas(cfg):
                 raise
@@ -224,8 +211,9 @@ def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
         return rows, []
     if cfg.sequence_parallel:
         return rows, [{"variant": "DTensor SequenceParallel", "mode": EQUIVALENCE, **counts}]
+    actual = {phase: counts.get(f"{phase} all_reduce", 0) for phase in ("forward", "backward")}
     return rows, [{"variant": "DTensor parallelize_module", "mode": EQUIVALENCE,
-                   **_expected_actual(DTENSOR_EXPECTED_ALL_REDUCES, counts)}]
+                   **_expected_actual(DTENSOR_EXPECTED_ALL_REDUCES, actual)}]
 
 
 @dataclass
@@ -259,8 +247,8 @@ def _check_fault(fault, world_size: int, cfg: Config, jobs: bool) -> None:
                          "or config.data_parallel > 1")
 
 
-def validate_run(world_size, seeds, modes, config, timeout, fault):
-    """``run_distributed``'s arguments checked: ``(cfg, seeds, modes, timeout)``."""
+def plan_run(world_size, seeds, modes, config, timeout, fault=None, dtensor=False) -> RunPlan:
+    """``run_distributed``'s arguments checked: the ``RunPlan`` every rank runs."""
     check_count("world_size", world_size)
     cfg = Config(world_size=world_size) if config is None else config
     if not isinstance(cfg, Config):
@@ -284,7 +272,11 @@ def validate_run(world_size, seeds, modes, config, timeout, fault):
     if cfg.data_parallel > 1 and cfg.kv_heads < cfg.world_size:
         raise ValueError(f"a TP x DP mesh on real ranks needs kv_heads >= world_size (got "
                          f"kv_heads={cfg.kv_heads}, world_size={cfg.world_size})")
-    return cfg, seeds, modes, float(timeout)
+    dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
+        else tuple(check_seed(s) for s in dtensor)
+    return RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds),
+                   dtensor_seeds=() if cfg.data_parallel > 1 else dtensor_seeds,
+                   timeout=float(timeout), fault=dict(fault) if fault else None)
 
 
 def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | None = None, *,
@@ -297,19 +289,13 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
     ``"forkserver"`` or ``"spawn"`` (from a script, call under ``if __name__ == "__main__":``).
     A collective waits at most ``timeout`` s; a failing rank raises ``RankFailure``. ``fault``
     (test-only): ``{"rank": r, "kind": k}``, ``k`` in ``FAULT_KINDS``."""
-    cfg, seeds, modes, timeout = validate_run(world_size, seeds, modes, config, timeout, fault)
-    dtensor_seeds = (seeds if dtensor else ()) if isinstance(dtensor, bool) \
-        else tuple(check_seed(s) for s in dtensor)
-    if cfg.data_parallel > 1:
-        dtensor_seeds = ()
-    plan = RunPlan(cfg=cfg, jobs=tuple((m, s) for m in modes for s in seeds),
-                   dtensor_seeds=dtensor_seeds, timeout=timeout,
-                   fault=dict(fault) if fault else None)
+    plan = plan_run(world_size, seeds, modes, config, timeout, fault, dtensor)
+    cfg = plan.cfg
     backend = backend or default_backend(cfg.ranks)
-    preload = ("tpattn.real.ranks",) + (() if not dtensor_seeds else (
+    preload = ("tpattn.real.ranks",) + (() if not plan.dtensor_seeds else (
         "tpattn.real.dtensor_sp",) if cfg.sequence_parallel else ("tpattn.real.dtensor_check",))
-    results, timings = run_on_ranks(run_rank, cfg.ranks, plan, timeout=timeout, backend=backend,
-                                    start_method=start_method, preload=preload)
+    results, timings = run_on_ranks(run_rank, cfg.ranks, plan, timeout=plan.timeout,
+                                    backend=backend, start_method=start_method, preload=preload)
     rank0 = results[0]
     return RealRankReport(world_size, backend, **{k: rank0[k] for k in REPORT_LISTS},
                           timings={**timings, "compute_s": rank0["compute_s"]})
