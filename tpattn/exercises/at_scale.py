@@ -61,8 +61,8 @@ def check_relative_bound(bound) -> str:
         ratio = got / want if want else float("inf")
         raise Wrong(f"for {shape_text(cfg)}, your bound is {ratio:.3g} times the package's"
                     + (f": {why}." if why else "."))
-    return (f"right for all {len(_BOUND_CONFIGS)} shapes, float32, float64 and bfloat16 among them, "
-            f"up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
+    return (f"right for all {len(_BOUND_CONFIGS)} shapes, float32, float64 and bfloat16 among "
+            f"them, up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
 
 
 CLASSIFY_CONFIGS = (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),

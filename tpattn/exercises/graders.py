@@ -49,8 +49,8 @@ class Result:
     message: str
 
     def __repr__(self) -> str:
-        return textwrap.fill(("✓ " if self.passed else "✗ ") + f"{self.exercise}: {self.message}",
-                             WIDTH)
+        mark = "✓ " if self.passed else "✗ "
+        return textwrap.fill(f"{mark}{self.exercise}: {self.message}", WIDTH)
 
     def _repr_html_(self) -> str:
         color = "#1a7f37" if self.passed else "#b35900"
@@ -165,8 +165,7 @@ def counted(configs, seeds, more: str = "", unit: str = "shapes", times: str = "
 
 
 def cases(configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS, inj: Injection = Injection()):
-    """``(cfg, seed, x0, target, base)`` for every shape × seed, as ``tpattn.run`` draws them
-    (``base``: the parameters of ``inj``)."""
+    """``(cfg, seed, x0, target, base)`` per shape × seed, as ``tpattn.run`` draws ``inj``'s."""
     for cfg in configs:
         for seed in seeds:
             x0, target = make_inputs(cfg, seed)
@@ -312,8 +311,7 @@ def as_names(prediction, allowed, what: str) -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def mode_runs(mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> tuple:
-    """Per shape × seed of ``mode`` on simulated ranks: the failing measures and the
-    parameters with wrong gradients, two frozensets; cached."""
+    """Per shape × seed, ``mode`` on simulated ranks: its failing measures, wrong gradients."""
     found = []
     for cfg, seed, x0, target, base in cases(configs, seeds):
         dense = dense_reference(x0, target, base, cfg)

@@ -210,29 +210,25 @@ def check_rng_resync(resync) -> str:
             f"generator.")
 
 
-def _reader_qk_stage(reduce, where: str):
-    """A ``qk_norm_grads`` stage running the reader's ``reduce``, graded as it runs."""
-    def stage(gq, gk, comm):
-        return tuple(torch.stack(summed(
-            reduce, [t.clone() for t in g.unbind(0)], f"{name} gradient",
-            lambda r: f"{where}, rank {r}'s {name} gradient is the ranks' average: each "
-                      f"rank's part covers different heads, so they add up.",
-            lambda r: f"{where}, rank {r} keeps only its own heads' part of the {name} "
-                      f"gradient: the weight is replicated, its gradient needs the TP "
-                      f"all-reduce (sum) after backward.",
-            lambda r: f"{where}, rank {r}'s {name} gradient is not the sum of the ranks' parts."))
-            for name, g in (("q_norm", gq), ("k_norm", gk)))
-    return stage
-
-
 @exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
 def check_qk_norm_grad_reduce(reduce) -> str:
     """Check ``reduce(grads) -> list``: from every TP rank's ``[head_dim]`` gradient of its
     ``q_norm`` (or ``k_norm``) copy, the gradient each rank steps with."""
     for cfg, seed, x0, target, base in cases(QK_NORM_CONFIGS, EXTRA_SEEDS):
         where = f"for seed {seed}, {shape_text(cfg)}"
-        step = ranks_step(base, x0, target, cfg,
-                          correct_with(qk_norm_grads=_reader_qk_stage(reduce, where)))
+
+        def stage(gq, gk, comm):  # the qk_norm_grads stage: the reader's all-reduce, graded
+            return tuple(torch.stack(summed(
+                reduce, [t.clone() for t in g.unbind(0)], f"{name} gradient",
+                lambda r: f"{where}, rank {r}'s {name} gradient is the ranks' average: each "
+                          f"rank's part covers different heads, so they add up.",
+                lambda r: f"{where}, rank {r} keeps only its own heads' part of the {name} "
+                          f"gradient: the weight is replicated, its gradient needs the TP "
+                          f"all-reduce (sum) after backward.",
+                lambda r: f"{where}, rank {r}'s {name} gradient is not the sum of the ranks' "
+                          f"parts.")) for name, g in (("q_norm", gq), ("k_norm", gk)))
+
+        step = ranks_step(base, x0, target, cfg, correct_with(qk_norm_grads=stage))
         apart = max(max_abs_diff(step["weights"][k][r], step["weights"][k][0])
                     for k in ("q_norm", "k_norm") for r in range(cfg.world_size))
         if apart > 0:
@@ -277,36 +273,33 @@ def _mesh_step(cfg: Config, seed: int, program=None) -> dict:
                           program or Injection(), LR)
 
 
-def _reader_dp_stage(sync, cfg: Config, where: str):
-    """A ``dp_grads`` stage running the reader's ``sync`` per parameter and TP rank, graded."""
-    w, d = cfg.world_size, cfg.data_parallel
-
-    def stage(grads, comm):
-        synced = {name: g.clone() for name, g in grads.items()}
-        for (name, g), t in itertools.product(synced.items(), range(w)):
-            got = summed(sync, [g[r * w + t].clone() for r in range(d)],
-                         f"the synced gradient of {name}",
-                         lambda r: f"{where}, replica {r} uses the mean of the replicas' {name} "
-                                   f"gradients: each share is already divided by the global "
-                                   f"numel (the loss is the global mean), so they add up (SUM "
-                                   f"over the DP group).",
-                         lambda r: f"{where}, replica {r} keeps its own {name} gradient (a sync "
-                                   f"over a group of one rank): the replicas step on different "
-                                   f"gradients and drift apart.",
-                         lambda r: f"{where}, replica {r}'s {name} gradient is neither the sum "
-                                   f"of the replicas' nor any one of them.")
-            for r in range(d):
-                g[r * w + t] = got[r]
-        return synced
-    return stage
-
-
 @exercise("the data-parallel gradient sync", AROUND_CHAPTER)
 def check_dp_grad_sync(sync) -> str:
     """Check ``sync(grads) -> list``: the gradient each DP replica steps with."""
     for cfg, seed, x0, target, base in cases(MESH_CONFIGS, EXTRA_SEEDS):
+        w, d = cfg.world_size, cfg.data_parallel
         where = f"for seed {seed} on {mesh_text(cfg)}"
-        step = _mesh_step(cfg, seed, correct_with(dp_grads=_reader_dp_stage(sync, cfg, where)))
+
+        def stage(grads, comm):  # the dp_grads stage: the reader's sync per name and TP rank
+            synced = {name: g.clone() for name, g in grads.items()}
+            for (name, g), t in itertools.product(synced.items(), range(w)):
+                got = summed(
+                    sync, [g[r * w + t].clone() for r in range(d)],
+                    f"the synced gradient of {name}",
+                    lambda r: f"{where}, replica {r} uses the mean of the replicas' {name} "
+                              f"gradients: each share is already divided by the global numel "
+                              f"(the loss is the global mean), so they add up (SUM over the DP "
+                              f"group).",
+                    lambda r: f"{where}, replica {r} keeps its own {name} gradient (a sync over "
+                              f"a group of one rank): the replicas step on different gradients "
+                              f"and drift apart.",
+                    lambda r: f"{where}, replica {r}'s {name} gradient is neither the sum of "
+                              f"the replicas' nor any one of them.")
+                for r in range(d):
+                    g[r * w + t] = got[r]
+            return synced
+
+        step = _mesh_step(cfg, seed, correct_with(dp_grads=stage))
         view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
         must_pass(seed, dense_step(x0, target, base, cfg, Injection()), view,
                   f"{where}, the mesh's step fails")

@@ -21,8 +21,7 @@ from tpattn.parallel.simulated import rank0_view, rank_steps, simulated_step
 
 
 def _recorded_step(cfg: Config, mode: str = EQUIVALENCE) -> tuple[dict, dict]:
-    """One step of ``mode`` on simulated ranks: the all-reduces per phase of its ledger, and the
-    bytes rank 0 hands each all-reduce, by ledger label."""
+    """One step of ``mode``: its all-reduces per phase, the bytes rank 0 hands each by label."""
     from tpattn.parallel.collectives import SimulatedRanks
     from tpattn.parallel.engine import stack_ranks, train_step
     from tpattn.real.ranks import job_setup

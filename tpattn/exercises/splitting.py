@@ -1,6 +1,5 @@
-"""Part II, splitting the block across ranks (chapters 6-10): the shards, f and g in a sharded
-MLP and its fused gate/up weight, the missing reductions' signatures and fingerprint, and
-reading a signature."""
+"""Part II, splitting the block across ranks (chapters 6-10): the shards, f and g in an MLP and
+its fused gate/up weight, the missing reductions' signatures and fingerprint, reading them."""
 from __future__ import annotations
 
 import functools
@@ -180,9 +179,8 @@ _MLP_SHAPES = ((5, 2, 16, 32, 2), (3, 1, 8, 24, 4))
 
 
 def _mlp_cases(fused: bool):
-    """Per MLP shape × seed ``(w, hidden, inter, seed, n, fc1, fc2)``: trainable ``n`` ``[S, B,
-    hidden]``, ``fc1`` ``[I, hidden]`` (``fused``: gate and up stacked, ``[2I, hidden]``), ``fc2``
-    ``[hidden, I]``."""
+    """``(w, hidden, inter, seed, n, fc1, fc2)`` per MLP shape × seed; trainable ``n`` ``[S, B,
+    hidden]``, ``fc1`` ``[I, hidden]`` (``fused``: ``[2I, hidden]``), ``fc2`` ``[hidden, I]``."""
     for s, b, hidden, inter, w in _MLP_SHAPES:
         for seed in CHECKED_SEEDS:
             gen = torch.Generator().manual_seed(seed)
@@ -207,8 +205,7 @@ _GRAD_HINTS = {"n": "every rank's copy of n must stay in the graph, so that the 
 
 
 def _grads_match(out, want, leaves: dict, where: str) -> None:
-    """``Wrong`` unless backward from ``out`` and from ``want`` give the same gradients of the
-    named ``leaves``."""
+    """``Wrong`` unless ``out`` and ``want`` give the named ``leaves`` the same gradients."""
     cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
     mine = torch.autograd.grad(out, list(leaves.values()), cot, allow_unused=True)
     ref = torch.autograd.grad(want, list(leaves.values()), cot)
