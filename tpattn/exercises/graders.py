@@ -289,7 +289,7 @@ def correct_with(**stages):
     return replace(Injection().program(), **stages)
 
 
-def ranks_step(base: dict, x0, target, cfg: Config, program, **kwargs) -> dict:
+def same_batch_step(base: dict, x0, target, cfg: Config, program, **kwargs) -> dict:
     """A ``simulated_step`` of ``program`` from ``base``'s shards, each rank on ``(x0, target)``."""
     return simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
                           program, LR, **kwargs)

@@ -21,7 +21,7 @@ from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, EXTRA_SEEDS, Wrong, as_names, cases,
                                       correct_with, counted, exercise, expect_shape, failing,
                                       grade_prediction, keyed, mesh_text, must_pass, near, number,
-                                      ranks_step, shape_text, summed, tensor, tensor_list)
+                                      same_batch_step, shape_text, summed, tensor, tensor_list)
 from tpattn.parallel.collectives import SimulatedRanks
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.rng import RankStreams, simulated_streams
@@ -155,7 +155,7 @@ def check_dropout_streams(seeds) -> str:
                                [torch.Generator().manual_seed(s) for s in attention])
         drawn = streams()  # the masks the ranks draw, assembled for the dense block
         masks = {"attention": drawn.attention_masks(cfg), "residual": drawn.residual_masks(cfg)[0]}
-        step = ranks_step(base, x0, target, cfg, Injection(), rng=streams())
+        step = same_batch_step(base, x0, target, cfg, Injection(), rng=streams())
         must_pass(seed, dense_reference(x0, target, base, cfg, masks), rank0_view(step, cfg),
                   f"{where}, the ranks draw their residual masks from different seeds: every "
                   f"rank holds the whole output after g, so the ranks drop different elements "
@@ -194,7 +194,7 @@ def check_rng_resync(resync) -> str:
                         f"stream (broadcast it), do not make up a new one.")
         for g, s in zip(streams.defaults, got):
             g.set_state(s.clone())
-        step = ranks_step(base, x0, target, cfg, Injection(), rng=streams)
+        step = same_batch_step(base, x0, target, cfg, Injection(), rng=streams)
         apart = max(max_abs_diff(step["outputs"][r], step["outputs"][0]) for r in range(w))
         if apart > 0:
             same = all(torch.equal(a, b) for a, b in zip(got, states))
@@ -228,7 +228,7 @@ def check_qk_norm_grad_reduce(reduce) -> str:
                 lambda r: f"{where}, rank {r}'s {name} gradient is not the sum of the ranks' "
                           f"parts.")) for name, g in (("q_norm", gq), ("k_norm", gk)))
 
-        step = ranks_step(base, x0, target, cfg, correct_with(qk_norm_grads=stage))
+        step = same_batch_step(base, x0, target, cfg, correct_with(qk_norm_grads=stage))
         apart = max(max_abs_diff(step["weights"][k][r], step["weights"][k][0])
                     for k in ("q_norm", "k_norm") for r in range(cfg.world_size))
         if apart > 0:

@@ -13,7 +13,7 @@ from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, Wrong,
                                       cases, correct_with, counted, exercise, failing, first_near,
                                       function_class, grade_prediction, keyed, must_pass, near,
-                                      number, ranks_step, reader_list, shape_text, summed)
+                                      number, reader_list, same_batch_step, shape_text, summed)
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.simulated import rank0_view, rank_steps, simulated_step
 
@@ -258,7 +258,7 @@ def check_kv_grad_reduce(reduce) -> str:
     """Check ``reduce(grads, cfg) -> list``: each copy's gradient of a replicated KV head."""
     from tpattn.parallel.kv_heads import kv_weight_rows, replica_groups
     for cfg, seed, x0, target, base in cases(KV_CONFIGS, EXTRA_SEEDS):
-        steps = rank_steps(ranks_step(base, x0, target, cfg, Injection(kv_grad="none")))
+        steps = rank_steps(same_batch_step(base, x0, target, cfg, Injection(kv_grad="none")))
         dense = dense_reference(x0, target, base, cfg)
         for name in ("wk", "wv"):
             own = [s["grads"][name].clone() for s in steps]
