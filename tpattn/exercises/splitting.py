@@ -40,13 +40,12 @@ def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, ran
 def _rank_heads(mine, params: dict, cfg: Config, rank: int) -> tuple[list[int], list[int]]:
     """The query and KV heads rank ``rank``'s shard holds; ``Wrong`` for a wrong shape, a split
     head or group, or wo columns of other heads."""
-    d, g, lq, lkv = cfg.head_dim, cfg.group_size, cfg.local_query_heads, cfg.local_kv_heads
-    expected = {"norm": [cfg.hidden], "wq": [lq * d, cfg.hidden], "wk": [lkv * d, cfg.hidden],
-                "wv": [lkv * d, cfg.hidden], "wo": [cfg.hidden, lq * d]}
+    d, g = cfg.head_dim, cfg.group_size
+    expected = shard_params(params, cfg)[rank]  # the package's shard, for its shapes
     if not isinstance(mine, dict) or any(k not in mine for k in PARAM_NAMES):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys {', '.join(PARAM_NAMES)}.")
     for k in PARAM_NAMES:
-        expect_shape(tensor(mine[k], f"rank {rank}'s {k}"), expected[k],
+        expect_shape(tensor(mine[k], f"rank {rank}'s {k}"), expected[k].shape,
                      f"for {shape_text(cfg)}, rank {rank}'s {k}")
     q = _heads_held(mine["wq"], params["wq"], d, "wq", rank)
     kv = _heads_held(mine["wk"], params["wk"], d, "wk", rank)
