@@ -14,7 +14,8 @@ from tpattn.check.tolerance import (ACCUMULATOR, LATER_STAGES, UNIT_ROUNDOFF, fa
                                     relative_bound)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, exercise,
-                                      expect_shape, head_of, number, shape_text, tensor)
+                                      expect_shape, head_of, number, rank_dicts, shape_text,
+                                      tensor)
 from tpattn.exercises.splitting import check_shard_params
 
 # --- chapter 14 -----------------------------------------------------------------------------
@@ -60,8 +61,8 @@ def check_relative_bound(bound) -> str:
         ratio = got / want if want else float("inf")
         raise Wrong(f"for {shape_text(cfg)}, your bound is {ratio:.3g} times the package's"
                     + (f": {why}." if why else "."))
-    return (f"right for all {len(_BOUND_CONFIGS)} shapes, float32, float64 and bfloat16 among them, "
-            f"up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
+    return (f"right for all {len(_BOUND_CONFIGS)} shapes, float32, float64 and bfloat16 among "
+            f"them, up to Llama-3-8B's attention: rho = u_acc sqrt(n) + u (W + 4).")
 
 
 CLASSIFY_CONFIGS = (Config(), Config(dtype="float64"), Config(dtype="bfloat16"),
@@ -141,11 +142,7 @@ def _grade_fused(shard, fuse, layout: str) -> str:
     """Grade ``shard(fuse(params, cfg), cfg)``: every rank's heads, then chapter 6's checks."""
     for cfg in FUSED_CONFIGS:
         base = clone_trainable(init_params(cfg, 11 + PARAM_SEED_OFFSET))
-        shards = shard(fuse(base, cfg), cfg)
-        if not isinstance(shards, (list, tuple)) or len(shards) != cfg.world_size:
-            raise Wrong(f"for {shape_text(cfg)} your function should return a list of "
-                        f"{cfg.world_size} dicts, one per rank.")
-        for rank, mine in enumerate(shards):
+        for rank, mine in enumerate(rank_dicts(shard(fuse(base, cfg), cfg), cfg)):
             _grade_fused_rows(mine, base, cfg, rank, layout)
 
     def shard_fn(params, cfg):

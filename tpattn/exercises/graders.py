@@ -1,5 +1,5 @@
-"""What every checker shares: ``Result``, the ``exercise`` decorator, the checked shapes and
-seeds, and the grading patterns (types and shapes, the sum per rank, a predicted set of names)."""
+"""What the checkers share: ``Result``, the ``exercise`` decorator, the checked shapes and seeds,
+and the grading patterns (types and shapes, the sum per rank, a predicted set of names)."""
 from __future__ import annotations
 
 import functools
@@ -8,16 +8,17 @@ import os
 import sysconfig
 import textwrap
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from tpattn.block.params import PARAM_NAMES, QK_NORM_NAMES
+from tpattn.block.params import PARAM_NAMES, QK_NORM_NAMES, shard_params
 from tpattn.bugs.modes import resolve
-from tpattn.check.core import (EQUIVALENCE, MEASURES, TOLERANCE, dense_reference, five_measures,
-                               make_inputs, make_params, max_abs_diff, tp_step)
+from tpattn.check.core import (EQUIVALENCE, LR, MEASURES, TOLERANCE, dense_reference,
+                               five_measures, make_inputs, make_params, max_abs_diff, tp_step)
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
+from tpattn.parallel.simulated import simulated_step
 
 #: Seeds of the checkers of chapters 5-11: two of the original fixture's, one never shown.
 CHECKED_SEEDS = (11, 17, 5)
@@ -30,13 +31,11 @@ CHECKED_CONFIGS = (
     Config(seq=3, batch=1, hidden=8, query_heads=6, kv_heads=2, head_dim=2),
 )
 #: The chapters the messages point to.
-CHAPTERS = {5: "chapter 5 (the dense block)", 6: "chapter 6 (head sharding)",
-            7: "chapter 7 (the two reductions)", 8: "chapter 8 (the missing output reduce)",
-            9: "chapter 9 (the missing input-gradient reduce)", 10: "chapter 10 (the matrix)",
-            11: "chapter 11 (real ranks)", 12: "chapter 12 (sequence parallelism)",
-            13: "chapter 13 (fewer KV heads than ranks)", 14: "chapter 14 (equal at scale)",
-            15: "chapter 15 (your model)", 16: "chapter 16 (the bug zoo)",
-            17: "chapter 17 (around the block)", 18: "chapter 18 (debugging without dense)"}
+CHAPTERS = {n: f"chapter {n} ({title})" for n, title in enumerate((
+    "the dense block", "head sharding", "the two reductions", "the missing output reduce",
+    "the missing input-gradient reduce", "the matrix", "real ranks", "sequence parallelism",
+    "fewer KV heads than ranks", "equal at scale", "your model", "the bug zoo",
+    "around the block", "debugging without dense"), start=5)}
 #: Width of the text paragraph (the book's code column).
 WIDTH = 75
 
@@ -50,8 +49,8 @@ class Result:
     message: str
 
     def __repr__(self) -> str:
-        return textwrap.fill(("✓ " if self.passed else "✗ ") + f"{self.exercise}: {self.message}",
-                             WIDTH)
+        mark = "✓ " if self.passed else "✗ "
+        return textwrap.fill(f"{mark}{self.exercise}: {self.message}", WIDTH)
 
     def _repr_html_(self) -> str:
         color = "#1a7f37" if self.passed else "#b35900"
@@ -165,12 +164,12 @@ def counted(configs, seeds, more: str = "", unit: str = "shapes", times: str = "
             f"{unit}{more})")
 
 
-def cases(configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS):
-    """``(cfg, seed, x0, target, base)`` for every shape × seed, as ``tpattn.run`` draws them."""
+def cases(configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS, inj: Injection = Injection()):
+    """``(cfg, seed, x0, target, base)`` per shape × seed, as ``tpattn.run`` draws ``inj``'s."""
     for cfg in configs:
         for seed in seeds:
             x0, target = make_inputs(cfg, seed)
-            yield cfg, seed, x0, target, make_params(cfg, seed, Injection())
+            yield cfg, seed, x0, target, make_params(cfg, seed, inj)
 
 
 def failing(metrics: dict) -> list[str]:
@@ -209,6 +208,14 @@ def tensor_list(value, count: int, shape, what: str) -> list[torch.Tensor]:
     for r, t in enumerate(value):
         expect_shape(tensor(t, f"rank {r}'s {what}"), shape, f"rank {r}'s {what}")
     return list(value)
+
+
+def rank_dicts(value, cfg: Config) -> list:
+    """``value`` if it is a list of one dict per rank (the dicts unchecked), else ``Wrong``."""
+    if not isinstance(value, (list, tuple)) or len(value) != cfg.world_size:
+        raise Wrong(f"for {shape_text(cfg)} your function should return a list of "
+                    f"{cfg.world_size} dicts, one per rank.")
+    return value
 
 
 def number(value, types, wrong: str):
@@ -265,6 +272,29 @@ def grade_sum(got: list, own: list, mean, mine, other) -> None:
                    other(r))
 
 
+def reader_list(reduce, own: list, what: str, *args) -> list[torch.Tensor]:
+    """``reduce`` of copies of ``own`` (then ``args``): a tensor per rank like ``own``'s."""
+    return tensor_list(reduce([t.clone() for t in own], *args), len(own), list(own[0].shape), what)
+
+
+def summed(reduce, own: list, what: str, mean, mine, other) -> list[torch.Tensor]:
+    """The reader's ``reduce`` of ``own`` (per rank), detached, graded by ``grade_sum``."""
+    got = reader_list(reduce, own, what)
+    grade_sum(got, own, mean, mine, other)
+    return [t.detach() for t in got]
+
+
+def correct_with(**stages):
+    """The correct ``Program`` with ``stages`` (the reader's code, graded) in place of its own."""
+    return replace(Injection().program(), **stages)
+
+
+def same_batch_step(base: dict, x0, target, cfg: Config, program, **kwargs) -> dict:
+    """A ``simulated_step`` of ``program`` from ``base``'s shards, each rank on ``(x0, target)``."""
+    return simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
+                          program, LR, **kwargs)
+
+
 # --- a predicted set of names against the runs of a mode -------------------------------------
 
 def as_names(prediction, allowed, what: str) -> set[str]:
@@ -281,8 +311,7 @@ def as_names(prediction, allowed, what: str) -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def mode_runs(mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> tuple:
-    """Per shape × seed, ``mode`` on simulated ranks: the failing measures and the parameters
-    with wrong gradients, two frozensets; cached."""
+    """Per shape × seed, ``mode`` on simulated ranks: its failing measures, wrong gradients."""
     found = []
     for cfg, seed, x0, target, base in cases(configs, seeds):
         dense = dense_reference(x0, target, base, cfg)

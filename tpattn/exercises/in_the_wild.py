@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import replace
+import itertools
 
 import torch
 
 from tpattn.block.dense import dense_forward
 from tpattn.block.fused_qkv import fuse_qkv_weight, rank_row_block, read_rank_qkv
 from tpattn.block.params import clone_trainable, init_params, shard_params
-from tpattn.block.sgd import sgd_step
 from tpattn.bugs import zoo
 from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, TOLERANCE,
@@ -20,11 +19,10 @@ from tpattn.check.core import (EQUIVALENCE, LR, MISSING_INPUT_GRAD_REDUCE,
                                shard, unshard)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, EXTRA_SEEDS, Wrong, as_names, cases,
-                                      counted, exercise, expect_shape, failing, grade_prediction,
-                                      grade_sum, keyed, mesh_text, must_pass, near, number,
-                                      shape_text, tensor, tensor_list)
+                                      correct_with, counted, exercise, expect_shape, failing,
+                                      grade_prediction, keyed, mesh_text, must_pass, near, number,
+                                      same_batch_step, shape_text, summed, tensor, tensor_list)
 from tpattn.parallel.collectives import SimulatedRanks
-from tpattn.parallel.engine import stack_ranks
 from tpattn.parallel.injection import Injection
 from tpattn.parallel.rng import RankStreams, simulated_streams
 from tpattn.parallel.simulated import mesh_view, rank0_view, simulated_step
@@ -58,22 +56,18 @@ def _grade_bias_output(forward, x0, base: dict, dense: dict, cfg: Config, where:
 @exercise("add the row-parallel bias once", 16)
 def check_bias_once(forward) -> str:
     """Check ``forward(x, p, cfg) -> [S, B, hidden]``: ``tp_forward`` plus ``p["bias"]`` once."""
-    inj = zoo.Injection(bias="after_g")
-    for cfg in CHECKED_CONFIGS:
-        for seed in EXTRA_SEEDS:
-            x0, target = make_inputs(cfg, seed)
-            base = zoo.make_params(cfg, seed, inj)
-            dense = zoo.dense_step(x0, target, base, cfg, inj)
-            where = f"for seed {seed}, {shape_text(cfg)}"
-            _grade_bias_output(forward, x0, base, dense, cfg, where)
-            tp = one_step(lambda x, p: forward(x, p, cfg), x0, target, base)
-            fails = failing(five_measures(seed, EQUIVALENCE, dense, tp))
-            if fails and "forward_max_abs_diff" not in fails:
-                raise Wrong(f"{where} the output is right but {', '.join(fails)} fail: the bias "
-                            f"must be the parameter p['bias'] itself, so its gradient reaches "
-                            f"it.")
-            if fails:
-                raise Wrong(f"{where} the sharded block fails {', '.join(fails)}.")
+    inj = Injection(bias="after_g")
+    for cfg, seed, x0, target, base in cases(CHECKED_CONFIGS, EXTRA_SEEDS, inj):
+        dense = dense_step(x0, target, base, cfg, inj)
+        where = f"for seed {seed}, {shape_text(cfg)}"
+        _grade_bias_output(forward, x0, base, dense, cfg, where)
+        tp = one_step(lambda x, p: forward(x, p, cfg), x0, target, base)
+        fails = failing(five_measures(seed, EQUIVALENCE, dense, tp))
+        if fails and "forward_max_abs_diff" not in fails:
+            raise Wrong(f"{where} the output is right but {', '.join(fails)} fail: the bias must "
+                        f"be the parameter p['bias'] itself, so its gradient reaches it.")
+        if fails:
+            raise Wrong(f"{where} the sharded block fails {', '.join(fails)}.")
     return (f"the bias is added once, after the all-reduce: the block equals dense with its "
             f"bias on all five measures for {len(EXTRA_SEEDS)} seeds × "
             f"{len(CHECKED_CONFIGS)} shapes.")
@@ -90,7 +84,7 @@ def _zoo_forward_hits() -> dict[str, set[bool]]:
             continue
         for cfg, seed in zip(HUNT_SHAPES, EXTRA_SEEDS):
             x0, _ = make_inputs(cfg, seed)
-            base = zoo.make_params(cfg, seed, inj)
+            base = make_params(cfg, seed, inj)
             xs = [x0] * cfg.world_size
             if inj.inputs == "per_rank":
                 xs = [x0] + [b[0] for b in zoo.rank_batches(cfg, seed, inj)[1:]]
@@ -161,8 +155,7 @@ def check_dropout_streams(seeds) -> str:
                                [torch.Generator().manual_seed(s) for s in attention])
         drawn = streams()  # the masks the ranks draw, assembled for the dense block
         masks = {"attention": drawn.attention_masks(cfg), "residual": drawn.residual_masks(cfg)[0]}
-        step = simulated_step(shard_params(base, cfg), [(x0, target)] * cfg.world_size, cfg,
-                              Injection(), LR, rng=streams())
+        step = same_batch_step(base, x0, target, cfg, Injection(), rng=streams())
         must_pass(seed, dense_reference(x0, target, base, cfg, masks), rank0_view(step, cfg),
                   f"{where}, the ranks draw their residual masks from different seeds: every "
                   f"rank holds the whole output after g, so the ranks drop different elements "
@@ -201,8 +194,7 @@ def check_rng_resync(resync) -> str:
                         f"stream (broadcast it), do not make up a new one.")
         for g, s in zip(streams.defaults, got):
             g.set_state(s.clone())
-        step = simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg, Injection(),
-                              LR, rng=streams)
+        step = same_batch_step(base, x0, target, cfg, Injection(), rng=streams)
         apart = max(max_abs_diff(step["outputs"][r], step["outputs"][0]) for r in range(w))
         if apart > 0:
             same = all(torch.equal(a, b) for a, b in zip(got, states))
@@ -218,38 +210,27 @@ def check_rng_resync(resync) -> str:
             f"generator.")
 
 
-def _reader_qk_stage(reduce, where: str):
-    """A ``qk_norm_grads`` stage running the reader's ``reduce``, graded as it runs."""
-    def stage(gq, gk, comm):
-        out = []
-        for name, g in (("q_norm", gq), ("k_norm", gk)):
-            own = [t.clone() for t in g.unbind(0)]
-            got = tensor_list(reduce([t.clone() for t in own]), g.shape[0], [g.shape[1]],
-                              f"{name} gradient")
-            grade_sum(got, own,
-                      lambda r: f"{where}, rank {r}'s {name} gradient is the ranks' average: "
-                                f"each rank's part covers different heads, so they add up.",
-                      lambda r: f"{where}, rank {r} keeps only its own heads' part of the "
-                                f"{name} gradient: the weight is replicated, its gradient "
-                                f"needs the TP all-reduce (sum) after backward.",
-                      lambda r: f"{where}, rank {r}'s {name} gradient is not the sum of the "
-                                f"ranks' parts.")
-            out.append(torch.stack([t.detach() for t in got]))
-        return tuple(out)
-    return stage
-
-
 @exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
 def check_qk_norm_grad_reduce(reduce) -> str:
     """Check ``reduce(grads) -> list``: from every TP rank's ``[head_dim]`` gradient of its
     ``q_norm`` (or ``k_norm``) copy, the gradient each rank steps with."""
     for cfg, seed, x0, target, base in cases(QK_NORM_CONFIGS, EXTRA_SEEDS):
-        w = cfg.world_size
         where = f"for seed {seed}, {shape_text(cfg)}"
-        prog = replace(Injection().program(), qk_norm_grads=_reader_qk_stage(reduce, where))
-        step = simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg, prog, LR)
+
+        def stage(gq, gk, comm):  # the qk_norm_grads stage: the reader's all-reduce, graded
+            return tuple(torch.stack(summed(
+                reduce, [t.clone() for t in g.unbind(0)], f"{name} gradient",
+                lambda r: f"{where}, rank {r}'s {name} gradient is the ranks' average: each "
+                          f"rank's part covers different heads, so they add up.",
+                lambda r: f"{where}, rank {r} keeps only its own heads' part of the {name} "
+                          f"gradient: the weight is replicated, its gradient needs the TP "
+                          f"all-reduce (sum) after backward.",
+                lambda r: f"{where}, rank {r}'s {name} gradient is not the sum of the ranks' "
+                          f"parts.")) for name, g in (("q_norm", gq), ("k_norm", gk)))
+
+        step = same_batch_step(base, x0, target, cfg, correct_with(qk_norm_grads=stage))
         apart = max(max_abs_diff(step["weights"][k][r], step["weights"][k][0])
-                    for k in ("q_norm", "k_norm") for r in range(w))
+                    for k in ("q_norm", "k_norm") for r in range(cfg.world_size))
         if apart > 0:
             raise Wrong(f"{where}, the q/k-norm replicas differ by {apart:.2g} after the step.")
         must_pass(seed, dense_reference(x0, target, base, cfg), rank0_view(step, cfg),
@@ -284,91 +265,80 @@ SP_MESH_CONFIGS = (
 )
 
 
-def _mesh_step(cfg: Config, seed: int, inj: Injection) -> dict:
-    """A simulated step of the whole mesh of ``inj``'s program."""
-    base = make_params(cfg, seed, inj)
-    return simulated_step(shard(base, cfg, inj) * cfg.data_parallel,
-                          block_inputs(rank_batches(cfg, seed, inj), cfg), cfg, inj, LR)
-
-
-def _sync_grads(sync, grads: dict, cfg: Config, where: str) -> None:
-    """Replace ``grads`` (per name ``[ranks, ...]``) by the reader's DP ``sync``, graded."""
-    w, d = cfg.world_size, cfg.data_parallel
-    for name, g in grads.items():
-        for t in range(w):
-            own = [g[r * w + t].clone() for r in range(d)]
-            got = tensor_list(sync([x.clone() for x in own]), d, list(own[0].shape),
-                              f"the synced gradient of {name}")
-            grade_sum(got, own,
-                      lambda r: f"{where}, replica {r} uses the mean of the replicas' {name} "
-                                f"gradients: each share is already divided by the global "
-                                f"numel (the loss is the global mean), so they add up (SUM "
-                                f"over the DP group).",
-                      lambda r: f"{where}, replica {r} keeps its own {name} gradient (a sync "
-                                f"over a group of one rank): the replicas step on different "
-                                f"gradients and drift apart.",
-                      lambda r: f"{where}, replica {r}'s {name} gradient is neither the sum of "
-                                f"the replicas' nor any one of them.")
-            for r in range(d):
-                g[r * w + t] = got[r].detach()
+def _mesh_step(cfg: Config, seed: int, program=None) -> dict:
+    """A simulated step of the whole mesh running ``program`` (default: the correct one)."""
+    base = make_params(cfg, seed, Injection())
+    return simulated_step(shard(base, cfg, Injection()) * cfg.data_parallel,
+                          block_inputs(rank_batches(cfg, seed, Injection()), cfg), cfg,
+                          program or Injection(), LR)
 
 
 @exercise("the data-parallel gradient sync", AROUND_CHAPTER)
 def check_dp_grad_sync(sync) -> str:
     """Check ``sync(grads) -> list``: the gradient each DP replica steps with."""
-    for cfg in MESH_CONFIGS:
-        for seed in EXTRA_SEEDS:
-            step = _mesh_step(cfg, seed, Injection(dp_grad="self"))
-            where = f"for seed {seed} on {mesh_text(cfg)}"
-            _sync_grads(sync, step["grads"], cfg, where)
-            base = make_params(cfg, seed, Injection())
-            start = stack_ranks(shard_params(base, cfg) * cfg.data_parallel)
-            step["weights"] = sgd_step(start, step["grads"], LR)
-            x0, target = make_inputs(cfg, seed)
-            view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
-            must_pass(seed, dense_step(x0, target, base, cfg, Injection()), view,
-                      f"{where}, the mesh's step fails")
+    for cfg, seed, x0, target, base in cases(MESH_CONFIGS, EXTRA_SEEDS):
+        w, d = cfg.world_size, cfg.data_parallel
+        where = f"for seed {seed} on {mesh_text(cfg)}"
+
+        def stage(grads, comm):  # the dp_grads stage: the reader's sync per name and TP rank
+            synced = {name: g.clone() for name, g in grads.items()}
+            for (name, g), t in itertools.product(synced.items(), range(w)):
+                got = summed(
+                    sync, [g[r * w + t].clone() for r in range(d)],
+                    f"the synced gradient of {name}",
+                    lambda r: f"{where}, replica {r} uses the mean of the replicas' {name} "
+                              f"gradients: each share is already divided by the global numel "
+                              f"(the loss is the global mean), so they add up (SUM over the DP "
+                              f"group).",
+                    lambda r: f"{where}, replica {r} keeps its own {name} gradient (a sync over "
+                              f"a group of one rank): the replicas step on different gradients "
+                              f"and drift apart.",
+                    lambda r: f"{where}, replica {r}'s {name} gradient is neither the sum of "
+                              f"the replicas' nor any one of them.")
+                for r in range(d):
+                    g[r * w + t] = got[r]
+            return synced
+
+        step = _mesh_step(cfg, seed, correct_with(dp_grads=stage))
+        view = mesh_view(step, cfg, lambda per_rank: unshard(per_rank, cfg, Injection()))
+        must_pass(seed, dense_step(x0, target, base, cfg, Injection()), view,
+                  f"{where}, the mesh's step fails")
     return (f"every replica steps on the sum of the replicas' gradients, so the replicas "
             f"stay identical and the mesh equals dense on all five measures for "
             f"{counted(MESH_CONFIGS, EXTRA_SEEDS, ', SP among them', unit='meshes', times='x')}.")
 
 
-def _logged_loss_case(cfg: Config, seed: int) -> tuple[list[float], float]:
-    """Every rank's share of the global mean loss on the mesh, and the dense loss."""
-    step = _mesh_step(cfg, seed, Injection())
-    x0, target = make_inputs(cfg, seed)
+def _loss_shares(cfg: Config, seed: int) -> list[float]:
+    """Every rank's share of the global mean loss on the mesh."""
     batches = block_inputs(rank_batches(cfg, seed, Injection()), cfg)
     numel = cfg.seq * cfg.batch * cfg.data_parallel * cfg.hidden
-    shares = [float((y.double() - t.double()).pow(2).sum() / numel)
-              for y, (_, t) in zip(step["outputs"], batches)]
-    true = float(dense_step(x0, target, make_params(cfg, seed, Injection()), cfg,
-                            Injection())["loss"])
-    return shares, true
+    return [float((y.double() - t.double()).pow(2).sum() / numel)
+            for y, (_, t) in zip(_mesh_step(cfg, seed)["outputs"], batches)]
 
 
 @exercise("the logged loss of a TP x DP mesh", AROUND_CHAPTER)
 def check_logged_loss(logged) -> str:
     """Check ``logged(shares, cfg) -> float``: the loss to log from every rank's share."""
-    for cfg in MESH_CONFIGS:
+    for cfg, seed, x0, target, base in cases(MESH_CONFIGS, EXTRA_SEEDS):
         w, d = cfg.world_size, cfg.data_parallel
-        for seed in EXTRA_SEEDS:
-            shares, true = _logged_loss_case(cfg, seed)
-            got = number(logged(list(shares), cfg), (int, float),
-                         "your function returned {}; return a float.")
-            where = f"for seed {seed} on {mesh_text(cfg)}"
-            if abs(got - true) <= 1e-6 * abs(true):
-                continue
-            if abs(got - w * true) <= 1e-5 * w * abs(true) and not cfg.sequence_parallel:
-                raise Wrong(f"{where}, you logged W = {w} times the loss: summing every rank "
-                            f"of the mesh counts each replica's share once per TP rank (the "
-                            f"loss all-reduced over the world mesh, pytorch/torchtitan PR "
-                            f"105); sum over the DP group only.")
-            own = sum(shares[:w]) if cfg.sequence_parallel else shares[0]
-            if abs(got - own) <= 1e-5 * abs(own):
-                raise Wrong(f"{where}, you logged replica 0's own share, about 1/{d} of the "
-                            f"loss: the DP reduction was skipped (a Replicate DTensor's "
-                            f"full_tensor() on the TP mesh, pytorch/torchtitan issue 3280).")
-            raise Wrong(f"{where}, you logged {got:.6g}; the global mean loss is {true:.6g}.")
+        shares = _loss_shares(cfg, seed)
+        true = float(dense_step(x0, target, base, cfg, Injection())["loss"])
+        got = number(logged(list(shares), cfg), (int, float),
+                     "your function returned {}; return a float.")
+        where = f"for seed {seed} on {mesh_text(cfg)}"
+        if abs(got - true) <= 1e-6 * abs(true):
+            continue
+        if abs(got - w * true) <= 1e-5 * w * abs(true) and not cfg.sequence_parallel:
+            raise Wrong(f"{where}, you logged W = {w} times the loss: summing every rank of the "
+                        f"mesh counts each replica's share once per TP rank (the loss "
+                        f"all-reduced over the world mesh, pytorch/torchtitan PR 105); sum over "
+                        f"the DP group only.")
+        own = sum(shares[:w]) if cfg.sequence_parallel else shares[0]
+        if abs(got - own) <= 1e-5 * abs(own):
+            raise Wrong(f"{where}, you logged replica 0's own share, about 1/{d} of the loss: "
+                        f"the DP reduction was skipped (a Replicate DTensor's full_tensor() on "
+                        f"the TP mesh, pytorch/torchtitan issue 3280).")
+        raise Wrong(f"{where}, you logged {got:.6g}; the global mean loss is {true:.6g}.")
     return (f"the logged loss equals the dense loss on the global batch for "
             f"{counted(MESH_CONFIGS, EXTRA_SEEDS, unit='meshes', times='x')}: one share per "
             f"replica (per rank under SP), summed over the DP group.")

@@ -7,44 +7,38 @@ import torch
 from tpattn.block.dense import attend_and_project
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import init_params, shard_params
-from tpattn.block.sgd import sgd_step
 from tpattn.check.core import (EQUIVALENCE, LR, MODES, PARAM_SEED_OFFSET, dense_reference,
                                five_measures, make_inputs)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, EXTRA_SEEDS, Wrong,
-                                      cases, counted, exercise, failing, first_near,
-                                      function_class, grade_prediction, grade_sum, keyed, must_pass,
-                                      near, number, shape_text, tensor_list)
+                                      cases, correct_with, counted, exercise, failing, first_near,
+                                      function_class, grade_prediction, keyed, must_pass, near,
+                                      number, reader_list, same_batch_step, shape_text, summed)
 from tpattn.parallel.injection import Injection
-from tpattn.parallel.simulated import gather_steps, rank_steps, simulated_step
+from tpattn.parallel.simulated import rank0_view, rank_steps, simulated_step
 
 # --- chapter 11 -----------------------------------------------------------------------------
 
 
-def _recorded_step(cfg: Config, mode: str = EQUIVALENCE):
-    """One step of ``mode`` as the real ranks run it: the all-reduces per phase of the planned
-    ledger, and the bytes rank 0 hands each all-reduce, by ledger label."""
+def _recorded_step(cfg: Config, mode: str = EQUIVALENCE) -> tuple[dict, dict]:
+    """One step of ``mode``: its all-reduces per phase, the bytes rank 0 hands each by label."""
     from tpattn.parallel.collectives import SimulatedRanks
     from tpattn.parallel.engine import stack_ranks, train_step
-    from tpattn.real.ranks import job_setup, planned_ledger
+    from tpattn.real.ranks import job_setup
 
     class Measured(SimulatedRanks):
-        def __init__(self):
-            super().__init__(cfg, [])
-            self.carried = {}
-
         def group_sum(self, t, group="tp"):
             label = self.ledger[-1]["label"]  # a collective records itself, then sums
-            self.carried[label] = self.carried.get(label, 0) + t[0].numel() * t.element_size()
+            carried[label] = carried.get(label, 0) + t[0].numel() * t.element_size()
             return super().group_sum(t, group)
 
-    counts = {phase: sum(e["collective"] == "all_reduce" and e["phase"] == phase
-                         for e in planned_ledger(mode, cfg)) for phase in ("forward", "backward")}
+    carried, comm = {}, Measured(cfg, [])
     inj, _, shards, batches = job_setup(11, mode, cfg)
-    comm = Measured()
     train_step(stack_ranks(shards), torch.stack([b[0] for b in batches]),
                torch.stack([b[1] for b in batches]), cfg, inj, comm, LR)
-    return counts, comm.carried
+    counts = {phase: sum(e["collective"] == "all_reduce" and e["phase"] == phase
+                         for e in comm.ledger) for phase in ("forward", "backward")}
+    return counts, carried
 
 
 #: The checked shapes, a float64 one and a wider one.
@@ -173,26 +167,23 @@ def check_norm_grad_reduce(finalize) -> str:
     """Check ``finalize(norm_grads) -> list``: the norm gradient each SP rank steps with."""
     for cfg, seed, x0, target, base in cases(SP_CONFIGS, EXTRA_SEEDS):
         w = cfg.world_size
-        steps = rank_steps(simulated_step(
-            shard_params(base, cfg), list(zip(x0.chunk(w), target.chunk(w))), cfg,
-            Injection(norm_grad="none"), LR))
-        own = [s["grads"]["norm"].clone() for s in steps]
-        got = tensor_list(finalize([g.clone() for g in own]), w, [cfg.hidden], "norm gradient")
         where = f"for seed {seed}, {shape_text(cfg)}"
-        grade_sum(got, own,
-                  lambda r: f"{where}, rank {r} uses the average of the ranks' shares; each "
-                            f"share is a different set of tokens' term of one sum, so they add "
-                            f"up (sum, not mean).",
-                  lambda r: f"{where}, rank {r} keeps only its own tokens' share: the norm "
-                            f"weight sees S/W tokens per rank, so its gradient needs an "
-                            f"all-reduce (sum) over the TP group.",
-                  lambda r: f"{where}, rank {r}'s norm gradient is neither the sum of the ranks' "
-                            f"shares nor any one of them.")
-        for r, s in enumerate(steps):
-            s["grads"]["norm"] = got[r].detach()
-            s["weights"]["norm"] = sgd_step({"norm": base["norm"]},
-                                            {"norm": got[r].detach()}, LR)["norm"]
-        must_pass(seed, dense_reference(x0, target, base, cfg), gather_steps(steps, cfg),
+
+        def stage(grad, comm):  # the norm_grad stage: the reader's all-reduce, graded
+            return torch.stack(summed(
+                finalize, [t.clone() for t in grad.unbind(0)], "norm gradient",
+                lambda r: f"{where}, rank {r} uses the average of the ranks' shares; each share "
+                          f"is a different set of tokens' term of one sum, so they add up (sum, "
+                          f"not mean).",
+                lambda r: f"{where}, rank {r} keeps only its own tokens' share: the norm weight "
+                          f"sees S/W tokens per rank, so its gradient needs an all-reduce (sum) "
+                          f"over the TP group.",
+                lambda r: f"{where}, rank {r}'s norm gradient is neither the sum of the ranks' "
+                          f"shares nor any one of them."))
+
+        step = simulated_step(shard_params(base, cfg), list(zip(x0.chunk(w), target.chunk(w))),
+                              cfg, correct_with(norm_grad=stage), LR)
+        must_pass(seed, dense_reference(x0, target, base, cfg), rank0_view(step, cfg),
                   f"{where}, the SP step fails")
     return (f"every rank uses the sum of the ranks' shares, so the norm replicas stay "
             f"equal and the SP step equals dense on all five measures for "
@@ -267,15 +258,12 @@ def check_kv_grad_reduce(reduce) -> str:
     """Check ``reduce(grads, cfg) -> list``: each copy's gradient of a replicated KV head."""
     from tpattn.parallel.kv_heads import kv_weight_rows, replica_groups
     for cfg, seed, x0, target, base in cases(KV_CONFIGS, EXTRA_SEEDS):
-        w = cfg.world_size
-        steps = rank_steps(simulated_step(shard_params(base, cfg), [(x0, target)] * w, cfg,
-                                          Injection(kv_grad="none"), LR))
+        steps = rank_steps(same_batch_step(base, x0, target, cfg, Injection(kv_grad="none")))
         dense = dense_reference(x0, target, base, cfg)
         for name in ("wk", "wv"):
             own = [s["grads"][name].clone() for s in steps]
-            got = tensor_list(reduce([g.clone() for g in own], cfg), w,
-                              [own[0].shape[0], cfg.hidden], f"{name} gradient")
-            want = [dense["grads"][name][kv_weight_rows(cfg, r)] for r in range(w)]
+            got = reader_list(reduce, own, f"{name} gradient", cfg)
+            want = [dense["grads"][name][kv_weight_rows(cfg, r)] for r in range(len(own))]
             _grade_kv_grads(got, own, want, replica_groups(cfg), name,
                             f"for seed {seed}, {shape_text(cfg)}")
     return (f"every rank's copy of wk and wv gets its KV head's full gradient (the sum over "

@@ -1,6 +1,5 @@
-"""Part II, splitting the block across ranks (chapters 6-10): the shards, f and g in a sharded
-MLP and its fused gate/up weight, the missing reductions' signatures and fingerprint, and
-reading a signature."""
+"""Part II, splitting the block across ranks (chapters 6-10): the shards, f and g in an MLP and
+its fused gate/up weight, the missing reductions' signatures and fingerprint, reading them."""
 from __future__ import annotations
 
 import functools
@@ -12,15 +11,15 @@ import torch.nn.functional as F
 
 from tpattn.block.dense import attend_and_project, dense_forward
 from tpattn.block.layers import rms_norm
-from tpattn.block.params import PARAM_NAMES, clone_trainable, rank_head_slices, shard_params
+from tpattn.block.params import PARAM_NAMES, clone_trainable, shard_params
 from tpattn.bugs.modes import run
 from tpattn.check.core import (EQUIVALENCE, MEASURES, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, TOLERANCE)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
                                       coverage, exercise, expect_shape, failing, first_near,
-                                      grade_prediction, head_of, near, shape_text, tensor,
-                                      tensor_list)
+                                      grade_prediction, head_of, near, rank_dicts, shape_text,
+                                      tensor, tensor_list)
 from tpattn.parallel.tp import tp_forward
 
 # --- chapter 6 ------------------------------------------------------------------------------
@@ -41,13 +40,12 @@ def _heads_held(shard: torch.Tensor, dense: torch.Tensor, d: int, what: str, ran
 def _rank_heads(mine, params: dict, cfg: Config, rank: int) -> tuple[list[int], list[int]]:
     """The query and KV heads rank ``rank``'s shard holds; ``Wrong`` for a wrong shape, a split
     head or group, or wo columns of other heads."""
-    d, g, lq, lkv = cfg.head_dim, cfg.group_size, cfg.local_query_heads, cfg.local_kv_heads
-    expected = {"norm": [cfg.hidden], "wq": [lq * d, cfg.hidden], "wk": [lkv * d, cfg.hidden],
-                "wv": [lkv * d, cfg.hidden], "wo": [cfg.hidden, lq * d]}
+    d, g = cfg.head_dim, cfg.group_size
+    expected = shard_params(params, cfg)[rank]  # the package's shard, for its shapes
     if not isinstance(mine, dict) or any(k not in mine for k in PARAM_NAMES):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys {', '.join(PARAM_NAMES)}.")
     for k in PARAM_NAMES:
-        expect_shape(tensor(mine[k], f"rank {rank}'s {k}"), expected[k],
+        expect_shape(tensor(mine[k], f"rank {rank}'s {k}"), expected[k].shape,
                      f"for {shape_text(cfg)}, rank {rank}'s {k}")
     q = _heads_held(mine["wq"], params["wq"], d, "wq", rank)
     kv = _heads_held(mine["wk"], params["wk"], d, "wk", rank)
@@ -93,10 +91,7 @@ def check_shard_params(shard) -> str:
     ``wq``, ``wk``, ``wv`` and columns of ``wo``, as differentiable slices."""
     for cfg, seed, x0, target, base in cases():
         params = clone_trainable(base)
-        shards = shard(params, cfg)
-        if not isinstance(shards, (list, tuple)) or len(shards) != cfg.world_size:
-            raise Wrong(f"for {shape_text(cfg)} your function should return a list of "
-                        f"{cfg.world_size} dicts, one per rank.")
+        shards = rank_dicts(shard(params, cfg), cfg)
         held = [_rank_heads(mine, params, cfg, rank) for rank, mine in enumerate(shards)]
         held_q = sorted(h for q, _ in held for h in q)
         held_kv = sorted(h for _, kv in held for h in kv)
@@ -126,16 +121,14 @@ def _layout_shard_fn(layout):
 
 def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
     """Layouts: the package's, groups moved, query heads shuffled, one query head swapped."""
-    w, g, d = cfg.world_size, cfg.group_size, cfg.head_dim
+    w, g = cfg.world_size, cfg.group_size
     lq, lkv = cfg.local_query_heads, cfg.local_kv_heads
 
     def from_lists(query, kv):
         return [{"query": sorted(query[r * lq:(r + 1) * lq]),
                  "kv": sorted(kv[r * lkv:(r + 1) * lkv])} for r in range(w)]
 
-    package = [{"query": list(range(q.start // d, q.stop // d)),
-                "kv": list(range(kv.start // d, kv.stop // d))}
-               for q, kv in (rank_head_slices(cfg, rank) for rank in range(w))]
+    package = from_lists(list(range(cfg.query_heads)), list(range(cfg.kv_heads)))
     layouts = [package]
     for _ in range(2):  # whole groups moved to other ranks
         kv = list(range(cfg.kv_heads))
@@ -184,15 +177,16 @@ def check_keeps_groups(keeps_groups) -> str:
 _MLP_SHAPES = ((5, 2, 16, 32, 2), (3, 1, 8, 24, 4))
 
 
-def _mlp_case(shape: tuple, seed: int, fused: bool) -> tuple:
-    """Trainable ``n`` ``[S, B, hidden]``, ``fc1`` ``[I, hidden]`` (``fused``: gate and up
-    stacked, ``[2I, hidden]``) and ``fc2`` ``[hidden, I]``."""
-    s, b, hidden, inter, _ = shape
-    gen = torch.Generator().manual_seed(seed)
-    n = torch.randn(s, b, hidden, generator=gen)
-    fc1 = torch.randn(inter * (2 if fused else 1), hidden, generator=gen) / hidden ** 0.5
-    fc2 = torch.randn(hidden, inter, generator=gen) / inter ** 0.5
-    return tuple(t.requires_grad_(True) for t in (n, fc1, fc2))
+def _mlp_cases(fused: bool):
+    """``(w, hidden, inter, seed, n, fc1, fc2)`` per MLP shape × seed; trainable ``n`` ``[S, B,
+    hidden]``, ``fc1`` ``[I, hidden]`` (``fused``: ``[2I, hidden]``), ``fc2`` ``[hidden, I]``."""
+    for s, b, hidden, inter, w in _MLP_SHAPES:
+        for seed in CHECKED_SEEDS:
+            gen = torch.Generator().manual_seed(seed)
+            n = torch.randn(s, b, hidden, generator=gen)
+            fc1 = torch.randn(inter * (2 if fused else 1), hidden, generator=gen) / hidden ** 0.5
+            fc2 = torch.randn(hidden, inter, generator=gen) / inter ** 0.5
+            yield w, hidden, inter, seed, *(t.requires_grad_(True) for t in (n, fc1, fc2))
 
 
 def _mlp(n: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -210,8 +204,7 @@ _GRAD_HINTS = {"n": "every rank's copy of n must stay in the graph, so that the 
 
 
 def _grads_match(out, want, leaves: dict, where: str) -> None:
-    """``Wrong`` unless backward from ``out`` and from ``want`` give the same gradients of the
-    named ``leaves``."""
+    """``Wrong`` unless ``out`` and ``want`` give the named ``leaves`` the same gradients."""
     cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
     mine = torch.autograd.grad(out, list(leaves.values()), cot, allow_unused=True)
     ref = torch.autograd.grad(want, list(leaves.values()), cot)
@@ -226,32 +219,29 @@ def _grads_match(out, want, leaves: dict, where: str) -> None:
 def check_tp_mlp(tp_mlp) -> str:
     """Check ``tp_mlp(n, fc1, fc2, world_size, g)``: the GELU MLP on a list of ranks, rank r
     holding intermediate features block r; ``g`` (given) sums the list of partial outputs."""
-    for shape in _MLP_SHAPES:
-        w, inter = shape[4], shape[3]
-        for seed in CHECKED_SEEDS:
-            n, fc1, fc2 = _mlp_case(shape, seed, fused=False)
-            calls = []
-            out = tp_mlp(n, fc1, fc2, w, lambda parts: calls.append(list(parts)) or sum(parts))
-            where = f"with {w} ranks (hidden {shape[2]}, {inter} features), seed {seed}"
-            if len(calls) != 1:
-                raise Wrong(f"{where}, your code called g {len(calls)} times; it should call "
-                            f"it once, on the list of the ranks' partial outputs.")
-            parts = calls[0]
-            if len(parts) != w or not all(isinstance(p, torch.Tensor) for p in parts):
-                raise Wrong(f"{where}, g should get a list of {w} tensors, one partial "
-                            f"output per rank.")
-            block = inter // w
-            for r, part in enumerate(parts):
-                rows = slice(r * block, (r + 1) * block)
-                first_near(part, [(_mlp(n, fc1[rows], fc2[:, rows], False), block, None)],
-                           f"{where}, rank {r}'s partial is not fc2's columns {rows.start}.."
-                           f"{rows.stop - 1} applied to gelu of fc1's rows {rows.start}.."
-                           f"{rows.stop - 1} times n: each rank holds a contiguous block "
-                           f"of the intermediate features, fc1 by rows and fc2 by columns.")
-            want = _mlp(n, fc1, fc2, False)
-            if not near(tensor(out, "tp_mlp's output"), want, inter):
-                raise Wrong(f"{where}, the output is not the dense MLP's: return g's sum.")
-            _grads_match(out, want, {"n": n, "fc1": fc1, "fc2": fc2}, where)
+    for w, hidden, inter, seed, n, fc1, fc2 in _mlp_cases(fused=False):
+        calls = []
+        out = tp_mlp(n, fc1, fc2, w, lambda parts: calls.append(list(parts)) or sum(parts))
+        where = f"with {w} ranks (hidden {hidden}, {inter} features), seed {seed}"
+        if len(calls) != 1:
+            raise Wrong(f"{where}, your code called g {len(calls)} times; it should call it "
+                        f"once, on the list of the ranks' partial outputs.")
+        parts = calls[0]
+        if len(parts) != w or not all(isinstance(p, torch.Tensor) for p in parts):
+            raise Wrong(f"{where}, g should get a list of {w} tensors, one partial output "
+                        f"per rank.")
+        block = inter // w
+        for r, part in enumerate(parts):
+            rows = slice(r * block, (r + 1) * block)
+            span = f"{rows.start}..{rows.stop - 1}"
+            first_near(part, [(_mlp(n, fc1[rows], fc2[:, rows], False), block, None)],
+                       f"{where}, rank {r}'s partial is not fc2's columns {span} applied to gelu "
+                       f"of fc1's rows {span} times n: each rank holds a contiguous block of the "
+                       f"intermediate features, fc1 by rows and fc2 by columns.")
+        want = _mlp(n, fc1, fc2, False)
+        if not near(tensor(out, "tp_mlp's output"), want, inter):
+            raise Wrong(f"{where}, the output is not the dense MLP's: return g's sum.")
+        _grads_match(out, want, {"n": n, "fc1": fc1, "fc2": fc2}, where)
     return (f"every rank's partial, the output and the gradients of n, fc1 and fc2 equal the "
             f"dense MLP's on {len(_MLP_SHAPES)} shapes (2 and 4 ranks) × "
             f"{len(CHECKED_SEEDS)} seeds.")
@@ -261,29 +251,25 @@ def check_tp_mlp(tp_mlp) -> str:
 def check_gate_up_shards(shard_gate_up) -> str:
     """Check ``shard_gate_up(gate_up, world_size)``: rank r's ``[2I/W, hidden]`` shard is its
     block of gate rows then the same block of up rows, cut differentiably from ``gate_up``."""
-    for shape in _MLP_SHAPES:
-        w, inter, hidden = shape[4], shape[3], shape[2]
+    for w, hidden, inter, seed, n, gate_up, fc2 in _mlp_cases(fused=True):
         block = inter // w
-        for seed in CHECKED_SEEDS:
-            n, gate_up, fc2 = _mlp_case(shape, seed, fused=True)
-            shards = tensor_list(shard_gate_up(gate_up, w), w, [2 * block, hidden], "shard")
-            gate, up = gate_up.detach().chunk(2)
-            where = f"with {w} ranks ({inter} features), seed {seed}"
-            for r, shard in enumerate(shards):
-                rows = slice(r * block, (r + 1) * block)
-                cut = slice(2 * r * block, 2 * (r + 1) * block)
-                if torch.equal(shard.detach(), gate_up.detach()[cut]):
-                    raise Wrong(f"{where}, rank {r}'s shard is rows {cut.start}..{cut.stop - 1} "
-                                f"of the fused weight, which are not the gate and up rows of "
-                                f"the same features: cut gate and up each by rank, then "
-                                f"stack them.")
-                if not torch.equal(shard.detach(), torch.cat([gate[rows], up[rows]])):
-                    raise Wrong(f"{where}, rank {r}'s shard is not gate rows {rows.start}.."
-                                f"{rows.stop - 1} followed by up rows {rows.start}.."
-                                f"{rows.stop - 1}.")
-            out = sum(_mlp(n, s, fc2[:, r * block:(r + 1) * block], True)
-                      for r, s in enumerate(shards))
-            _grads_match(out, _mlp(n, gate_up, fc2, True), {"gate_up": gate_up}, where)
+        shards = tensor_list(shard_gate_up(gate_up, w), w, [2 * block, hidden], "shard")
+        gate, up = gate_up.detach().chunk(2)
+        where = f"with {w} ranks ({inter} features), seed {seed}"
+        for r, shard in enumerate(shards):
+            rows = slice(r * block, (r + 1) * block)
+            cut = slice(2 * r * block, 2 * (r + 1) * block)
+            if torch.equal(shard.detach(), gate_up.detach()[cut]):
+                raise Wrong(f"{where}, rank {r}'s shard is rows {cut.start}..{cut.stop - 1} of "
+                            f"the fused weight, which are not the gate and up rows of the same "
+                            f"features: cut gate and up each by rank, then stack them.")
+            if not torch.equal(shard.detach(), torch.cat([gate[rows], up[rows]])):
+                raise Wrong(f"{where}, rank {r}'s shard is not gate rows {rows.start}.."
+                            f"{rows.stop - 1} followed by up rows {rows.start}.."
+                            f"{rows.stop - 1}.")
+        out = sum(_mlp(n, s, fc2[:, r * block:(r + 1) * block], True)
+                  for r, s in enumerate(shards))
+        _grads_match(out, _mlp(n, gate_up, fc2, True), {"gate_up": gate_up}, where)
     return (f"every rank holds its gate rows and the matching up rows, and the sharded SwiGLU "
             f"MLP's gradient reaches gate_up equal to dense on {len(_MLP_SHAPES)} shapes (2 "
             f"and 4 ranks) × {len(CHECKED_SEEDS)} seeds.")
@@ -354,14 +340,10 @@ _UNKNOWN_SIGNATURES = (("loss_abs_diff",), ("post_step_weight_max_abs_diff",),
                        ("forward_max_abs_diff",), ("input_grad_max_abs_diff",), MEASURES[3:])
 
 
-def _signature(result: dict) -> tuple:
-    return tuple(m for m in MEASURES if result[m] >= TOLERANCE)
-
-
 def _result_text(result: dict) -> str:
     if result["mode"] != "unknown":
         return f"seed {result['seed']}, {result['mode']}"
-    fails = _signature(result)
+    fails = failing(result)
     return (f"a made-up result where {', '.join(fails) or 'nothing'} "
             f"{'is' if len(fails) == 1 else 'are'} at TOLERANCE and the rest below")
 
@@ -370,18 +352,10 @@ def _signatures() -> dict[str, set]:
     """Each mode's failing measures on every checked run; ``Wrong`` if a mode's runs disagree."""
     found = {}
     for r in _real_runs():
-        found.setdefault(r["mode"], set()).add(_signature(r))
+        found.setdefault(r["mode"], set()).add(tuple(failing(r)))
     if any(len(sets) != 1 for sets in found.values()):  # pragma: no cover - not seen
         raise Wrong("the runs of a mode do not agree on which measures fail.")
     return {mode: set(sets.pop()) for mode, sets in found.items()}
-
-
-def _confused(chosen: set, signatures: dict) -> tuple[str, str] | None:
-    """The first pair of modes whose signatures agree on every measure of ``chosen``."""
-    for a, b in combinations(MODES, 2):
-        if all((m in signatures[a]) == (m in signatures[b]) for m in chosen):
-            return a, b
-    return None
 
 
 @exercise("two measures that tell the modes apart", 10)
@@ -392,7 +366,8 @@ def check_separating_measures(pick) -> str:
     if len(chosen) < 2:
         raise Wrong(f"{len(chosen)} measure{'s' if len(chosen) != 1 else ''} can pass or fail "
                     f"in at most 2 ways, and there are 3 modes to tell apart; pick two.")
-    pair = _confused(chosen, signatures)
+    pair = next(((a, b) for a, b in combinations(MODES, 2)
+                 if all((m in signatures[a]) == (m in signatures[b]) for m in chosen)), None)
     if pair:
         raise Wrong(f"{pair[0]} and {pair[1]} pass and fail alike on "
                     f"{', '.join(m for m in MEASURES if m in chosen)}: one of the two measures "
@@ -411,20 +386,20 @@ def check_diagnose(diagnose) -> str:
     (of ``MODES``) that leaves its signature, or None for one no mode leaves."""
     real, mode_of = [dict(r) for r in _real_runs()], {}
     for r in real:
-        if mode_of.setdefault(_signature(r), r["mode"]) != r["mode"]:  # pragma: no cover
+        if mode_of.setdefault(tuple(failing(r)), r["mode"]) != r["mode"]:  # pragma: no cover
             raise Wrong("two modes share a signature in these runs; no diagnosis can tell "
                         "them apart.")
     results = real + [_synthetic(s) for s in _UNKNOWN_SIGNATURES if s not in mode_of]
     for result in results:
         got = diagnose({k: v for k, v in result.items() if k != "mode"})
-        want = mode_of.get(_signature(result))
+        want = mode_of.get(tuple(failing(result)))
         if got == want:
             continue
         if got is not None and got not in MODES:
             raise Wrong(f"your function returned {got!r}; return one of "
                         f"{', '.join(MODES)}, or None for a signature no mode leaves.")
         raise Wrong(f"for {_result_text(result)} (failing: "
-                    f"{', '.join(_signature(result)) or 'nothing'}) you said "
+                    f"{', '.join(failing(result)) or 'nothing'}) you said "
                     f"{'None' if got is None else got}; "
                     + (f"the run came from {want}." if want else
                        "no mode leaves that signature, so the answer is None."))
