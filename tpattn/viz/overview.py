@@ -1,5 +1,4 @@
-"""Diagrams of the block: its map (landing page, chapter 1), its two gradient paths (chapter 5),
-the sharded backward (7); and the scale of 1e-6 (the rounding appendix)."""
+"""Diagrams of the block: its map, its gradient paths (dense and sharded); float32 rounding."""
 from __future__ import annotations
 
 import functools

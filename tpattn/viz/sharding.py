@@ -1,5 +1,4 @@
-"""Figures for Part II, sharding the block and breaking it (chapters 6–10), and for chapter 11
-from what ``run_distributed`` reports (plain dicts); tensors are read only."""
+"""Figures of sharding the block and breaking it (chapters 6–11); tensors are read only."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -155,9 +154,9 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
     symmetric color scale, shared unless ``shared_scale=False``."""
     images = {name: t.detach().double().reshape(t.shape[0], -1)  # batch-major columns
               for name, t in panels.items()}
-    n = len(images)
-    fig, axes = new_figure(nrows=n, figsize=(7.0, 1.15 * n + 0.5), squeeze=False)
-    axes = axes[:, 0]
+    fig, axes = new_figure(nrows=len(images), figsize=(7.0, 1.15 * len(images) + 0.5),
+                           squeeze=False)
+    axes = list(axes[:, 0])
     vmax_all = max(float(im.abs().max()) for im in images.values()) or 1.0
     first = next(iter(panels.values()))
     batch, hidden = (first.shape[1], first.shape[2]) if first.dim() == 3 else (1, first.shape[1])
@@ -174,7 +173,7 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
         if not shared_scale:
             fig.colorbar(art, ax=ax, fraction=0.03, pad=0.01, label=value_label)
     if shared_scale:
-        fig.colorbar(art, ax=list(axes), fraction=0.03, pad=0.01, label=value_label)
+        fig.colorbar(art, ax=axes, fraction=0.03, pad=0.01, label=value_label)
     return fig
 
 

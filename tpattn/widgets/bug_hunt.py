@@ -1,5 +1,4 @@
-"""The bug-hunt explorer (chapter 18): what the run shows, whether a guess is right, and what
-``tpattn.diagnose`` names."""
+"""The bug-hunt explorer (chapter 18): what a run shows, whether a guess is right, the diagnosis."""
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,4 @@
-"""The book's explorers: RoPE (chapter 3), attention (4), sharding (6), seed × mode (8–10), SP
-(12); the five measures in an output area (an HTML table, the verdict, a fast bar chart)."""
+"""The explorers of RoPE (chapter 3), attention (4), sharding (6), seed × mode (8–10), SP (12)."""
 from __future__ import annotations
 
 import copy

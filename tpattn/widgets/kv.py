@@ -1,5 +1,4 @@
-"""Heads explorers (chapters 6 and 13): a layout's caption and the SVG of its heads picture;
-chapter 13's adds the replica groups and what each ``kv_strategy`` costs."""
+"""Heads explorers (chapters 6 and 13): a layout's caption and the SVG of its heads picture."""
 from __future__ import annotations
 
 import functools
