@@ -33,22 +33,6 @@ def close_figures():
     plt.close("all")
 
 
-def test_real_vs_simulated_draws_every_measure_of_every_run():
-    simulated = tpattn.run_matrix(seeds=[11])
-    fig = viz.real_vs_simulated_figure(simulated, simulated)
-    (ax,) = fig.axes
-    points = sum(len(c.get_offsets()) for c in ax.collections)
-    assert points == len(simulated) * len(tpattn.MEASURES)
-
-
-def test_real_vs_simulated_refuses_runs_that_do_not_pair_up():
-    simulated = tpattn.run_matrix(seeds=[11])
-    with pytest.raises(ValueError, match="real and simulated must list the same runs"):
-        viz.real_vs_simulated_figure(simulated, simulated[::-1])
-    with pytest.raises(ValueError, match="real and simulated must list the same runs"):
-        viz.real_vs_simulated_figure(simulated, simulated[:1])
-
-
 def test_ledger_figure_marks_missing_collectives():
     fig = viz.ledger_figure(LEDGER)
     forward, backward = fig.axes

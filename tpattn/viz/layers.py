@@ -51,8 +51,8 @@ def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
         raise ValueError(f"normalized must have the shape of x {tuple(x.shape)} "
                          f"(got {tuple(getattr(normalized, 'shape', ()))})")
     seq, batch = x.shape[0], x.shape[1]
-    rms_before = x.detach().double().pow(2).mean(-1).sqrt().T.reshape(-1)  # batch-major order
-    rms_after = normalized.detach().double().pow(2).mean(-1).sqrt().T.reshape(-1)
+    rms_before, rms_after = (t.detach().double().pow(2).mean(-1).sqrt().T.reshape(-1)
+                             for t in (x, normalized))  # batch-major order
     fig, ax = new_figure(figsize=(7.0, 3.0))
     pos = torch.arange(seq * batch, dtype=torch.float64)
     ax.bar(pos - 0.2, rms_before, width=0.4, color="#bbbbbb", label="x (before)")

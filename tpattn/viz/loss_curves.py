@@ -11,8 +11,7 @@ STYLES = (("#1f77b4", "-"), ("#d62728", "--"), ("#444444", ":"))
 
 
 def final_gap(losses: Sequence[float], reference: Sequence[float]) -> float:
-    """``|losses[-1] - reference[-1]| / reference[-1]``; ``ValueError`` when either is empty or
-    the reference's last loss is 0."""
+    """``|losses[-1] - reference[-1]| / |reference[-1]|`` (both non-empty, the latter nonzero)."""
     if not losses or not reference:
         raise ValueError("losses and reference must each hold at least one step (got none)")
     if reference[-1] == 0:

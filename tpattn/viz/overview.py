@@ -1,5 +1,4 @@
-"""Diagrams of the block: its map (landing page, chapter 1), its two gradient paths (chapter 5),
-the sharded backward (7); and the scale of 1e-6 (the rounding appendix)."""
+"""Diagrams of the block: its map, its gradient paths (dense and sharded); float32 rounding."""
 from __future__ import annotations
 
 import functools
@@ -134,16 +133,15 @@ def gradient_paths_figure():
     # the residual: x jumps over norm and branch
     _arrow(ax, (boxes["x"], yf + 0.3), (boxes["plus"], yf + 0.3), color=DENSE_COLOR, lw=1.0,
            ls="--", rad=-0.25, text="residual", at=0.5, dy=0.55)
-    # backward row
-    box(ax, boxes["x"], yb, 0.9, 0.6, "dX", edge=GRAD_COLOR)
-    box(ax, boxes["y"], yb, 0.9, 0.6, "dy", edge=GRAD_COLOR)
-    _arrow(ax, (boxes["y"] - 0.45, yb + 0.1), (boxes["branch"] + 1.2, yb + 0.1),
-           text="through the branch", dy=0.08)
-    box(ax, boxes["branch"], yb, 2.4, 0.6, "branch backward", edge=GRAD_COLOR, size=8.5)
-    _arrow(ax, (boxes["branch"] - 1.2, yb + 0.1), (boxes["norm"] + 0.7, yb + 0.1),
-           text="dn", dy=0.08, size=10)
-    box(ax, boxes["norm"], yb, 1.4, 0.6, "RMSNorm′ᵀ", edge=GRAD_COLOR)
-    _arrow(ax, (boxes["norm"] - 0.7, yb + 0.1), (boxes["x"] + 0.45, yb + 0.1))
+    # backward row, under the forward boxes: dy → branch → RMSNorm′ᵀ → dX
+    for name, text in (("x", "dX"), ("y", "dy"), ("branch", "branch backward"),
+                       ("norm", "RMSNorm′ᵀ")):
+        box(ax, boxes[name], yb, 2 * half[name], 0.6, text, edge=GRAD_COLOR,
+            size=8.5 if name == "branch" else 9)
+    for a, b, text, size in (("y", "branch", "through the branch", 8.5),
+                             ("branch", "norm", "dn", 10), ("norm", "x", None, 8.5)):
+        _arrow(ax, (boxes[a] - half[a], yb + 0.1), (boxes[b] + half[b], yb + 0.1), text=text,
+               dy=0.08, size=size)
     _arrow(ax, (boxes["y"], yb - 0.3), (boxes["x"], yb - 0.3), ls="--", rad=-0.12)
     ax.text(5.3, yb - 0.6, "dy, through the residual", ha="center", va="top", fontsize=8.5,
             color=GRAD_COLOR)

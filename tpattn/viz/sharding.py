@@ -1,5 +1,4 @@
-"""Figures for Part II, sharding the block and breaking it (chapters 6–10), and for chapter 11
-from what ``run_distributed`` reports (plain dicts); tensors are read only."""
+"""Figures of sharding the block and breaking it (chapters 6–11); tensors are read only."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -8,6 +7,7 @@ import matplotlib.patches as mpatches
 import torch
 
 from tpattn.check.core import MEASURES, MODES, TOLERANCE
+from tpattn.block.params import dense_shapes
 from tpattn.config import Config
 from .heads import draw_heads, heads_picture
 from .style import DENSE_COLOR, FAIL_COLOR, PASS_COLOR, new_figure, rank_color, side_legend
@@ -16,8 +16,8 @@ from .tables import MEASURE_LABELS
 __all__ = ["ZERO_FLOOR", "MODE_COLORS", "zero_floor", "value_label", "set_measures",
            "heads_to_ranks_figure", "weight_shards_figure", "measures_figure",
            "compare_measures_figure", "heatmaps_figure", "partial_vs_full_figure",
-           "channel_bars_figure", "drift_figure", "matrix_figure", "real_vs_simulated_figure",
-           "ledger_figure", "rank_disagreement_figure"]
+           "channel_bars_figure", "drift_figure", "matrix_figure", "ledger_figure",
+           "rank_disagreement_figure"]
 
 #: Where a value of exactly 0 is drawn on a log axis (and labelled "0").
 ZERO_FLOOR = 1e-12
@@ -32,13 +32,7 @@ def heads_to_ranks_figure(cfg: Config, query_ranks: Sequence[int] | None = None)
 
 def weight_shards_figure(cfg: Config):
     """The four weight matrices to scale, each rank's rows (``wo``: columns) in its color."""
-    d = cfg.head_dim
-    shapes = {
-        "wq": (cfg.query_heads * d, cfg.hidden),
-        "wk": (cfg.kv_heads * d, cfg.hidden),
-        "wv": (cfg.kv_heads * d, cfg.hidden),
-        "wo": (cfg.hidden, cfg.query_heads * d),
-    }
+    shapes = {name: shape for name, shape in dense_shapes(cfg).items() if name != "norm"}
     fig, axes = new_figure(ncols=4, figsize=(7.0, 2.8),
                            gridspec_kw={"width_ratios": [c for _, c in shapes.values()]})
     tallest = max(r for r, _ in shapes.values())
@@ -160,9 +154,9 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
     symmetric color scale, shared unless ``shared_scale=False``."""
     images = {name: t.detach().double().reshape(t.shape[0], -1)  # batch-major columns
               for name, t in panels.items()}
-    n = len(images)
-    fig, axes = new_figure(nrows=n, figsize=(7.0, 1.15 * n + 0.5), squeeze=False)
-    axes = axes[:, 0]
+    fig, axes = new_figure(nrows=len(images), figsize=(7.0, 1.15 * len(images) + 0.5),
+                           squeeze=False)
+    axes = list(axes[:, 0])
     vmax_all = max(float(im.abs().max()) for im in images.values()) or 1.0
     first = next(iter(panels.values()))
     batch, hidden = (first.shape[1], first.shape[2]) if first.dim() == 3 else (1, first.shape[1])
@@ -179,7 +173,7 @@ def heatmaps_figure(panels: Mapping[str, torch.Tensor], shared_scale: bool = Tru
         if not shared_scale:
             fig.colorbar(art, ax=ax, fraction=0.03, pad=0.01, label=value_label)
     if shared_scale:
-        fig.colorbar(art, ax=list(axes), fraction=0.03, pad=0.01, label=value_label)
+        fig.colorbar(art, ax=axes, fraction=0.03, pad=0.01, label=value_label)
     return fig
 
 
@@ -262,43 +256,6 @@ def matrix_figure(results: Sequence[Mapping]):
     side_legend(ax)
     seeds = sorted({r["seed"] for r in results})
     ax.set_title(f"{len(seeds)} seeds × {len(modes)} modes")
-    return fig
-
-
-_MEASURE_MARKERS = dict(zip(MEASURES, ["o", "s", "^", "D", "v"]))
-
-
-def real_vs_simulated_figure(real: Sequence[Mapping], simulated: Sequence[Mapping]):
-    """Every measure of every run, simulated (x) vs real ranks (y); color: mode, marker: measure."""
-    if len(real) != len(simulated) or not real:
-        raise ValueError(f"real and simulated must list the same runs (got {len(real)} and "
-                         f"{len(simulated)} results)")
-    points: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (mode, measure) -> (x, y)
-    for r, s in zip(real, simulated):
-        if (r["seed"], r["mode"]) != (s["seed"], s["mode"]):
-            raise ValueError("real and simulated must list the same runs in the same order "
-                             f"(got seed {r['seed']} {r['mode']} vs seed {s['seed']} {s['mode']})")
-        for m in MEASURES:
-            points.setdefault((r["mode"], m), []).append((max(s[m], ZERO_FLOOR),
-                                                         max(r[m], ZERO_FLOOR)))
-    fig, ax = new_figure(figsize=(7.0, 4.6))
-    for (mode, m), xy in points.items():
-        ax.scatter(*zip(*xy), color=MODE_COLORS[mode], marker=_MEASURE_MARKERS[m], s=28,
-                   alpha=0.8, edgecolor="none")
-    ax.set(xscale="log", yscale="log")
-    lo, hi = ZERO_FLOOR / 3, 3.0
-    ax.plot([lo, hi], [lo, hi], color=DENSE_COLOR, lw=0.8, zorder=0)
-    for line in (ax.axvline, ax.axhline):
-        line(TOLERANCE, color=DENSE_COLOR, ls="--", lw=0.8, zorder=0)
-    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="simulated ranks (one process)",
-           ylabel="real ranks (one process per rank)",
-           title="The same measures, simulated vs real ranks (0 drawn at 1e-12)")
-    modes = [ax.scatter([], [], color=MODE_COLORS[m], marker="o", label=m) for m in MODES]
-    measures = [ax.scatter([], [], color="#999999", marker=_MEASURE_MARKERS[m],
-                           label=MEASURE_LABELS[m]) for m in MEASURES]
-    first = ax.legend(handles=modes, loc="upper left", fontsize=8, title="mode", title_fontsize=8)
-    ax.add_artist(first)
-    ax.legend(handles=measures, loc="lower right", fontsize=8, title="measure", title_fontsize=8)
     return fig
 
 

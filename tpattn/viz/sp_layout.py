@@ -1,6 +1,4 @@
-"""Figures of chapter 12, sequence parallelism: the layout (where SP shards the block, which
-collectives join the sequence-sharded and head-sharded regions, in this book's, Megatron-LM's and
-the Ultra-Scale Playbook's names) and plain numbers from simulated or real ranks."""
+"""Figures of chapter 12, sequence parallelism: the block's layout, per-rank gradients, bytes sent."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence

@@ -1,6 +1,5 @@
-"""Explorers for notebooks: an :class:`Explorer` (ipywidgets controls and an output area) that
-also carries its static twin (:class:`StaticExplorer`, precomputed states) for the HTML book.
-The figure modules (matplotlib) load on first use of a name."""
+"""Explorers for notebooks: an :class:`Explorer` (ipywidgets controls, an output area) and its
+static twin for the HTML book (:class:`StaticExplorer`); matplotlib loads on first use."""
 
 from tpattn.lazy import lazy_names
 from .core import Explorer, StaticExplorer, config_controls, mode_control, seed_control

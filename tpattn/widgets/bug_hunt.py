@@ -1,5 +1,4 @@
-"""The bug-hunt explorer (chapter 18): what the run shows, whether a guess is right, and what
-``tpattn.diagnose`` names."""
+"""The bug-hunt explorer (chapter 18): what a run shows, whether a guess is right, the diagnosis."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +9,7 @@ import ipywidgets as widgets
 from tpattn.diagnosis.diagnose import TIERS, diagnose
 from tpattn.diagnosis.hunt import choices, describe, hunt_case, judge
 from tpattn.diagnosis.observe import observe
-from .core import Explorer, html_output, single_thread
+from .core import Explorer, control_states, html_output, seed_control, single_thread
 
 __all__ = ["bug_hunt_explorer", "PRECOMPUTED_HUNTS", "hunt_panel"]
 
@@ -51,13 +50,11 @@ def hunt_panel(hunt: int, guess: str) -> tuple[str, str]:
 def bug_hunt_explorer(hunt: int = 1, hunts=PRECOMPUTED_HUNTS) -> Explorer:
     """Live bug hunt and the reader's answer; the static twin: ``hunts`` × answers."""
     answers = [UNANSWERED] + choices()
-    controls = {"hunt": widgets.IntText(value=hunt, description="hunt",
-                                        layout=widgets.Layout(width="11em")),
+    controls = {"hunt": seed_control(hunt, "hunt"),
                 "guess": widgets.Dropdown(options=answers, value=UNANSWERED, description="cause",
                                           layout=widgets.Layout(width="24em"))}
     def draw(hunt, guess):
         return [html_output(*hunt_panel(hunt, guess))]
-    states = [("hunt", [(str(h), {"hunt": h}) for h in hunts]),
-              ("cause", [(a, {"guess": a}) for a in answers])]
+    states = [control_states("hunt", hunts), control_states("guess", answers, "cause")]
     return Explorer("bug hunt", controls, draw, states, kind="bug-hunt",
                     note="Precomputed hunts. Run the notebook for any hunt number.")

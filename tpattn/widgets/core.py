@@ -26,7 +26,8 @@ from tpattn.config import Config
 
 __all__ = ["Explorer", "seed_control", "mode_control", "config_controls", "drawn_config",
            "encode_png", "StandingFigure", "png_output", "html_output", "text_output",
-           "message_output", "png_img", "outputs_html", "single_thread", "StaticExplorer"]
+           "message_output", "png_img", "outputs_html", "single_thread", "StaticExplorer",
+           "control_states"]
 
 
 def _close(fig) -> None:  # matplotlib loads only where a figure is drawn
@@ -309,6 +310,11 @@ class StaticExplorer:
 
 #: One group of a static twin: its name and its options, each ``(label, {control: value})``.
 StateGroup = tuple[str, Sequence[tuple[str, Mapping]]]
+
+
+def control_states(name: str, values, group: str | None = None) -> StateGroup:
+    """A static twin's group: control ``name`` at each of ``values``."""
+    return group or name, [(str(value), {name: value}) for value in values]
 
 
 class Explorer:

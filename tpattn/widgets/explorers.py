@@ -1,8 +1,8 @@
-"""The book's explorers: RoPE (chapter 3), attention (4), sharding (6), seed × mode (8–10), SP
-(12); the five measures in an output area (an HTML table, the verdict, a fast bar chart)."""
+"""The explorers of RoPE (chapter 3), attention (4), sharding (6), seed × mode (8–10), SP (12)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import functools
 import html
 from typing import Mapping
@@ -19,9 +19,9 @@ from tpattn.viz.heads import heads_picture
 from tpattn.viz.sharding import measures_figure, set_measures, zero_floor
 from tpattn.viz.style import FAIL_COLOR, PASS_COLOR
 from tpattn.viz.tables import MEASURE_LABELS, format_measure, measures_table
-from .core import (Explorer, StandingFigure, config_controls, html_output, mode_control,
-                   png_output, seed_control, single_thread, text_output)
-from .kv import control_states, heads_explorer, kv_caption, layout_states
+from .core import (Explorer, StandingFigure, config_controls, control_states, html_output,
+                   mode_control, png_output, seed_control, single_thread, text_output)
+from .kv import heads_explorer, kv_caption, layout_states
 
 __all__ = ["rope_explorer", "attention_explorer", "sharding_explorer", "seed_mode_explorer",
            "sp_explorer", "SP_EXPLORER_CONFIG", "ROPE_POSITIONS", "ATTENTION_LAYOUTS",
@@ -75,9 +75,8 @@ def rope_explorer(position: int = 3, head_dim: int = 8, max_position: int = 16) 
 
 def attention_config(query_heads: int, kv_heads: int, base: Config | None = None) -> Config:
     """``base`` (default ``Config()``) with these head counts on one rank (dense attention)."""
-    fields = (Config() if base is None else base).as_dict()
-    fields.update(query_heads=query_heads, kv_heads=kv_heads, world_size=1)
-    return Config(**fields)
+    return replace(Config() if base is None else base, query_heads=query_heads,
+                   kv_heads=kv_heads, world_size=1)
 
 
 def attention_explorer(seed: int = 11, heads: str = "GQA 4q/2kv", batch_index: int = 0,

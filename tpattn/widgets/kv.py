@@ -1,5 +1,4 @@
-"""Heads explorers (chapters 6 and 13): a layout's caption and the SVG of its heads picture;
-chapter 13's adds the replica groups and what each ``kv_strategy`` costs."""
+"""Heads explorers (chapters 6 and 13): a layout's caption and the SVG of its heads picture."""
 from __future__ import annotations
 
 import functools
@@ -10,19 +9,15 @@ import ipywidgets as widgets
 from tpattn.config import KV_STRATEGIES, Config
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_costs, replica_groups
 from tpattn.viz.heads import HeadsPicture, heads_svg, replica_groups_layout
-from .core import Explorer, config_controls, drawn_config, html_output, text_output
+from .core import (Explorer, config_controls, control_states, drawn_config, html_output,
+                   text_output)
 
-__all__ = ["control_states", "layout_states", "heads_explorer", "KV_LAYOUTS", "kv_caption",
+__all__ = ["layout_states", "heads_explorer", "KV_LAYOUTS", "kv_caption",
            "kv_explorer"]
 
 #: (query_heads, kv_heads, world_size) precomputed for the book; the last is invalid.
 KV_LAYOUTS = ((8, 2, 4), (8, 1, 4), (4, 1, 2), (16, 2, 8), (8, 2, 3))
 MAX_KV_DRAWN_HEADS = 32
-
-
-def control_states(name: str, values, group: str | None = None) -> tuple[str, list]:
-    """A static twin's group: control ``name`` at each of ``values``."""
-    return group or name, [(str(value), {name: value}) for value in values]
 
 
 def layout_states(layouts) -> tuple[str, list]:
