@@ -22,12 +22,12 @@ from spmd_types import (I, P, R, S, V, SpmdTypeError, all_gather, all_reduce, as
 from spmd_types.checker import typecheck as spmd_typecheck
 
 from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                               MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_seed, make_inputs)
+                               MISSING_OUTPUT_REDUCE, block_inputs, check_seed, make_params,
+                               rank_batches, shard)
 from tpattn.config import Config
 from tpattn.bugs.modes import resolve
 from tpattn.bugs.zoo import MESH_NEEDS
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
-from tpattn.block.params import init_params, shard_params
 from tpattn.parallel.engine import rank_block
 from tpattn.parallel.program import Program
 from tpattn.parallel.wrong import ScaleGrad, no_collective
@@ -226,36 +226,20 @@ def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> N
 
 def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool):
     """Rank 0's ``(injection, params, their types, x, target, type of x)``; types per axis as
-    correct TP gives them: x I (SP: V); norm, bias I (SP: R, summed after backward); wq, wk,
-    wv, wo V (replicated KV heads: wk, wv V on "kv", I on "rep")."""
-    inj = resolve(mode, cfg).injection  # the mode's program, looked up once
-    x0, target = make_inputs(cfg, seed)
-    if not inj.reduction_only or cfg.model_options:  # the zoo's setups
-        from tpattn.bugs.zoo import make_params, rank_batches, shard
-        inj = inj.correct() if twin else inj
-        shard0 = shard(make_params(cfg, seed, inj), cfg, inj)[0]
-        x0, target = rank_batches(cfg, seed, inj)[0]
-        types = {name: (I if name in ("norm", "bias") else V,) for name in shard0}
-        for name in ("q_norm", "k_norm"):  # summed after backward (R) unless the bug skips it
-            if name in shard0:
-                types[name] = (R if inj.qk_norm_grad == "sum" else I,)
-        x_type = (I,)
-    else:
-        shard0 = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0]
-        if cfg.sequence_parallel:
-            from tpattn.parallel.sequence_parallel import rank_tokens
-            types = {name: ((R if inj.norm_grad != "none" else I) if name == "norm" else V,)
-                     for name in shard0}
-            tokens = rank_tokens(cfg, 0)
-            x0, target = x0[tokens], target[tokens]
-            x_type = (V,)
-        else:
-            types = {name: (I,) if name == "norm" else
-                     (V, I) if name in ("wk", "wv") and ops.replica is not None
-                     else (V,) for name in shard0}
-            x_type = (I,)
+    correct TP gives them: x I (SP: V); norm, bias I (SP: norm R, summed after backward);
+    q/k-norm R; wq, wk, wv, wo V (replicated KV heads: wk, wv V on "kv", I on "rep")."""
+    inj = resolve(mode, cfg).injection
+    inj = inj.correct() if twin else inj
+    shard0 = shard(make_params(cfg, seed, inj), cfg, inj)[0]
+    x0, target = block_inputs(rank_batches(cfg, seed, inj), cfg)[0]
+    summed = {"norm": cfg.sequence_parallel and inj.norm_grad != "none",
+              "bias": False, "q_norm": inj.qk_norm_grad == "sum",
+              "k_norm": inj.qk_norm_grad == "sum"}
+    types = {name: (R if summed[name] else I,) if name in summed else
+             (V, I) if name in ("wk", "wv") and ops.replica is not None
+             else (V,) for name in shard0}
     params = {k: t.detach().clone().requires_grad_(True) for k, t in shard0.items()}
-    return inj, params, types, x0, target, x_type
+    return inj, params, types, x0, target, ((V,) if cfg.sequence_parallel else (I,))
 
 
 def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
