@@ -95,11 +95,6 @@ WHY[MISSING_OUTPUT_REDUCE]["missed"] = (
     "pending sum")
 
 
-def _in_dtype(t: torch.Tensor) -> dict:
-    """A backward reduction in ``t``'s own dtype (spmd_types asks for it)."""
-    return {"op_dtype": t.dtype}
-
-
 class ContiguousGrad(torch.autograd.Function):
     """Identity forward; a contiguous gradient backward (spmd_types' all-reduce wants it)."""
 
@@ -113,51 +108,18 @@ class ContiguousGrad(torch.autograd.Function):
 
 
 class TypedCollectives:
-    """The block's collectives as ``spmd_types``' typed ones on rank 0's tensors (no rank
-    dim); the ``comm`` of ``engine.rank_block``. ``axes``: the mesh's process groups (TP, or
-    ``("kv", "rep")``); ``tp``: the whole TP group; ``replica``: the replica axis or None."""
+    """Rank 0's process groups, the ``comm`` of ``engine.rank_block`` under ``typed_program``:
+    ``axes`` the mesh's groups (TP, or ``("kv", "rep")``), ``tp`` the whole TP group,
+    ``replica`` the replica axis or None."""
 
     def __init__(self, cfg: Config, mesh, axes, tp, replica=None):
         self.mesh, self.axes, self.tp, self.replica = mesh, tuple(axes), tp, replica
         self.cfg, self.world_size, self.ranks = cfg, cfg.world_size, [0]
 
-    def rank(self) -> int:
-        return dist.get_rank(self.tp)
 
-    def copy_to_ranks(self, n: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """f: ``convert(I->R)`` on every axis; ``op="avg"`` divides the gradient by W."""
-        if op == "avg":
-            n = ScaleGrad.apply(n, 1.0 / dist.get_world_size(self.tp))
-        for axis in self.axes:
-            n = convert(n, axis, src=I, dst=R, backward_options=_in_dtype(n))
-        return n
-
-    def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
-        """g: ``all_reduce(P->I)`` on every axis."""
-        for axis in self.axes:
-            partial = all_reduce(partial, axis, src=P, dst=I)
-        return partial
-
-    def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
-        """The replica-group reduce: ``convert(I->R)`` of wk and wv on the replica axis."""
-        return tuple(ContiguousGrad.apply(convert(w, self.replica, src=I, dst=R,
-                                                  backward_options=_in_dtype(w)))
-                     for w in (wk, wv))
-
-    def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
-        """The K/V all-gather ``S(-1)->R``: ``[S, B, 2c]`` -> ``[S, B, W*2c]``."""
-        return all_gather(local, self.tp, src=S(local.dim() - 1), dst=R,
-                          backward_options=_in_dtype(local))
-
-    def gather_sequence(self, n_local: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
-        """SP's all-gather ``S(0)->R`` (``reduce_grad=False``: ``->I``, the backward keeps
-        this rank's chunk)."""
-        return all_gather(n_local, self.tp, src=S(0), dst=R if reduce_grad else I,
-                          backward_options=_in_dtype(n_local) if reduce_grad else None)
-
-    def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
-        """SP's reduce-scatter ``P->S(0)``."""
-        return reduce_scatter(partial, self.tp, src=P, dst=S(0))
+def _in_dtype(t: torch.Tensor) -> dict:
+    """A backward reduction in ``t``'s own dtype (spmd_types asks for it)."""
+    return {"op_dtype": t.dtype}
 
 
 def _rank0(op):
@@ -165,9 +127,26 @@ def _rank0(op):
     return lambda t, ops: op(t[0], ops).unsqueeze(0)
 
 
-_f = _rank0(lambda n, ops: ops.copy_to_ranks(n))
-_g = _rank0(lambda partial, ops: ops.reduce_output(partial))
-_sp_gather = _rank0(lambda n, ops: ops.gather_sequence(n))
+@_rank0
+def _f(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f: ``convert(I->R)`` on every axis."""
+    for axis in ops.axes:
+        n = convert(n, axis, src=I, dst=R, backward_options=_in_dtype(n))
+    return n
+
+
+@_rank0
+def _g(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """g: ``all_reduce(P->I)`` on every axis."""
+    for axis in ops.axes:
+        partial = all_reduce(partial, axis, src=P, dst=I)
+    return partial
+
+
+@_rank0
+def _sp_gather(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather ``S(0)->R``."""
+    return all_gather(n, ops.tp, src=S(0), dst=R, backward_options=_in_dtype(n))
 
 
 def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
@@ -176,22 +155,32 @@ def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
     return full[:, rank_tokens(ops.cfg, 0)]
 
 
+def _replica_reduce(wk: torch.Tensor, wv: torch.Tensor, ops: TypedCollectives):
+    """The replica-group reduce: ``convert(I->R)`` of wk and wv on the replica axis."""
+    return tuple(ContiguousGrad.apply(convert(w, ops.replica, src=I, dst=R,
+                                              backward_options=_in_dtype(w)))
+                 for w in (wk, wv))
+
+
 def typed_program(inj) -> Program:
-    """``inj``'s program with its collective stages issued by ``TypedCollectives`` on rank 0's
-    ``[1, ...]`` tensors, wired as ``inj``'s knobs say."""
-    stages = {"f": {"sum": _f, "none": no_collective,
-                    "mean": _rank0(lambda n, ops: ops.copy_to_ranks(n, "avg")),
+    """``inj``'s program with its collective stages as spmd_types' typed collectives on rank
+    0's ``[1, ...]`` tensors, wired as ``inj``'s knobs say (K/V all-gather ``S(-1)->R``:
+    ``[S, B, 2c]`` -> ``[S, B, W*2c]``)."""
+    def mean(stage):  # its gradient divided by W
+        return lambda t, ops: stage(ScaleGrad.apply(t, 1.0 / ops.world_size), ops)
+    stages = {"f": {"sum": _f, "none": no_collective, "mean": mean(_f),
                     "twice": lambda n, ops: _f(_f(n, ops), ops)}[inj.f],
               "g": {1: _g, 0: no_collective, 2: lambda p, ops: _g(_g(p, ops), ops)}[inj.g],
-              "sp_gather": {"none": _rank0(lambda n, ops: ops.gather_sequence(n, False)),
-                            "mean": lambda n, ops: ScaleGrad.apply(_sp_gather(n, ops),
-                                                                   1.0 / ops.world_size),
-                            }.get(inj.f, _sp_gather),
-              "sp_scatter": (_rank0(lambda p, ops: ops.reduce_scatter_sequence(p)) if inj.g
-                             else _sp_own_tokens),
-              "kv_gather": _rank0(lambda local, ops: ops.gather_kv(local))}
+              "sp_gather": {"none": _rank0(lambda n, ops: all_gather(n, ops.tp, src=S(0),
+                                                                     dst=I)),
+                            "mean": mean(_sp_gather)}.get(inj.f, _sp_gather),
+              "sp_scatter": (_rank0(lambda p, ops: reduce_scatter(p, ops.tp, src=P, dst=S(0)))
+                             if inj.g else _sp_own_tokens),
+              "kv_gather": _rank0(lambda local, ops: all_gather(
+                  local, ops.tp, src=S(local.dim() - 1), dst=R,
+                  backward_options=_in_dtype(local)))}
     if inj.kv_grad != "none":
-        stages["replica_reduce"] = lambda wk, wv, ops: ops.reduce_replica_grads(wk, wv)
+        stages["replica_reduce"] = _replica_reduce
     return replace(inj.program(), **stages)
 
 
