@@ -1,20 +1,19 @@
-"""Tier 0: the sharded block under ``spmd_types``' type checker, before any number is compared.
-
-``typecheck(mode, cfg)`` runs ``engine.rank_block`` for rank 0, forward and backward, with
-``spmd_types``' typed collectives (``TypedCollectives``: f is ``convert(I->R)``, g
-``all_reduce(P->I)``; types ``I`` invariant, ``R`` replicate, ``V`` varying, ``P`` partial)
-on a fake process group of ``cfg.world_size`` ranks (no data moves).
-"""
+"""Tier 0: ``typecheck(mode, cfg)`` runs ``engine.rank_block`` for rank 0, forward and backward,
+under ``spmd_types``' checker with its typed collectives (f ``convert(I->R)``, g
+``all_reduce(P->I)``; ``I`` invariant, ``R`` replicate, ``V`` varying, ``P`` partial) on a
+fake process group of ``cfg.world_size`` ranks: no data moves."""
 from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
 import traceback
+from types import SimpleNamespace
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 from spmd_types import (I, P, R, S, V, SpmdTypeError, all_gather, all_reduce, assert_type,
                         convert, reduce_scatter, register_local_autograd_function,
@@ -26,10 +25,12 @@ from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_K
                                rank_batches, shard)
 from tpattn.config import Config
 from tpattn.bugs.modes import resolve
-from tpattn.bugs.zoo import MESH_NEEDS
+from tpattn.bugs.zoo import MESH_NEEDS, REGISTRY
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
 from tpattn.parallel.engine import rank_block
 from tpattn.parallel.program import Program
+from tpattn.parallel.rng import simulated_streams
+from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.wrong import ScaleGrad, no_collective
 
 __all__ = ["TYPECHECK_VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
@@ -151,7 +152,6 @@ def _sp_gather(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
 
 def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
     """No reduce-scatter: rank 0's tokens of its own partials."""
-    from tpattn.parallel.sequence_parallel import rank_tokens
     return full[:, rank_tokens(ops.cfg, 0)]
 
 
@@ -186,10 +186,8 @@ def typed_program(inj) -> Program:
 
 @contextlib.contextmanager
 def fake_process_group(cfg: Config):
-    """A fake process group of ``cfg.world_size`` ranks (this process rank 0) and its mesh
-    (replicated KV weights: 2-D ``("kv", "rep")``), destroyed on exit; yields a
-    ``TypedCollectives``. ``RuntimeError`` when a process group is already initialized."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """Yields the ``TypedCollectives`` of a fake process group of ``cfg.world_size`` ranks
+    (this process rank 0; replicated KV weights: a 2-D mesh ``("kv", "rep")``)."""
     if dist.is_initialized():
         raise RuntimeError("typecheck needs its own fake process group, but one is already "
                            "initialized in this process (it was left alone)")
@@ -236,8 +234,6 @@ def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
     rank_block, {name: (mask, its type)})``; else empty."""
     if cfg.dropout <= 0:
         return {}, {}
-    from types import SimpleNamespace
-    from tpattn.parallel.rng import simulated_streams
     drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
     masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
              "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
@@ -316,8 +312,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
     inj = _validate(mode, cfg, seed)
     message = where = None
     with fake_process_group(cfg) as ops:
-        # the twin of one of the original fixture's modes is correct TP
-        run = _program(EQUIVALENCE if twin and inj.reduction_only else mode, cfg, seed, ops, twin)
+        run = _program(mode, cfg, seed, ops, twin)
         try:
             with warnings.catch_warnings(), traceback_filtering("off"), \
                     set_current_mesh(ops.mesh), spmd_typecheck():
@@ -359,6 +354,5 @@ TABLE_SETUPS = {
 def typecheck_table() -> list[dict]:
     """``typecheck`` of every registry mode at its ``TABLE_SETUPS`` setup, the TP x DP
     mesh's modes left out."""
-    from tpattn.bugs.zoo import REGISTRY
     return [typecheck(name, TABLE_SETUPS.get(name, Config())) for name, m in REGISTRY.items()
             if not set(m.needs) & set(MESH_NEEDS)]
