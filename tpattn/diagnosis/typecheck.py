@@ -211,24 +211,6 @@ def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> N
                     else typ for axis in ops.axes})
 
 
-def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool):
-    """Rank 0's ``(injection, params, their types, x, target, type of x)``; types per axis as
-    correct TP gives them: x I (SP: V); norm, bias I (SP: norm R, summed after backward);
-    q/k-norm R; wq, wk, wv, wo V (replicated KV heads: wk, wv V on "kv", I on "rep")."""
-    inj = resolve(mode, cfg).injection
-    inj = inj.correct() if twin else inj
-    shard0 = shard(make_params(cfg, seed, inj), cfg, inj)[0]
-    x0, target = block_inputs(rank_batches(cfg, seed, inj), cfg)[0]
-    summed = {"norm": cfg.sequence_parallel and inj.norm_grad != "none",
-              "bias": False, "q_norm": inj.qk_norm_grad == "sum",
-              "k_norm": inj.qk_norm_grad == "sum"}
-    types = {name: (R if summed[name] else I,) if name in summed else
-             (V, I) if name in ("wk", "wv") and ops.replica is not None
-             else (V,) for name in shard0}
-    params = {k: t.detach().clone().requires_grad_(True) for k, t in shard0.items()}
-    return inj, params, types, x0, target, ((V,) if cfg.sequence_parallel else (I,))
-
-
 def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
     """With dropout, rank 0's masks drawn before the checker runs: ``(streams for
     rank_block, {name: (mask, its type)})``; else empty."""
@@ -242,18 +224,32 @@ def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
 
 
 def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
-    """A thunk that runs the mode's block on rank 0, inputs declared: forward, loss, backward."""
-    inj, params, types, x0, target, x_type = _rank0_inputs(mode, cfg, seed, ops, twin)
+    """A thunk that runs the mode's block (``twin``: its correct twin) on rank 0: forward, loss,
+    backward. Its inputs are declared as correct TP types them: x I (SP: V); norm, bias I
+    (SP: norm R, summed after backward); q/k-norm R; wq, wk, wv, wo V (replicated KV heads:
+    wk, wv V on "kv", I on "rep")."""
+    inj = resolve(mode, cfg).injection
+    inj = inj.correct() if twin else inj
+    shard0 = shard(make_params(cfg, seed, inj), cfg, inj)[0]
+    params = {k: t.detach().clone().requires_grad_(True) for k, t in shard0.items()}
+    x0, target = block_inputs(rank_batches(cfg, seed, inj), cfg)[0]
+    x, target = x0.clone().requires_grad_(True), target.clone()
+    summed = {"norm": cfg.sequence_parallel and inj.norm_grad != "none",
+              "bias": False, "q_norm": inj.qk_norm_grad == "sum",
+              "k_norm": inj.qk_norm_grad == "sum"}
+    x_type = (V,) if cfg.sequence_parallel else (I,)
     streams, masks = _rank0_masks(cfg, seed, inj)
+    types = {name: (R if summed[name] else I,) if name in summed else
+             (V, I) if name in ("wk", "wv") and ops.replica is not None else (V,)
+             for name in params}
+    declared = {**{name: (t, types[name]) for name, t in params.items()},
+                "x": (x, x_type), "target": (target, x_type),
+                **{"mask_" + k: m for k, m in masks.items()}}
     prog = typed_program(inj)
     def forward(x):  # R = 1: the stacked views are made under the checker, typed
         stacked = {k: t.unsqueeze(0) for k, t in params.items()}
         return rank_block(x.unsqueeze(0), stacked, cfg, prog, ops, **streams)[0]
     numel = cfg.seq * cfg.batch * cfg.hidden
-    x, target = x0.clone().requires_grad_(True), target.clone()
-    declared = {**{name: (t, types[name]) for name, t in params.items()},
-                "x": (x, x_type), "target": (target, x_type),
-                **{"mask_" + k: m for k, m in masks.items()}}
     def run():
         for t, typ in declared.values():
             _declare(t, ops, *typ)
