@@ -459,11 +459,6 @@ def _blind_line(cannot_see: list[str], tier: int) -> list[str]:
             f"known-good run)"]
 
 
-def _no_cause(evidence: list[str], **tier) -> list[dict]:
-    return [{"cause": NO_KNOWN_CAUSE, "with": [], "score": 0, "evidence": evidence,
-             "confirm": "-", "citation": None, "tied_with": [], **tier}]
-
-
 def _from_observations(obs: dict) -> list[dict]:
     f = features(obs)
     tier = 2 if f["has_reference"] else 1
@@ -477,8 +472,9 @@ def _from_observations(obs: dict) -> list[dict]:
         evidence = ([DEVIATIONS[d][0] for d in seen] or ["nothing deviates from a correct run"])
         if unexplained:
             evidence.append("no registry cause explains: " + "; ".join(unexplained))
-        return _no_cause(evidence + _blind_line(cannot_see, tier), tier=tier,
-                         cannot_see=cannot_see)
+        return [{"cause": NO_KNOWN_CAUSE, "with": [], "score": 0,
+                 "evidence": evidence + _blind_line(cannot_see, tier), "confirm": "-",
+                 "citation": None, "tied_with": [], "tier": tier, "cannot_see": cannot_see}]
     # the most specific explanation first: the most deviations shown, then registry order
     sets.sort(key=lambda s: -sum(len(FINGERPRINTS[c].shows) + len(FINGERPRINTS[c].alone)
                                  for c in s))
@@ -502,6 +498,11 @@ def _from_observations(obs: dict) -> list[dict]:
             "tied_with": [c for c in order if c not in own] + unregistered,
             "tier": tier, "cannot_see": cannot_see})
     return found
+
+
+def _no_cause(evidence: list[str]) -> list[dict]:
+    return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": evidence, "confirm": "-",
+             "citation": None, "tied_with": [], "with": []}]
 
 
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
