@@ -205,12 +205,6 @@ def fake_process_group(cfg: Config):
         dist.destroy_process_group()
 
 
-def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> None:
-    """``assert_type`` of ``t``: ``typ`` on every axis (``replica_typ`` on the replica's)."""
-    assert_type(t, {axis: replica_typ if replica_typ is not None and axis is ops.replica
-                    else typ for axis in ops.axes})
-
-
 def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
     """With dropout, rank 0's masks drawn before the checker runs: ``(streams for
     rank_block, {name: (mask, its type)})``; else empty."""
@@ -251,8 +245,8 @@ def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: boo
         return rank_block(x.unsqueeze(0), stacked, cfg, prog, ops, **streams)[0]
     numel = cfg.seq * cfg.batch * cfg.hidden
     def run():
-        for t, typ in declared.values():
-            _declare(t, ops, *typ)
+        for t, typ in declared.values():  # (type on every axis, on the replica axis)
+            assert_type(t, {axis: typ[-1] if axis is ops.replica else typ[0] for axis in ops.axes})
         if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
             share = F.mse_loss(forward(x), target, reduction="sum") / numel
             loss = reinterpret(share, ops.tp, src=V, dst=P)
