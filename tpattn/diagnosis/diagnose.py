@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Callable
 
+from tpattn.bugs.modes import run
+from tpattn.bugs.zoo import REGISTRY, resolve, runnable_modes
 from tpattn.check.measures import MEASURES, TOLERANCE
+from tpattn.config import Config
+from tpattn.parallel.engine import REPLICATED
 
 __all__ = ["diagnose", "features", "deviations", "DEVIATIONS", "FINGERPRINTS", "Fingerprint",
            "register_fingerprint", "NO_KNOWN_CAUSE", "AGREE_REL", "TIERS", "lowest_tier",
@@ -68,7 +72,6 @@ def _ledger_counts(ledger: list[dict], plan: list[dict]) -> dict:
 
 def _norm_totals(obs: dict) -> tuple[float, float]:
     """The global gradient norm, replicated parameters counted ``(once, per_rank)``."""
-    from tpattn.parallel.engine import REPLICATED
     once = every = 0.0  # the logged norm is one TP group's: the first (on a mesh, replica 0)
     for rank, norms in enumerate(obs["rank_grad_norms"][:obs["setup"]["world_size"]]):
         for name, n in norms.items():
@@ -77,21 +80,20 @@ def _norm_totals(obs: dict) -> tuple[float, float]:
     return once ** 0.5, every ** 0.5
 
 
-def _qkv_load_patterns(obs: dict) -> dict:
-    """Which ranks hold wrong Q/K/V numbers (``shard_checksums`` off by > 1e-5 of
-    ``shard_scale``): rank 0 only right, off within each rank (Q+K+V sum right), rank 0's
-    queries right but not its keys or values."""
+def _shard_checks(obs: dict) -> dict:
+    """``shards_ok`` per parameter (every rank's ``shard_checksums`` within 1e-5 of
+    ``shard_scale``), and which ranks hold wrong Q/K/V numbers: rank 0 only right, off within
+    each rank (Q+K+V sum right), rank 0's queries right but not its keys or values."""
     d, scale = obs["shard_checksums"], obs["shard_scale"]
+    ok = {k: [abs(x) <= 1e-5 * max(scale[k], 1.0) for x in v] for k, v in d.items()}
     qkv = ("wq", "wk", "wv")
-    w = len(d["wq"])
-    def ok(k, r):
-        return abs(d[k][r]) <= 1e-5 * max(scale[k], 1.0)
-    off = [any(not ok(k, r) for k in qkv) for r in range(w)]
+    off = [not all(ok[k][r] for k in qkv) for r in range(len(ok["wq"]))]
     tol = 1e-5 * max(max(scale[k] for k in qkv), 1.0)
-    return {"qkv_rank0_only": w >= 2 and not off[0] and all(off[1:]),
+    return {"shards_ok": {k: all(v) for k, v in ok.items()},
+            "qkv_rank0_only": len(off) >= 2 and not off[0] and all(off[1:]),
             "qkv_within_rank": any(off) and all(abs(sum(d[k][r] for k in qkv)) <= tol
-                                                for r in range(w)),
-            "qkv_rank0_queries": ok("wq", 0) and not (ok("wk", 0) and ok("wv", 0))}
+                                                for r in range(len(off))),
+            "qkv_rank0_queries": ok["wq"][0] and not (ok["wk"][0] and ok["wv"][0])}
 
 
 def features(obs: dict) -> dict:
@@ -99,7 +101,7 @@ def features(obs: dict) -> dict:
     setup = obs["setup"]
     w = setup["world_size"]
     ledger, plan = obs["ledger"], obs["planned_ledger"]
-    after_1 = obs["replica_checksums"]["after_1"]
+    agree_1 = {k: len(set(v)) == 1 for k, v in obs["replica_checksums"]["after_1"].items()}
     f = {
         "world_size": w,
         "bias": setup.get("bias", False), "fused_qkv": setup.get("fused_qkv", False),
@@ -110,15 +112,9 @@ def features(obs: dict) -> dict:
         "losses_per_rank": setup.get("logged_loss", "per_rank") == "per_rank",
         "batches_agree": all(len(set(obs["batch_checksums"][i:i + w])) == 1  # per TP group
                              for i in range(0, len(obs["batch_checksums"]), w)),
-        "shards_ok": {k: all(abs(d) <= 1e-5 * max(obs["shard_scale"][k], 1.0) for d in v)
-                      for k, v in obs["shard_checksums"].items()},
-        **_qkv_load_patterns(obs),
+        **_shard_checks(obs),
         # replicas get the same all-reduced gradient and the same update: the same bits
-        "replicas_agree_1": all(len(set(v)) == 1 for v in after_1.values()),
-        "norm_replicas_agree_1": len(set(after_1["norm"])) == 1,
-        "bias_replicas_agree_1": len(set(after_1.get("bias", [0.0]))) == 1,
-        "kv_replicas_agree_1": all(len(set(v)) == 1 for k, v in after_1.items()
-                                   if k[:2] in ("wk", "wv")),
+        "agree_1": agree_1, "replicas_agree_1": all(agree_1.values()),
         "sequence_parallel": setup.get("sequence_parallel", False),
         "kv_replicated": setup["kv_heads"] < w,
         "replicas_agree_k": all(len(set(v)) == 1
@@ -127,11 +123,9 @@ def features(obs: dict) -> dict:
         "dropout": setup.get("dropout", 0.0) > 0, "qk_norm": setup.get("qk_norm", False),
         # the ranks' default RNG states when the step starts (observed with dropout only)
         "rng_states_agree": len(set(obs.get("rng_state_checksums", [0.0]))) == 1,
-        "qk_replicas_agree_1": all(len(set(after_1[k])) == 1 for k in ("q_norm", "k_norm")
-                                   if k in after_1),
+        "ledger_as_planned": ledger == plan,
+        "mesh": setup.get("data_parallel", 1) > 1, "logged_loss_is": _logged_loss_is(obs),
     }
-    f["ledger_as_planned"] = ledger == plan
-    f.update(_mesh_features(obs))
     once, every = _norm_totals(obs) if "rank_grad_norms" in obs else (None, None)
     logged = obs["logged_grad_norm"]
     f["logged_norm_is"] = ("unknown" if once is None else "once" if _close(logged, once)
@@ -159,35 +153,33 @@ def _reference_features(obs: dict) -> dict:
     }
 
 
-def _mesh_features(obs: dict) -> dict:
-    """The TP x DP mesh's facts: what the logged loss is of the ranks' shares (total, W times,
-    own share, neither), whether the DP replicas agree after one step."""
+def _logged_loss_is(obs: dict) -> str:
+    """On a TP x DP mesh, what the logged loss is of the ranks' shares: "total", "W times",
+    "own share" or "neither" ("total" off a mesh)."""
     setup = obs["setup"]
     w, mesh = setup["world_size"], setup.get("data_parallel", 1)
-    f = {"mesh": mesh > 1, "logged_loss_is": "total", "dp_replicas_agree_1": True}
-    if mesh > 1:
-        shares = obs["loss_shares"]
-        sp = setup.get("sequence_parallel", False)
-        own = sum(shares[:w]) if sp else shares[0]
-        total = sum(shares) if sp else sum(shares[d * w] for d in range(mesh))
-        logged = obs["rank_losses"][0]
-        f["logged_loss_is"] = ("total" if _close(logged, total) else "W times"
-                               if _close(logged, w * total) else "own share"
-                               if _close(logged, own) else "neither")
-        f["dp_replicas_agree_1"] = all(len(set(v)) == 1 for k, v in
-                                       obs["replica_checksums"]["after_1"].items()
-                                       if k.startswith("dp "))
-    return f
+    if mesh == 1:
+        return "total"
+    shares, logged = obs["loss_shares"], obs["rank_losses"][0]
+    sp = setup.get("sequence_parallel", False)
+    own = sum(shares[:w]) if sp else shares[0]
+    total = sum(shares) if sp else sum(shares[d * w] for d in range(mesh))
+    return ("total" if _close(logged, total) else "W times" if _close(logged, w * total)
+            else "own share" if _close(logged, own) else "neither")
 
 
 def _fewer(count: str) -> Callable[[dict], bool]:
-    """The test "the ledger has fewer ``count`` than the plan"."""
     return lambda f: f[count] < f[count + "_plan"]
 
 
 def _more(count: str) -> Callable[[dict], bool]:
-    """The test "the ledger has more ``count`` than the plan"."""
     return lambda f: f[count] > f[count + "_plan"]
+
+
+def _drift(*names: str) -> Callable[[dict], bool]:
+    """The test "a replica checksum whose key starts with one of ``names`` differs after
+    one step"."""
+    return lambda f: not all(ok for k, ok in f["agree_1"].items() if k.startswith(names))
 
 
 def _sharded_grads_off(f: dict) -> bool:
@@ -225,16 +217,16 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
     "losses_disagree": ("the ranks' step-0 losses disagree", 1,
                         lambda f: f["losses_per_rank"] and not f["losses_agree"]),
     "norm_replicas": ("the replicated norm weight differs across ranks after one step", 1,
-                      lambda f: not f["norm_replicas_agree_1"]),
+                      _drift("norm")),
     "bias_replicas": ("the replicated bias differs across ranks after one step", 1,
-                      lambda f: not f["bias_replicas_agree_1"]),
+                      _drift("bias")),
     "kv_replicas": ("wk/wv differ across the ranks of a KV replica group after one step", 1,
-                    lambda f: not f["kv_replicas_agree_1"]),
+                    _drift("wk", "wv")),
     "rng_states": ("the ranks' default random-generator states differ when the step starts "
                    "(dropout masks outside the sharded region differ)", 1,
                    lambda f: not f["rng_states_agree"]),
     "qk_norm_replicas": ("the replicated q/k-norm weights differ across ranks after one step", 1,
-                         lambda f: not f["qk_replicas_agree_1"]),
+                         _drift("q_norm", "k_norm")),
     "late_drift": ("replicas identical after one step differ after the last", 1,
                    lambda f: f["replicas_agree_1"] and not f["replicas_agree_k"]),
     "norm_counts_replicas": ("the logged gradient norm counts the replicated gradients on every "
@@ -256,7 +248,7 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
     "dp_grad_self": ("the ledger's DP gradient all-reduce runs over a group of one rank (group "
                      "self) where the plan has the DP group", 1, _more("self_grad")),
     "dp_replicas": ("a parameter differs across the DP replicas after one step", 1,
-                    lambda f: not f["dp_replicas_agree_1"]),
+                    _drift("dp ")),
     "sp_over_dp": ("the sequence all-gather/reduce-scatter runs over the DP group where the plan "
                    "has the TP group", 1, _more("sp_dp")),
     "loss_off": ("the step-0 loss differs from the good run's (the forward is wrong)", 2,
@@ -468,7 +460,6 @@ def _blind_line(cannot_see: list[str], tier: int) -> list[str]:
 
 
 def _from_observations(obs: dict) -> list[dict]:
-    from tpattn.bugs.zoo import REGISTRY
     f = features(obs)
     tier = 2 if f["has_reference"] else 1
     seen = deviations(f)
@@ -515,9 +506,6 @@ def _no_cause(evidence: list[str]) -> list[dict]:
 
 
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
-    from tpattn.bugs.modes import run
-    from tpattn.bugs.zoo import REGISTRY, resolve, runnable_modes
-    from tpattn.config import Config
     cfg = cfg or Config()
     failing = tuple(m for m in MEASURES if result[m] >= TOLERANCE)
     if not failing:
@@ -557,7 +545,6 @@ def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None
 def _tier0(candidates: list[dict], cfg) -> list[dict]:
     """Add to each registry candidate ``"tier0"``: ``typecheck``'s ``verdict``, ``where``
     and ``why`` at ``cfg`` (``"used": False`` and the rule where the shape cannot run it)."""
-    from tpattn.bugs.zoo import REGISTRY
     from .typecheck import typecheck
     for c in candidates:
         if c["cause"] not in REGISTRY:
@@ -576,14 +563,12 @@ def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
     """Candidate causes of what ``observations`` show, best first (at least one):
     ``{"cause", "with", "score", "evidence", "confirm", "citation", "tied_with", "tier",
     "cannot_see"}``; ``with``: the other causes of its explanation; ``tied_with``: causes that
-    fit as well; ``cannot_see``: at tier 1, the causes only tier 2 sees.
-
-    ``observations``: ``tpattn.observe``'s dict, or a ``tpattn.run`` result, whose failing
+    fit as well; ``cannot_see``: at tier 1, the causes only tier 2 sees. ``observations``:
+    ``tpattn.observe``'s dict, or a ``tpattn.run`` result, whose failing
     measures are matched to each mode's ``signatures`` (measured at seed 11 on ``cfg`` when
     not given); ``forward`` (a TP ``forward(x, params, cfg)``) also tests a matching missing
     reduction's exact error (``fingerprints.EXACT_ERROR_TESTS``). ``tier0=True`` adds each
-    registry candidate's ``typecheck`` verdict (``_tier0``).
-    """
+    registry candidate's ``typecheck`` verdict (``_tier0``)."""
     if not isinstance(observations, dict):
         raise ValueError(f"observations must be a dict from tpattn.observe or tpattn.run "
                          f"(got {type(observations).__name__})")
@@ -600,7 +585,6 @@ def diagnose(observations: dict, cfg=None, signatures: dict | None = None,
     if not tier0:
         return found
     if cfg is None:
-        from tpattn.config import Config
         setup = observations.get("setup")
         cfg = Config() if setup is None else Config(
             world_size=setup["world_size"], query_heads=setup["query_heads"],

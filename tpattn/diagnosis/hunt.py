@@ -1,13 +1,11 @@
-"""A bug hunt: a hidden bug; the reader sees only the observables and names a cause.
-
-``hunt_case(n)`` picks hunt ``n``'s hidden mode, seed and shape; ``describe(obs)`` states what
-the run shows in classes ("agree", "= 1/W", "larger"), never rounding digits; ``judge(obs,
-truth, guess)`` says whether a guess is right and why.
-"""
+"""A bug hunt: a hidden bug (``hunt_case``); the reader sees only the observables, in classes
+("agree", "= 1/W", "larger"), never rounding digits (``describe``), and names a cause
+(``judge``: right or not, and why)."""
 from __future__ import annotations
 
 import random
 
+from tpattn.bugs.zoo import REGISTRY, runnable_modes
 from tpattn.config import Config
 from .diagnose import DEVIATIONS, FINGERPRINTS, NO_KNOWN_CAUSE, deviations, features
 
@@ -18,15 +16,9 @@ HUNT_SHAPES = (Config(query_heads=8, kv_heads=4),
                Config(seq=4, query_heads=16, kv_heads=8, world_size=4))
 
 
-def _hidden_modes() -> list[str]:  # equivalence included: "no known cause" is an answer
-    from tpattn.bugs.zoo import runnable_modes
-    return list(runnable_modes())
-
-
 def choices() -> list[str]:
     """``NO_KNOWN_CAUSE`` and every runnable registry bug."""
-    from tpattn.bugs.zoo import REGISTRY
-    return [NO_KNOWN_CAUSE] + [m for m in _hidden_modes() if not REGISTRY[m].is_correct]
+    return [NO_KNOWN_CAUSE] + [m for m in runnable_modes() if not REGISTRY[m].is_correct]
 
 
 def hunt_case(n: int) -> tuple[str, int, Config]:
@@ -34,7 +26,8 @@ def hunt_case(n: int) -> tuple[str, int, Config]:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"hunt must be an integer >= 0 (got {n!r})")
     rng = random.Random(1000 + n)
-    return rng.choice(_hidden_modes()), rng.randrange(100), rng.choice(HUNT_SHAPES)
+    # equivalence included: "no known cause" is an answer
+    return rng.choice(runnable_modes()), rng.randrange(100), rng.choice(HUNT_SHAPES)
 
 
 def _agree(flag: bool, yes: str = "agree", no: str = "differ") -> str:
@@ -89,7 +82,6 @@ def describe(obs: dict) -> list[str]:
 
 def judge(obs: dict, truth: str, guess: str) -> tuple[bool, str]:
     """``(right, why)`` for ``guess`` when the hidden mode was ``truth``."""
-    from tpattn.bugs.zoo import REGISTRY
     entry = REGISTRY.get(truth)
     answer = NO_KNOWN_CAUSE if entry is not None and entry.is_correct else truth
     if guess not in choices():

@@ -8,7 +8,6 @@ from dataclasses import replace
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from tpattn.block.kv_layout import kv_grad_bug_applies, replica_groups
 from tpattn.check.core import LR, check_seed
@@ -40,18 +39,6 @@ def _detached(shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Ten
     return [{k: t.detach() for k, t in s.items()} for s in shards]
 
 
-def _losses(state, batches, cfg: Config, inj: Injection, rng=None) -> torch.Tensor:
-    """Every rank's loss ``[W]`` of stacked ``state``, forward only (``simulated_step``'s
-    ``losses``; SP: the global MSE on every rank)."""
-    with torch.no_grad():
-        ys = simulated_forward(state, [x for x, _ in batches], cfg, inj, rng)
-        if cfg.sequence_parallel:
-            targets = torch.stack([t for _, t in batches])
-            total = F.mse_loss(ys, targets, reduction="sum").div(targets.numel())
-            return total.expand(len(batches))
-        return torch.stack([F.mse_loss(y, target) for y, (_, target) in zip(ys, batches)])
-
-
 def replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[str, list[float]]:
     """Checksums of what must stay identical across ranks (``weights``: every rank's dict):
     replicated parameters, wk/wv per KV replica group (``"wk (ranks 0, 1)"``), on a mesh
@@ -73,11 +60,10 @@ def replica_sums(weights: list[dict[str, torch.Tensor]], cfg: Config) -> dict[st
 
 
 def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
-                    inj: Injection, steps: int, last_update: bool = True,
-                    seed: int | None = None) -> dict:
-    """``train_loop`` of ``simulated_step`` from ``shards`` on ``batches`` (every rank's);
-    ``last_update=False``: the last step only logs its losses. With dropout the streams are
-    seeded with ``seed`` and ``rng_checksums`` holds every rank's generator before step 0."""
+                    inj: Injection, steps: int, seed: int | None = None) -> dict:
+    """``train_loop`` of ``simulated_step`` from ``shards`` on ``batches`` (every rank's); with
+    dropout the ranks' streams of ``seed``, and ``rng_checksums``: every rank's generator
+    before step 0."""
     rng = simulated_streams(cfg, seed, inj) if cfg.dropout > 0 else None
     def step(p):
         result = simulated_step(p, batches, cfg, inj, LR, rng=rng)
@@ -85,25 +71,18 @@ def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
                     "grads": unstack_ranks(result["grads"])}
         return per_rank, result["weights"], unstack_ranks(result["weights"])
     checksums = rng.default_checksums() if rng is not None else None
-    def losses(p):  # on a mesh: the logged loss (its all-reduce is part of the step)
-        if cfg.data_parallel > 1:
-            return simulated_step(p, batches, cfg, inj, LR, rng=rng)["losses"]
-        return _losses(p, batches, cfg, inj, rng)
-    out = train_loop(stack_ranks(shards), step, losses, steps, last_update, cfg)
+    out = train_loop(stack_ranks(shards), step, steps, cfg)
     if checksums is not None:
         out["rng_checksums"] = checksums
     return out
 
 
-def train_loop(state, step, losses, steps: int, last_update: bool, cfg: Config) -> dict:
-    """An observation's loop: ``step(state) -> (result, state, every rank's weights)``,
-    ``losses(state)`` without a step. Returns ``first`` (step 0's result), ``curve`` (rank 0's
-    loss per step), ``replicas`` (``replica_sums`` after step 1 and the last)."""
+def train_loop(state, step, steps: int, cfg: Config) -> dict:
+    """An observation's loop: ``step(state) -> (result, state, every rank's weights)``.
+    Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per step), ``replicas``
+    (``replica_sums`` after step 1 and the last)."""
     out = {"curve": [], "replicas": {}}
     for i in range(steps):
-        if i == steps - 1 and i > 0 and not last_update:
-            out["curve"].append(float(losses(state)[0]))
-            break
         result, state, weights = step(state)
         if i == 0:
             out["first"] = result
@@ -171,14 +150,12 @@ def _train_both(inj: Injection, seed: int, cfg: Config, steps: int, train) -> _R
     shards = _detached(shard(base, cfg, inj))
     expected = _detached(shard(base, cfg, good_inj))
     batches = rank_batches(cfg, seed, inj)
-    seeded = {"seed": seed} if cfg.dropout > 0 else {}  # the ranks' random streams
     mesh = cfg.data_parallel  # every DP replica holds the TP shards: mesh order
-    run = train(shards * mesh, block_inputs(batches, cfg), cfg, inj, steps, **seeded)
+    run = train(shards * mesh, block_inputs(batches, cfg), cfg, inj, steps, seed)
     good_batches = batches if inj.inputs == good_inj.inputs else \
         rank_batches(cfg, seed, good_inj)
     good = run if good_inj == inj else train(
-        expected * mesh, block_inputs(good_batches, cfg), cfg, good_inj, steps,
-        last_update=False, **seeded)
+        expected * mesh, block_inputs(good_batches, cfg), cfg, good_inj, steps, seed)
     return _Runs(base, shards, expected, batches, good_batches, good_inj, run, good)
 
 

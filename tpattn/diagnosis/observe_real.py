@@ -28,26 +28,22 @@ class RealTrain:
         self.groups, self.rank, self.device = groups, rank, torch.device(device)
 
     def __call__(self, shards, batches, cfg: Config, inj, steps: int,
-                 last_update: bool = True, seed: int | None = None) -> dict:
+                 seed: int | None = None) -> dict:
         r = self.rank
         rng = process_streams(cfg, seed, r % cfg.world_size, inj) if cfg.dropout > 0 else None
         checksum = state_checksum(torch.default_generator) if rng is not None else None
         x, target = (t.to(self.device).unsqueeze(0) for t in batches[r])
         targets = torch.stack([t for _, t in batches])
-        def whole(p):
+        def step(p):
             comm = RealRanks(cfg, self.groups, r, job="observe")
             result = train_step(p, x, target, cfg, inj, comm, LR, rng)
-            return result, gather_step(result, comm, targets)
-        def step(p):
-            result, every = whole(p)
+            every = gather_step(result, comm, targets)
             out = {"losses": list(every["losses"]), "grads": unstack_ranks(every["grads"]),
                    "ledger": result["ledger"], "grad_norm": result["grad_norm"],
                    "outputs": every["outputs"]}
             return out, result["weights"], unstack_ranks(every["weights"])
-        def losses(p):  # a whole step: the logged loss may be a collective of it
-            return list(whole(p)[1]["losses"])
         state = {k: t.to(self.device) for k, t in stack_ranks([shards[r]]).items()}
-        out = train_loop(state, step, losses, steps, last_update, cfg)
+        out = train_loop(state, step, steps, cfg)
         if checksum is not None:
             out["rng_checksums"] = _gathered(checksum)
         return out

@@ -1,20 +1,19 @@
-"""Tier 0: the sharded block under ``spmd_types``' type checker, before any number is compared.
-
-``typecheck(mode, cfg)`` runs ``engine.rank_block`` for rank 0, forward and backward, with
-``spmd_types``' typed collectives (``TypedCollectives``: f is ``convert(I->R)``, g
-``all_reduce(P->I)``; types ``I`` invariant, ``R`` replicate, ``V`` varying, ``P`` partial)
-on a fake process group of ``cfg.world_size`` ranks (no data moves).
-"""
+"""Tier 0: ``typecheck(mode, cfg)`` runs ``engine.rank_block`` for rank 0, forward and backward,
+under ``spmd_types``' checker with its typed collectives (f ``convert(I->R)``, g
+``all_reduce(P->I)``; ``I`` invariant, ``R`` replicate, ``V`` varying, ``P`` partial) on a
+fake process group of ``cfg.world_size`` ranks: no data moves."""
 from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
 import traceback
+from types import SimpleNamespace
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 from spmd_types import (I, P, R, S, V, SpmdTypeError, all_gather, all_reduce, assert_type,
                         convert, reduce_scatter, register_local_autograd_function,
@@ -22,14 +21,16 @@ from spmd_types import (I, P, R, S, V, SpmdTypeError, all_gather, all_reduce, as
 from spmd_types.checker import typecheck as spmd_typecheck
 
 from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_KV_GRAD_REDUCE,
-                               MISSING_OUTPUT_REDUCE, PARAM_SEED_OFFSET, check_seed, make_inputs)
+                               MISSING_OUTPUT_REDUCE, block_inputs, check_seed, make_params,
+                               rank_batches, shard)
 from tpattn.config import Config
 from tpattn.bugs.modes import resolve
-from tpattn.bugs.zoo import MESH_NEEDS
+from tpattn.bugs.zoo import MESH_NEEDS, REGISTRY
 from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
-from tpattn.block.params import init_params, shard_params
 from tpattn.parallel.engine import rank_block
 from tpattn.parallel.program import Program
+from tpattn.parallel.rng import simulated_streams
+from tpattn.parallel.sequence_parallel import rank_tokens
 from tpattn.parallel.wrong import ScaleGrad, no_collective
 
 __all__ = ["TYPECHECK_VERDICTS", "WHY", "TypedCollectives", "fake_process_group", "typecheck",
@@ -95,11 +96,6 @@ WHY[MISSING_OUTPUT_REDUCE]["missed"] = (
     "pending sum")
 
 
-def _in_dtype(t: torch.Tensor) -> dict:
-    """A backward reduction in ``t``'s own dtype (spmd_types asks for it)."""
-    return {"op_dtype": t.dtype}
-
-
 class ContiguousGrad(torch.autograd.Function):
     """Identity forward; a contiguous gradient backward (spmd_types' all-reduce wants it)."""
 
@@ -113,51 +109,18 @@ class ContiguousGrad(torch.autograd.Function):
 
 
 class TypedCollectives:
-    """The block's collectives as ``spmd_types``' typed ones on rank 0's tensors (no rank
-    dim); the ``comm`` of ``engine.rank_block``. ``axes``: the mesh's process groups (TP, or
-    ``("kv", "rep")``); ``tp``: the whole TP group; ``replica``: the replica axis or None."""
+    """Rank 0's process groups, the ``comm`` of ``engine.rank_block`` under ``typed_program``:
+    ``axes`` the mesh's groups (TP, or ``("kv", "rep")``), ``tp`` the whole TP group,
+    ``replica`` the replica axis or None."""
 
     def __init__(self, cfg: Config, mesh, axes, tp, replica=None):
         self.mesh, self.axes, self.tp, self.replica = mesh, tuple(axes), tp, replica
         self.cfg, self.world_size, self.ranks = cfg, cfg.world_size, [0]
 
-    def rank(self) -> int:
-        return dist.get_rank(self.tp)
 
-    def copy_to_ranks(self, n: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """f: ``convert(I->R)`` on every axis; ``op="avg"`` divides the gradient by W."""
-        if op == "avg":
-            n = ScaleGrad.apply(n, 1.0 / dist.get_world_size(self.tp))
-        for axis in self.axes:
-            n = convert(n, axis, src=I, dst=R, backward_options=_in_dtype(n))
-        return n
-
-    def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
-        """g: ``all_reduce(P->I)`` on every axis."""
-        for axis in self.axes:
-            partial = all_reduce(partial, axis, src=P, dst=I)
-        return partial
-
-    def reduce_replica_grads(self, wk: torch.Tensor, wv: torch.Tensor):
-        """The replica-group reduce: ``convert(I->R)`` of wk and wv on the replica axis."""
-        return tuple(ContiguousGrad.apply(convert(w, self.replica, src=I, dst=R,
-                                                  backward_options=_in_dtype(w)))
-                     for w in (wk, wv))
-
-    def gather_kv(self, local: torch.Tensor) -> torch.Tensor:
-        """The K/V all-gather ``S(-1)->R``: ``[S, B, 2c]`` -> ``[S, B, W*2c]``."""
-        return all_gather(local, self.tp, src=S(local.dim() - 1), dst=R,
-                          backward_options=_in_dtype(local))
-
-    def gather_sequence(self, n_local: torch.Tensor, reduce_grad: bool = True) -> torch.Tensor:
-        """SP's all-gather ``S(0)->R`` (``reduce_grad=False``: ``->I``, the backward keeps
-        this rank's chunk)."""
-        return all_gather(n_local, self.tp, src=S(0), dst=R if reduce_grad else I,
-                          backward_options=_in_dtype(n_local) if reduce_grad else None)
-
-    def reduce_scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
-        """SP's reduce-scatter ``P->S(0)``."""
-        return reduce_scatter(partial, self.tp, src=P, dst=S(0))
+def _in_dtype(t: torch.Tensor) -> dict:
+    """A backward reduction in ``t``'s own dtype (spmd_types asks for it)."""
+    return {"op_dtype": t.dtype}
 
 
 def _rank0(op):
@@ -165,42 +128,66 @@ def _rank0(op):
     return lambda t, ops: op(t[0], ops).unsqueeze(0)
 
 
-_f = _rank0(lambda n, ops: ops.copy_to_ranks(n))
-_g = _rank0(lambda partial, ops: ops.reduce_output(partial))
-_sp_gather = _rank0(lambda n, ops: ops.gather_sequence(n))
+@_rank0
+def _f(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """f: ``convert(I->R)`` on every axis."""
+    for axis in ops.axes:
+        n = convert(n, axis, src=I, dst=R, backward_options=_in_dtype(n))
+    return n
+
+
+@_rank0
+def _g(partial: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """g: ``all_reduce(P->I)`` on every axis."""
+    for axis in ops.axes:
+        partial = all_reduce(partial, axis, src=P, dst=I)
+    return partial
+
+
+@_rank0
+def _sp_gather(n: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
+    """SP's all-gather ``S(0)->R``."""
+    return all_gather(n, ops.tp, src=S(0), dst=R, backward_options=_in_dtype(n))
 
 
 def _sp_own_tokens(full: torch.Tensor, ops: TypedCollectives) -> torch.Tensor:
     """No reduce-scatter: rank 0's tokens of its own partials."""
-    from tpattn.parallel.sequence_parallel import rank_tokens
     return full[:, rank_tokens(ops.cfg, 0)]
 
 
+def _replica_reduce(wk: torch.Tensor, wv: torch.Tensor, ops: TypedCollectives):
+    """The replica-group reduce: ``convert(I->R)`` of wk and wv on the replica axis."""
+    return tuple(ContiguousGrad.apply(convert(w, ops.replica, src=I, dst=R,
+                                              backward_options=_in_dtype(w)))
+                 for w in (wk, wv))
+
+
 def typed_program(inj) -> Program:
-    """``inj``'s program with its collective stages issued by ``TypedCollectives`` on rank 0's
-    ``[1, ...]`` tensors, wired as ``inj``'s knobs say."""
-    stages = {"f": {"sum": _f, "none": no_collective,
-                    "mean": _rank0(lambda n, ops: ops.copy_to_ranks(n, "avg")),
+    """``inj``'s program with its collective stages as spmd_types' typed collectives on rank
+    0's ``[1, ...]`` tensors, wired as ``inj``'s knobs say (K/V all-gather ``S(-1)->R``:
+    ``[S, B, 2c]`` -> ``[S, B, W*2c]``)."""
+    def mean(stage):  # its gradient divided by W
+        return lambda t, ops: stage(ScaleGrad.apply(t, 1.0 / ops.world_size), ops)
+    stages = {"f": {"sum": _f, "none": no_collective, "mean": mean(_f),
                     "twice": lambda n, ops: _f(_f(n, ops), ops)}[inj.f],
               "g": {1: _g, 0: no_collective, 2: lambda p, ops: _g(_g(p, ops), ops)}[inj.g],
-              "sp_gather": {"none": _rank0(lambda n, ops: ops.gather_sequence(n, False)),
-                            "mean": lambda n, ops: ScaleGrad.apply(_sp_gather(n, ops),
-                                                                   1.0 / ops.world_size),
-                            }.get(inj.f, _sp_gather),
-              "sp_scatter": (_rank0(lambda p, ops: ops.reduce_scatter_sequence(p)) if inj.g
-                             else _sp_own_tokens),
-              "kv_gather": _rank0(lambda local, ops: ops.gather_kv(local))}
+              "sp_gather": {"none": _rank0(lambda n, ops: all_gather(n, ops.tp, src=S(0),
+                                                                     dst=I)),
+                            "mean": mean(_sp_gather)}.get(inj.f, _sp_gather),
+              "sp_scatter": (_rank0(lambda p, ops: reduce_scatter(p, ops.tp, src=P, dst=S(0)))
+                             if inj.g else _sp_own_tokens),
+              "kv_gather": _rank0(lambda local, ops: all_gather(
+                  local, ops.tp, src=S(local.dim() - 1), dst=R,
+                  backward_options=_in_dtype(local)))}
     if inj.kv_grad != "none":
-        stages["replica_reduce"] = lambda wk, wv, ops: ops.reduce_replica_grads(wk, wv)
+        stages["replica_reduce"] = _replica_reduce
     return replace(inj.program(), **stages)
 
 
 @contextlib.contextmanager
 def fake_process_group(cfg: Config):
-    """A fake process group of ``cfg.world_size`` ranks (this process rank 0) and its mesh
-    (replicated KV weights: 2-D ``("kv", "rep")``), destroyed on exit; yields a
-    ``TypedCollectives``. ``RuntimeError`` when a process group is already initialized."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """Yields the ``TypedCollectives`` of a fake process group of ``cfg.world_size`` ranks
+    (this process rank 0; replicated KV weights: a 2-D mesh ``("kv", "rep")``)."""
     if dist.is_initialized():
         raise RuntimeError("typecheck needs its own fake process group, but one is already "
                            "initialized in this process (it was left alone)")
@@ -218,53 +205,11 @@ def fake_process_group(cfg: Config):
         dist.destroy_process_group()
 
 
-def _declare(t: torch.Tensor, ops: TypedCollectives, typ, replica_typ=None) -> None:
-    """``assert_type`` of ``t``: ``typ`` on every axis (``replica_typ`` on the replica's)."""
-    assert_type(t, {axis: replica_typ if replica_typ is not None and axis is ops.replica
-                    else typ for axis in ops.axes})
-
-
-def _rank0_inputs(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool):
-    """Rank 0's ``(injection, params, their types, x, target, type of x)``; types per axis as
-    correct TP gives them: x I (SP: V); norm, bias I (SP: R, summed after backward); wq, wk,
-    wv, wo V (replicated KV heads: wk, wv V on "kv", I on "rep")."""
-    inj = resolve(mode, cfg).injection  # the mode's program, looked up once
-    x0, target = make_inputs(cfg, seed)
-    if not inj.reduction_only or cfg.model_options:  # the zoo's setups
-        from tpattn.bugs.zoo import make_params, rank_batches, shard
-        inj = inj.correct() if twin else inj
-        shard0 = shard(make_params(cfg, seed, inj), cfg, inj)[0]
-        x0, target = rank_batches(cfg, seed, inj)[0]
-        types = {name: (I if name in ("norm", "bias") else V,) for name in shard0}
-        for name in ("q_norm", "k_norm"):  # summed after backward (R) unless the bug skips it
-            if name in shard0:
-                types[name] = (R if inj.qk_norm_grad == "sum" else I,)
-        x_type = (I,)
-    else:
-        shard0 = shard_params(init_params(cfg, seed + PARAM_SEED_OFFSET), cfg)[0]
-        if cfg.sequence_parallel:
-            from tpattn.parallel.sequence_parallel import rank_tokens
-            types = {name: ((R if inj.norm_grad != "none" else I) if name == "norm" else V,)
-                     for name in shard0}
-            tokens = rank_tokens(cfg, 0)
-            x0, target = x0[tokens], target[tokens]
-            x_type = (V,)
-        else:
-            types = {name: (I,) if name == "norm" else
-                     (V, I) if name in ("wk", "wv") and ops.replica is not None
-                     else (V,) for name in shard0}
-            x_type = (I,)
-    params = {k: t.detach().clone().requires_grad_(True) for k, t in shard0.items()}
-    return inj, params, types, x0, target, x_type
-
-
 def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
     """With dropout, rank 0's masks drawn before the checker runs: ``(streams for
     rank_block, {name: (mask, its type)})``; else empty."""
     if cfg.dropout <= 0:
         return {}, {}
-    from types import SimpleNamespace
-    from tpattn.parallel.rng import simulated_streams
     drawn = simulated_streams(cfg, seed, inj, tp_ranks=[0])
     masks = {"attention": (drawn.attention_masks(cfg), (V,)),  # its own heads'
              "residual": (drawn.residual_masks(cfg), (I,))}  # the same on every rank
@@ -273,21 +218,35 @@ def _rank0_masks(cfg: Config, seed: int, inj) -> tuple[dict, dict]:
 
 
 def _program(mode: str, cfg: Config, seed: int, ops: TypedCollectives, twin: bool = False):
-    """A thunk that runs the mode's block on rank 0, inputs declared: forward, loss, backward."""
-    inj, params, types, x0, target, x_type = _rank0_inputs(mode, cfg, seed, ops, twin)
+    """A thunk that runs the mode's block (``twin``: its correct twin) on rank 0: forward, loss,
+    backward. Its inputs are declared as correct TP types them: x I (SP: V); norm, bias I
+    (SP: norm R, summed after backward); q/k-norm R; wq, wk, wv, wo V (replicated KV heads:
+    wk, wv V on "kv", I on "rep")."""
+    inj = resolve(mode, cfg).injection
+    inj = inj.correct() if twin else inj
+    shard0 = shard(make_params(cfg, seed, inj), cfg, inj)[0]
+    params = {k: t.detach().clone().requires_grad_(True) for k, t in shard0.items()}
+    x0, target = block_inputs(rank_batches(cfg, seed, inj), cfg)[0]
+    x, target = x0.clone().requires_grad_(True), target.clone()
+    summed = {"norm": cfg.sequence_parallel and inj.norm_grad != "none",
+              "bias": False, "q_norm": inj.qk_norm_grad == "sum",
+              "k_norm": inj.qk_norm_grad == "sum"}
+    x_type = (V,) if cfg.sequence_parallel else (I,)
     streams, masks = _rank0_masks(cfg, seed, inj)
+    types = {name: (R if summed[name] else I,) if name in summed else
+             (V, I) if name in ("wk", "wv") and ops.replica is not None else (V,)
+             for name in params}
+    declared = {**{name: (t, types[name]) for name, t in params.items()},
+                "x": (x, x_type), "target": (target, x_type),
+                **{"mask_" + k: m for k, m in masks.items()}}
     prog = typed_program(inj)
     def forward(x):  # R = 1: the stacked views are made under the checker, typed
         stacked = {k: t.unsqueeze(0) for k, t in params.items()}
         return rank_block(x.unsqueeze(0), stacked, cfg, prog, ops, **streams)[0]
     numel = cfg.seq * cfg.batch * cfg.hidden
-    x, target = x0.clone().requires_grad_(True), target.clone()
-    declared = {**{name: (t, types[name]) for name, t in params.items()},
-                "x": (x, x_type), "target": (target, x_type),
-                **{"mask_" + k: m for k, m in masks.items()}}
     def run():
-        for t, typ in declared.values():
-            _declare(t, ops, *typ)
+        for t, typ in declared.values():  # (type on every axis, on the replica axis)
+            assert_type(t, {axis: typ[-1] if axis is ops.replica else typ[0] for axis in ops.axes})
         if cfg.sequence_parallel:  # this rank's share of the global MSE: a pending sum
             share = F.mse_loss(forward(x), target, reduction="sum") / numel
             loss = reinterpret(share, ops.tp, src=V, dst=P)
@@ -343,8 +302,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
     inj = _validate(mode, cfg, seed)
     message = where = None
     with fake_process_group(cfg) as ops:
-        # the twin of one of the original fixture's modes is correct TP
-        run = _program(EQUIVALENCE if twin and inj.reduction_only else mode, cfg, seed, ops, twin)
+        run = _program(mode, cfg, seed, ops, twin)
         try:
             with warnings.catch_warnings(), traceback_filtering("off"), \
                     set_current_mesh(ops.mesh), spmd_typecheck():
@@ -386,6 +344,5 @@ TABLE_SETUPS = {
 def typecheck_table() -> list[dict]:
     """``typecheck`` of every registry mode at its ``TABLE_SETUPS`` setup, the TP x DP
     mesh's modes left out."""
-    from tpattn.bugs.zoo import REGISTRY
     return [typecheck(name, TABLE_SETUPS.get(name, Config())) for name, m in REGISTRY.items()
             if not set(m.needs) & set(MESH_NEEDS)]
