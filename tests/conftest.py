@@ -1,9 +1,17 @@
 """Shared fixtures: the golden files copied from the seed fixture (tests need no ../shared)."""
 import json
+import os
 import pathlib
 
 import pytest
 import torch
+from hypothesis import settings
+
+#: Under CI=true the property tests draw the same examples on every run (derived from each
+#: test's name), so a red CI names a change, not a draw; elsewhere each run draws new ones.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI", "").lower() == "true":
+    settings.load_profile("ci")
 
 DATA = pathlib.Path(__file__).parent / "data"
 ROOT = pathlib.Path(__file__).parent.parent

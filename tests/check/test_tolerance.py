@@ -20,12 +20,13 @@ from tpattn.bugs.zoo import REGISTRY
 import tpattn
 from tpattn import EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_OUTPUT_REDUCE, MODES, Config
 from tpattn.check.at_scale import against_float64, compare_world_sizes
-from tpattn.check.core import (PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
+from tpattn.check.core import (LR, PARAM_SEED_OFFSET, dense_reference, five_measures, make_inputs,
                           one_step)
 from tpattn.cli import main
 from tpattn.block.params import init_params
 from tpattn.parallel.one_graph import one_graph_forward
-from tpattn.check.tolerance import UNIT_ROUNDOFF, check_tolerance, fan_in, ratios, relative_bound
+from tpattn.check.tolerance import (PARAMETER_MEASURES, UNIT_ROUNDOFF, check_tolerance, fan_in,
+                                    per_parameter, ratios, relative_bound)
 from tpattn.parallel.tp import tp_forward
 
 from tests.conftest import ROOT
@@ -54,7 +55,10 @@ VISIBLE = 3
 
 def exact_effect(cfg, seed, mode, bounds, init="seed"):
     """``max_m |bug - dense|_m / bound_m`` computed in float64 on ``cfg``'s own numbers (its
-    inputs and parameters cast up exactly): how large the bug is before any rounding."""
+    inputs and parameters cast up exactly): how large the bug is before any rounding. The
+    parameter measures take each parameter against its own bound (``per_parameter`` at
+    ``cfg``'s precision): a bug confined to one small parameter is measured against that
+    parameter's bound, not against the bound of the parameter the low-precision run named."""
     x0, target = make_inputs(cfg, seed)
     base = init_params(cfg, seed + PARAM_SEED_OFFSET, init)
     cfg64 = replace(cfg, dtype="float64")
@@ -62,8 +66,9 @@ def exact_effect(cfg, seed, mode, bounds, init="seed"):
     kw = dict(reduce_output=mode != MISSING_OUTPUT_REDUCE,
               reduce_input_grad=mode != MISSING_INPUT_GRAD_REDUCE)
     bug = one_step(lambda x, p: tp_forward(x, p, cfg64, **kw), x64, t64, p64)
-    metrics = five_measures(seed, mode, dense_reference(x64, t64, p64, cfg64), bug)
-    return max(ratios(metrics, bounds).values())
+    dense = dense_reference(x64, t64, p64, cfg64)
+    metrics, own = per_parameter(cfg, five_measures(seed, mode, dense, bug), dense, bug, LR)
+    return max(ratios(metrics, {**bounds, **{m: own[m] for m in PARAMETER_MEASURES}}).values())
 
 
 def assert_inconclusive_is_conditioning(result):
@@ -105,7 +110,11 @@ def test_correct_tp_passes_auto_at_every_shape_dtype_and_world_size(cfg, seed):
 @given(cfg=valid_configs(world_sizes=(2, 4, 8), dtypes=ALL_DTYPES, max_seq=8, max_hidden=48),
        seed=st.integers(0, 2**32), mode=st.sampled_from(MODES[1:]))
 @settings(max_examples=30, deadline=None)
+@example(cfg=Config(seq=3, batch=1, hidden=1, query_heads=8, kv_heads=8, head_dim=8,
+                    world_size=8, dtype="bfloat16"), seed=3273700, mode=MISSING_INPUT_GRAD_REDUCE)
 def test_each_bug_fails_auto_by_the_margin(cfg, seed, mode):
+    # Hypothesis found the example: missing f changes only the norm weight's gradient here
+    # (hidden 1), by 1e-3 against that gradient's own bfloat16 bound of 5e-3 (ratio 0.2).
     assert_bug_fails(tpattn.run(seed, mode, cfg, tolerance="auto"), cfg, seed)
 
 
