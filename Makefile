@@ -1,12 +1,15 @@
 # Two commands do everything on a fresh machine:  make book  ·  make test
 # Setup is idempotent: the venv is made once, requirements are reinstalled only when
-# requirements.txt or pyproject.toml change (a stamp file records the last install).
+# requirements.txt or pyproject.toml change (a stamp file records the last install). --no-compile:
+# Python compiles the modules a process imports when it first imports them, not all of every
+# package at install (pip's compile step was 63 of its 146 CPU seconds here).
 SHELL := /bin/bash
 # Python 3.11 (the torch wheel on disk is cp311); falls back to python3 where there is no python3.11.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BOOK_KERNEL := $(VENV)/share/jupyter/kernels/tpattn-portable/kernel.json
 VENDOR := vendor
 MATHJAX := $(VENDOR)/mathjax/tex-chtml.js
 JB := $(VENV)/bin/jupyter-book
@@ -25,7 +28,7 @@ setup: $(STAMP) $(MATHJAX)
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
 	@touch $(STAMP)
 
 # MathJax 3 from the npm registry (not committed): the book renders math offline.
@@ -46,42 +49,46 @@ $(MATHJAX):
 book: setup
 	$(JB) build . --all -W -n --keep-going
 
-# make test: import-linter's layers contract (.importlinter), then four steps; each runs even if an
+# make test: import-linter's layers contract (.importlinter), then three steps; each runs even if an
 # earlier one failed, and make test fails if any did:
-# 1. pytest: unit/property/CLI/distributed tests, under this machine's kernels;
-# 2. pytest with nbval on every chapter, its kernels under other CPU kernels (BOOK_KERNELS): nbval
-#    executes every notebook from scratch and compares it with its stored outputs, which were
-#    made on another machine, so no stored output may depend on a CPU's rounding (a chapter
-#    prints rounding-level numbers through tests/nbval_sanitize.cfg). Each notebook whose cells
-#    all passed is kept with the outputs nbval just compared (tools/nbval_record.py, in
-#    _build/nbval-executed);
-# 3. the book, which caches those executions instead of running the notebooks a second time
+# 1. pytest: unit/property/CLI/distributed tests under this machine's CPU kernels, and every
+#    chapter under nbval in a kernel with portable CPU kernels (BOOK_KERNEL, below). nbval
+#    executes every notebook from scratch; each notebook whose cells all passed is kept with the
+#    outputs nbval just compared (tools/nbval_record.py, in _build/nbval-executed);
+# 2. the book, which caches those executions instead of running the notebooks a second time
 #    (book/_ext/tpattn_book.py: only for this package's digest and unchanged code cells);
-# 4. pytest on the tests that read the built HTML (marker built_book): the browser test, ...
+# 3. pytest on the tests that read the built HTML (marker built_book): the browser test, ...
 # Not here: every chapter in a real JupyterLab (marker lab), `make test-lab` below; CI runs both.
 # On every core: pytest-xdist hands out whole modules and classes (--dist loadscope), so a
 # notebook's nbval cells run in order in one kernel on one worker; PYTEST_WORKERS=0 runs each
-# step in one process. JUNIT=PREFIX writes PREFIX-1.xml, PREFIX-2.xml and PREFIX-4.xml
-# (bench/test_time.py).
-# BOOK_KERNELS: torch's portable kernels (ATEN_CPU_CAPABILITY=default), MKL's portable code path
-# (MKL_CBWR=COMPATIBLE) and one thread, all at once. Measured on an AVX2 AMD EPYC (torch 2.13,
-# MKL): each switch changes results (a 100003-term float32 sum, a 64x256x64 matmul, the seed
-# matrix's digits), and MKL_CBWR=COMPATIBLE reproduces an AVX-512 Xeon's seed-17 loss difference
-# of missing_output_reduce.
-NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
-BOOK_KERNELS := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
+# step in one process. JUNIT=PREFIX writes PREFIX-1.xml and PREFIX-3.xml (bench/test_time.py).
+NBVAL := --nbval --nbval-kernel-name tpattn-portable --nbval-sanitize-with tests/nbval_sanitize.cfg
 PYTEST_WORKERS ?= auto
 XDIST := -n $(PYTEST_WORKERS) --dist loadscope
 RECORD := -p tools.nbval_record --record-executed _build/nbval-executed
 JUNIT ?=
-test: setup
+test: setup $(BOOK_KERNEL)
 	@status=0; \
 	$(VENV)/bin/lint-imports --config .importlinter || status=1; \
-	$(PY) -m pytest -q $(XDIST) -m "not built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-1.xml) tests || status=1; \
-	env $(BOOK_KERNELS) $(PY) -m pytest -q $(XDIST) $(NBVAL) $(RECORD) $(if $(JUNIT),--junitxml=$(JUNIT)-2.xml) book || status=1; \
+	$(PY) -m pytest -q $(XDIST) $(NBVAL) $(RECORD) -m "not built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-1.xml) tests book || status=1; \
 	$(JB) build . --all -W -n --keep-going || status=1; \
-	$(PY) -m pytest -q $(XDIST) -m "built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-4.xml) tests || status=1; \
+	$(PY) -m pytest -q $(XDIST) -m "built_book and not lab" $(if $(JUNIT),--junitxml=$(JUNIT)-3.xml) tests || status=1; \
 	exit $$status
+
+# The chapters' kernel for nbval: this venv's Python with torch's portable kernels
+# (ATEN_CPU_CAPABILITY=default), MKL's portable code path (MKL_CBWR=COMPATIBLE) and one thread,
+# all at once (a kernel spec's "env"; the tests in the same pytest run keep this machine's
+# kernels). The stored outputs were made on another machine, so none may depend on a CPU's
+# rounding: a chapter prints rounding-level numbers through tests/nbval_sanitize.cfg. Measured on
+# an AVX2 AMD EPYC (torch 2.13, MKL): each switch changes results (a 100003-term float32 sum, a
+# 64x256x64 matmul, the seed matrix's digits), and MKL_CBWR=COMPATIBLE reproduces an AVX-512
+# Xeon's seed-17 loss difference of missing_output_reduce.
+$(BOOK_KERNEL): $(STAMP)
+	@mkdir -p $(dir $@)
+	@printf '%s\n' '{"argv": ["$(abspath $(VENV))/bin/python", "-m", "ipykernel_launcher",' \
+	  '"-f", "{connection_file}"], "display_name": "Python 3 (portable CPU kernels)",' \
+	  '"language": "python", "env": {"ATEN_CPU_CAPABILITY": "default",' \
+	  '"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1"}}' > $@
 
 # Every chapter in a real JupyterLab driven by headless Chromium (tests/book/test_lab.py, issue 9):
 # open, Run All, no raw directive, the shown code is the package's, an explorer answers a click.
@@ -94,8 +101,8 @@ test-lab: setup
 	$(PY) -m pytest -q $(XDIST) -m lab $(if $(JUNIT),--junitxml=$(JUNIT)-lab.xml) tests
 
 # The numeric tests again under other CPU kernels, so that no test depends on this machine's
-# rounding (CI's and readers' CPUs have other kernels; make test already runs every chapter under
-# BOOK_KERNELS). Each setting really switches kernels (see BOOK_KERNELS above; OMP_NUM_THREADS=1
+# rounding (CI's and readers' CPUs have other kernels; make test already runs every chapter in
+# BOOK_KERNEL). Each setting really switches kernels (see BOOK_KERNEL above; OMP_NUM_THREADS=1
 # changes the float32 sum). Runs the Llama-shape tolerance test under each. Does not rebuild the
 # book.
 PORTABLE_SETTINGS := "ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2" \
