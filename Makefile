@@ -3,7 +3,8 @@
 # requirements.txt or pyproject.toml change (a stamp file records the last install). pip compiles
 # every module at install (63 of its 146 CPU seconds here): where PYTHONDONTWRITEBYTECODE is set,
 # as here, nothing else ever writes the bytecode, and without it each process would compile what
-# it imports (--no-compile doubled make test's pytest on a fresh clone: 12 min 38 s).
+# it imports (with --no-compile, make test's pytest took 12 min 38 s on a fresh clone, not
+# 7 min 46 s).
 SHELL := /bin/bash
 # Python 3.11 (the torch wheel on disk is cp311); falls back to python3 where there is no python3.11.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
