@@ -86,11 +86,9 @@ test: setup $(BOOK_KERNEL)
 # 64x256x64 matmul, the seed matrix's digits), and MKL_CBWR=COMPATIBLE reproduces an AVX-512
 # Xeon's seed-17 loss difference of missing_output_reduce.
 $(BOOK_KERNEL): $(STAMP)
-	@mkdir -p $(dir $@)
-	@printf '%s\n' '{"argv": ["$(abspath $(VENV))/bin/python", "-m", "ipykernel_launcher",' \
-	  '"-f", "{connection_file}"], "display_name": "Python 3 (portable CPU kernels)",' \
-	  '"language": "python", "env": {"ATEN_CPU_CAPABILITY": "default",' \
-	  '"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1"}}' > $@
+	$(PY) -m ipykernel install --sys-prefix --name tpattn-portable \
+	  --display-name "Python 3 (portable CPU kernels)" --env ATEN_CPU_CAPABILITY default \
+	  --env MKL_CBWR COMPATIBLE --env OMP_NUM_THREADS 1
 
 # Every chapter in a real JupyterLab driven by headless Chromium (tests/book/test_lab.py, issue 9):
 # open, Run All, no raw directive, the shown code is the package's, an explorer answers a click.
