@@ -9,7 +9,7 @@ import torch
 
 from tpattn.config import Config
 
-__all__ = ["SimulatedRanks", "rank_sum", "check_op", "own_tokens", "CopyToRanks", "ReduceFromRanks",
+__all__ = ["SimulatedRanks", "check_op", "own_tokens", "CopyToRanks", "ReduceFromRanks",
            "GatherSequence", "ScatterSequence", "GatherKV", "ReduceReplicaGrads",
            "reduce_norm_grad", "reduce_qk_norm_grads", "reduce_dp_grads", "replica_share",
            "reduce_loss", "reduce_scalar", "F_LABEL", "G_LABEL", "AGAIN", "DP_GRAD_LABEL",
@@ -28,14 +28,6 @@ KV_SCATTER_LABEL = "reduce-scatter of K/V activation grads"
 DP_GRAD_LABEL = "all-reduce of gradients over the DP group"
 LOSS_LABEL = "all-reduce of the logged loss"
 SP_SHARE_LABEL = "all-reduce of the loss shares over the TP group"
-
-
-def rank_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum over dim 0 in rank order (``t[0] + t[1] + ...``), as ``[1, ...]``."""
-    total = t[0]
-    for r in range(1, t.shape[0]):
-        total = total + t[r]
-    return total.unsqueeze(0)
 
 
 def check_op(op: str) -> str:
@@ -83,24 +75,23 @@ class SimulatedRanks:
         """Entry ``entry``'s rank inside its group of ``group``."""
         return next(m.index(entry) for m in self.groups(group) if entry in m)
 
-    def group_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
-        """Every entry of ``t`` ``[R, ...]`` replaced by its group's ``rank_sum``."""
+    def _per_group(self, t: torch.Tensor, group: str, combine) -> torch.Tensor:
+        """Every entry of ``t`` ``[R, ...]`` replaced by ``combine`` of its group's entries."""
         out = [None] * t.shape[0]
         for members in self.groups(group):
-            total = rank_sum(t[members])[0]
+            combined = combine([t[m] for m in members])
             for m in members:
-                out[m] = total
+                out[m] = combined
         return torch.stack(out)
+
+    def group_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
+        """Every entry of ``t`` ``[R, ...]`` replaced by its group's sum, ``t[0] + t[1] + ...``."""
+        return self._per_group(t, group, lambda parts: sum(parts[1:], parts[0]))
 
     def group_cat(self, t: torch.Tensor, dim: int, group: str = "tp") -> torch.Tensor:
         """Every entry of ``t`` ``[R, ...]`` replaced by its group's entries concatenated along
         ``dim`` of an entry."""
-        out = [None] * t.shape[0]
-        for members in self.groups(group):
-            full = torch.cat([t[m] for m in members], dim=dim)
-            for m in members:
-                out[m] = full
-        return torch.stack(out)
+        return self._per_group(t, group, lambda parts: torch.cat(parts, dim=dim))
 
     def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
         """Reduce-scatter along the sequence: each rank's ``S/W`` tokens of its group's sum."""

@@ -220,20 +220,13 @@ def _diagnose(errors, silent_exit, stalled) -> RankFailure:
         if others:
             cause += " — " + "; ".join(f"rank {r} exited (exit code {silent_exit[r]})"
                                        for r in others)
-    elif own:
-        rank = min(own)
-        cause = f"rank {rank} raised {own[rank]}"
-    elif strayed:
-        rank = min(strayed)
-        cause = f"rank {rank} skipped a collective: {strayed[rank]}"
-    elif stalled:
-        rank = min(stalled)
-        cause = f"rank {rank} stopped reporting ({stalled[rank]:.0f} s without progress)"
-    elif errors:
-        rank = min(errors)
-        cause = f"rank {rank}: {errors[rank]['message']}"
-    else:  # pragma: no cover - _supervise raises only after a failure
-        rank, cause = None, "unknown failure"
+    else:  # _supervise raises only after a failure: one of these is not empty
+        found, say = next((d, say) for d, say in (
+            (own, "rank {r} raised {v}"), (strayed, "rank {r} skipped a collective: {v}"),
+            (stalled, "rank {r} stopped reporting ({v:.0f} s without progress)"),
+            ({r: e["message"] for r, e in errors.items()}, "rank {r}: {v}")) if d)
+        rank = min(found)
+        cause = say.format(r=rank, v=found[rank])
     seen = [f"rank {r}: {e['message']}" for r, e in sorted(errors.items())
             if r != rank or rank in strayed]
     if seen:
