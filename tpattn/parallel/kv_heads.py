@@ -45,7 +45,7 @@ def kv_collectives(cfg: Config) -> list[dict]:
 def kv_costs(cfg: Config) -> dict:
     """Per rank and step, for each strategy the shape allows: ``weight_elements``/``_bytes``,
     ``kv_weight_elements``, ``kv_activation_elements``, ``kv_bytes_moved``, ``fg_bytes_moved``."""
-    size = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    size = cfg.torch_dtype.itemsize
     d, h, w, tokens = cfg.head_dim, cfg.hidden, cfg.world_size, cfg.seq * cfg.batch
     fg = 2 * ring_bytes("all_reduce", tokens * h, w, size) if w > 1 else 0
     out = {}
@@ -69,10 +69,9 @@ def kv_costs(cfg: Config) -> dict:
 
 def fused_qkv_gather_bytes(cfg: Config) -> int:
     """Bytes one rank sends per step all-gathering the fused Q/K/V activation (Megatron-LM#2565)."""
-    size = torch.empty((), dtype=cfg.torch_dtype).element_size()
     elements = cfg.seq * cfg.batch * (cfg.query_heads + 2 * cfg.kv_heads) * cfg.head_dim
-    w = cfg.world_size
-    return ring_bytes("all_gather", elements, w, size) + ring_bytes("reduce_scatter", elements, w, size)
+    return sum(ring_bytes(kind, elements, cfg.world_size, cfg.torch_dtype.itemsize)
+               for kind in ("all_gather", "reduce_scatter"))
 
 
 def unique_parameters(cfg: Config, rank_tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -39,9 +39,6 @@ class RankStreams:
     """Each rank's ``defaults`` and ``model_parallel`` generators (``comm.ranks`` order)."""
 
     def __init__(self, defaults: list[torch.Generator], model_parallel: list[torch.Generator]):
-        if len(defaults) != len(model_parallel):
-            raise ValueError("defaults and model_parallel must hold one generator per rank "
-                             f"(got {len(defaults)} and {len(model_parallel)})")
         self.defaults, self.model_parallel = list(defaults), list(model_parallel)
 
     def attention_masks(self, cfg: Config) -> torch.Tensor:

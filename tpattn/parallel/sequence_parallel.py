@@ -19,7 +19,7 @@ def rank_tokens(cfg: Config, rank: int) -> slice:
 
 def communication_ledger(cfg: Config) -> list[dict]:
     """The collectives of one correct step without and with SP, one row each (``ring_bytes``)."""
-    w, item = cfg.world_size, torch.empty((), dtype=cfg.torch_dtype).element_size()
+    w, item = cfg.world_size, cfg.torch_dtype.itemsize
     act, hid = cfg.seq * cfg.batch * cfg.hidden, cfg.hidden
     rows = [("TP", "all_reduce", "forward", act, "g: sum of output partials"),
             ("TP", "all_reduce", "backward", act, "f: sum of dn"),

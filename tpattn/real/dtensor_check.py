@@ -47,11 +47,10 @@ class AttentionBlock(nn.Module):
         self.cfg = cfg
         self.norm = RMSNorm(params["norm"], cfg.eps)
         for name in ("wq", "wk", "wv", "wo"):
-            out_features, in_features = params[name].shape
-            linear = nn.Linear(in_features, out_features, bias=False,
-                               device=params[name].device, dtype=params[name].dtype)
-            with torch.no_grad():
-                linear.weight.copy_(params[name])
+            weight = params[name]  # [out_features, in_features]
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                               device=weight.device, dtype=weight.dtype)
+            linear.weight = nn.Parameter(weight.clone())
             setattr(self, name, linear)
 
     def weights(self) -> dict[str, torch.Tensor]:

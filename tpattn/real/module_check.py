@@ -135,9 +135,7 @@ def _module_step(module: torch.nn.Module, names: list[str], x0: torch.Tensor,
 
 def _ledger(forward_comms, step_comms) -> dict:
     fwd = _counts(forward_comms[0])
-    total = _counts(step_comms)
-    return {"forward": fwd,
-            "backward": {k: total[k] - fwd.get(k, 0) for k in total if total[k] - fwd.get(k, 0)}}
+    return {"forward": fwd, "backward": dict(Counter(_counts(step_comms)) - Counter(fwd))}
 
 
 def _rank_step(rank: int, job: _Job, label: str, sharding, mesh, device: torch.device) -> dict:

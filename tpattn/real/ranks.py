@@ -121,7 +121,7 @@ def ledger_row(mode: str, comm: RealRanks, correct: list[dict]) -> dict:
     if cfg.sequence_parallel:
         block = [e for e in comm.ledger if e["phase"] in BLOCK_PHASES]
         counts = Counter((e["collective"], e["phase"]) for e in block)
-        size = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        size = cfg.torch_dtype.itemsize
         sent = sum((ring_bytes(r["kind"], r["elements"], r["group_size"], size)
                     for r in comm.traffic if r["phase"] in BLOCK_PHASES), 0.0)
         return {"variant": "tpattn SP", "mode": mode,
