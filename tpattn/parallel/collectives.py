@@ -56,20 +56,16 @@ class SimulatedRanks:
     def groups(self, group: str = "tp") -> list[list[int]]:
         """The entries of each group of ``group`` in group order: ``"tp"`` consecutive, ``"dp"``
         one per DP rank, ``"world"``, ``"kv_replicas"`` (the ranks sharing a KV head), ``"self"``."""
-        w, d = self.world_size, self.data_parallel
-        if group == "tp":
-            return [[i * w + t for t in range(w)] for i in range(d)]
-        if group == "dp":
-            return [[i * w + t for i in range(d)] for t in range(w)]
-        if group == "world":
-            return [list(range(w * d))]
-        if group == "kv_replicas":
-            r = self.cfg.kv_replicas
-            return [list(range(s, s + r)) for s in range(0, w * d, r)]
-        if group == "self":
-            return [[i] for i in range(w * d)]
-        raise ValueError(f"group must be 'tp', 'dp', 'world', 'kv_replicas' or 'self' "
-                         f"(got {group!r})")
+        w, d, r = self.world_size, self.data_parallel, self.cfg.kv_replicas
+        groups = {"tp": [[i * w + t for t in range(w)] for i in range(d)],
+                  "dp": [[i * w + t for i in range(d)] for t in range(w)],
+                  "world": [list(range(w * d))],
+                  "kv_replicas": [list(range(s, s + r)) for s in range(0, w * d, r)],
+                  "self": [[i] for i in range(w * d)]}
+        if group not in groups:
+            raise ValueError(f"group must be 'tp', 'dp', 'world', 'kv_replicas' or 'self' "
+                             f"(got {group!r})")
+        return groups[group]
 
     def position(self, entry: int, group: str = "tp") -> int:
         """Entry ``entry``'s rank inside its group of ``group``."""
@@ -104,8 +100,6 @@ class SimulatedRanks:
             self.ledger.append({"collective": collective, "phase": phase, "group": group,
                                 "label": label, "op": op})
 
-
-# --- the block's collectives: each one Function over the primitives --------------------------
 
 class CopyToRanks(torch.autograd.Function):
     """f: ``n`` ``[R, S, B, hidden]`` unchanged; backward its TP group's sum of dn (``"avg"``:

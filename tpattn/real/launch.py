@@ -75,8 +75,6 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {backend_message(e)}{where}"
 
 
-# --- inside a rank process -----------------------------------------------------------------
-
 def _exit_with_parent() -> None:
     """End this process as soon as the process that started it is gone: no orphans."""
     parent = multiprocessing.parent_process()
@@ -112,8 +110,6 @@ def _rank_main(rank_fn, rank: int, world_size: int, port: int, plan, backend: st
         messages.join_thread()
         os._exit(1)
 
-
-# --- in the process that starts them ----------------------------------------------------------
 
 def run_on_ranks(rank_fn, world_size: int, plan, *, timeout: float, backend: str,
                  start_method: str = "forkserver", preload: tuple[str, ...] = ()):
@@ -214,9 +210,8 @@ def _diagnose(errors, silent_exit, stalled) -> RankFailure:
     own = {r: e["message"] for r, e in errors.items() if not e["in_collective"]}
     strayed = {r: e["deviation"] for r, e in errors.items() if e["deviation"]}
     if silent_exit:
-        rank = next(iter(silent_exit))  # dicts keep insertion order: the first one noticed
+        rank, *others = silent_exit  # dicts keep insertion order: the first one noticed
         cause = f"rank {rank} exited (exit code {silent_exit[rank]}) before finishing its work"
-        others = [r for r in silent_exit if r != rank]
         if others:
             cause += " — " + "; ".join(f"rank {r} exited (exit code {silent_exit[r]})"
                                        for r in others)

@@ -301,8 +301,6 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
                           timings={**timings, "compute_s": rank0["compute_s"]})
 
 
-# --- the command line: torchrun, or self-spawned ----------------------------------------
-
 def launched_by_torchrun() -> bool:
     """Whether torchrun's environment variables are set."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
