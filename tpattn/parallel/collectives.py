@@ -85,8 +85,7 @@ class SimulatedRanks:
         return self._per_group(t, group, lambda parts: sum(parts[1:], parts[0]))
 
     def group_cat(self, t: torch.Tensor, dim: int, group: str = "tp") -> torch.Tensor:
-        """Every entry of ``t`` ``[R, ...]`` replaced by its group's entries concatenated along
-        ``dim`` of an entry."""
+        """Every entry of ``t`` ``[R, ...]``: its group's entries joined along its ``dim``."""
         return self._per_group(t, group, lambda parts: torch.cat(parts, dim=dim))
 
     def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:

@@ -108,8 +108,7 @@ class RealRanks(SimulatedRanks):
         return out
 
     def group_cat(self, t: torch.Tensor, dim: int, group: str = "tp") -> torch.Tensor:
-        """``all_gather`` of ``t`` ``[1, ...]`` over the group, concatenated along ``dim`` of
-        the entry (group order)."""
+        """``all_gather`` over the group: its ranks' entries ``t[0]`` in order, along ``dim``."""
         local = t[0].detach().contiguous()
         parts = [torch.empty_like(local)
                  for _ in range(dist.get_world_size(self.process_groups[group]))]
@@ -118,8 +117,7 @@ class RealRanks(SimulatedRanks):
         return torch.cat(parts, dim=dim).unsqueeze(0)
 
     def scatter_sum(self, t: torch.Tensor, group: str = "tp") -> torch.Tensor:
-        """``reduce_scatter_single`` along dim 0 of the entry: this rank's chunk of the
-        group's sum of ``t`` ``[1, S, ...]``."""
+        """``reduce_scatter_single``: this rank's ``S/W`` chunk of the group's sum of ``t``."""
         full = t[0].detach().contiguous()
         size = dist.get_world_size(self.process_groups[group])
         local = full.new_empty((full.shape[0] // size, *full.shape[1:]))

@@ -39,8 +39,7 @@ class RMSNorm(nn.Module):
 
 
 class AttentionBlock(nn.Module):
-    """``dense_forward`` as an ``nn.Module``; head counts and sequence length are read from the
-    (rank-local) projections' outputs."""
+    """``dense_forward`` as a module; head counts, sequence length from the local projections."""
 
     def __init__(self, params: dict[str, torch.Tensor], cfg: Config):
         super().__init__()
@@ -59,8 +58,7 @@ class AttentionBlock(nn.Module):
                 **{k: getattr(self, k).weight for k in ("wq", "wk", "wv", "wo")}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[S, B, hidden]`` (or one rank's ``[S/W, B, hidden]`` under SP); returns its
-        shape."""
+        """x ``[S, B, hidden]`` (SP: one rank's ``[S/W, B, hidden]``) -> the same shape."""
         n = self.norm(x)
         q = self.wq(n)  # [S, B, local query heads * D]: the whole sequence, even under SP
         s, b, d = q.shape[0], q.shape[1], self.cfg.head_dim

@@ -39,8 +39,7 @@ def default_backend(world_size: int) -> str:
 
 
 def rank_device(backend: str, local_rank: int) -> torch.device:
-    """Where a rank computes (its own GPU under NCCL, made current; the CPU under gloo), with
-    one CPU thread per rank."""
+    """A rank's device, one CPU thread each: its GPU under NCCL (made current), else the CPU."""
     torch.set_num_threads(1)
     if backend != "nccl":
         return torch.device("cpu")

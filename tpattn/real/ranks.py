@@ -283,9 +283,8 @@ def run_distributed(world_size: int, seeds=SEEDS, modes=MODES, config: Config | 
                     timeout: float = DEFAULT_TIMEOUT, dtensor=True, backend: str | None = None,
                     fault: dict | None = None, start_method: str = "forkserver") -> RealRankReport:
     """Start ``config.ranks`` processes (default ``Config(world_size=world_size)``), run every
-    mode x seed and the DTensor cross-check in one process group; rank 0's report.
-
-    ``dtensor``: ``True`` (every seed), ``False``, or seeds (none on a mesh). ``start_method``:
+    mode x seed and the DTensor cross-check (``dtensor``: ``True`` every seed, ``False``, or
+    seeds; none on a mesh) in one process group; rank 0's report. ``start_method``:
     ``"forkserver"`` or ``"spawn"`` (from a script, call under ``if __name__ == "__main__":``).
     A collective waits at most ``timeout`` s; a failing rank raises ``RankFailure``. ``fault``
     (test-only): ``{"rank": r, "kind": k}``, ``k`` in ``FAULT_KINDS``."""
