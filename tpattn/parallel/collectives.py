@@ -1,8 +1,7 @@
-"""Three primitives per backend, and every collective of the block as an autograd Function.
-
-A backend holds ``R`` ranks (dim 0 of every tensor) and supplies ``group_sum``, ``group_cat``,
-``scatter_sum`` (a reduce-scatter along the sequence) and ``record`` (the ledger); f, g and the
-other collectives are Functions over them, as Megatron-LM's ``tensor_parallel/mappings.py``."""
+"""Every collective of the block as an autograd Function over a backend's primitives: it holds
+``R`` ranks (dim 0 of every tensor) and supplies ``group_sum``, ``group_cat``, ``scatter_sum``
+(a reduce-scatter along the sequence) and ``record`` (the ledger); f, g and the others are
+Functions over them, as in Megatron-LM's ``tensor_parallel/mappings.py``."""
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,7 @@
-"""The sharded attention block, written once, for the ranks one process holds.
-
-Every tensor has a leading rank dim ``R``: x ``[R, S_r, B, hidden]`` (``S_r = S/W`` under
-SP), wq ``[R, Hq/W*D, hidden]``, wk, wv ``[R, rows, hidden]``, wo ``[R, hidden, Hq/W*D]``,
-norm, bias ``[R, hidden]``, q_norm, k_norm ``[R, D]``."""
+"""The sharded attention block, written once, for the ranks one process holds. Every tensor
+has a leading rank dim ``R``: x ``[R, S_r, B, hidden]`` (``S_r = S/W`` under SP), wq
+``[R, Hq/W*D, hidden]``, wk, wv ``[R, rows, hidden]``, wo ``[R, hidden, Hq/W*D]``, norm, bias
+``[R, hidden]``, q_norm, k_norm ``[R, D]``."""
 from __future__ import annotations
 
 import torch

@@ -75,10 +75,8 @@ def describe_error(e: BaseException) -> str:
 
 
 def _exit_with_parent() -> None:
-    """End this process as soon as the process that started it is gone: no orphans."""
+    """End this rank process as soon as the process that started it is gone: no orphans."""
     parent = multiprocessing.parent_process()
-    if parent is None:
-        return
 
     def watch():
         multiprocessing.connection.wait([parent.sentinel])

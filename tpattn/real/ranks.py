@@ -161,10 +161,8 @@ def run_rank(rank: int, plan: RunPlan, device: torch.device | str = "cpu", on_pr
     start, cfg = time.monotonic(), plan.cfg
     groups = groups or build_groups(cfg, torch.device(device).type, plan.timeout)
     out = {k: [] for k in REPORT_LISTS}
-    plans = {}
+    plans = {mode: planned_ledger(mode, cfg) for mode in {m for m, _ in plan.jobs}}
     for index, (mode, seed) in enumerate(plan.jobs):
-        if mode not in plans:
-            plans[mode] = planned_ledger(mode, cfg)
         comm = RealRanks(cfg, groups, rank, plans[mode], f"seed {seed} {mode}")
         step, inj, base = rank_step(seed, mode, cfg, comm, device, _fault(plan, rank, index))
         comm.check_plan()
