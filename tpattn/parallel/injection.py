@@ -55,5 +55,4 @@ class Injection:
     def setup(self) -> dict:
         """What the engineer knows about the model and the training setup (not the bug)."""
         return {"bias": self.bias is not None, "grad_clip": self.clip,
-                "fused_qkv": self.shard in ("fused", "fused_naive", "fused_rank0", "grouped",
-                                            "grouped_as_plain")}
+                "fused_qkv": self.correct().shard != "heads"}
