@@ -1,7 +1,6 @@
 """Hugging Face's own tensor-parallel runtime as a sharding function for ``check_module``:
 ``save_pretrained`` on rank 0, ``from_pretrained(tp_plan=..., device_mesh=mesh)`` on every rank.
-Needs ``transformers`` and ``accelerate``; downloads nothing.
-"""
+Needs ``transformers`` and ``accelerate``; downloads nothing."""
 from __future__ import annotations
 
 import os

@@ -154,9 +154,8 @@ def _stop(procs) -> None:
 def _supervise(procs, messages, timeout: float):
     """Every rank's report, ``(results, ready_times)`` by rank; ``RankFailure`` at the first."""
     world_size = len(procs)
-    start = time.monotonic()
     ready, done, errors, silent_exit, stalled = {}, {}, {}, {}, {}
-    heard = {rank: start for rank in range(world_size)}
+    heard = dict.fromkeys(range(world_size), time.monotonic())
     startup_limit = max(120.0, timeout)   # importing torch on a busy machine
     stall_limit = 2 * timeout + 30.0      # any collective times out long before this
     failed_at = None
