@@ -120,12 +120,11 @@ def program_of(inj) -> Program:
         s["replica_reduce"] = both_kept
     if inj.partial_scale != 1.0:
         s["before_g"] = MADE_UP_STAGES["partial_scale"](inj.partial_scale)
-    if inj.bias is None:  # a program without the bias: any "bias" in p is left out
+    if inj.bias != "after_g":  # none in the program (any "bias" in p is left out), or before g
         s["add_bias"] = no_bias_after_g
     if inj.bias == "every_rank":
         scaled = s.get("before_g", CORRECT.before_g)
         s["before_g"] = lambda t, p, comm: bias_before_g(scaled(t, p, comm), p, comm)
-        s["add_bias"] = no_bias_after_g
     if inj.qk_norm_grad == "none":
         s["qk_norm_grads"] = both_kept
     if inj.dp_grad != "dp":
