@@ -121,8 +121,7 @@ def ledger_row(mode: str, comm: RealRanks, correct: list[dict]) -> dict:
     if cfg.sequence_parallel:
         block = [e for e in comm.ledger if e["phase"] in BLOCK_PHASES]
         counts = Counter((e["collective"], e["phase"]) for e in block)
-        size = cfg.torch_dtype.itemsize
-        sent = sum((ring_bytes(r["kind"], r["elements"], r["group_size"], size)
+        sent = sum((ring_bytes(r["kind"], r["elements"], r["group_size"], cfg.torch_dtype.itemsize)
                     for r in comm.traffic if r["phase"] in BLOCK_PHASES), 0.0)
         return {"variant": "tpattn SP", "mode": mode,
                 **{f"{phase} {kind}": n for (kind, phase), n in sorted(counts.items())},
