@@ -200,10 +200,10 @@ def dtensor_jobs(plan: RunPlan, device) -> tuple[list[dict], list[dict]]:
         except RuntimeError as e:  # ColwiseParallel splits a KV head: every rank fails alike
             if not has_replicas(cfg):
                 raise
-            rows.append({"seed": seed, "error": describe_error(e)})
-            continue
+            metrics = {"seed": seed, "error": describe_error(e)}
+        else:
+            counts = counts or ledger
         rows.append(metrics)
-        counts = counts or ledger
     if counts is None:
         return rows, []
     if cfg.sequence_parallel:
