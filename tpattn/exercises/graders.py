@@ -338,14 +338,10 @@ def grade_prediction(predict, mode: str, hits: bool = False, configs=CHECKED_CON
                     f"prediction is right.")
     missed = [n for n in order if n in always - predicted]
     extra = [n for n in order if n in predicted - always]
-    if missed or extra:
-        parts = []
-        if missed:
-            parts.append(f"you left out {', '.join(missed)}, which "
-                         f"fail{'s' if len(missed) == 1 else ''} on every run")
-        if extra:
-            parts.append(f"you named {', '.join(extra)}, which "
-                         f"pass{'es' if len(extra) == 1 else ''} on every run")
+    wrong = (("left out", missed, "fail", "s"), ("named", extra, "pass", "es"))
+    parts = [f"you {said} {', '.join(names)}, which {verb}{end if len(names) == 1 else ''} on "
+             f"every run" for said, names, verb, end in wrong if names]
+    if parts:
         raise Wrong(f"not quite: {' and '.join(parts)} of {mode} ({len(found)} runs: "
                     f"{len(seeds)} seeds × {len(configs)} shapes).")
     return (f"right: on all {len(found)} runs of {mode} ({len(seeds)} seeds × {len(configs)} "

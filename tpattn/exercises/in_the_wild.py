@@ -48,9 +48,8 @@ def _grade_bias_output(forward, x0, base: dict, dense: dict, cfg: Config, where:
         out.sum().backward()
     unreached = [k for k, t in trial.items() if t.grad is None]
     if unreached:
-        raise Wrong(f"{where} the output is right but the gradients do not reach "
-                    f"{', '.join(unreached)}: use the parameters of p themselves "
-                    f"(no detach, no copy).")
+        raise Wrong(f"{where} the output is right but no gradient reaches "
+                    f"{', '.join(unreached)}: use p's own parameters (no detach, no copy).")
 
 
 @exercise("add the row-parallel bias once", 16)
@@ -204,10 +203,9 @@ def check_rng_resync(resync) -> str:
                         + "; every TP rank must draw the residual mask from one state.")
         if len(set(step["losses"].tolist())) != 1:
             raise Wrong(f"{where}, the ranks' losses differ.")
-    return (f"every TP rank continues from one state: the residual masks, the outputs and "
-            f"the losses agree on all ranks for {counted(DROPOUT_CONFIGS, EXTRA_SEEDS)}. "
-            f"Megatron-DeepSpeed PR 276 removed the drift instead: the loader got its own "
-            f"generator.")
+    return (f"every TP rank continues from one state: the residual masks, the outputs and the "
+            f"losses agree on all ranks for {counted(DROPOUT_CONFIGS, EXTRA_SEEDS)}. "
+            f"Megatron-DeepSpeed PR 276 removed the drift instead: the loader got its own RNG.")
 
 
 @exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
@@ -386,14 +384,12 @@ def check_sp_gather_tokens(gather) -> str:
                       for _ in range(cfg.ranks)]
             got = tensor_list(gather([t.clone() for t in tokens], cfg), cfg.ranks,
                               [cfg.seq, cfg.batch, cfg.hidden], "a gathered sequence")
-            want = comm.group_cat(torch.stack(tokens), 0)
-            wrong = comm.group_cat(torch.stack(tokens), 0, "dp") \
-                if cfg.data_parallel == cfg.world_size else None
+            want, wrong = (comm.group_cat(torch.stack(tokens), 0, group) for group in ("tp", "dp"))
             where = f"on {mesh_text(cfg)} (seed {seed})"
             for r in range(cfg.ranks):
                 if torch.equal(got[r], want[r]):
                     continue
-                if wrong is not None and torch.equal(got[r], wrong[r]):
+                if torch.equal(got[r], wrong[r]):  # only where DP = TP, else shapes differ
                     raise Wrong(f"{where}, rank {r} gathered over its DP group: the right "
                                 f"shape, but chunk by chunk the tokens of every replica "
                                 f"(NVIDIA/Megatron-LM issue 7452).")

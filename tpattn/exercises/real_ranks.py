@@ -141,8 +141,7 @@ def check_real_f_and_g(f_and_g) -> str:
         fails = failing(metrics)
         if "forward_max_abs_diff" in fails:
             raise Wrong(f"on real ranks the output is not dense's (seed {metrics['seed']}): "
-                        f"G's forward must leave every rank with the sum of all ranks' "
-                        f"partials.")
+                        f"G's forward must leave every rank with the sum of all partials.")
         if fails:
             raise Wrong(f"on real ranks the forward is right but {', '.join(fails)} fail "
                         f"(seed {metrics['seed']}): F's backward must all-reduce dn, and G's "
@@ -172,9 +171,8 @@ def check_norm_grad_reduce(finalize) -> str:
         def stage(grad, comm):  # the norm_grad stage: the reader's all-reduce, graded
             return torch.stack(summed(
                 finalize, [t.clone() for t in grad.unbind(0)], "norm gradient",
-                lambda r: f"{where}, rank {r} uses the average of the ranks' shares; each share "
-                          f"is a different set of tokens' term of one sum, so they add up (sum, "
-                          f"not mean).",
+                lambda r: f"{where}, rank {r} averages the ranks' shares, but each is its own "
+                          f"tokens' term of one sum: they add up (sum, not mean).",
                 lambda r: f"{where}, rank {r} keeps only its own tokens' share: the norm weight "
                           f"sees S/W tokens per rank, so its gradient needs an all-reduce (sum) "
                           f"over the TP group.",
