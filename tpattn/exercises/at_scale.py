@@ -98,9 +98,8 @@ def check_classify(classify) -> str:
                     f"{', '.join(over)} exceed{'s' if len(over) == 1 else ''} "
                     f"{'its bound' if len(over) == 1 else 'their bounds'}; any one measure over "
                     f"its bound is enough.")
-    return (f"right on {len(runs)} runs: every mode, {len(CHECKED_SEEDS)} seeds, "
-            f"float32, float64 and bfloat16 — correct TP within its bounds, every bug over "
-            f"at least one.")
+    return (f"right on {len(runs)} runs: every mode, {len(CHECKED_SEEDS)} seeds, float32, float64 "
+            f"and bfloat16 — correct TP within its bounds, every bug over at least one.")
 
 
 # --- chapter 15 -----------------------------------------------------------------------------

@@ -43,8 +43,7 @@ def _step_dict(step) -> None:
     for key in ("grads", "weights"):
         if not isinstance(step[key], dict) or any(
                 not isinstance(step[key].get(k), torch.Tensor) for k in PARAM_NAMES):
-            raise Wrong(f"step['{key}'] should map each of {', '.join(PARAM_NAMES)} to "
-                        f"a tensor.")
+            raise Wrong(f"step['{key}'] should map each of {', '.join(PARAM_NAMES)} to a tensor.")
     for key in ("output", "loss", "input_grad"):
         tensor(step[key], f"step['{key}']")
 

@@ -189,8 +189,7 @@ def must_pass(seed: int, dense: dict, tp: dict, where: str) -> None:
 def tensor(value, what: str) -> torch.Tensor:
     """``value`` if it is a tensor, else ``Wrong`` naming ``what``."""
     if not isinstance(value, torch.Tensor):
-        raise Wrong(f"{what} should be a torch.Tensor, but your code gave "
-                    f"{type(value).__name__}.")
+        raise Wrong(f"{what} should be a torch.Tensor, but your code gave {type(value).__name__}.")
     return value
 
 
@@ -334,8 +333,7 @@ def grade_prediction(predict, mode: str, hits: bool = False, configs=CHECKED_CON
     found = [set(run[hits]) for run in mode_runs(mode, configs, seeds)]
     always, sometimes = set.intersection(*found), set.union(*found)
     if always != sometimes:  # not seen in the package so far; say it rather than guess
-        raise Wrong(f"the runs of {mode} do not agree on which {what} fail; no single "
-                    f"prediction is right.")
+        raise Wrong(f"the runs of {mode} disagree on which {what} fail; no prediction is right.")
     missed = [n for n in order if n in always - predicted]
     extra = [n for n in order if n in predicted - always]
     wrong = (("left out", missed, "fail", "s"), ("named", extra, "pass", "es"))

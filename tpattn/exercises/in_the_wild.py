@@ -183,7 +183,6 @@ def check_rng_resync(resync) -> str:
     """Check ``resync(states) -> list``: from every TP rank's generator state (uint8) after rank
     0's loader drew from it, the state each continues with."""
     for cfg, seed, x0, target, base in cases(DROPOUT_CONFIGS, EXTRA_SEEDS):
-        w = cfg.world_size
         where = f"for seed {seed}, {shape_text(cfg)}"
         streams = simulated_streams(cfg, seed, Injection(rng="rank0_drift"))
         states = [g.get_state() for g in streams.defaults]
@@ -194,7 +193,7 @@ def check_rng_resync(resync) -> str:
         for g, s in zip(streams.defaults, got):
             g.set_state(s.clone())
         step = same_batch_step(base, x0, target, cfg, Injection(), rng=streams)
-        apart = max(max_abs_diff(step["outputs"][r], step["outputs"][0]) for r in range(w))
+        apart = max(max_abs_diff(out, step["outputs"][0]) for out in step["outputs"])
         if apart > 0:
             same = all(torch.equal(a, b) for a, b in zip(got, states))
             raise Wrong(f"{where}, the ranks' outputs still differ by {apart:.2g}"
@@ -282,12 +281,10 @@ def check_dp_grad_sync(sync) -> str:
             synced = {name: g.clone() for name, g in grads.items()}
             for (name, g), t in itertools.product(synced.items(), range(w)):
                 got = summed(
-                    sync, [g[r * w + t].clone() for r in range(d)],
-                    f"the synced gradient of {name}",
+                    sync, [g[r * w + t] for r in range(d)], f"the synced gradient of {name}",
                     lambda r: f"{where}, replica {r} uses the mean of the replicas' {name} "
                               f"gradients: each share is already divided by the global numel "
-                              f"(the loss is the global mean), so they add up (SUM over the DP "
-                              f"group).",
+                              f"(a global-mean loss), so they add up (SUM over the DP group).",
                     lambda r: f"{where}, replica {r} keeps its own {name} gradient (a sync over "
                               f"a group of one rank): the replicas step on different gradients "
                               f"and drift apart.",
@@ -327,10 +324,9 @@ def check_logged_loss(logged) -> str:
         if abs(got - true) <= 1e-6 * abs(true):
             continue
         if abs(got - w * true) <= 1e-5 * w * abs(true) and not cfg.sequence_parallel:
-            raise Wrong(f"{where}, you logged W = {w} times the loss: summing every rank of the "
-                        f"mesh counts each replica's share once per TP rank (the loss "
-                        f"all-reduced over the world mesh, pytorch/torchtitan PR 105); sum over "
-                        f"the DP group only.")
+            raise Wrong(f"{where}, you logged W = {w} times the loss: a sum over the mesh counts "
+                        f"each replica's share once per TP rank (the loss all-reduced over the "
+                        f"world mesh, pytorch/torchtitan PR 105); sum over the DP group only.")
         own = sum(shares[:w]) if cfg.sequence_parallel else shares[0]
         if abs(got - own) <= 1e-5 * abs(own):
             raise Wrong(f"{where}, you logged replica 0's own share, about 1/{d} of the loss: "

@@ -214,9 +214,8 @@ def check_rope_offset(offset) -> str:
             raise Wrong(f"{where}: rank {rank} holds positions {first}..{tokens.stop - 1} of the "
                         f"gathered sequence, but offset {got} rotates them as positions "
                         f"{got}..{got + tokens.stop - first - 1}{hint}.")
-    return (f"right for every rank of {len(configs)} shapes (2 to 4 ranks): each rank's "
-            f"rotated tokens equal the gathered sequence's, so attention sees global "
-            f"positions.")
+    return (f"right for every rank of {len(configs)} shapes (2 to 4 ranks): each rank's rotated "
+            f"tokens equal the gathered sequence's, so attention sees global positions.")
 
 
 # --- chapter 13 -----------------------------------------------------------------------------

@@ -75,11 +75,10 @@ def _grade_sharded_block(shard, cfg: Config, seed: int, x0, params: dict) -> Non
     fails = failing(run(seed, EQUIVALENCE, cfg, shard_fn=shard)) if not unreached else \
         ["parameter_grad_max_abs_diff"]
     if fails and "forward_max_abs_diff" not in fails:
-        raise Wrong("every rank holds the right heads and the forward matches, but the "
-                    "gradients do not reach the dense parameters"
-                    + (f" ({', '.join(unreached)} get none)" if unreached else "")
-                    + ": a shard must be a differentiable slice of params (no detach, "
-                    "no new tensor).")
+        none = f" ({', '.join(unreached)} get none)" if unreached else ""
+        raise Wrong(f"every rank holds the right heads and the forward matches, but the "
+                    f"gradients do not reach the dense parameters{none}: a shard must be a "
+                    f"differentiable slice of params (no detach, no new tensor).")
     if fails:
         raise Wrong(f"the sharded block differs from dense for seed {seed}, "
                     f"{shape_text(cfg)} (fails {', '.join(fails)}).")
@@ -228,8 +227,7 @@ def check_tp_mlp(tp_mlp) -> str:
                         f"once, on the list of the ranks' partial outputs.")
         parts = calls[0]
         if len(parts) != w or not all(isinstance(p, torch.Tensor) for p in parts):
-            raise Wrong(f"{where}, g should get a list of {w} tensors, one partial output "
-                        f"per rank.")
+            raise Wrong(f"{where}, g should get a list of {w} tensors, one partial per rank.")
         block = inter // w
         for r, part in enumerate(parts):
             rows = slice(r * block, (r + 1) * block)

@@ -95,8 +95,7 @@ def encode_png(pixels, palette: bool = False) -> bytes:
 class StandingFigure:
     """A figure kept standing per *structure* (the last ``size``), updated per *state* by
     blitting: ``build(structure, state)`` makes it, ``update(fig, state)`` sets the artists
-    ``dynamic(fig)`` lists, which alone are redrawn over a cached background; the pixels equal
-    a full draw."""
+    ``dynamic(fig)`` lists, redrawn alone over a cached background: pixels equal a full draw."""
 
     def __init__(self, build: Callable, update: Callable, dynamic: Callable,
                  size: int = 6, dpi: int = PNG_DPI):
