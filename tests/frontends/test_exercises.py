@@ -440,3 +440,16 @@ def test_grade_sum_passes_the_sum_and_names_the_mean_the_own_share_or_neither():
                          ([total, total, 2 * total], "neither on 2")):
         with pytest.raises(Wrong, match=message):
             grade_sum(got, own, *texts)
+
+
+def test_each_mode_leaves_one_signature_of_its_own_on_the_checked_runs():
+    """Chapter 10's checkers read each mode's failing measures off any one of its runs."""
+    signatures = {}
+    for cfg in ex.CHECKED_CONFIGS:
+        for seed in ex.CHECKED_SEEDS:
+            for mode in tpattn.MODES:
+                result = tpattn.run(seed, mode, cfg, "ranks")
+                signatures.setdefault(mode, set()).add(
+                    tuple(m for m in MEASURES if result[m] >= tpattn.TOLERANCE))
+    assert all(len(found) == 1 for found in signatures.values()), signatures
+    assert len({found.pop() for found in signatures.values()}) == len(tpattn.MODES)
