@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 import tpattn
 from tpattn import exercises as ex
-from tpattn.check.core import LR, MEASURES
+from tpattn.check.core import LR, MEASURES, MISSING_KV_GRAD_REDUCE
+from tpattn.exercises import in_the_wild, real_ranks
+from tpattn.exercises.graders import EXTRA_SEEDS, mode_runs
 from tpattn.block.dense import attend_and_project
 
 from tests.wrong_answers_later import WRONG_LATER
@@ -453,3 +455,14 @@ def test_each_mode_leaves_one_signature_of_its_own_on_the_checked_runs():
                     tuple(m for m in MEASURES if result[m] >= tpattn.TOLERANCE))
     assert all(len(found) == 1 for found in signatures.values()), signatures
     assert len({found.pop() for found in signatures.values()}) == len(tpattn.MODES)
+
+
+@pytest.mark.parametrize("mode, hits, configs, seeds", [
+    (tpattn.MISSING_OUTPUT_REDUCE, False, ex.CHECKED_CONFIGS, ex.CHECKED_SEEDS),
+    (tpattn.MISSING_INPUT_GRAD_REDUCE, False, ex.CHECKED_CONFIGS, ex.CHECKED_SEEDS),
+    (tpattn.MISSING_INPUT_GRAD_REDUCE, True, ex.CHECKED_CONFIGS, ex.CHECKED_SEEDS),
+    ("qk_norm_grad_not_reduced", True, in_the_wild.QK_NORM_CONFIGS[:2], EXTRA_SEEDS),
+    (MISSING_KV_GRAD_REDUCE, True, real_ranks.KV_CONFIGS[:2], EXTRA_SEEDS)])
+def test_every_run_of_a_predicted_mode_fails_the_same_things(mode, hits, configs, seeds):
+    """``grade_prediction`` takes any one run of the mode as the answer."""
+    assert len({run[hits] for run in mode_runs(mode, configs, seeds)}) == 1

@@ -326,14 +326,12 @@ def mode_runs(mode: str, configs=CHECKED_CONFIGS, seeds=CHECKED_SEEDS) -> tuple:
 def grade_prediction(predict, mode: str, hits: bool = False, configs=CHECKED_CONFIGS,
                      seeds=CHECKED_SEEDS) -> str:
     """Grade ``predict() -> set``: the measures that fail on every run of ``mode`` or, with
-    ``hits``, the parameters whose gradients it makes wrong (all runs must agree)."""
+    ``hits``, the parameters whose gradients it makes wrong (all runs agree: a test asserts it)."""
     noun, what = ("parameter", "parameter gradients") if hits else ("measure", "measures")
     order = PARAM_NAMES + (QK_NORM_NAMES if configs[0].qk_norm else ()) if hits else MEASURES
     predicted = as_names(predict(), order, noun)
     found = [set(run[hits]) for run in mode_runs(mode, configs, seeds)]
-    always, sometimes = set.intersection(*found), set.union(*found)
-    if always != sometimes:  # not seen in the package so far; say it rather than guess
-        raise Wrong(f"the runs of {mode} disagree on which {what} fail; no prediction is right.")
+    always = found[0]
     missed = [n for n in order if n in always - predicted]
     extra = [n for n in order if n in predicted - always]
     wrong = (("left out", missed, "fail", "s"), ("named", extra, "pass", "es"))
