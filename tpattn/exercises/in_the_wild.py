@@ -67,9 +67,8 @@ def check_bias_once(forward) -> str:
                         f"be the parameter p['bias'] itself, so its gradient reaches it.")
         if fails:
             raise Wrong(f"{where} the sharded block fails {', '.join(fails)}.")
-    return (f"the bias is added once, after the all-reduce: the block equals dense with its "
-            f"bias on all five measures for {len(EXTRA_SEEDS)} seeds × "
-            f"{len(CHECKED_CONFIGS)} shapes.")
+    return (f"the bias is added once, after the all-reduce: the block equals dense with its bias "
+            f"on all five measures for {len(EXTRA_SEEDS)} seeds × {len(CHECKED_CONFIGS)} shapes.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,8 +425,7 @@ def _grade_loaded(got, w: torch.Tensor, right: list[dict], cfg: Config, rank: in
         return
     if rank > 0 and same([right[0][k] for k in _QKV]):
         raise Wrong(f"{where} you loaded rank 0's rows: narrow at this rank's offset, tp_rank * "
-                    f"rows_per_rank (the loader of vllm-gguf-plugin issue 103 never got "
-                    f"tp_rank).")
+                    f"rows_per_rank (the loader of vllm-gguf-plugin issue 103 never got tp_rank).")
     if same(read_rank_qkv(w.detach()[rank_row_block(cfg, rank)], cfg, "plain")):
         raise Wrong(f"{where} you read the rank's rows as [Q; K; V], but they are "
                     f"{cfg.local_kv_heads} groups [q x {cfg.group_size}; k; v]: split them per "

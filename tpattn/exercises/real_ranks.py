@@ -244,9 +244,8 @@ def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, w
                           f"the other replica groups hold other KV heads — sum only over its "
                           f"replica group {group}."),
             (in_group / len(group), w, f"{where}, rank {r}'s {name} gradient is the replica "
-                                       f"group's average; each replica's gradient is a "
-                                       f"different term of the head's gradient, so they add "
-                                       f"up.")],
+                                       f"group's average; each replica's gradient is a different "
+                                       f"term of the head's gradient, so they add up.")],
             f"{where}, rank {r}'s {name} gradient is not the dense gradient of its KV head's rows.")
 
 
