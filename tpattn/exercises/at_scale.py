@@ -145,10 +145,9 @@ def _grade_fused(shard, fuse, layout: str) -> str:
             _grade_fused_rows(mine, base, cfg, rank, layout)
 
     def shard_fn(params, cfg):
-        cut = shard(fuse(params, cfg), cfg)
-        return [{"norm": params["norm"], "wq": cut[r]["wq"], "wk": cut[r]["wk"],
-                 "wv": cut[r]["wv"], "wo": params["wo"][:, rank_head_slices(cfg, r)[0]]}
-                for r in range(cfg.world_size)]
+        return [{"norm": params["norm"], **{k: mine[k] for k in _KINDS},
+                 "wo": params["wo"][:, rank_head_slices(cfg, r)[0]]}
+                for r, mine in enumerate(shard(fuse(params, cfg), cfg))]
 
     try:
         check_shard_params.__wrapped__(shard_fn)
