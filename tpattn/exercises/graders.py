@@ -121,9 +121,8 @@ def exercise(name: str, chapter: int):
             except Wrong as e:
                 return Result(name, False, f"{e} See {CHAPTERS[chapter]}.")
             except NotImplementedError:
-                return Result(name, False, f"not written yet: replace `raise NotImplementedError` "
-                                           f"in {name_of(answer)} with your code, then run this "
-                                           f"cell again.")
+                stub = f"replace `raise NotImplementedError` in {name_of(answer)} with your code"
+                return Result(name, False, f"not written yet: {stub}, then run this cell again.")
             except Exception as e:  # noqa: BLE001 - the reader's code may raise anything
                 return Result(name, False, reader_error(e) + f" See {CHAPTERS[chapter]}.")
             return Result(name, True, message)

@@ -263,8 +263,7 @@ def check_gate_up_shards(shard_gate_up) -> str:
                             f"features: cut gate and up each by rank, then stack them.")
             if not torch.equal(shard.detach(), torch.cat([gate[rows], up[rows]])):
                 raise Wrong(f"{where}, rank {r}'s shard is not gate rows {rows.start}.."
-                            f"{rows.stop - 1} followed by up rows {rows.start}.."
-                            f"{rows.stop - 1}.")
+                            f"{rows.stop - 1} followed by the same rows of up.")
         out = sum(_mlp(n, s, fc2[:, r * block:(r + 1) * block], True)
                   for r, s in enumerate(shards))
         _grads_match(out, _mlp(n, gate_up, fc2, True), {"gate_up": gate_up}, where)
@@ -363,9 +362,8 @@ def check_separating_measures(pick) -> str:
                  if all((m in signatures[a]) == (m in signatures[b]) for m in chosen)), None)
     if pair:
         raise Wrong(f"{pair[0]} and {pair[1]} pass and fail alike on "
-                    f"{', '.join(m for m in MEASURES if m in chosen)}: one of the two measures "
-                    f"must fail without f (the backward pass), the other only without g (the "
-                    f"forward pass).")
+                    f"{', '.join(m for m in MEASURES if m in chosen)}: one measure must fail "
+                    f"without f (the backward pass), the other only without g (the forward pass).")
     if len(chosen) > 2:
         raise Wrong(f"these {len(chosen)} measures tell the modes apart, but two suffice: keep "
                     f"one that fails only without g and one that fails without either.")
@@ -389,8 +387,7 @@ def check_diagnose(diagnose) -> str:
             raise Wrong(f"your function returned {got!r}; return one of "
                         f"{', '.join(MODES)}, or None for a signature no mode leaves.")
         raise Wrong(f"for {_result_text(result)} (failing: "
-                    f"{', '.join(failing(result)) or 'nothing'}) you said "
-                    f"{'None' if got is None else got}; "
+                    f"{', '.join(failing(result)) or 'nothing'}) you said {got}; "
                     + (f"the run came from {want}." if want else
                        "no mode leaves that signature, so the answer is None."))
     return (f"right on {len(results)} results: every real run ({len(real)}: every mode, "
