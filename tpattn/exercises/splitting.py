@@ -17,9 +17,9 @@ from tpattn.check.core import (EQUIVALENCE, MEASURES, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, TOLERANCE)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
-                                      coverage, exercise, expect_shape, failing, first_near,
-                                      grade_prediction, head_of, near, rank_dicts, shape_text,
-                                      tensor, tensor_list)
+                                      counted, coverage, exercise, expect_shape, failing,
+                                      first_near, grade_prediction, head_of, near, rank_dicts,
+                                      shape_text, tensor, tensor_list)
 from tpattn.parallel.tp import tp_forward
 
 # --- chapter 6 ------------------------------------------------------------------------------
@@ -241,8 +241,7 @@ def check_tp_mlp(tp_mlp) -> str:
             raise Wrong(f"{where}, the output is not the dense MLP's: return g's sum.")
         _grads_match(out, want, {"n": n, "fc1": fc1, "fc2": fc2}, where)
     return (f"every rank's partial, the output and the gradients of n, fc1 and fc2 equal the "
-            f"dense MLP's on {len(_MLP_SHAPES)} shapes (2 and 4 ranks) × "
-            f"{len(CHECKED_SEEDS)} seeds.")
+            f"dense MLP's for {counted(_MLP_SHAPES, CHECKED_SEEDS, ', 2 and 4 ranks')}.")
 
 
 @exercise("a fused gate/up weight", 7)
