@@ -515,8 +515,7 @@ def _ledger_mistake(obs: dict, mode: str, got, want) -> str:
     """Why ``got`` misreads ``obs``'s ledger (a run of ``mode``; ``want``: the right answer)."""
     counts, plan = ({phase: sum(e["phase"] == phase for e in obs[key])
                      for phase in ("forward", "backward")} for key in ("ledger", "planned_ledger"))
-    shown = (f"forward {counts['forward']} (plan {plan['forward']}), backward "
-             f"{counts['backward']} (plan {plan['backward']})")
+    shown = ", ".join(f"{phase} {counts[phase]} (plan {plan[phase]})" for phase in plan)
     if want is None:
         correct = zoo.resolve(mode).is_correct
         return (f"for {'a correct run' if correct else f'a run of {mode}'} the ledger shows "
