@@ -209,9 +209,8 @@ def _grads_match(out, want, leaves: dict, where: str) -> None:
     ref = torch.autograd.grad(want, list(leaves.values()), cot)
     for name, g, r in zip(leaves, mine, ref):
         if g is None or not near(g, r, 64):
-            raise Wrong(f"{where}, the gradient of {name} differs from the dense MLP's: "
-                        + _GRAD_HINTS.get(name, f"compute from {name} itself, not a copy")
-                        + ".")
+            hint = _GRAD_HINTS.get(name, f"compute from {name} itself, not a copy")
+            raise Wrong(f"{where}, the gradient of {name} differs from the dense MLP's: {hint}.")
 
 
 @exercise("f and g in the MLP", 7)
