@@ -166,15 +166,11 @@ def check_dropout_streams(seeds) -> str:
 
 def _state_list(value, states: list[torch.Tensor]) -> list[torch.Tensor]:
     """``value`` as a generator state per rank, like ``states``, else ``Wrong``."""
-    if not isinstance(value, (list, tuple)) or len(value) != len(states):
-        raise Wrong(f"your function should return a list of {len(states)} generator "
-                    f"states, one per rank.")
-    for r, t in enumerate(value):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 \
-                or t.shape != states[0].shape:
-            raise Wrong(f"rank {r}'s state should be a generator state like the ones you "
-                        f"got (a uint8 tensor of {states[0].numel()} bytes).")
-    return list(value)
+    got = tensor_list(value, len(states), states[0].shape, "generator state")
+    for r, t in enumerate(got):
+        if t.dtype != torch.uint8:
+            raise Wrong(f"rank {r}'s generator state should be uint8, like the ones you got.")
+    return got
 
 
 @exercise("re-sync the drifted RNG", AROUND_CHAPTER)
