@@ -123,12 +123,11 @@ def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> 
     d = cfg.head_dim
     if not isinstance(mine, dict) or any(k not in mine for k in _KINDS):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys wq, wk, wv.")
-    rows = {"wq": cfg.local_query_heads * d, "wk": cfg.local_kv_heads * d,
-            "wv": cfg.local_kv_heads * d}
-    for name, count in rows.items():
+    for name in _KINDS:
+        heads = cfg.local_query_heads if name == "wq" else cfg.local_kv_heads
         t = tensor(mine[name], f"rank {rank}'s {name}")
-        expect_shape(t, [count, cfg.hidden], f"for {shape_text(cfg)}, rank {rank}'s {name}")
-        for i in range(count // d):
+        expect_shape(t, [heads * d, cfg.hidden], f"for {shape_text(cfg)}, rank {rank}'s {name}")
+        for i in range(heads):
             source = _block_source(t[i * d:(i + 1) * d], base, d)
             if not source.startswith(_KINDS[name]):
                 raise Wrong(f"for {shape_text(cfg)}, rank {rank}'s {name} rows "
