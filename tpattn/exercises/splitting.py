@@ -147,27 +147,26 @@ def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
 def check_keeps_groups(keeps_groups) -> str:
     """Check ``keeps_groups(layout, cfg) -> bool``: whether a layout (per rank the sorted lists
     ``"query"`` and ``"kv"`` of its heads) keeps every group on one rank."""
-    rng, count = random.Random(13), 0
-    for cfg in CHECKED_CONFIGS:
-        for layout in _layouts(cfg, rng):
-            truth = run(11, EQUIVALENCE, cfg, shard_fn=_layout_shard_fn(layout))["passed"]
-            answer = keeps_groups([{"query": list(p["query"]), "kv": list(p["kv"])}
-                                   for p in layout], cfg)
-            if not isinstance(answer, bool) and not (
-                    isinstance(answer, torch.Tensor) and answer.numel() == 1):
-                raise Wrong(f"your function should return True or False, but it gave "
-                            f"{type(answer).__name__}.")
-            if bool(answer) != truth:
-                verdict = ("keeps groups complete, but the sharded block with this layout "
-                           "differs from dense" if answer else
-                           "splits a group, but the sharded block with this layout matches "
-                           "dense on all five measures")
-                text = "; ".join(f"rank {r}: query {part['query']}, KV {part['kv']}"
-                                 for r, part in enumerate(layout))
-                raise Wrong(f"for {shape_text(cfg)} and the layout {text}, you said it {verdict}.")
-            count += 1
-    return (f"right on all {count} layouts (three shapes, the package's layout, groups moved "
-            f"between ranks and shuffled heads), each graded by running the sharded block.")
+    rng = random.Random(13)
+    layouts = [(cfg, layout) for cfg in CHECKED_CONFIGS for layout in _layouts(cfg, rng)]
+    for cfg, layout in layouts:
+        truth = run(11, EQUIVALENCE, cfg, shard_fn=_layout_shard_fn(layout))["passed"]
+        given = [{"query": list(p["query"]), "kv": list(p["kv"])} for p in layout]
+        answer = keeps_groups(given, cfg)
+        if not isinstance(answer, bool) and not (
+                isinstance(answer, torch.Tensor) and answer.numel() == 1):
+            raise Wrong(f"your function should return True or False, but it gave "
+                        f"{type(answer).__name__}.")
+        if bool(answer) != truth:
+            verdict = ("keeps groups complete, but the sharded block with this layout differs "
+                       "from dense" if answer else
+                       "splits a group, but the sharded block with this layout matches dense on "
+                       "all five measures")
+            text = "; ".join(f"rank {r}: query {part['query']}, KV {part['kv']}"
+                             for r, part in enumerate(layout))
+            raise Wrong(f"for {shape_text(cfg)} and the layout {text}, you said it {verdict}.")
+    return (f"right on all {len(layouts)} layouts (three shapes, the package's layout, groups "
+            f"moved between ranks and shuffled heads), each graded by running the sharded block.")
 
 
 # --- chapter 7 ------------------------------------------------------------------------------
