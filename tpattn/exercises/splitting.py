@@ -261,8 +261,7 @@ def check_gate_up_shards(shard_gate_up) -> str:
             if not torch.equal(shard.detach(), torch.cat([gate[rows], up[rows]])):
                 raise Wrong(f"{where}, rank {r}'s shard is not gate rows {rows.start}.."
                             f"{rows.stop - 1} followed by the same rows of up.")
-        out = sum(_mlp(n, s, fc2[:, r * block:(r + 1) * block], True)
-                  for r, s in enumerate(shards))
+        out = sum(_mlp(n, s, cols, True) for s, cols in zip(shards, fc2.chunk(w, dim=1)))
         _grads_match(out, _mlp(n, gate_up, fc2, True), {"gate_up": gate_up}, where)
     return (f"every rank holds its gate rows and the matching up rows, and the sharded SwiGLU "
             f"MLP's gradient reaches gate_up equal to dense on {len(_MLP_SHAPES)} shapes (2 "
