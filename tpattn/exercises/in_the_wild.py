@@ -197,9 +197,10 @@ def check_rng_resync(resync) -> str:
                         + "; every TP rank must draw the residual mask from one state.")
         if len(set(step["losses"].tolist())) != 1:
             raise Wrong(f"{where}, the ranks' losses differ.")
-    return (f"every TP rank continues from one state: the residual masks, the outputs and the "
-            f"losses agree on all ranks for {counted(DROPOUT_CONFIGS, EXTRA_SEEDS)}. "
-            f"Megatron-DeepSpeed PR 276 removed the drift instead: the loader got its own RNG.")
+    return (f"every TP rank continues from one state: the residual masks, the outputs and "
+            f"the losses agree on all ranks for {counted(DROPOUT_CONFIGS, EXTRA_SEEDS)}. "
+            f"Megatron-DeepSpeed PR 276 removed the drift instead: the loader got its own "
+            f"generator.")
 
 
 @exercise("reduce the q/k-norm gradients", AROUND_CHAPTER)
