@@ -466,3 +466,9 @@ def test_each_mode_leaves_one_signature_of_its_own_on_the_checked_runs():
 def test_every_run_of_a_predicted_mode_fails_the_same_things(mode, hits, configs, seeds):
     """``grade_prediction`` takes any one run of the mode as the answer."""
     assert len({run[hits] for run in mode_runs(mode, configs, seeds)}) == 1
+
+
+def test_each_zoo_bug_shows_in_the_forward_on_both_hunt_shapes_or_on_neither():
+    """``check_forward_visible`` says 'on both shapes' of every bug it grades."""
+    from tpattn.exercises.in_the_wild import _zoo_forward_hits
+    assert all(len(hits) == 1 for hits in _zoo_forward_hits().values()), _zoo_forward_hits()
