@@ -109,7 +109,7 @@ HUNT_ANSWERS = {0: "grad_norm_counts_replicas", 3: "row_bias_on_every_rank",
                 10: "inputs_not_replicated", 1: "no known cause"}
 
 WRONG_LATER = [
-    ("check_norm_grad_reduce", mean_norm, "uses the average of the ranks' shares"),
+    ("check_norm_grad_reduce", mean_norm, "averages the ranks' shares"),
     ("check_norm_grad_reduce", own_norm, "keeps only its own tokens' share"),
     ("check_norm_grad_reduce", rank0_only_sums, "rank 1 keeps only its own tokens' share"),
     ("check_rope_offset", lambda cfg, rank: 0, "as if they started the sequence"),

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 import tpattn
 from tpattn import exercises as ex
-from tpattn.check.core import LR, MEASURES
+from tpattn.check.core import LR, MEASURES, MISSING_KV_GRAD_REDUCE
+from tpattn.exercises import in_the_wild, real_ranks
+from tpattn.exercises.graders import EXTRA_SEEDS, mode_runs
 from tpattn.block.dense import attend_and_project
 
 from tests.wrong_answers_later import WRONG_LATER
@@ -440,3 +442,33 @@ def test_grade_sum_passes_the_sum_and_names_the_mean_the_own_share_or_neither():
                          ([total, total, 2 * total], "neither on 2")):
         with pytest.raises(Wrong, match=message):
             grade_sum(got, own, *texts)
+
+
+def test_each_mode_leaves_one_signature_of_its_own_on_the_checked_runs():
+    """Chapter 10's checkers read each mode's failing measures off any one of its runs."""
+    signatures = {}
+    for cfg in ex.CHECKED_CONFIGS:
+        for seed in ex.CHECKED_SEEDS:
+            for mode in tpattn.MODES:
+                result = tpattn.run(seed, mode, cfg, "ranks")
+                signatures.setdefault(mode, set()).add(
+                    tuple(m for m in MEASURES if result[m] >= tpattn.TOLERANCE))
+    assert all(len(found) == 1 for found in signatures.values()), signatures
+    assert len({found.pop() for found in signatures.values()}) == len(tpattn.MODES)
+
+
+@pytest.mark.parametrize("mode, hits, configs, seeds", [
+    (tpattn.MISSING_OUTPUT_REDUCE, False, ex.CHECKED_CONFIGS, ex.CHECKED_SEEDS),
+    (tpattn.MISSING_INPUT_GRAD_REDUCE, False, ex.CHECKED_CONFIGS, ex.CHECKED_SEEDS),
+    (tpattn.MISSING_INPUT_GRAD_REDUCE, True, ex.CHECKED_CONFIGS, ex.CHECKED_SEEDS),
+    ("qk_norm_grad_not_reduced", True, in_the_wild.QK_NORM_CONFIGS[:2], EXTRA_SEEDS),
+    (MISSING_KV_GRAD_REDUCE, True, real_ranks.KV_CONFIGS[:2], EXTRA_SEEDS)])
+def test_every_run_of_a_predicted_mode_fails_the_same_things(mode, hits, configs, seeds):
+    """``grade_prediction`` takes any one run of the mode as the answer."""
+    assert len({run[hits] for run in mode_runs(mode, configs, seeds)}) == 1
+
+
+def test_each_zoo_bug_shows_in_the_forward_on_both_hunt_shapes_or_on_neither():
+    """``check_forward_visible`` says 'on both shapes' of every bug it grades."""
+    from tpattn.exercises.in_the_wild import _zoo_forward_hits
+    assert all(len(hits) == 1 for hits in _zoo_forward_hits().values()), _zoo_forward_hits()

@@ -1,10 +1,7 @@
-"""Exercises that check themselves: the reader writes the code, the package says what is right.
-
-Each ``check_*`` runs the reader's function through the package on more seeds and shapes than
-the chapter tried and returns a ``Result``: ``.passed`` and one short paragraph saying what is
-right or wrong and which chapter explains it. One module per part of the book; ``graders`` holds
-what they share. ``import tpattn`` does not import this package.
-"""
+"""Exercises that check themselves: each ``check_*`` runs the reader's function through the
+package on more seeds and shapes than the chapter tried and returns a ``Result``: ``.passed`` and
+one short paragraph saying what is right or wrong and which chapter explains it. One module per
+part of the book; ``graders`` holds what they share. ``import tpattn`` does not import this."""
 from tpattn.exercises.at_scale import (check_classify, check_relative_bound,
                                        check_shard_concat_qkv, check_shard_fused_qkv)
 from tpattn.exercises.dense_block import check_five_measures, check_train_step

@@ -98,9 +98,8 @@ def check_classify(classify) -> str:
                     f"{', '.join(over)} exceed{'s' if len(over) == 1 else ''} "
                     f"{'its bound' if len(over) == 1 else 'their bounds'}; any one measure over "
                     f"its bound is enough.")
-    return (f"right on {len(runs)} runs: every mode, {len(CHECKED_SEEDS)} seeds, "
-            f"float32, float64 and bfloat16 — correct TP within its bounds, every bug over "
-            f"at least one.")
+    return (f"right on {len(runs)} runs: every mode, {len(CHECKED_SEEDS)} seeds, float32, float64 "
+            f"and bfloat16 — correct TP within its bounds, every bug over at least one.")
 
 
 # --- chapter 15 -----------------------------------------------------------------------------
@@ -124,12 +123,11 @@ def _grade_fused_rows(mine, base: dict, cfg: Config, rank: int, layout: str) -> 
     d = cfg.head_dim
     if not isinstance(mine, dict) or any(k not in mine for k in _KINDS):
         raise Wrong(f"rank {rank}'s shard should be a dict with the keys wq, wk, wv.")
-    rows = {"wq": cfg.local_query_heads * d, "wk": cfg.local_kv_heads * d,
-            "wv": cfg.local_kv_heads * d}
-    for name, count in rows.items():
+    for name in _KINDS:
+        heads = cfg.local_query_heads if name == "wq" else cfg.local_kv_heads
         t = tensor(mine[name], f"rank {rank}'s {name}")
-        expect_shape(t, [count, cfg.hidden], f"for {shape_text(cfg)}, rank {rank}'s {name}")
-        for i in range(count // d):
+        expect_shape(t, [heads * d, cfg.hidden], f"for {shape_text(cfg)}, rank {rank}'s {name}")
+        for i in range(heads):
             source = _block_source(t[i * d:(i + 1) * d], base, d)
             if not source.startswith(_KINDS[name]):
                 raise Wrong(f"for {shape_text(cfg)}, rank {rank}'s {name} rows "
@@ -146,10 +144,9 @@ def _grade_fused(shard, fuse, layout: str) -> str:
             _grade_fused_rows(mine, base, cfg, rank, layout)
 
     def shard_fn(params, cfg):
-        cut = shard(fuse(params, cfg), cfg)
-        return [{"norm": params["norm"], "wq": cut[r]["wq"], "wk": cut[r]["wk"],
-                 "wv": cut[r]["wv"], "wo": params["wo"][:, rank_head_slices(cfg, r)[0]]}
-                for r in range(cfg.world_size)]
+        return [{"norm": params["norm"], **{k: mine[k] for k in _KINDS},
+                 "wo": params["wo"][:, rank_head_slices(cfg, r)[0]]}
+                for r, mine in enumerate(shard(fuse(params, cfg), cfg))]
 
     try:
         check_shard_params.__wrapped__(shard_fn)

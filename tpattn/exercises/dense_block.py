@@ -43,8 +43,7 @@ def _step_dict(step) -> None:
     for key in ("grads", "weights"):
         if not isinstance(step[key], dict) or any(
                 not isinstance(step[key].get(k), torch.Tensor) for k in PARAM_NAMES):
-            raise Wrong(f"step['{key}'] should map each of {', '.join(PARAM_NAMES)} to "
-                        f"a tensor.")
+            raise Wrong(f"step['{key}'] should map each of {', '.join(PARAM_NAMES)} to a tensor.")
     for key in ("output", "loss", "input_grad"):
         tensor(step[key], f"step['{key}']")
 
@@ -93,13 +92,12 @@ def _grade_measures(got, want: dict, where: str) -> None:
 @exercise("the five measures", 5)
 def check_five_measures(measures) -> str:
     """Check ``measures(dense, tp) -> dict``: the five measures between two ``one_step`` dicts."""
-    count = 0
     for cfg, seed, x0, target, base in cases(CHECKED_CONFIGS[:2]):
         dense = dense_reference(x0, target, base, cfg)
         for mode in MODES:
             tp = tp_step(x0, target, base, cfg, resolve(mode, cfg).injection, "ranks")
             want = five_measures(seed, mode, dense, tp)
             _grade_measures(measures(dense, tp), want, f"seed {seed}, {mode}, {shape_text(cfg)}")
-            count += 1
-    return (f"all five of your measures agree with the package's on {count} comparisons: "
+    return (f"all five of your measures agree with the package's on "
+            f"{2 * len(CHECKED_SEEDS) * len(MODES)} comparisons: "
             f"every mode, {len(CHECKED_SEEDS)} seeds, two shapes (up to 4 ranks).")

@@ -141,8 +141,7 @@ def check_real_f_and_g(f_and_g) -> str:
         fails = failing(metrics)
         if "forward_max_abs_diff" in fails:
             raise Wrong(f"on real ranks the output is not dense's (seed {metrics['seed']}): "
-                        f"G's forward must leave every rank with the sum of all ranks' "
-                        f"partials.")
+                        f"G's forward must leave every rank with the sum of all partials.")
         if fails:
             raise Wrong(f"on real ranks the forward is right but {', '.join(fails)} fail "
                         f"(seed {metrics['seed']}): F's backward must all-reduce dn, and G's "
@@ -172,9 +171,8 @@ def check_norm_grad_reduce(finalize) -> str:
         def stage(grad, comm):  # the norm_grad stage: the reader's all-reduce, graded
             return torch.stack(summed(
                 finalize, [t.clone() for t in grad.unbind(0)], "norm gradient",
-                lambda r: f"{where}, rank {r} uses the average of the ranks' shares; each share "
-                          f"is a different set of tokens' term of one sum, so they add up (sum, "
-                          f"not mean).",
+                lambda r: f"{where}, rank {r} averages the ranks' shares, but each is its own "
+                          f"tokens' term of one sum: they add up (sum, not mean).",
                 lambda r: f"{where}, rank {r} keeps only its own tokens' share: the norm weight "
                           f"sees S/W tokens per rank, so its gradient needs an all-reduce (sum) "
                           f"over the TP group.",
@@ -216,9 +214,8 @@ def check_rope_offset(offset) -> str:
             raise Wrong(f"{where}: rank {rank} holds positions {first}..{tokens.stop - 1} of the "
                         f"gathered sequence, but offset {got} rotates them as positions "
                         f"{got}..{got + tokens.stop - first - 1}{hint}.")
-    return (f"right for every rank of {len(configs)} shapes (2 to 4 ranks): each rank's "
-            f"rotated tokens equal the gathered sequence's, so attention sees global "
-            f"positions.")
+    return (f"right for every rank of {len(configs)} shapes (2 to 4 ranks): each rank's rotated "
+            f"tokens equal the gathered sequence's, so attention sees global positions.")
 
 
 # --- chapter 13 -----------------------------------------------------------------------------
@@ -247,9 +244,8 @@ def _grade_kv_grads(got: list, own: list, want: list, groups: list, name: str, w
                           f"the other replica groups hold other KV heads — sum only over its "
                           f"replica group {group}."),
             (in_group / len(group), w, f"{where}, rank {r}'s {name} gradient is the replica "
-                                       f"group's average; each replica's gradient is a "
-                                       f"different term of the head's gradient, so they add "
-                                       f"up.")],
+                                       f"group's average; each replica's gradient is a different "
+                                       f"term of the head's gradient, so they add up.")],
             f"{where}, rank {r}'s {name} gradient is not the dense gradient of its KV head's rows.")
 
 

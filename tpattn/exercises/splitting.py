@@ -17,9 +17,9 @@ from tpattn.check.core import (EQUIVALENCE, MEASURES, MISSING_INPUT_GRAD_REDUCE,
                                MISSING_OUTPUT_REDUCE, MODES, TOLERANCE)
 from tpattn.config import Config
 from tpattn.exercises.graders import (CHECKED_CONFIGS, CHECKED_SEEDS, Wrong, as_names, cases,
-                                      coverage, exercise, expect_shape, failing, first_near,
-                                      grade_prediction, head_of, near, rank_dicts, shape_text,
-                                      tensor, tensor_list)
+                                      counted, coverage, exercise, expect_shape, failing,
+                                      first_near, grade_prediction, head_of, near, rank_dicts,
+                                      shape_text, tensor, tensor_list)
 from tpattn.parallel.tp import tp_forward
 
 # --- chapter 6 ------------------------------------------------------------------------------
@@ -75,11 +75,10 @@ def _grade_sharded_block(shard, cfg: Config, seed: int, x0, params: dict) -> Non
     fails = failing(run(seed, EQUIVALENCE, cfg, shard_fn=shard)) if not unreached else \
         ["parameter_grad_max_abs_diff"]
     if fails and "forward_max_abs_diff" not in fails:
-        raise Wrong("every rank holds the right heads and the forward matches, but the "
-                    "gradients do not reach the dense parameters"
-                    + (f" ({', '.join(unreached)} get none)" if unreached else "")
-                    + ": a shard must be a differentiable slice of params (no detach, "
-                    "no new tensor).")
+        none = f" ({', '.join(unreached)} get none)" if unreached else ""
+        raise Wrong(f"every rank holds the right heads and the forward matches, but the "
+                    f"gradients do not reach the dense parameters{none}: a shard must be a "
+                    f"differentiable slice of params (no detach, no new tensor).")
     if fails:
         raise Wrong(f"the sharded block differs from dense for seed {seed}, "
                     f"{shape_text(cfg)} (fails {', '.join(fails)}).")
@@ -148,27 +147,26 @@ def _layouts(cfg: Config, rng: random.Random) -> list[list[dict]]:
 def check_keeps_groups(keeps_groups) -> str:
     """Check ``keeps_groups(layout, cfg) -> bool``: whether a layout (per rank the sorted lists
     ``"query"`` and ``"kv"`` of its heads) keeps every group on one rank."""
-    rng, count = random.Random(13), 0
-    for cfg in CHECKED_CONFIGS:
-        for layout in _layouts(cfg, rng):
-            truth = run(11, EQUIVALENCE, cfg, shard_fn=_layout_shard_fn(layout))["passed"]
-            answer = keeps_groups([{"query": list(p["query"]), "kv": list(p["kv"])}
-                                   for p in layout], cfg)
-            if not isinstance(answer, bool) and not (
-                    isinstance(answer, torch.Tensor) and answer.numel() == 1):
-                raise Wrong(f"your function should return True or False, but it gave "
-                            f"{type(answer).__name__}.")
-            if bool(answer) != truth:
-                verdict = ("keeps groups complete, but the sharded block with this layout "
-                           "differs from dense" if answer else
-                           "splits a group, but the sharded block with this layout matches "
-                           "dense on all five measures")
-                text = "; ".join(f"rank {r}: query {part['query']}, KV {part['kv']}"
-                                 for r, part in enumerate(layout))
-                raise Wrong(f"for {shape_text(cfg)} and the layout {text}, you said it {verdict}.")
-            count += 1
-    return (f"right on all {count} layouts (three shapes, the package's layout, groups moved "
-            f"between ranks and shuffled heads), each graded by running the sharded block.")
+    rng = random.Random(13)
+    layouts = [(cfg, layout) for cfg in CHECKED_CONFIGS for layout in _layouts(cfg, rng)]
+    for cfg, layout in layouts:
+        truth = run(11, EQUIVALENCE, cfg, shard_fn=_layout_shard_fn(layout))["passed"]
+        given = [{"query": list(p["query"]), "kv": list(p["kv"])} for p in layout]
+        answer = keeps_groups(given, cfg)
+        if not isinstance(answer, bool) and not (
+                isinstance(answer, torch.Tensor) and answer.numel() == 1):
+            raise Wrong(f"your function should return True or False, but it gave "
+                        f"{type(answer).__name__}.")
+        if bool(answer) != truth:
+            verdict = ("keeps groups complete, but the sharded block with this layout differs "
+                       "from dense" if answer else
+                       "splits a group, but the sharded block with this layout matches dense on "
+                       "all five measures")
+            text = "; ".join(f"rank {r}: query {part['query']}, KV {part['kv']}"
+                             for r, part in enumerate(layout))
+            raise Wrong(f"for {shape_text(cfg)} and the layout {text}, you said it {verdict}.")
+    return (f"right on all {len(layouts)} layouts (three shapes, the package's layout, groups "
+            f"moved between ranks and shuffled heads), each graded by running the sharded block.")
 
 
 # --- chapter 7 ------------------------------------------------------------------------------
@@ -210,9 +208,8 @@ def _grads_match(out, want, leaves: dict, where: str) -> None:
     ref = torch.autograd.grad(want, list(leaves.values()), cot)
     for name, g, r in zip(leaves, mine, ref):
         if g is None or not near(g, r, 64):
-            raise Wrong(f"{where}, the gradient of {name} differs from the dense MLP's: "
-                        + _GRAD_HINTS.get(name, f"compute from {name} itself, not a copy")
-                        + ".")
+            hint = _GRAD_HINTS.get(name, f"compute from {name} itself, not a copy")
+            raise Wrong(f"{where}, the gradient of {name} differs from the dense MLP's: {hint}.")
 
 
 @exercise("f and g in the MLP", 7)
@@ -228,8 +225,7 @@ def check_tp_mlp(tp_mlp) -> str:
                         f"once, on the list of the ranks' partial outputs.")
         parts = calls[0]
         if len(parts) != w or not all(isinstance(p, torch.Tensor) for p in parts):
-            raise Wrong(f"{where}, g should get a list of {w} tensors, one partial output "
-                        f"per rank.")
+            raise Wrong(f"{where}, g should get a list of {w} tensors, one partial per rank.")
         block = inter // w
         for r, part in enumerate(parts):
             rows = slice(r * block, (r + 1) * block)
@@ -243,8 +239,7 @@ def check_tp_mlp(tp_mlp) -> str:
             raise Wrong(f"{where}, the output is not the dense MLP's: return g's sum.")
         _grads_match(out, want, {"n": n, "fc1": fc1, "fc2": fc2}, where)
     return (f"every rank's partial, the output and the gradients of n, fc1 and fc2 equal the "
-            f"dense MLP's on {len(_MLP_SHAPES)} shapes (2 and 4 ranks) × "
-            f"{len(CHECKED_SEEDS)} seeds.")
+            f"dense MLP's for {counted(_MLP_SHAPES, CHECKED_SEEDS, ', 2 and 4 ranks')}.")
 
 
 @exercise("a fused gate/up weight", 7)
@@ -265,10 +260,8 @@ def check_gate_up_shards(shard_gate_up) -> str:
                             f"features: cut gate and up each by rank, then stack them.")
             if not torch.equal(shard.detach(), torch.cat([gate[rows], up[rows]])):
                 raise Wrong(f"{where}, rank {r}'s shard is not gate rows {rows.start}.."
-                            f"{rows.stop - 1} followed by up rows {rows.start}.."
-                            f"{rows.stop - 1}.")
-        out = sum(_mlp(n, s, fc2[:, r * block:(r + 1) * block], True)
-                  for r, s in enumerate(shards))
+                            f"{rows.stop - 1} followed by the same rows of up.")
+        out = sum(_mlp(n, s, cols, True) for s, cols in zip(shards, fc2.chunk(w, dim=1)))
         _grads_match(out, _mlp(n, gate_up, fc2, True), {"gate_up": gate_up}, where)
     return (f"every rank holds its gate rows and the matching up rows, and the sharded SwiGLU "
             f"MLP's gradient reaches gate_up equal to dense on {len(_MLP_SHAPES)} shapes (2 "
@@ -349,13 +342,8 @@ def _result_text(result: dict) -> str:
 
 
 def _signatures() -> dict[str, set]:
-    """Each mode's failing measures on every checked run; ``Wrong`` if a mode's runs disagree."""
-    found = {}
-    for r in _real_runs():
-        found.setdefault(r["mode"], set()).add(tuple(failing(r)))
-    if any(len(sets) != 1 for sets in found.values()):  # pragma: no cover - not seen
-        raise Wrong("the runs of a mode do not agree on which measures fail.")
-    return {mode: set(sets.pop()) for mode, sets in found.items()}
+    """Each mode's failing measures, the same on every checked run (a test asserts it)."""
+    return {r["mode"]: set(failing(r)) for r in _real_runs()}
 
 
 @exercise("two measures that tell the modes apart", 10)
@@ -370,9 +358,8 @@ def check_separating_measures(pick) -> str:
                  if all((m in signatures[a]) == (m in signatures[b]) for m in chosen)), None)
     if pair:
         raise Wrong(f"{pair[0]} and {pair[1]} pass and fail alike on "
-                    f"{', '.join(m for m in MEASURES if m in chosen)}: one of the two measures "
-                    f"must fail without f (the backward pass), the other only without g (the "
-                    f"forward pass).")
+                    f"{', '.join(m for m in MEASURES if m in chosen)}: one measure must fail "
+                    f"without f (the backward pass), the other only without g (the forward pass).")
     if len(chosen) > 2:
         raise Wrong(f"these {len(chosen)} measures tell the modes apart, but two suffice: keep "
                     f"one that fails only without g and one that fails without either.")
@@ -384,11 +371,8 @@ def check_separating_measures(pick) -> str:
 def check_diagnose(diagnose) -> str:
     """Check ``diagnose(result) -> str | None``: from a ``tpattn.run`` dict's measures, the mode
     (of ``MODES``) that leaves its signature, or None for one no mode leaves."""
-    real, mode_of = [dict(r) for r in _real_runs()], {}
-    for r in real:
-        if mode_of.setdefault(tuple(failing(r)), r["mode"]) != r["mode"]:  # pragma: no cover
-            raise Wrong("two modes share a signature in these runs; no diagnosis can tell "
-                        "them apart.")
+    real = [dict(r) for r in _real_runs()]
+    mode_of = {tuple(failing(r)): r["mode"] for r in real}  # one signature per mode, tested
     results = real + [_synthetic(s) for s in _UNKNOWN_SIGNATURES if s not in mode_of]
     for result in results:
         got = diagnose({k: v for k, v in result.items() if k != "mode"})
@@ -399,8 +383,7 @@ def check_diagnose(diagnose) -> str:
             raise Wrong(f"your function returned {got!r}; return one of "
                         f"{', '.join(MODES)}, or None for a signature no mode leaves.")
         raise Wrong(f"for {_result_text(result)} (failing: "
-                    f"{', '.join(failing(result)) or 'nothing'}) you said "
-                    f"{'None' if got is None else got}; "
+                    f"{', '.join(failing(result)) or 'nothing'}) you said {got}; "
                     + (f"the run came from {want}." if want else
                        "no mode leaves that signature, so the answer is None."))
     return (f"right on {len(results)} results: every real run ({len(real)}: every mode, "

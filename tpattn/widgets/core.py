@@ -95,13 +95,10 @@ def encode_png(pixels, palette: bool = False) -> bytes:
 class StandingFigure:
     """A figure kept standing per *structure* (the last ``size``), updated per *state* by
     blitting: ``build(structure, state)`` makes it, ``update(fig, state)`` sets the artists
-    ``dynamic(fig)`` lists, which alone are redrawn over a cached background; the pixels equal
-    a full draw."""
+    ``dynamic(fig)`` lists, redrawn alone over a cached background: pixels equal a full draw."""
 
-    def __init__(self, build: Callable, update: Callable, dynamic: Callable,
-                 size: int = 6, dpi: int = PNG_DPI):
-        self.build, self.update, self.dynamic = build, update, dynamic
-        self.size, self.dpi = size, dpi
+    def __init__(self, build: Callable, update: Callable, dynamic: Callable, size: int = 6):
+        self.build, self.update, self.dynamic, self.size = build, update, dynamic, size
         self.builds = 0
         self._standing: dict = {}  # structure -> (fig, background)
 
@@ -117,7 +114,7 @@ class StandingFigure:
         fig = self.build(structure, state)
         _close(fig)  # out of pyplot's registry; still drawable
         FigureCanvasAgg(fig)
-        fig.set_dpi(self.dpi)
+        fig.set_dpi(PNG_DPI)
         self.builds += 1
         self._standing[structure] = (fig, self._background(fig))
         while len(self._standing) > self.size:

@@ -139,8 +139,7 @@ def live_run(seed, mode, cfg: Config | None = None, simulate: str = "fixture") -
     try:
         return copy.deepcopy(_remembered_run(seed, mode, cfg, simulate))
     except TypeError:  # not hashable, so not a value run accepts; let run say why
-        with single_thread():
-            return run(seed, mode, cfg, simulate=simulate)
+        return _remembered_run.__wrapped__(seed, mode, cfg, simulate)
 
 
 @functools.lru_cache(maxsize=256, typed=True)

@@ -12,8 +12,7 @@ from tpattn.viz.heads import HeadsPicture, heads_svg, replica_groups_layout
 from .core import (Explorer, config_controls, control_states, drawn_config, html_output,
                    text_output)
 
-__all__ = ["layout_states", "heads_explorer", "KV_LAYOUTS", "kv_caption",
-           "kv_explorer"]
+__all__ = ["layout_states", "heads_explorer", "KV_LAYOUTS", "kv_caption", "kv_explorer"]
 
 #: (query_heads, kv_heads, world_size) precomputed for the book; the last is invalid.
 KV_LAYOUTS = ((8, 2, 4), (8, 1, 4), (4, 1, 2), (16, 2, 8), (8, 2, 3))
