@@ -57,18 +57,23 @@ _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
 SIMULATIONS = ("fixture", "ranks")
 
 
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` if it is an integer in ``[low, high]`` (or ``>= low``), else ``ValueError``."""
+    rule = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        raise ValueError(f"{name} must be {rule} (got {value!r})")
+    return value
+
+
 def check_seed(seed: int) -> int:
-    """Return ``seed`` if it is an integer in ``[0, 2**63 - 101]``, else raise ``ValueError``."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
-        raise ValueError(f"seed must be an integer in [0, {_SEED_MAX}] (got {seed!r})")
-    return seed
+    """``check_int`` of a seed: an integer in ``[0, 2**63 - 101]``."""
+    return check_int("seed", seed, 0, _SEED_MAX)
 
 
 def check_count(name: str, value: int) -> int:
-    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-    return value
+    """``check_int`` of a count: an integer >= 1."""
+    return check_int(name, value, 1)
 
 
 def check_simulate(simulate: str) -> str:
