@@ -331,9 +331,8 @@ def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
 def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                cfg: Config, inj: Injection,
                masks: dict[str, torch.Tensor] | None = None) -> dict:
-    """The dense reference with the injection's setup: the output bias, clipping by
-    ``engine.grad_norm`` of the dense block as a one-rank job; ``one_step``'s dict;
-    ``masks``: ``dropout_masks``."""
+    """``one_step`` of the dense block with the injection's output bias and clipping (by
+    ``engine.grad_norm`` of the dense block as a one-rank job); ``masks``: ``dropout_masks``."""
     one_rank = SimulatedRanks(replace(cfg, world_size=1, data_parallel=1))
 
     def forward(x, p):
@@ -347,9 +346,8 @@ def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Ten
 
 def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                  cfg: Config, inj: Injection, shard_fn, others=None) -> dict:
-    """``one_step`` of the engine's block in one graph (rank 0's view; shards ``shard_fn(p,
-    cfg)``), clipped by ``engine.grad_norm`` of the ranks' shards. ``others``: ranks >= 1's
-    own inputs."""
+    """``one_step`` of the engine's block in one graph (rank 0's view, shards ``shard_fn(p, cfg)``)
+    clipped by ``engine.grad_norm`` of the ranks' shards; ``others``: ranks >= 1's own inputs."""
     def clip(grads):
         per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard in
                                              ("fused_naive", *LOADERS) else inj.shard))

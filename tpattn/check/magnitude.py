@@ -1,6 +1,5 @@
 r"""How large the summands of each parameter gradient are (a sum is off by about ``u sqrt(n)
-sum |a_i|``, not ``u |s|``): the dense backward in float64 with every factor in absolute value.
-"""
+sum |a_i|``, not ``u |s|``): the dense backward in float64 with every factor in absolute value."""
 from __future__ import annotations
 
 import math
