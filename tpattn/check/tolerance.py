@@ -209,8 +209,7 @@ def apply_auto(metrics: dict, bounds: dict, floors=None) -> dict:
     ``reason``) within every one of ``floors`` (``conditioning``'s pair, or a function returning
     it), else ``"fail"``."""
     out = {k: v for k, v in metrics.items() if k != "passed"}
-    out["tolerance"] = "auto"
-    out["bounds"] = dict(bounds)
+    out.update(tolerance="auto", bounds=dict(bounds))
     if all(metrics[m] <= bounds[m] for m in bounds):
         out["verdict"] = "pass"
     elif floors is None:
@@ -218,8 +217,7 @@ def apply_auto(metrics: dict, bounds: dict, floors=None) -> dict:
     else:
         floors, amp = floors() if callable(floors) else floors
         worst = max(amp.values())
-        out["floors"] = dict(floors)
-        out["amplification"] = worst
+        out.update(floors=dict(floors), amplification=worst)
         if all(metrics[m] <= floors[m] for m in bounds):
             out["verdict"] = "inconclusive"
             out["reason"] = (f"rounding is amplified ~{worst:.0f}x here (ill-conditioned "
