@@ -235,8 +235,7 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
     ``load_rank_shard``; ``shard_offset`` k: rank r gets rank ``(r + k) mod W``'s."""
     if inj.shard in LOADERS:
         base = replace(inj, shard_offset=0)
-        shards = [{k: t for k, t in load_rank_shard(p, cfg, base, r).items() if k != "bias"}
-                  for r in range(cfg.world_size)]
+        shards = [load_rank_shard(p, cfg, base, r) for r in range(cfg.world_size)]
     elif inj.shard != "fused_naive":
         shards = shard_params({k: p[k] for k in PARAM_NAMES}, cfg)
     else:
