@@ -25,8 +25,7 @@ def check_rank(cfg: Config, rank, name: str = "rank") -> int:
 
 
 def kv_head_of_rank(cfg: Config, rank: int) -> int:
-    """The (first) KV head of rank ``rank``: ``rank // (W/Hkv)`` if replicated, else
-    ``rank * Hkv/W``."""
+    """The first KV head of ``rank``: ``rank // (W/Hkv)`` if replicated, else ``rank * Hkv/W``."""
     check_rank(cfg, rank)
     return rank // cfg.kv_replicas if has_replicas(cfg) else rank * cfg.local_kv_heads
 

@@ -1,5 +1,4 @@
-"""The block's parameters: deterministic init, trainable copies, head-group sharding.
-
+"""The block's parameters: deterministic init, trainable copies, head-group sharding, in
 ``F.linear`` layouts: ``norm`` ``[hidden]``, ``wq`` ``[Hq*D, hidden]``, ``wk``, ``wv``
 ``[Hkv*D, hidden]`` (rows by head), ``wo`` ``[hidden, Hq*D]``, ``q_norm``, ``k_norm`` ``[D]``."""
 from __future__ import annotations

@@ -41,13 +41,6 @@ def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 
             amp.update(amplification(cfg, dense, step, by_name))
     if probe:
         measure()
-
-    def floors_of(cfg_w, worst):
-        def floors():
-            measure()
-            return rounding_floors(cfg_w, dense, amp, LR, worst, by_name), amp
-        return floors
-
     rows = []
     for w in world_sizes:
         cfg_w = replace(cfg, world_size=w)
@@ -60,7 +53,11 @@ def compare_world_sizes(cfg: Config, seed: int, programs, world_sizes=(1, 2, 4, 
             metrics, bounds = per_parameter(cfg_w, five_measures(seed, program.name, dense, step),
                                             dense, step, LR)
             worst = metrics["worst_parameter"]
-            row = apply_auto(metrics, bounds, floors_of(cfg_w, worst))
+
+            def floors():  # called at once by apply_auto, only when a bound is exceeded
+                measure()
+                return rounding_floors(cfg_w, dense, amp, LR, worst, by_name), amp
+            row = apply_auto(metrics, bounds, floors)
             row.update(world_size=w, dtype=cfg.dtype, init=init,
                        ratios=ratios(row, bounds))
             if amp:

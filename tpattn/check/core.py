@@ -57,18 +57,23 @@ _SEED_MAX = 2**63 - 1 - PARAM_SEED_OFFSET
 SIMULATIONS = ("fixture", "ranks")
 
 
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` if it is an integer in ``[low, high]`` (or ``>= low``), else ``ValueError``."""
+    rule = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        raise ValueError(f"{name} must be {rule} (got {value!r})")
+    return value
+
+
 def check_seed(seed: int) -> int:
-    """Return ``seed`` if it is an integer in ``[0, 2**63 - 101]``, else raise ``ValueError``."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
-        raise ValueError(f"seed must be an integer in [0, {_SEED_MAX}] (got {seed!r})")
-    return seed
+    """``check_int`` of a seed: an integer in ``[0, 2**63 - 101]``."""
+    return check_int("seed", seed, 0, _SEED_MAX)
 
 
 def check_count(name: str, value: int) -> int:
-    """Return ``value`` if it is an integer >= 1, else raise ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-    return value
+    """``check_int`` of a count: an integer >= 1."""
+    return check_int(name, value, 1)
 
 
 def check_simulate(simulate: str) -> str:
@@ -230,8 +235,7 @@ def shard(p: dict[str, torch.Tensor], cfg: Config, inj: Injection) -> list[dict[
     ``load_rank_shard``; ``shard_offset`` k: rank r gets rank ``(r + k) mod W``'s."""
     if inj.shard in LOADERS:
         base = replace(inj, shard_offset=0)
-        shards = [{k: t for k, t in load_rank_shard(p, cfg, base, r).items() if k != "bias"}
-                  for r in range(cfg.world_size)]
+        shards = [load_rank_shard(p, cfg, base, r) for r in range(cfg.world_size)]
     elif inj.shard != "fused_naive":
         shards = shard_params({k: p[k] for k in PARAM_NAMES}, cfg)
     else:
@@ -326,9 +330,8 @@ def clip_coef(norm: torch.Tensor, inj: Injection) -> float:
 def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                cfg: Config, inj: Injection,
                masks: dict[str, torch.Tensor] | None = None) -> dict:
-    """The dense reference with the injection's setup: the output bias, clipping by
-    ``engine.grad_norm`` of the dense block as a one-rank job; ``one_step``'s dict;
-    ``masks``: ``dropout_masks``."""
+    """``one_step`` of the dense block with the injection's output bias and clipping (by
+    ``engine.grad_norm`` of the dense block as a one-rank job); ``masks``: ``dropout_masks``."""
     one_rank = SimulatedRanks(replace(cfg, world_size=1, data_parallel=1))
 
     def forward(x, p):
@@ -342,9 +345,8 @@ def dense_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Ten
 
 def fixture_step(x0: torch.Tensor, target: torch.Tensor, base: dict[str, torch.Tensor],
                  cfg: Config, inj: Injection, shard_fn, others=None) -> dict:
-    """``one_step`` of the engine's block in one graph (rank 0's view; shards ``shard_fn(p,
-    cfg)``), clipped by ``engine.grad_norm`` of the ranks' shards. ``others``: ranks >= 1's
-    own inputs."""
+    """``one_step`` of the engine's block in one graph (rank 0's view, shards ``shard_fn(p, cfg)``)
+    clipped by ``engine.grad_norm`` of the ranks' shards; ``others``: ranks >= 1's own inputs."""
     def clip(grads):
         per_rank = shard(grads, cfg, replace(inj, shard="heads" if inj.shard in
                                              ("fused_naive", *LOADERS) else inj.shard))

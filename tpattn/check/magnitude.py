@@ -1,6 +1,5 @@
 r"""How large the summands of each parameter gradient are (a sum is off by about ``u sqrt(n)
-sum |a_i|``, not ``u |s|``): the dense backward in float64 with every factor in absolute value.
-"""
+sum |a_i|``, not ``u |s|``): the dense backward in float64 with every factor in absolute value."""
 from __future__ import annotations
 
 import math
@@ -9,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tpattn.config import Config
-from tpattn.block.layers import apply_rope, attention_probs, repeat_kv, rope_angles
+from tpattn.block.dense import project_qkv
+from tpattn.block.layers import attention_probs, repeat_kv, rope_angles
 
 
 def _rope_abs_transpose(m: torch.Tensor) -> torch.Tensor:
@@ -43,12 +43,9 @@ def _magnitudes(x0, base, cfg: Config, upstream_of) -> dict[str, torch.Tensor]:
     x = x0.detach().to(d)
     p = {k: v.detach().to(d) for k, v in base.items()}
     S, B, h = x.shape
-    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps)
-    xh = x * r
+    xh = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps)
     n = xh * p["norm"]
-    q = apply_rope(F.linear(n, p["wq"]).view(S, B, -1, D))
-    k = apply_rope(F.linear(n, p["wk"]).view(S, B, -1, D))
-    v = F.linear(n, p["wv"]).view(S, B, -1, D)
+    q, k, v = project_qkv(n, p["wq"], p["wk"], p["wv"], D)
     groups = q.shape[2] // k.shape[2]
     kr, vr = repeat_kv(k, groups), repeat_kv(v, groups)
     probs = attention_probs(q, kr)  # [B, H, S, S], >= 0

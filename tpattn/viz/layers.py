@@ -13,7 +13,7 @@ from matplotlib.textpath import TextPath
 from matplotlib.transforms import Affine2D
 from matplotlib.ticker import MaxNLocator
 
-from tpattn.check.core import PARAM_SEED_OFFSET, check_seed, make_inputs
+from tpattn.check.core import PARAM_SEED_OFFSET, check_int, check_seed, make_inputs
 from tpattn.config import Config
 from tpattn.block.dense import project_qkv
 from tpattn.block.layers import apply_rope, attention_probs, causal_mask, repeat_kv, rms_norm, rope_angles
@@ -32,15 +32,6 @@ KV_HEAD_COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab0
 def kv_head_color(kv_head: int) -> str:
     """The frame color of KV head ``kv_head`` and of the query heads that read it."""
     return KV_HEAD_COLORS[kv_head % len(KV_HEAD_COLORS)]
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> int:
-    """``value`` if it is an int in ``[low, high]``, else ``ValueError`` naming ``name``."""
-    rule = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-            high is not None and value > high):
-        raise ValueError(f"{name} must be {rule} (got {value!r})")
-    return value
 
 
 def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
@@ -69,9 +60,9 @@ def token_rms_figure(x: torch.Tensor, normalized: torch.Tensor):
 def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 16):
     """Every channel pair of a unit vector turned by ``apply_rope`` to ``position``: arrows
     on the unit circle (left), each pair's angle against position (right)."""
-    _check_int("max_position", max_position, 1)
-    _check_int("position", position, 0, max_position)
-    _check_int("head_dim", head_dim, 2)
+    check_int("max_position", max_position, 1)
+    check_int("position", position, 0, max_position)
+    check_int("head_dim", head_dim, 2)
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for RoPE's channel pairs (got {head_dim})")
     half = head_dim // 2
@@ -112,7 +103,7 @@ def rope_rotation_figure(position: int, head_dim: int = 8, max_position: int = 1
 def set_rope_position(fig, position: int) -> None:
     """Move a ``rope_rotation_figure`` to ``position``: its arrows, cursor and title."""
     parts = fig.tpattn_rope
-    _check_int("position", position, 0, parts["max_position"])
+    check_int("position", position, 0, parts["max_position"])
     for i, arrow in enumerate(parts["arrows"]):
         arrow.set_positions(None, (parts["cos"][position, i].item(),
                                    parts["sin"][position, i].item()))
@@ -189,7 +180,7 @@ def attention_heatmaps(cfg: Config, seed: int, batch_index: int = 0):
 def attention_probabilities(cfg: Config, seed: int, batch_index: int = 0) -> torch.Tensor:
     """``[Hq, S, S]`` causal attention probabilities of batch element ``batch_index``."""
     check_seed(seed)
-    _check_int("batch_index", batch_index, 0, cfg.batch - 1)
+    check_int("batch_index", batch_index, 0, cfg.batch - 1)
     return _batch_probabilities(cfg, seed)[batch_index].clone()
 
 
