@@ -15,13 +15,11 @@ from tpattn.block.fused_qkv import (fuse_qkv_weight, fused_qkv_rows, read_rank_q
                                     split_qkv_weight)
 from tpattn.block.params import PARAM_NAMES, init_params
 
-__all__ = [
-    "ROPE_THETA", "llama_config", "config_from_llama", "llama_layer",
-    "llama_params", "load_llama_params", "LlamaAttentionBlock", "llama_tp_plan",
-    "rotate_half_from_adjacent", "adjacent_from_rotate_half", "apply_rope_adjacent",
-    "meta_dense_forward", "QKV_LAYOUTS", "fuse_qkv", "concat_qkv", "split_fused_qkv",
-    "read_rank_slices", "float32_tolerance",
-]
+__all__ = ["ROPE_THETA", "llama_config", "config_from_llama", "llama_layer", "llama_params",
+           "load_llama_params", "LlamaAttentionBlock", "llama_tp_plan",
+           "rotate_half_from_adjacent", "adjacent_from_rotate_half", "apply_rope_adjacent",
+           "meta_dense_forward", "QKV_LAYOUTS", "fuse_qkv", "concat_qkv", "split_fused_qkv",
+           "read_rank_slices", "float32_tolerance"]
 
 #: The RoPE base of ``rope_angles`` and HF's default; another ``rope_theta`` is refused.
 ROPE_THETA = 10000.0

@@ -1,9 +1,7 @@
-"""``diagnose(observations)``: which known TP bugs explain what a run shows — or none.
-
-A run's ``DEVIATIONS`` (what a correct run would not show) are matched against every cause's
+"""``diagnose(observations)``: which known TP bugs explain what a run shows — or none. A run's
+``DEVIATIONS`` (what a correct run would not show) are matched against every cause's
 ``Fingerprint``; the answer is the smallest set of causes that explains them all (a tie when
-several), or ``NO_KNOWN_CAUSE``. ``TIERS``: what each tier of evidence holds.
-"""
+several), or ``NO_KNOWN_CAUSE``. ``TIERS``: what each tier of evidence holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass

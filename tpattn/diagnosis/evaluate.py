@@ -1,9 +1,7 @@
-"""How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
-
-The fingerprints are tuned on ``TUNING`` (and ``TUNING_MESH``); ``HELD_OUT`` and its kin are
-other shapes, run at other seeds, at tier 1 and tier 2; ``classify`` puts each answer in one of
-``CLASSES``. Two bugs at once (``pairs``) and bugs outside the registry (``MADE_UP``) too.
-"""
+"""How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on: they are
+tuned on ``TUNING`` (and ``TUNING_MESH``); ``HELD_OUT`` and its kin are other shapes, run at other
+seeds, at tier 1 and tier 2; ``classify`` puts each answer in one of ``CLASSES``. Two bugs at
+once (``pairs``) and bugs outside the registry (``MADE_UP``) too."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,6 @@
 """What an engineer can see of a TP run without a dense model to compare with: ``observe``
 trains the block on simulated ranks and returns only what a real job could log (JSON-able;
-checksums are float64 sums), and how the run differs from its correct twin.
-"""
+checksums are float64 sums), and how the run differs from its correct twin."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -1,7 +1,6 @@
 """``observe`` and ``diagnose`` on real torch.distributed ranks: every process trains its own
 shard on its own batch (``engine.train_step`` on ``RealRanks``) and gathers the other ranks'
-numbers after each step; every rank holds the same observables, rank 0 diagnoses.
-"""
+numbers after each step; every rank holds the same observables, rank 0 diagnoses."""
 from __future__ import annotations
 
 import torch
