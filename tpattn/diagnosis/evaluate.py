@@ -11,7 +11,7 @@ from tpattn.config import Config
 from tpattn.parallel.injection import Injection
 from tpattn.bugs.zoo import AROUND_THE_BLOCK, REGISTRY, resolve, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
-from .observe import observe, observe_injection
+from .observe import observe_injection
 
 __all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH",
            "MESH_SEEDS", "MADE_UP", "MADE_UP_LOADING", "LOADING_MODES", "LOADING_HELD_OUT",
@@ -128,20 +128,25 @@ def classify(found: list[dict], mode: str) -> str:
     return "wrong"
 
 
+def _both_tiers(inj: Injection, seeds, cfg: Config, logged_loss: str = "per_rank"):
+    """``(tier, seed, diagnose's answer)`` for ``inj`` at every seed, tier 1 then tier 2."""
+    for seed in seeds:
+        for tier in (1, 2):
+            yield tier, seed, diagnose(observe_injection(
+                inj, seed, cfg, reference=tier == 2, logged_loss=logged_loss))
+
+
 def single_bug_answers(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> dict:
     """``(tier, mode, shape, seed) -> diagnose``'s answer for every registry bug on ``shapes``."""
     out = {}
     for name, cfg, modes in shapes:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
             try:
-                resolve(mode, cfg, strict=True)
+                inj = resolve(mode, cfg, strict=True).injection
             except ValueError:  # this shape does not host the mode
                 continue
-            for seed in seeds:
-                for tier in (1, 2):
-                    out[(tier, mode, name, seed)] = diagnose(
-                        observe(mode, seed=seed, cfg=cfg, reference=tier == 2,
-                                logged_loss=logged_loss))
+            for tier, seed, found in _both_tiers(inj, seeds, cfg, logged_loss):
+                out[(tier, mode, name, seed)] = found
     return out
 
 
@@ -207,15 +212,9 @@ def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
 def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None, extra=()) -> dict:
     """``(tier, pair, seed) -> pair_class`` for the pairs (``pairs(extra)``, filtered by
     ``keep``) on ``cfg``."""
-    out = {}
-    for pair, inj in pairs(extra):
-        if keep is not None and not keep(pair):
-            continue
-        for seed in seeds:
-            for tier in (1, 2):
-                found = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))
-                out[(tier, pair, seed)] = pair_class(found, pair)
-    return out
+    return {(tier, pair, seed): pair_class(found, pair)
+            for pair, inj in pairs(extra) if keep is None or keep(pair)
+            for tier, seed, found in _both_tiers(inj, seeds, cfg)}
 
 
 def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None) -> dict:
@@ -223,12 +222,10 @@ def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None
     of ``cases`` (default ``MADE_UP``)."""
     out = {}
     for name, inj in (MADE_UP if cases is None else cases).items():
-        for seed in seeds:
-            for tier in (1, 2):
-                top = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))[0]
-                out[(tier, name, seed)] = (
-                    top["cause"] if top["cause"] == NO_KNOWN_CAUSE else "tie"
-                    if top["tied_with"] else " + ".join([top["cause"], *top.get("with", [])]))
+        for tier, seed, (top, *_) in _both_tiers(inj, seeds, cfg):
+            out[(tier, name, seed)] = (
+                top["cause"] if top["cause"] == NO_KNOWN_CAUSE else "tie"
+                if top["tied_with"] else " + ".join([top["cause"], *top.get("with", [])]))
     return out
 
 
