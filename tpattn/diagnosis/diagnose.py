@@ -470,9 +470,8 @@ def _from_observations(obs: dict) -> list[dict]:
         evidence = ([DEVIATIONS[d][0] for d in seen] or ["nothing deviates from a correct run"])
         if unexplained:
             evidence.append("no registry cause explains: " + "; ".join(unexplained))
-        return [{"cause": NO_KNOWN_CAUSE, "with": [], "score": 0,
-                 "evidence": evidence + _blind_line(cannot_see, tier), "confirm": "-",
-                 "citation": None, "tied_with": [], "tier": tier, "cannot_see": cannot_see}]
+        return _no_cause(evidence + _blind_line(cannot_see, tier), tier=tier,
+                         cannot_see=cannot_see)
     # the most specific explanation first: the most deviations shown, then registry order
     sets.sort(key=lambda s: -sum(len(FINGERPRINTS[c].shows) + len(FINGERPRINTS[c].alone)
                                  for c in s))
@@ -498,9 +497,10 @@ def _from_observations(obs: dict) -> list[dict]:
     return found
 
 
-def _no_cause(evidence: list[str]) -> list[dict]:
-    return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": evidence, "confirm": "-",
-             "citation": None, "tied_with": [], "with": []}]
+def _no_cause(evidence: list[str], **more) -> list[dict]:
+    """The one candidate ``NO_KNOWN_CAUSE`` with ``evidence`` (``more``: further keys)."""
+    return [{"cause": NO_KNOWN_CAUSE, "with": [], "score": 0, "evidence": evidence,
+             "confirm": "-", "citation": None, "tied_with": [], **more}]
 
 
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:
