@@ -42,14 +42,11 @@ TYPECHECK_VERDICTS = ("type-checks", "caught", "not a type error", "missed")
 
 #: Why the checker raises on each of these modes' bugs.
 _CAUGHT = {
-    MISSING_OUTPUT_REDUCE: "without g the varying partial meets the invariant residual x at the "
-                           "add",
+    MISSING_OUTPUT_REDUCE: "without g the varying partial meets invariant x at the residual add",
     MISSING_INPUT_GRAD_REDUCE: "without f the invariant norm output meets the varying wq in the "
                                "projection: an invariant's gradient would not be summed",
-    "input_grad_reduced_twice": "the second f takes a tensor that is already R, and convert "
-                                "wants I",
-    "output_reduced_twice": "the second g takes a tensor that is already I, and all_reduce wants "
-                            "P (or V)",
+    "input_grad_reduced_twice": "the second f takes a tensor already R; convert wants I",
+    "output_reduced_twice": "the second g takes a tensor already I; all_reduce wants P (or V)",
     "row_bias_on_every_rank": "the invariant bias meets the varying partial before g (the hint's "
                               "fix, convert(bias, I->R), would type-check and keep the W-fold "
                               "bias: the right fix is to add it after g)",
