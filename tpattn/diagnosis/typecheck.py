@@ -26,7 +26,7 @@ from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_K
 from tpattn.config import Config
 from tpattn.bugs.modes import resolve
 from tpattn.bugs.zoo import MESH_NEEDS, REGISTRY
-from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
+from tpattn.parallel.kv_heads import has_replicas, kv_grad_bug_applies
 from tpattn.parallel.engine import rank_block
 from tpattn.parallel.program import Program
 from tpattn.parallel.rng import simulated_streams
@@ -316,9 +316,8 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
         verdict = "type-checks"
     else:
         verdict = "not a type error" if "not a type error" in WHY.get(mode, {}) else "missed"
-    gathered = has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
     layout = ("replicated KV heads, 2-D mesh (kv, rep)" if kv_grad_bug_applies(cfg)
-              else "K/V all-gathered" if gathered else "whole KV heads per rank")
+              else "K/V all-gathered" if has_replicas(cfg) else "whole KV heads per rank")
     why = WHY[EQUIVALENCE]["type-checks"] if twin and message is None \
         else WHY.get(mode, {}).get(verdict, "no reason recorded for this verdict")
     return {"mode": mode, "world_size": cfg.world_size,
