@@ -187,11 +187,9 @@ def _sharded_grads_off(f: dict) -> bool:
 #: What a run can show that a correct one would not: name -> (text, tier, test(features)).
 #: A tier-2 deviation compares with the known-good run.
 DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
-    "fwd_short": ("forward ledger: fewer reductions than the plan (a g missing)", 1,
-                  _fewer("fwd")),
+    "fwd_short": ("forward ledger: fewer reductions than the plan (g missing)", 1, _fewer("fwd")),
     "fwd_extra": ("forward ledger: more reductions than the plan (an extra g)", 1, _more("fwd")),
-    "bwd_short": ("backward ledger: fewer reductions than the plan (an f missing)", 1,
-                  _fewer("bwd")),
+    "bwd_short": ("backward ledger: fewer reductions than the plan (f missing)", 1, _fewer("bwd")),
     "bwd_extra": ("backward ledger: more reductions than the plan (an extra f)", 1, _more("bwd")),
     "bwd_avg": ("backward ledger: an all-reduce with op avg where the plan has sum", 1,
                 _more("bwd_avg")),
@@ -220,9 +218,8 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                       _drift("bias")),
     "kv_replicas": ("wk/wv differ across the ranks of a KV replica group after one step", 1,
                     _drift("wk", "wv")),
-    "rng_states": ("the ranks' default random-generator states differ when the step starts "
-                   "(dropout masks outside the sharded region differ)", 1,
-                   lambda f: not f["rng_states_agree"]),
+    "rng_states": ("the ranks' default RNG states differ when the step starts (dropout masks "
+                   "outside the sharded region differ)", 1, lambda f: not f["rng_states_agree"]),
     "qk_norm_replicas": ("the replicated q/k-norm weights differ across ranks after one step", 1,
                          _drift("q_norm", "k_norm")),
     "late_drift": ("replicas identical after one step differ after the last", 1,
@@ -245,8 +242,7 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                               lambda f: f["mesh"] and f["logged_loss_is"] == "own share"),
     "dp_grad_self": ("the ledger's DP gradient all-reduce runs over a group of one rank (group "
                      "self) where the plan has the DP group", 1, _more("self_grad")),
-    "dp_replicas": ("a parameter differs across the DP replicas after one step", 1,
-                    _drift("dp ")),
+    "dp_replicas": ("a parameter differs across the DP replicas after one step", 1, _drift("dp ")),
     "sp_over_dp": ("the sequence all-gather/reduce-scatter runs over the DP group where the plan "
                    "has the TP group", 1, _more("sp_dp")),
     "loss_off": ("the step-0 loss differs from the good run's (the forward is wrong)", 2,
