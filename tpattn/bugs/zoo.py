@@ -267,8 +267,7 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
         BugMode("sp_gather_wrong_group",
                 "TP x DP with sequence parallelism: the sequence all-gather (and its backward "
                 "reduce-scatter) runs over the other mesh dimension's group",
-                "NVIDIA/Megatron-LM issue 7452",
-                (SP, DP_2, DP_IS_TP),
+                "NVIDIA/Megatron-LM issue 7452", (SP, DP_2, DP_IS_TP),
                 Injection(sp_group="dp"), fidelity="mechanism",
                 fidelity_note="finding 06 of the issue: CrossAttention builds linear_q and "
                 "linear_kv without tp_group, so their SP all-gather runs over the global MPU TP "
@@ -288,8 +287,7 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
         BugMode("grouped_qkv_read_as_plain",
                 "a QKV checkpoint fused per KV group read as plain [Q; K; V] on each rank: "
                 "wrong once a rank holds two groups",
-                "tenstorrent/tt-metal issue 6243 (closed)",
-                (FUSED_QKV, TWO_KV_PER_RANK),
+                "tenstorrent/tt-metal issue 6243 (closed)", (FUSED_QKV, TWO_KV_PER_RANK),
                 Injection(shard="grouped_as_plain"), fidelity="mechanism",
                 fidelity_note="nlp_create_qkv_heads split each device's fused QKV output assuming "
                 "concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had concat(q1, "
@@ -376,10 +374,9 @@ def _check_fixture_mode(mode: str, inj: Injection, cfg: Config) -> None:
         raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
                          f"only then is the norm weight's gradient a partial sum to all-reduce")
     if inj.kv_grad != "sum" and not kv_grad_bug_applies(cfg):
-        raise ValueError(
-            f"mode {mode} needs replicated KV heads: kv_heads < world_size "
-            f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
-            f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
+        raise ValueError(f"mode {mode} needs replicated KV heads: kv_heads < world_size and "
+                         f"kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
+                         f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
     if mode not in modes_for(cfg):
         raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} (got {mode!r})")
 

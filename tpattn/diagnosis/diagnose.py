@@ -307,8 +307,7 @@ def _tp_with(*flags: str, kv_per_rank: int = 0) -> Callable[[dict], bool]:
 FINGERPRINTS: dict[str, Fingerprint] = {
     "missing_output_reduce": _fp(
         ["fwd_short"], ["losses_disagree", "norm_replicas", "bias_replicas"],
-        "all-reduce the output partials: every rank's loss should become the same",
-        forward=True),
+        "all-reduce the output partials: every rank's loss should become the same", forward=True),
     "output_reduced_twice": _fp(
         ["fwd_extra"], [], "remove one all-reduce: the block's output drops by the factor W",
         forward=True),
@@ -327,8 +326,7 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         allows=_tp_with("grad_clip")),
     "row_bias_on_every_rank": _fp(
         ["loss_off"], [], "add the bias after the all-reduce: the output drops by exactly "
-        "(W-1)*b", allows=_tp_with("bias"), alone=["bias_shift"],
-        forward=True),
+        "(W-1)*b", allows=_tp_with("bias"), alone=["bias_shift"], forward=True),
     "fused_qkv_naive_split": _fp(
         ["qkv_shards", "qkv_rank0_queries"], ["outside_partials"],
         "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices",
@@ -350,8 +348,7 @@ FINGERPRINTS: dict[str, Fingerprint] = {
     "inputs_not_replicated": _fp(
         ["batches"], ["losses_disagree", "norm_replicas", "bias_replicas", "kv_replicas",
                       "outside_partials"],
-        "broadcast the batch from TP rank 0: the batch checksums and losses agree",
-        forward=True),
+        "broadcast the batch from TP rank 0: the batch checksums and losses agree", forward=True),
     "missing_norm_grad_reduce": _fp(
         ["after_bwd_short"], ["norm_replicas", *_NORM_GRAD],
         "all-reduce the norm weight's gradient over the TP group: the norm replicas stay "

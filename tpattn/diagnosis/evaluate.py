@@ -64,8 +64,7 @@ MODEL_HELD_OUT = [
     ("drop qk-norm W4 hq8 kv4", _shape(4, 8, 4, 8, dropout=0.2, qk_norm=True),
      _FIXTURE_BUGS + _DROP + _QKN),
     ("qk-norm W4 hq16 kv8", _shape(4, 16, 8, 4, qk_norm=True), _FIXTURE_BUGS + _QKN),
-    ("drop W4 hq8 kv8", _shape(4, 8, 8, 4, seq=6, hidden=16, dropout=0.05),
-     _FIXTURE_BUGS + _DROP),
+    ("drop W4 hq8 kv8", _shape(4, 8, 8, 4, seq=6, hidden=16, dropout=0.05), _FIXTURE_BUGS + _DROP),
 ]
 #: The TP x DP mesh's held-out shapes (seeds ``MESH_SEEDS``).
 HELD_OUT_MESH = [

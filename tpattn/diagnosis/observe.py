@@ -224,8 +224,7 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
 
 
 def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
-            reference: bool = True, logged_loss: str = "per_rank",
-            train=simulated_train) -> dict:
+            reference: bool = True, logged_loss: str = "per_rank", train=simulated_train) -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks:
     ``setup``; ``rank_losses`` (step 0, as logged: ``LOGGED_LOSSES``); ``batch_checksums``;
     ``shard_checksums`` (per parameter and rank: loaded minus the checkpoint slice; 0 is

@@ -285,8 +285,7 @@ def _validate(mode, cfg, seed):
     return inj
 
 
-def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
-              twin: bool = False) -> dict:
+def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *, twin: bool = False) -> dict:
     """``mode``'s per-rank block under ``spmd_types``' checker on a fake process group of
     ``cfg.world_size`` ranks: ``{"mode", "world_size", "sequence_parallel", "kv_layout",
     "verdict", "message", "where", "why"}`` (``message``: the ``SpmdTypeError``'s text,
@@ -305,8 +304,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
                     set_current_mesh(ops.mesh), spmd_typecheck():
                 # spmd_types 0.3.1's all_gather calls a functional collective torch 2.13
                 # deprecates (a FutureWarning per call): not this check's concern
-                warnings.filterwarnings("ignore", category=FutureWarning,
-                                        module="spmd_types")
+                warnings.filterwarnings("ignore", category=FutureWarning, module="spmd_types")
                 run()
         except SpmdTypeError as e:
             message, where = str(e).strip(), _where(e)
