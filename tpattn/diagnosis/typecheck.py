@@ -89,8 +89,7 @@ WHY = {EQUIVALENCE: {"type-checks": "f turns the invariant norm output into R (i
        **{mode: {"not a type error": why} for mode, why in _NOT_A_TYPE_ERROR.items()}}
 WHY[MISSING_OUTPUT_REDUCE]["missed"] = (
     "under sequence parallelism x is varying too (each rank its own tokens): a varying partial "
-    "plus varying tokens type-checks; the local types do not record that the partial is a "
-    "pending sum")
+    "plus varying tokens type-checks; local types do not record that the partial is a pending sum")
 
 
 class ContiguousGrad(torch.autograd.Function):
