@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from itertools import combinations
 
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
@@ -183,11 +184,9 @@ def pairs(extra=()):
                    if getattr(inj, f.name) != getattr(default, f.name)}
         if changed:
             knobs[mode] = changed
-    names = sorted(knobs)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if not set(knobs[a]) & set(knobs[b]):
-                yield (a, b), Injection(**knobs[a], **knobs[b])
+    for a, b in combinations(sorted(knobs), 2):
+        if not set(knobs[a]) & set(knobs[b]):
+            yield (a, b), Injection(**knobs[a], **knobs[b])
 
 
 #: Pair answers: both named as the explanation (no tie, or plus a tie), both named but one

@@ -286,11 +286,10 @@ def _validate(mode, cfg, seed):
 
 def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *, twin: bool = False) -> dict:
     """``mode``'s per-rank block under ``spmd_types``' checker on a fake process group of
-    ``cfg.world_size`` ranks: ``{"mode", "world_size", "sequence_parallel", "kv_layout",
-    "verdict", "message", "where", "why"}`` (``message``: the ``SpmdTypeError``'s text,
-    ``where``: the lines that raised, ``why``: ``WHY``'s; None when it type-checks).
-    ``twin=True`` checks the mode's bug-free twin (``Injection.correct``) instead.
-    ``ValueError`` for a mode ``cfg`` cannot run."""
+    ``cfg.world_size`` ranks: ``{"mode", "world_size", "sequence_parallel", "kv_layout", "verdict",
+    "message", "where", "why"}`` (``message``: the ``SpmdTypeError``'s text, ``where``: the lines
+    that raised, ``why``: ``WHY``'s; None when it type-checks). ``twin=True`` checks the mode's
+    bug-free twin (``Injection.correct``) instead. ``ValueError`` for a mode ``cfg`` cannot run."""
     for function in (ScaleGrad, ContiguousGrad):  # identity forwards: types pass through
         register_local_autograd_function(function)
     cfg = Config() if cfg is None else cfg
