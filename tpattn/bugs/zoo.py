@@ -132,9 +132,8 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 "gradient is W times too large and dX is wrong too"),
         BugMode("output_reduced_twice",
                 "g applied twice: the output is W times the sum of the partials", None,
-                (WORLD_2,), Injection(g=2),
-                fidelity_note="no public report found: the forward twin of "
-                "input_grad_reduced_twice, a plausible bug"),
+                (WORLD_2,), Injection(g=2), fidelity_note="no public report found: the forward "
+                "twin of input_grad_reduced_twice, a plausible bug"),
         # the step and loading: the norm, the bias, the fused checkpoint
         BugMode("grad_norm_counts_replicas",
                 "replicated parameters counted W times in the global gradient norm "
