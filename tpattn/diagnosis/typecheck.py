@@ -167,8 +167,7 @@ def typed_program(inj) -> Program:
     stages = {"f": {"sum": _f, "none": no_collective, "mean": mean(_f),
                     "twice": lambda n, ops: _f(_f(n, ops), ops)}[inj.f],
               "g": {1: _g, 0: no_collective, 2: lambda p, ops: _g(_g(p, ops), ops)}[inj.g],
-              "sp_gather": {"none": _rank0(lambda n, ops: all_gather(n, ops.tp, src=S(0),
-                                                                     dst=I)),
+              "sp_gather": {"none": _rank0(lambda n, ops: all_gather(n, ops.tp, src=S(0), dst=I)),
                             "mean": mean(_sp_gather)}.get(inj.f, _sp_gather),
               "sp_scatter": (_rank0(lambda p, ops: reduce_scatter(p, ops.tp, src=P, dst=S(0)))
                              if inj.g else _sp_own_tokens),
