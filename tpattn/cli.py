@@ -4,6 +4,7 @@ arguments (one line on stderr)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 import json
 import re
 import sys
@@ -119,10 +120,8 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The Config named by the parsed flags (raises ``ValueError`` when invalid)."""
-    names = _CONFIG_FLAGS + ("eps", "dtype", "kv_strategy", "data_parallel",
-                             "sequence_parallel", "dropout", "qk_norm")
-    return Config(**{name: getattr(args, name) for name in names})
+    """The Config named by the parsed flags, one per field (``ValueError`` when invalid)."""
+    return Config(**{field.name: getattr(args, field.name) for field in fields(Config)})
 
 
 def modes_listing() -> list[dict]:

@@ -57,9 +57,8 @@ class Config:
         if self.head_dim % 2:
             problems.append(f"head_dim must be even for RoPE's channel pairs (got {self.head_dim})")
         if self.query_heads % self.kv_heads:
-            problems.append(
-                f"query_heads must be a multiple of kv_heads "
-                f"(got query_heads={self.query_heads}, kv_heads={self.kv_heads})")
+            problems.append(f"query_heads must be a multiple of kv_heads "
+                            f"(got query_heads={self.query_heads}, kv_heads={self.kv_heads})")
         problems += _kv_layout_problems(self)
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel must be True or False (got {self.sequence_parallel!r})")
@@ -148,9 +147,8 @@ def _kv_layout_problems(cfg: Config) -> list[str]:
             f"head serves world_size/kv_heads whole ranks ({shared}) "
             f"(got kv_heads={kv}, world_size={w})")
     if kv < w and q % w:
-        problems.append(
-            f"query_heads must be a multiple of world_size when kv_heads < world_size "
-            f"(got query_heads={q}, world_size={w})")
+        problems.append(f"query_heads must be a multiple of world_size when kv_heads < "
+                        f"world_size (got query_heads={q}, world_size={w})")
     strategy = cfg.kv_strategy
     if strategy not in KV_STRATEGIES:
         problems.append(f"kv_strategy must be one of {', '.join(KV_STRATEGIES)} (got {strategy!r})")

@@ -53,9 +53,8 @@ def _run_plan(plan: RunPlan, diagnose: bool, torchrun: bool) -> dict:
         return run_under_torchrun(plan, backend, rank_fn)
     if not diagnose:  # each (mode, seed) once
         plan = replace(plan, jobs=tuple(dict.fromkeys(plan.jobs)))
-    preload = "tpattn.diagnosis.observe_real" if diagnose else "tpattn.real.ranks"
     return run_on_ranks(rank_fn, plan.cfg.ranks, plan, timeout=plan.timeout, backend=backend,
-                        preload=(preload,))[0][0]
+                        preload=(rank_fn.__module__,))[0][0]
 
 
 def distributed_main(argv: list[str] | None = None, prog: str = "tpattn.distributed") -> int:

@@ -15,13 +15,11 @@ from tpattn.block.fused_qkv import (fuse_qkv_weight, fused_qkv_rows, read_rank_q
                                     split_qkv_weight)
 from tpattn.block.params import PARAM_NAMES, init_params
 
-__all__ = [
-    "ROPE_THETA", "llama_config", "config_from_llama", "llama_layer",
-    "llama_params", "load_llama_params", "LlamaAttentionBlock", "llama_tp_plan",
-    "rotate_half_from_adjacent", "adjacent_from_rotate_half", "apply_rope_adjacent",
-    "meta_dense_forward", "QKV_LAYOUTS", "fuse_qkv", "concat_qkv", "split_fused_qkv",
-    "read_rank_slices", "float32_tolerance",
-]
+__all__ = ["ROPE_THETA", "llama_config", "config_from_llama", "llama_layer", "llama_params",
+           "load_llama_params", "LlamaAttentionBlock", "llama_tp_plan",
+           "rotate_half_from_adjacent", "adjacent_from_rotate_half", "apply_rope_adjacent",
+           "meta_dense_forward", "QKV_LAYOUTS", "fuse_qkv", "concat_qkv", "split_fused_qkv",
+           "read_rank_slices", "float32_tolerance"]
 
 #: The RoPE base of ``rope_angles`` and HF's default; another ``rope_theta`` is refused.
 ROPE_THETA = 10000.0
@@ -122,25 +120,24 @@ class LlamaAttentionBlock(nn.Module):
         return (h + out).transpose(0, 1)
 
 
-def llama_tp_plan(hf: LlamaConfig | None = None, prefix: str = "layer.") -> dict:
+def llama_tp_plan() -> dict:
     """HF's ``base_model_tp_plan`` attention entries as styles under ``LlamaAttentionBlock``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    declared = (hf or LlamaConfig).base_model_tp_plan
     plan = {}
-    for pattern, style in declared.items():
+    for pattern, style in LlamaConfig.base_model_tp_plan.items():
         if pattern.startswith("layers.*.self_attn."):
             if style not in styles:
                 raise ValueError(f"base_model_tp_plan[{pattern!r}] must be 'colwise' or "
                                  f"'rowwise' here (got {style!r})")
-            plan[prefix + pattern.removeprefix("layers.*.")] = styles[style]()
+            plan["layer." + pattern.removeprefix("layers.*.")] = styles[style]()
     return plan
 
 
-def _check_rows(w: torch.Tensor, heads: int, name: str = "w") -> int:
+def _check_rows(w: torch.Tensor, heads: int) -> int:
     if w.dim() != 2 or heads < 1 or w.shape[0] % heads or (w.shape[0] // heads) % 2:
-        raise ValueError(f"{name} must be [heads * head_dim, hidden] with head_dim even "
+        raise ValueError(f"w must be [heads * head_dim, hidden] with head_dim even "
                          f"(got shape {list(w.shape)} for heads={heads})")
     return w.shape[0] // heads
 

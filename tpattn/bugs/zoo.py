@@ -110,11 +110,10 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 "NVIDIA/Megatron-LM PR 6839 (open)",
                 (WORLD_2,), Injection(f="none"), fidelity="mechanism",
                 fidelity_note="bigcode PR 36: MQA's K/V projection, replicated over TP, lacked "
-                "the input-gradient all-reduce ColumnLinear does, so the loss exploded at TP 2 "
-                "with the weights in sync (issue 35); Megatron-LM PR 6839: MLA's shared K-RoPE "
-                "gradient summed over local heads only, fixed with "
-                "copy_to_tensor_model_parallel_region; there one branch missed f, here all of dn "
-                "(chapter 9)"),
+                "ColumnLinear's input-gradient all-reduce, so the loss exploded at TP 2 with the "
+                "weights in sync (issue 35); Megatron-LM PR 6839: MLA's shared K-RoPE gradient "
+                "summed over local heads only, fixed with copy_to_tensor_model_parallel_region; "
+                "there one branch missed f, here all of dn (chapter 9)"),
         BugMode("input_grad_reduce_averaged",
                 "f averages dn over the ranks instead of summing it", None,
                 (WORLD_2,), Injection(f="mean"),
@@ -133,9 +132,8 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 "gradient is W times too large and dX is wrong too"),
         BugMode("output_reduced_twice",
                 "g applied twice: the output is W times the sum of the partials", None,
-                (WORLD_2,), Injection(g=2),
-                fidelity_note="no public report found: the forward twin of "
-                "input_grad_reduced_twice, a plausible bug"),
+                (WORLD_2,), Injection(g=2), fidelity_note="no public report found: the forward "
+                "twin of input_grad_reduced_twice, a plausible bug"),
         # the step and loading: the norm, the bias, the fused checkpoint
         BugMode("grad_norm_counts_replicas",
                 "replicated parameters counted W times in the global gradient norm "
@@ -220,11 +218,10 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 Injection(rng="rank0_drift"), fidelity="mechanism",
                 fidelity_note="PR 276: the loader, built on tp_rank 0 only, drew the workers' "
                 "base_seed from the CPU generator, so torch_rng_state differed across TP ranks, "
-                "the data identical; the zoo drifts the same CPU generator with a real DataLoader "
-                "iterator, and its CPU residual dropout reads it; on a GPU, dropout reads the "
-                "CUDA generator: that drift desyncs only CPU draws (shuffles, CPU-side masks), "
-                "and CUDA masks desync only when a CUDA random op runs on some TP ranks alone or "
-                "the ranks seed CUDA differently"),
+                "the data identical; the zoo drifts it with a real DataLoader iterator and its "
+                "CPU residual dropout reads it; on a GPU dropout reads the CUDA generator: that "
+                "drift desyncs only CPU draws (shuffles, CPU-side masks); CUDA masks desync only "
+                "if a CUDA random op runs on some TP ranks alone or their CUDA seeds differ"),
         BugMode("qk_norm_grad_not_reduced",
                 "qk-norm weights replicated over TP without the all-reduce of their "
                 "gradients: each rank steps on its own heads' part and the replicas drift",
@@ -240,21 +237,19 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
                 None, (DP_2,), Injection(loss_group="world"), fidelity="no report",
                 fidelity_note="no public report of an over-reported loss: pytorch/torchtitan PR "
                 "105 (FSDP + SP) moved the loss metric's all-reduce from the 2D world mesh to the "
-                "DP submesh to fix a crash, and with its mean reduction the world group would "
-                "have logged the right value; the TP-degree over-report exists only under this "
-                "book's convention (each rank's loss is its share of the global mean, summed over "
-                "DP)"),
+                "DP submesh to fix a crash; with its mean reduction the world group would have "
+                "logged the right value; the TP-degree over-report needs this book's convention "
+                "(each rank's loss is its share of the global mean, summed over DP)"),
         BugMode("loss_full_tensor_tp_only",
                 "TP x DP: the logged loss is a Replicate DTensor on the TP mesh whose "
                 "full_tensor() skips the DP reduction",
                 "pytorch/torchtitan issue 3280; PR 3313 (root cause); PR 3204; fixed by PR 3159",
                 (DP_2,), Injection(loss_group="tp"), fidelity="mechanism",
-                fidelity_note="issue 3280 was reported for TP + CP: PR 3313 traced the "
-                "under-reported loss to _dist_reduce's full_tensor() on a TP-only DTensor, which "
-                "skips every mesh dimension outside the DTensor's; the DP case is PR 3159's note "
-                "('under-reported by dp_shard x cp') and PR 3204's tests (a Replicate-on-TP loss "
-                "over an orthogonal batch mesh); here the skipped dimension is DP of a TP x DP "
-                "mesh, each replica logging its share"),
+                fidelity_note="issue 3280 was on TP + CP: PR 3313 traced the under-reported loss "
+                "to _dist_reduce's full_tensor() on a TP-only DTensor, skipping every mesh "
+                "dimension outside its own; the DP case is PR 3159's note ('under-reported by "
+                "dp_shard x cp') and PR 3204's tests (a Replicate-on-TP loss over an orthogonal "
+                "batch mesh); here it skips DP of a TP x DP mesh, each replica logging its share"),
         # the DP gradient sync and the SP gather over the wrong group
         BugMode("dp_grad_group_of_one",
                 "TP x DP: the data-parallel gradient all-reduce runs over a group of one "
@@ -267,8 +262,7 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
         BugMode("sp_gather_wrong_group",
                 "TP x DP with sequence parallelism: the sequence all-gather (and its backward "
                 "reduce-scatter) runs over the other mesh dimension's group",
-                "NVIDIA/Megatron-LM issue 7452",
-                (SP, DP_2, DP_IS_TP),
+                "NVIDIA/Megatron-LM issue 7452", (SP, DP_2, DP_IS_TP),
                 Injection(sp_group="dp"), fidelity="mechanism",
                 fidelity_note="finding 06 of the issue: CrossAttention builds linear_q and "
                 "linear_kv without tp_group, so their SP all-gather runs over the global MPU TP "
@@ -288,8 +282,7 @@ REGISTRY: dict[str, BugMode] = {m.name: m for m in [
         BugMode("grouped_qkv_read_as_plain",
                 "a QKV checkpoint fused per KV group read as plain [Q; K; V] on each rank: "
                 "wrong once a rank holds two groups",
-                "tenstorrent/tt-metal issue 6243 (closed)",
-                (FUSED_QKV, TWO_KV_PER_RANK),
+                "tenstorrent/tt-metal issue 6243 (closed)", (FUSED_QKV, TWO_KV_PER_RANK),
                 Injection(shard="grouped_as_plain"), fidelity="mechanism",
                 fidelity_note="nlp_create_qkv_heads split each device's fused QKV output assuming "
                 "concat(q, k, v), but a device holding 2 of Falcon-40B's 8 groups had concat(q1, "
@@ -376,10 +369,9 @@ def _check_fixture_mode(mode: str, inj: Injection, cfg: Config) -> None:
         raise ValueError(f"mode {mode} needs sequence_parallel=True (--sequence-parallel): "
                          f"only then is the norm weight's gradient a partial sum to all-reduce")
     if inj.kv_grad != "sum" and not kv_grad_bug_applies(cfg):
-        raise ValueError(
-            f"mode {mode} needs replicated KV heads: kv_heads < world_size "
-            f"and kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
-            f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
+        raise ValueError(f"mode {mode} needs replicated KV heads: kv_heads < world_size and "
+                         f"kv_strategy='replicate_weights' (got kv_heads={cfg.kv_heads}, "
+                         f"world_size={cfg.world_size}, kv_strategy={cfg.kv_strategy!r})")
     if mode not in modes_for(cfg):
         raise ValueError(f"mode must be one of {', '.join(modes_for(cfg))} (got {mode!r})")
 

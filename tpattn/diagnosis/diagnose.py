@@ -1,9 +1,7 @@
-"""``diagnose(observations)``: which known TP bugs explain what a run shows — or none.
-
-A run's ``DEVIATIONS`` (what a correct run would not show) are matched against every cause's
+"""``diagnose(observations)``: which known TP bugs explain what a run shows — or none. A run's
+``DEVIATIONS`` (what a correct run would not show) are matched against every cause's
 ``Fingerprint``; the answer is the smallest set of causes that explains them all (a tie when
-several), or ``NO_KNOWN_CAUSE``. ``TIERS``: what each tier of evidence holds.
-"""
+several), or ``NO_KNOWN_CAUSE``. ``TIERS``: what each tier of evidence holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -189,11 +187,9 @@ def _sharded_grads_off(f: dict) -> bool:
 #: What a run can show that a correct one would not: name -> (text, tier, test(features)).
 #: A tier-2 deviation compares with the known-good run.
 DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
-    "fwd_short": ("forward ledger: fewer reductions than the plan (a g missing)", 1,
-                  _fewer("fwd")),
+    "fwd_short": ("forward ledger: fewer reductions than the plan (g missing)", 1, _fewer("fwd")),
     "fwd_extra": ("forward ledger: more reductions than the plan (an extra g)", 1, _more("fwd")),
-    "bwd_short": ("backward ledger: fewer reductions than the plan (an f missing)", 1,
-                  _fewer("bwd")),
+    "bwd_short": ("backward ledger: fewer reductions than the plan (f missing)", 1, _fewer("bwd")),
     "bwd_extra": ("backward ledger: more reductions than the plan (an extra f)", 1, _more("bwd")),
     "bwd_avg": ("backward ledger: an all-reduce with op avg where the plan has sum", 1,
                 _more("bwd_avg")),
@@ -222,9 +218,8 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                       _drift("bias")),
     "kv_replicas": ("wk/wv differ across the ranks of a KV replica group after one step", 1,
                     _drift("wk", "wv")),
-    "rng_states": ("the ranks' default random-generator states differ when the step starts "
-                   "(dropout masks outside the sharded region differ)", 1,
-                   lambda f: not f["rng_states_agree"]),
+    "rng_states": ("the ranks' default RNG states differ when the step starts (dropout masks "
+                   "outside the sharded region differ)", 1, lambda f: not f["rng_states_agree"]),
     "qk_norm_replicas": ("the replicated q/k-norm weights differ across ranks after one step", 1,
                          _drift("q_norm", "k_norm")),
     "late_drift": ("replicas identical after one step differ after the last", 1,
@@ -247,8 +242,7 @@ DEVIATIONS: dict[str, tuple[str, int, Callable[[dict], bool]]] = {
                               lambda f: f["mesh"] and f["logged_loss_is"] == "own share"),
     "dp_grad_self": ("the ledger's DP gradient all-reduce runs over a group of one rank (group "
                      "self) where the plan has the DP group", 1, _more("self_grad")),
-    "dp_replicas": ("a parameter differs across the DP replicas after one step", 1,
-                    _drift("dp ")),
+    "dp_replicas": ("a parameter differs across the DP replicas after one step", 1, _drift("dp ")),
     "sp_over_dp": ("the sequence all-gather/reduce-scatter runs over the DP group where the plan "
                    "has the TP group", 1, _more("sp_dp")),
     "loss_off": ("the step-0 loss differs from the good run's (the forward is wrong)", 2,
@@ -313,8 +307,7 @@ def _tp_with(*flags: str, kv_per_rank: int = 0) -> Callable[[dict], bool]:
 FINGERPRINTS: dict[str, Fingerprint] = {
     "missing_output_reduce": _fp(
         ["fwd_short"], ["losses_disagree", "norm_replicas", "bias_replicas"],
-        "all-reduce the output partials: every rank's loss should become the same",
-        forward=True),
+        "all-reduce the output partials: every rank's loss should become the same", forward=True),
     "output_reduced_twice": _fp(
         ["fwd_extra"], [], "remove one all-reduce: the block's output drops by the factor W",
         forward=True),
@@ -333,8 +326,7 @@ FINGERPRINTS: dict[str, Fingerprint] = {
         allows=_tp_with("grad_clip")),
     "row_bias_on_every_rank": _fp(
         ["loss_off"], [], "add the bias after the all-reduce: the output drops by exactly "
-        "(W-1)*b", allows=_tp_with("bias"), alone=["bias_shift"],
-        forward=True),
+        "(W-1)*b", allows=_tp_with("bias"), alone=["bias_shift"], forward=True),
     "fused_qkv_naive_split": _fp(
         ["qkv_shards", "qkv_rank0_queries"], ["outside_partials"],
         "split Wq, Wk, Wv by heads: each rank's Q/K/V checksums match the checkpoint's slices",
@@ -356,8 +348,7 @@ FINGERPRINTS: dict[str, Fingerprint] = {
     "inputs_not_replicated": _fp(
         ["batches"], ["losses_disagree", "norm_replicas", "bias_replicas", "kv_replicas",
                       "outside_partials"],
-        "broadcast the batch from TP rank 0: the batch checksums and losses agree",
-        forward=True),
+        "broadcast the batch from TP rank 0: the batch checksums and losses agree", forward=True),
     "missing_norm_grad_reduce": _fp(
         ["after_bwd_short"], ["norm_replicas", *_NORM_GRAD],
         "all-reduce the norm weight's gradient over the TP group: the norm replicas stay "
@@ -472,9 +463,8 @@ def _from_observations(obs: dict) -> list[dict]:
         evidence = ([DEVIATIONS[d][0] for d in seen] or ["nothing deviates from a correct run"])
         if unexplained:
             evidence.append("no registry cause explains: " + "; ".join(unexplained))
-        return [{"cause": NO_KNOWN_CAUSE, "with": [], "score": 0,
-                 "evidence": evidence + _blind_line(cannot_see, tier), "confirm": "-",
-                 "citation": None, "tied_with": [], "tier": tier, "cannot_see": cannot_see}]
+        return _no_cause(evidence + _blind_line(cannot_see, tier), tier=tier,
+                         cannot_see=cannot_see)
     # the most specific explanation first: the most deviations shown, then registry order
     sets.sort(key=lambda s: -sum(len(FINGERPRINTS[c].shows) + len(FINGERPRINTS[c].alone)
                                  for c in s))
@@ -500,9 +490,10 @@ def _from_observations(obs: dict) -> list[dict]:
     return found
 
 
-def _no_cause(evidence: list[str]) -> list[dict]:
-    return [{"cause": NO_KNOWN_CAUSE, "score": 0, "evidence": evidence, "confirm": "-",
-             "citation": None, "tied_with": [], "with": []}]
+def _no_cause(evidence: list[str], **more) -> list[dict]:
+    """The one candidate ``NO_KNOWN_CAUSE`` with ``evidence`` (``more``: further keys)."""
+    return [{"cause": NO_KNOWN_CAUSE, "with": [], "score": 0, "evidence": evidence,
+             "confirm": "-", "citation": None, "tied_with": [], **more}]
 
 
 def _from_five_measures(result: dict, cfg, signatures: dict | None, forward=None) -> list[dict]:

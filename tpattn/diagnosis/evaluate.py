@@ -1,19 +1,18 @@
-"""How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on.
-
-The fingerprints are tuned on ``TUNING`` (and ``TUNING_MESH``); ``HELD_OUT`` and its kin are
-other shapes, run at other seeds, at tier 1 and tier 2; ``classify`` puts each answer in one of
-``CLASSES``. Two bugs at once (``pairs``) and bugs outside the registry (``MADE_UP``) too.
-"""
+"""How honest ``diagnose`` is, per tier, on cases its fingerprints were not written on: they are
+tuned on ``TUNING`` (and ``TUNING_MESH``); ``HELD_OUT`` and its kin are other shapes, run at other
+seeds, at tier 1 and tier 2; ``classify`` puts each answer in one of ``CLASSES``. Two bugs at
+once (``pairs``) and bugs outside the registry (``MADE_UP``) too."""
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from itertools import combinations
 
 from tpattn.config import Config
 from tpattn.parallel.injection import Injection
 from tpattn.bugs.zoo import AROUND_THE_BLOCK, REGISTRY, resolve, runnable_modes
 from .diagnose import NO_KNOWN_CAUSE, UNREGISTERED_FORWARD, diagnose
-from .observe import observe, observe_injection
+from .observe import observe_injection
 
 __all__ = ["HELD_OUT", "MODEL_HELD_OUT", "HELD_OUT_MESH", "TUNING", "TUNING_MESH",
            "MESH_SEEDS", "MADE_UP", "MADE_UP_LOADING", "LOADING_MODES", "LOADING_HELD_OUT",
@@ -66,8 +65,7 @@ MODEL_HELD_OUT = [
     ("drop qk-norm W4 hq8 kv4", _shape(4, 8, 4, 8, dropout=0.2, qk_norm=True),
      _FIXTURE_BUGS + _DROP + _QKN),
     ("qk-norm W4 hq16 kv8", _shape(4, 16, 8, 4, qk_norm=True), _FIXTURE_BUGS + _QKN),
-    ("drop W4 hq8 kv8", _shape(4, 8, 8, 4, seq=6, hidden=16, dropout=0.05),
-     _FIXTURE_BUGS + _DROP),
+    ("drop W4 hq8 kv8", _shape(4, 8, 8, 4, seq=6, hidden=16, dropout=0.05), _FIXTURE_BUGS + _DROP),
 ]
 #: The TP x DP mesh's held-out shapes (seeds ``MESH_SEEDS``).
 HELD_OUT_MESH = [
@@ -130,20 +128,25 @@ def classify(found: list[dict], mode: str) -> str:
     return "wrong"
 
 
+def _both_tiers(inj: Injection, seeds, cfg: Config, logged_loss: str = "per_rank"):
+    """``(tier, seed, diagnose's answer)`` for ``inj`` at every seed, tier 1 then tier 2."""
+    for seed in seeds:
+        for tier in (1, 2):
+            yield tier, seed, diagnose(observe_injection(
+                inj, seed, cfg, reference=tier == 2, logged_loss=logged_loss))
+
+
 def single_bug_answers(seeds, logged_loss: str = "per_rank", shapes=HELD_OUT) -> dict:
     """``(tier, mode, shape, seed) -> diagnose``'s answer for every registry bug on ``shapes``."""
     out = {}
     for name, cfg, modes in shapes:
         for mode in modes or [m for m in runnable_modes() if m != "equivalence"]:
             try:
-                resolve(mode, cfg, strict=True)
+                inj = resolve(mode, cfg, strict=True).injection
             except ValueError:  # this shape does not host the mode
                 continue
-            for seed in seeds:
-                for tier in (1, 2):
-                    out[(tier, mode, name, seed)] = diagnose(
-                        observe(mode, seed=seed, cfg=cfg, reference=tier == 2,
-                                logged_loss=logged_loss))
+            for tier, seed, found in _both_tiers(inj, seeds, cfg, logged_loss):
+                out[(tier, mode, name, seed)] = found
     return out
 
 
@@ -181,11 +184,9 @@ def pairs(extra=()):
                    if getattr(inj, f.name) != getattr(default, f.name)}
         if changed:
             knobs[mode] = changed
-    names = sorted(knobs)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if not set(knobs[a]) & set(knobs[b]):
-                yield (a, b), Injection(**knobs[a], **knobs[b])
+    for a, b in combinations(sorted(knobs), 2):
+        if not set(knobs[a]) & set(knobs[b]):
+            yield (a, b), Injection(**knobs[a], **knobs[b])
 
 
 #: Pair answers: both named as the explanation (no tie, or plus a tie), both named but one
@@ -209,15 +210,9 @@ def pair_class(found: list[dict], pair: tuple[str, str]) -> str:
 def two_bug_cases(seeds, cfg: Config = HELD_OUT[0][1], keep=None, extra=()) -> dict:
     """``(tier, pair, seed) -> pair_class`` for the pairs (``pairs(extra)``, filtered by
     ``keep``) on ``cfg``."""
-    out = {}
-    for pair, inj in pairs(extra):
-        if keep is not None and not keep(pair):
-            continue
-        for seed in seeds:
-            for tier in (1, 2):
-                found = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))
-                out[(tier, pair, seed)] = pair_class(found, pair)
-    return out
+    return {(tier, pair, seed): pair_class(found, pair)
+            for pair, inj in pairs(extra) if keep is None or keep(pair)
+            for tier, seed, found in _both_tiers(inj, seeds, cfg)}
 
 
 def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None) -> dict:
@@ -225,12 +220,10 @@ def made_up_cases(seeds, cfg: Config = HELD_OUT[0][1], cases: dict | None = None
     of ``cases`` (default ``MADE_UP``)."""
     out = {}
     for name, inj in (MADE_UP if cases is None else cases).items():
-        for seed in seeds:
-            for tier in (1, 2):
-                top = diagnose(observe_injection(inj, seed, cfg, reference=tier == 2))[0]
-                out[(tier, name, seed)] = (
-                    top["cause"] if top["cause"] == NO_KNOWN_CAUSE else "tie"
-                    if top["tied_with"] else " + ".join([top["cause"], *top.get("with", [])]))
+        for tier, seed, (top, *_) in _both_tiers(inj, seeds, cfg):
+            out[(tier, name, seed)] = (
+                top["cause"] if top["cause"] == NO_KNOWN_CAUSE else "tie"
+                if top["tied_with"] else " + ".join([top["cause"], *top.get("with", [])]))
     return out
 
 

@@ -1,17 +1,14 @@
-"""Impostors and exact errors (chapter 10): bugs with a missing reduction's signature (the
-set of failing measures), and the exact error each missing reduction leaves.
-
-``IMPOSTORS`` keep both reductions yet share a signature. ``g_fingerprint``: dense − TP output
-equals ``Σ_{r≠0} P_r``; ``f_fingerprint``: dense − TP ``dX`` equals ranks ``1..W-1``'s terms
-through RMSNorm. Forwards are ``forward(x, params, cfg) -> y``, x and y ``[S, B, hidden]``.
-"""
+"""Impostors and exact errors (chapter 10): ``IMPOSTORS`` keep both reductions yet share a
+missing reduction's signature (its failing measures); its exact error: ``g_fingerprint`` (dense −
+TP output is ``Σ_{r≠0} P_r``), ``f_fingerprint`` (dense − TP ``dX`` is ranks ``1..W-1``'s terms
+through RMSNorm). Forwards: ``forward(x, params, cfg) -> y``, x and y ``[S, B, hidden]``."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tpattn.check.core import (PARAM_SEED_OFFSET, TOLERANCE, dense_reference, five_measures, make_inputs,
-                    one_step)
+from tpattn.check.core import (PARAM_SEED_OFFSET, TOLERANCE, dense_reference, five_measures,
+                               make_inputs, one_step)
 from tpattn.config import Config
 from tpattn.block.dense import attend_and_project, dense_forward
 from tpattn.block.layers import rms_norm

@@ -1,7 +1,6 @@
 """What an engineer can see of a TP run without a dense model to compare with: ``observe``
 trains the block on simulated ranks and returns only what a real job could log (JSON-able;
-checksums are float64 sums), and how the run differs from its correct twin.
-"""
+checksums are float64 sums), and how the run differs from its correct twin."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -71,16 +70,13 @@ def simulated_train(shards: list[dict[str, torch.Tensor]], batches, cfg: Config,
                     "grads": unstack_ranks(result["grads"])}
         return per_rank, result["weights"], unstack_ranks(result["weights"])
     checksums = rng.default_checksums() if rng is not None else None
-    out = train_loop(stack_ranks(shards), step, steps, cfg)
-    if checksums is not None:
-        out["rng_checksums"] = checksums
-    return out
+    return train_loop(stack_ranks(shards), step, steps, cfg, checksums)
 
 
-def train_loop(state, step, steps: int, cfg: Config) -> dict:
+def train_loop(state, step, steps: int, cfg: Config, rng_checksums=None) -> dict:
     """An observation's loop: ``step(state) -> (result, state, every rank's weights)``.
     Returns ``first`` (step 0's result), ``curve`` (rank 0's loss per step), ``replicas``
-    (``replica_sums`` after step 1 and the last)."""
+    (``replica_sums`` after step 1 and the last) and the ``rng_checksums`` given, if any."""
     out = {"curve": [], "replicas": {}}
     for i in range(steps):
         result, state, weights = step(state)
@@ -89,6 +85,8 @@ def train_loop(state, step, steps: int, cfg: Config) -> dict:
         out["curve"].append(float(result["losses"][0]))
         if i in (0, steps - 1):
             out["replicas"]["after_1" if i == 0 else "after_k"] = replica_sums(weights, cfg)
+    if rng_checksums is not None:
+        out["rng_checksums"] = rng_checksums
     return out
 
 
@@ -225,8 +223,7 @@ def observe_injection(inj: Injection, seed: int = 11, cfg: Config | None = None,
 
 
 def observe(mode: str, seed: int = 11, cfg: Config | None = None, steps: int = STEPS,
-            reference: bool = True, logged_loss: str = "per_rank",
-            train=simulated_train) -> dict:
+            reference: bool = True, logged_loss: str = "per_rank", train=simulated_train) -> dict:
     """The observables of a ``steps``-step run of registry ``mode`` on simulated ranks:
     ``setup``; ``rank_losses`` (step 0, as logged: ``LOGGED_LOSSES``); ``batch_checksums``;
     ``shard_checksums`` (per parameter and rank: loaded minus the checkpoint slice; 0 is

@@ -1,7 +1,6 @@
 """``observe`` and ``diagnose`` on real torch.distributed ranks: every process trains its own
 shard on its own batch (``engine.train_step`` on ``RealRanks``) and gathers the other ranks'
-numbers after each step; every rank holds the same observables, rank 0 diagnoses.
-"""
+numbers after each step; every rank holds the same observables, rank 0 diagnoses."""
 from __future__ import annotations
 
 import torch
@@ -31,7 +30,7 @@ class RealTrain:
                  seed: int | None = None) -> dict:
         r = self.rank
         rng = process_streams(cfg, seed, r % cfg.world_size, inj) if cfg.dropout > 0 else None
-        checksum = state_checksum(torch.default_generator) if rng is not None else None
+        checksums = _gathered(state_checksum(torch.default_generator)) if rng is not None else None
         x, target = (t.to(self.device).unsqueeze(0) for t in batches[r])
         targets = torch.stack([t for _, t in batches])
         def step(p):
@@ -43,10 +42,7 @@ class RealTrain:
                    "outputs": every["outputs"]}
             return out, result["weights"], unstack_ranks(every["weights"])
         state = {k: t.to(self.device) for k, t in stack_ranks([shards[r]]).items()}
-        out = train_loop(state, step, steps, cfg)
-        if checksum is not None:
-            out["rng_checksums"] = _gathered(checksum)
-        return out
+        return train_loop(state, step, steps, cfg, checksums)
 
 
 def _gathered(value: float) -> list[float]:

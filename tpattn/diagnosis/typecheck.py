@@ -26,7 +26,7 @@ from tpattn.check.core import (EQUIVALENCE, MISSING_INPUT_GRAD_REDUCE, MISSING_K
 from tpattn.config import Config
 from tpattn.bugs.modes import resolve
 from tpattn.bugs.zoo import MESH_NEEDS, REGISTRY
-from tpattn.parallel.kv_heads import GATHER_ACTIVATIONS, has_replicas, kv_grad_bug_applies
+from tpattn.parallel.kv_heads import has_replicas, kv_grad_bug_applies
 from tpattn.parallel.engine import rank_block
 from tpattn.parallel.program import Program
 from tpattn.parallel.rng import simulated_streams
@@ -42,14 +42,11 @@ TYPECHECK_VERDICTS = ("type-checks", "caught", "not a type error", "missed")
 
 #: Why the checker raises on each of these modes' bugs.
 _CAUGHT = {
-    MISSING_OUTPUT_REDUCE: "without g the varying partial meets the invariant residual x at the "
-                           "add",
+    MISSING_OUTPUT_REDUCE: "without g the varying partial meets invariant x at the residual add",
     MISSING_INPUT_GRAD_REDUCE: "without f the invariant norm output meets the varying wq in the "
                                "projection: an invariant's gradient would not be summed",
-    "input_grad_reduced_twice": "the second f takes a tensor that is already R, and convert "
-                                "wants I",
-    "output_reduced_twice": "the second g takes a tensor that is already I, and all_reduce wants "
-                            "P (or V)",
+    "input_grad_reduced_twice": "the second f takes a tensor already R; convert wants I",
+    "output_reduced_twice": "the second g takes a tensor already I; all_reduce wants P (or V)",
     "row_bias_on_every_rank": "the invariant bias meets the varying partial before g (the hint's "
                               "fix, convert(bias, I->R), would type-check and keep the W-fold "
                               "bias: the right fix is to add it after g)",
@@ -92,8 +89,7 @@ WHY = {EQUIVALENCE: {"type-checks": "f turns the invariant norm output into R (i
        **{mode: {"not a type error": why} for mode, why in _NOT_A_TYPE_ERROR.items()}}
 WHY[MISSING_OUTPUT_REDUCE]["missed"] = (
     "under sequence parallelism x is varying too (each rank its own tokens): a varying partial "
-    "plus varying tokens type-checks; the local types do not record that the partial is a "
-    "pending sum")
+    "plus varying tokens type-checks; local types do not record that the partial is a pending sum")
 
 
 class ContiguousGrad(torch.autograd.Function):
@@ -171,8 +167,7 @@ def typed_program(inj) -> Program:
     stages = {"f": {"sum": _f, "none": no_collective, "mean": mean(_f),
                     "twice": lambda n, ops: _f(_f(n, ops), ops)}[inj.f],
               "g": {1: _g, 0: no_collective, 2: lambda p, ops: _g(_g(p, ops), ops)}[inj.g],
-              "sp_gather": {"none": _rank0(lambda n, ops: all_gather(n, ops.tp, src=S(0),
-                                                                     dst=I)),
+              "sp_gather": {"none": _rank0(lambda n, ops: all_gather(n, ops.tp, src=S(0), dst=I)),
                             "mean": mean(_sp_gather)}.get(inj.f, _sp_gather),
               "sp_scatter": (_rank0(lambda p, ops: reduce_scatter(p, ops.tp, src=P, dst=S(0)))
                              if inj.g else _sp_own_tokens),
@@ -288,14 +283,12 @@ def _validate(mode, cfg, seed):
     return inj
 
 
-def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
-              twin: bool = False) -> dict:
+def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *, twin: bool = False) -> dict:
     """``mode``'s per-rank block under ``spmd_types``' checker on a fake process group of
-    ``cfg.world_size`` ranks: ``{"mode", "world_size", "sequence_parallel", "kv_layout",
-    "verdict", "message", "where", "why"}`` (``message``: the ``SpmdTypeError``'s text,
-    ``where``: the lines that raised, ``why``: ``WHY``'s; None when it type-checks).
-    ``twin=True`` checks the mode's bug-free twin (``Injection.correct``) instead.
-    ``ValueError`` for a mode ``cfg`` cannot run."""
+    ``cfg.world_size`` ranks: ``{"mode", "world_size", "sequence_parallel", "kv_layout", "verdict",
+    "message", "where", "why"}`` (``message``: the ``SpmdTypeError``'s text, ``where``: the lines
+    that raised, ``why``: ``WHY``'s; None when it type-checks). ``twin=True`` checks the mode's
+    bug-free twin (``Injection.correct``) instead. ``ValueError`` for a mode ``cfg`` cannot run."""
     for function in (ScaleGrad, ContiguousGrad):  # identity forwards: types pass through
         register_local_autograd_function(function)
     cfg = Config() if cfg is None else cfg
@@ -308,8 +301,7 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
                     set_current_mesh(ops.mesh), spmd_typecheck():
                 # spmd_types 0.3.1's all_gather calls a functional collective torch 2.13
                 # deprecates (a FutureWarning per call): not this check's concern
-                warnings.filterwarnings("ignore", category=FutureWarning,
-                                        module="spmd_types")
+                warnings.filterwarnings("ignore", category=FutureWarning, module="spmd_types")
                 run()
         except SpmdTypeError as e:
             message, where = str(e).strip(), _where(e)
@@ -319,9 +311,8 @@ def typecheck(mode: str, cfg: Config | None = None, seed: int = 11, *,
         verdict = "type-checks"
     else:
         verdict = "not a type error" if "not a type error" in WHY.get(mode, {}) else "missed"
-    gathered = has_replicas(cfg) and cfg.kv_strategy == GATHER_ACTIVATIONS
     layout = ("replicated KV heads, 2-D mesh (kv, rep)" if kv_grad_bug_applies(cfg)
-              else "K/V all-gathered" if gathered else "whole KV heads per rank")
+              else "K/V all-gathered" if has_replicas(cfg) else "whole KV heads per rank")
     why = WHY[EQUIVALENCE]["type-checks"] if twin and message is None \
         else WHY.get(mode, {}).get(verdict, "no reason recorded for this verdict")
     return {"mode": mode, "world_size": cfg.world_size,
