@@ -92,12 +92,13 @@ def _grade_measures(got, want: dict, where: str) -> None:
 @exercise("the five measures", 5)
 def check_five_measures(measures) -> str:
     """Check ``measures(dense, tp) -> dict``: the five measures between two ``one_step`` dicts."""
-    for cfg, seed, x0, target, base in cases(CHECKED_CONFIGS[:2]):
+    configs = CHECKED_CONFIGS[:2]
+    for cfg, seed, x0, target, base in cases(configs):
         dense = dense_reference(x0, target, base, cfg)
         for mode in MODES:
             tp = tp_step(x0, target, base, cfg, resolve(mode, cfg).injection, "ranks")
             want = five_measures(seed, mode, dense, tp)
             _grade_measures(measures(dense, tp), want, f"seed {seed}, {mode}, {shape_text(cfg)}")
     return (f"all five of your measures agree with the package's on "
-            f"{2 * len(CHECKED_SEEDS) * len(MODES)} comparisons: "
+            f"{len(configs) * len(CHECKED_SEEDS) * len(MODES)} comparisons: "
             f"every mode, {len(CHECKED_SEEDS)} seeds, two shapes (up to 4 ranks).")
