@@ -12,7 +12,7 @@ VOCAB = 12
 
 
 def case(world_size: int, dtype=torch.float64, seed: int = 0):
-    """Full logits ``[S, B, V]``, targets ``[S, B]`` (every rank owns some), their shards."""
+    """Full logits ``[S, B, V]``, targets ``[S, B]`` (each rank owns some), their shards."""
     g = torch.Generator().manual_seed(seed)
     full = (torch.randn(5, 3, VOCAB, generator=g, dtype=torch.float64) * 3).to(dtype)
     target = torch.randperm(15, generator=g).remainder(VOCAB).view(5, 3)
@@ -21,8 +21,8 @@ def case(world_size: int, dtype=torch.float64, seed: int = 0):
 
 
 def ranks(world_size: int, ledger=None) -> SimulatedRanks:
-    return SimulatedRanks(Config(world_size=world_size, query_heads=world_size, kv_heads=world_size),
-                          ledger)
+    cfg = Config(world_size=world_size, query_heads=world_size, kv_heads=world_size)
+    return SimulatedRanks(cfg, ledger)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
