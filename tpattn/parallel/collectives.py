@@ -119,7 +119,7 @@ def vocab_offsets(comm, local_vocab: int) -> torch.Tensor:
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Megatron's vocabulary-parallel cross-entropy: logits ``[R, S, B, V/W]`` (rank r: rows
     ``r*V/W ..``), target ``[R, S, B]`` -> per-token loss ``[R, S, B]``, the same on every TP
-    rank; max, target logit and sum of exponentials all-reduced, backward local."""
+    rank; the max, target logit and sum of exponentials reduced over the group, backward local."""
 
     @staticmethod
     def forward(ctx, logits, target, comm):
