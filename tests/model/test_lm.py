@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from tpattn.check.measures import MEASURES, five_measures
 from tpattn.config import Config
+from tpattn.model import job
 from tpattn.model.config import LMConfig
 from tpattn.model.dense import dense_lm_step, lm_forward
 from tpattn.model.params import (init_lm_params, layer_key, shard_lm_params,
@@ -30,13 +31,10 @@ def make_lm(world_size: int, dtype: str = "float64", tied: bool = False, **block
 
 
 def make_tokens(lm: LMConfig, seed: int = 3) -> torch.Tensor:
-    """Random token ids ``[S, B]``, position j in rank ``j % W``'s slice, so inputs and
-    next-token targets fall in every rank's slice."""
-    g = torch.Generator().manual_seed(seed)
-    n, w = lm.block.seq * lm.block.batch, lm.block.world_size
-    per_rank = lm.vocab // w
-    tokens = (torch.arange(n) % w * per_rank + torch.randint(per_rank, (n,), generator=g))
-    tokens = tokens.view(lm.block.seq, lm.block.batch)
+    """``tpattn.model.job.make_tokens``, checked: inputs and next-token targets fall in every
+    rank's vocabulary slice."""
+    tokens = job.make_tokens(lm, seed)
+    per_rank = lm.vocab // lm.block.world_size
     for ids in (tokens[:-1], tokens[1:]):
         assert set(ids.div(per_rank, rounding_mode="floor").flatten().tolist()) \
             == set(range(lm.block.world_size))
