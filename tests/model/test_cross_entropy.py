@@ -84,3 +84,18 @@ def test_group_max_is_the_elementwise_max_of_each_tp_group():
     mesh = SimulatedRanks(Config(world_size=2, data_parallel=2))  # TP groups [0, 1], [2, 3]
     t = torch.tensor([[1.0, 5.0], [3.0, 2.0], [0.0, 9.0], [4.0, 4.0]])
     assert group_max(t, mesh, "max").tolist() == [[3.0, 5.0]] * 2 + [[4.0, 9.0]] * 2
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bfloat16_logits_are_upcast_loss_float32_gradient_bfloat16(world_size):
+    full, target, shards = case(world_size, torch.bfloat16)
+    shards = shards.detach().requires_grad_(True)
+    loss = VocabParallelCrossEntropy.apply(shards, target.expand(world_size, -1, -1),
+                                           ranks(world_size))
+    assert loss.dtype == torch.float32
+    expected = F.cross_entropy(full.detach().float().reshape(-1, VOCAB), target.reshape(-1),
+                               reduction="none").view(5, 3)
+    # float32 arithmetic on the same bfloat16 inputs: float32 rounding, not bfloat16's 4e-3
+    torch.testing.assert_close(loss[0], expected, rtol=0, atol=1e-5)
+    loss.sum().backward()
+    assert shards.grad.dtype == torch.bfloat16

@@ -9,6 +9,7 @@ from tpattn.block.dense import dense_forward
 from tpattn.block.layers import rms_norm
 from tpattn.block.params import clone_trainable
 from tpattn.block.sgd import sgd_step
+from tpattn.parallel.collectives import at_least_float32
 from .config import LMConfig
 from .params import head_weight, layer_params
 
@@ -36,8 +37,10 @@ def lm_forward(tokens: torch.Tensor, p: dict[str, torch.Tensor], lm: LMConfig) -
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of position s's logits ``[S, B, V]`` against token s + 1 ``[S, B]``."""
-    return F.cross_entropy(logits[:-1].reshape(-1, logits.shape[-1]), tokens[1:].reshape(-1))
+    """Mean cross-entropy of position s's logits ``[S, B, V]`` against token s + 1 ``[S, B]``,
+    in at least float32 (as the vocabulary-parallel one)."""
+    logits = at_least_float32(logits[:-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[1:].reshape(-1))
 
 
 def dense_lm_step(tokens: torch.Tensor, base: dict[str, torch.Tensor], lm: LMConfig,

@@ -15,7 +15,7 @@ __all__ = ["SimulatedRanks", "check_op", "own_tokens", "CopyToRanks", "ReduceFro
            "LOSS_LABEL", "SP_SHARE_LABEL", "QK_NORM_GRAD_LABEL", "NORM_GRAD_LABEL",
            "REPLICA_GRAD_LABEL", "KV_GATHER_LABEL", "KV_SCATTER_LABEL", "group_max",
            "vocab_offsets", "VocabParallelCrossEntropy", "CE_MAX_LABEL", "CE_TARGET_LABEL",
-           "CE_SUM_EXP_LABEL"]
+           "CE_SUM_EXP_LABEL", "at_least_float32"]
 
 #: Ledger labels (a collective applied a second time adds ``AGAIN``).
 F_LABEL = "f: all-reduce of dn"
@@ -116,13 +116,22 @@ def vocab_offsets(comm, local_vocab: int) -> torch.Tensor:
     return (torch.tensor(comm.ranks) * local_vocab).view(-1, 1, 1)
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 if its dtype is narrower (bfloat16), else ``t`` itself."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Megatron's vocabulary-parallel cross-entropy: logits ``[R, S, B, V/W]`` (rank r: rows
     ``r*V/W ..``), target ``[R, S, B]`` -> per-token loss ``[R, S, B]``, the same on every TP
-    rank; the max, target logit and sum of exponentials reduced over the group, backward local."""
+    rank; the max, target logit and sum of exponentials reduced over the group, backward local.
+    Computed in at least float32 (Megatron's ``logits.float()``), the gradient in the logits'
+    dtype."""
 
     @staticmethod
     def forward(ctx, logits, target, comm):
+        ctx.dtype = logits.dtype
+        logits = at_least_float32(logits)
         v = logits.shape[-1]
         shifted = logits - group_max(logits.amax(-1), comm, CE_MAX_LABEL).unsqueeze(-1)
         local = target - vocab_offsets(comm, v)
@@ -141,7 +150,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         softmax, index, owned = ctx.saved_tensors
         one_hot = torch.zeros_like(softmax).scatter_(-1, index, owned.unsqueeze(-1).to(softmax))
-        return (softmax - one_hot) * grad.unsqueeze(-1), None, None
+        return ((softmax - one_hot) * grad.unsqueeze(-1)).to(ctx.dtype), None, None
 
 
 class CopyToRanks(torch.autograd.Function):
