@@ -43,6 +43,7 @@ def test_real_ranks_equal_simulated_ranks_on_the_five_measures(real):
 def test_real_ranks_pass_the_five_measures(real):
     _, results = real
     for result in results:
+        assert result["measures"]["verdict"] == "pass"
         assert {m: result["measures"][m] for m in MEASURES
                 if result["measures"][m] >= BOUND} == {}
 

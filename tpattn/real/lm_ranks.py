@@ -1,6 +1,6 @@
 """The decoder LM on real ranks through ``run_on_ranks``: each process runs ``tp_lm_step`` on
 ``RealRanks`` held to the ledger the simulated step plans; rank 0 returns, per job, its ledger
-and the five measures against the dense step and against the simulated ranks' step."""
+and the five measures against the dense step (judged) and against the simulated ranks' step."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tpattn.check.core import EQUIVALENCE, LR, check_seed
+from tpattn.check.lm import judge_lm
 from tpattn.check.measures import five_measures
 from tpattn.model.config import LMConfig
 from tpattn.model.job import dense_lm_job, lm_inputs, simulated_lm_job
@@ -57,8 +58,8 @@ def lm_rank_step(lm: LMConfig, seed: int, lr: float, comm: RealRanks, device="cp
 def run_lm_rank(rank: int, plan: LMRunPlan, device: torch.device | str = "cpu",
                 on_progress=None, groups: dict | None = None) -> list[dict]:
     """Every job of ``plan`` on this rank of an initialized group; on rank 0 one dict per job:
-    ``seed``, ``ledger``, ``measures`` (against the dense step) and ``vs_simulated`` (the same
-    five differences from ``simulated_lm_job``'s step); else ``[]``."""
+    ``seed``, ``ledger``, ``measures`` (against the dense step, ``judge_lm``'s verdict) and
+    ``vs_simulated`` (the five differences from ``simulated_lm_job``'s step); else ``[]``."""
     cfg = plan.jobs[0][0].block
     groups = groups or build_groups(cfg, torch.device(device).type, plan.timeout)
     out = []
@@ -71,7 +72,7 @@ def run_lm_rank(rank: int, plan: LMRunPlan, device: torch.device | str = "cpu",
             view = gather_lm_step(step, lm)
             dense = dense_lm_job(lm, seed, plan.lr)
             out.append({"seed": seed, "ledger": comm.ledger,
-                        "measures": five_measures(seed, EQUIVALENCE, dense, view),
+                        "measures": judge_lm(seed, EQUIVALENCE, lm, dense, view, plan.lr),
                         "vs_simulated": five_measures(seed, EQUIVALENCE,
                                                       gather_lm_step(simulated, lm), view)})
         if on_progress:
