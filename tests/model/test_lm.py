@@ -17,7 +17,7 @@ from tpattn.model.tp import (EMBED_G_LABEL, HEAD_F_LABEL, LM_CORRECT, MLP_F_LABE
                              gather_lm_step, tp_lm_step, vocab_parallel_lookup)
 from tpattn.parallel.collectives import (CE_MAX_LABEL, CE_SUM_EXP_LABEL, CE_TARGET_LABEL,
                                          F_LABEL, G_LABEL, SimulatedRanks)
-from tpattn.parallel.engine import stack_ranks
+from tpattn.parallel.engine import GRAD_NORM_LABEL, stack_ranks
 
 LR = 0.05
 #: float64: observed <= 1e-15 on every measure; the bound leaves 1000x for other shapes.
@@ -89,7 +89,8 @@ def test_the_ledger_names_each_collective_in_order():
     assert [(e["phase"], e["label"]) for e in ledger] == [
         ("forward", EMBED_G_LABEL), ("forward", G_LABEL), ("forward", MLP_G_LABEL),
         ("forward", CE_MAX_LABEL), ("forward", CE_TARGET_LABEL), ("forward", CE_SUM_EXP_LABEL),
-        ("backward", HEAD_F_LABEL), ("backward", MLP_F_LABEL), ("backward", F_LABEL)]
+        ("backward", HEAD_F_LABEL), ("backward", MLP_F_LABEL), ("backward", F_LABEL),
+        ("step", GRAD_NORM_LABEL)]
 
 
 def keep(t, comm, label=None):

@@ -10,6 +10,7 @@ from tpattn.block.layers import rms_norm
 from tpattn.block.params import clone_trainable
 from tpattn.block.sgd import sgd_step
 from tpattn.parallel.collectives import at_least_float32
+from tpattn.parallel.engine import MAX_GRAD_NORM
 from .config import LMConfig
 from .params import head_weight, layer_params
 
@@ -44,9 +45,10 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def dense_lm_step(tokens: torch.Tensor, base: dict[str, torch.Tensor], lm: LMConfig,
-                  lr: float) -> dict:
-    """One SGD step from a copy of ``base`` on tokens ``[S, B]``: ``output`` (logits), ``loss``,
-    ``input_grad`` (at the embeddings ``[S, B, hidden]``), ``grads``, ``weights``."""
+                  lr: float, clip: bool = False) -> dict:
+    """One SGD step from a copy of ``base`` on tokens ``[S, B]`` (clipped by the gradient norm
+    if ``clip``): ``output`` (logits), ``loss``, ``input_grad`` (at the embeddings
+    ``[S, B, hidden]``), ``grads``, ``weights``, ``grad_norm`` (float64 sum of squares)."""
     p = clone_trainable(base)
     x = F.embedding(tokens, p["embed"])
     x.retain_grad()
@@ -54,5 +56,7 @@ def dense_lm_step(tokens: torch.Tensor, base: dict[str, torch.Tensor], lm: LMCon
     loss = lm_loss(logits, tokens)
     loss.backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
+    norm = float(sum(g.double().pow(2).sum() for g in grads.values()) ** 0.5)
+    scale = min(1.0, MAX_GRAD_NORM / (norm + 1e-6)) if clip else 1.0
     return {"output": logits.detach(), "loss": loss.detach(), "input_grad": x.grad,
-            "grads": grads, "weights": sgd_step(p, grads, lr)}
+            "grads": grads, "weights": sgd_step(p, grads, lr, scale), "grad_norm": norm}

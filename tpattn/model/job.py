@@ -32,10 +32,10 @@ def lm_inputs(lm: LMConfig, seed: int) -> tuple[dict[str, torch.Tensor], torch.T
     return init_lm_params(lm, seed), make_tokens(lm, seed + TOKEN_SEED_OFFSET)
 
 
-def dense_lm_job(lm: LMConfig, seed: int, lr: float) -> dict:
+def dense_lm_job(lm: LMConfig, seed: int, lr: float, clip: bool = False) -> dict:
     """``dense_lm_step`` on ``lm_inputs(lm, seed)``."""
     p, tokens = lm_inputs(lm, seed)
-    return dense_lm_step(tokens, p, lm, lr)
+    return dense_lm_step(tokens, p, lm, lr, clip)
 
 
 def simulated_lm_job(lm: LMConfig, seed: int, lr: float, prog: LMProgram = LM_CORRECT) -> dict:

@@ -9,22 +9,26 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tpattn.block.kv_layout import is_first_kv_copy
 from tpattn.block.layers import rms_norm
 from tpattn.parallel.collectives import (CopyToRanks, ReduceFromRanks,
-                                         VocabParallelCrossEntropy, vocab_offsets)
-from tpattn.parallel.engine import rank_block, unstack_ranks
-from tpattn.parallel.program import CORRECT, Program, sgd_ranks
+                                         VocabParallelCrossEntropy, reduce_scalar, vocab_offsets)
+from tpattn.parallel.engine import GRAD_NORM_LABEL, MAX_GRAD_NORM, rank_block, unstack_ranks
+from tpattn.parallel.program import CORRECT, REPLICATED, Program, sgd_ranks
 from .config import LMConfig
 from .params import head_weight, layer_params, unshard_lm_params
 
 __all__ = ["EMBED_G_LABEL", "MLP_F_LABEL", "MLP_G_LABEL", "HEAD_F_LABEL", "rank_linear",
            "vocab_parallel_lookup", "LMProgram", "LM_CORRECT", "tp_lm_embed", "rank_swiglu",
-           "tp_lm_logits", "tp_lm_losses", "tp_lm_step", "gather_vocab", "gather_lm_step"]
+           "tp_lm_logits", "tp_lm_losses", "tp_lm_step", "gather_vocab", "gather_lm_step",
+           "LM_REPLICATED", "lm_grad_squares", "lm_grad_norm", "clip_coefs"]
 
 EMBED_G_LABEL = "g: all-reduce of the embedding partials"
 MLP_F_LABEL = "f: all-reduce of the MLP's dn"
 MLP_G_LABEL = "g: all-reduce of the MLP's output partials"
 HEAD_F_LABEL = "f: all-reduce of the LM head's dn"
+#: The LM's parameters every TP rank holds whole, by short name: counted once in the norm.
+LM_REPLICATED = REPLICATED + ("mlp_norm",)
 
 
 def rank_linear(n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,20 @@ def vocab_parallel_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> to
     return torch.where(owned.unsqueeze(-1), rows, 0.0)
 
 
+def lm_grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
+    """Each rank's squared gradients summed, ``[R]`` float64: ``LM_REPLICATED`` ones on TP rank
+    0 only, replicated wk/wv on the first rank of their replica group only."""
+    first = torch.tensor(comm.ranks) == 0
+    first_kv = torch.tensor([is_first_kv_copy(comm.cfg, r) for r in comm.ranks])
+    squares = torch.zeros(len(comm.ranks), dtype=torch.float64)
+    for key, g in grads.items():
+        name = key.rsplit(".", 1)[-1]
+        s = g.double().pow(2).flatten(1).sum(1)
+        squares += s * first if name in LM_REPLICATED else s * first_kv if name in (
+            "wk", "wv") else s
+    return squares
+
+
 @dataclass(frozen=True)
 class LMProgram:
     """The LM's TP stages around the blocks' ``Program``; the defaults are correct TP, a bug
@@ -54,6 +72,8 @@ class LMProgram:
     mlp_g: Callable = ReduceFromRanks.apply
     head_f: Callable = CopyToRanks.apply
     cross_entropy: Callable = VocabParallelCrossEntropy.apply
+    grad_squares: Callable = lm_grad_squares
+    clip: bool = False
     name: str = field(default="correct", compare=False)
 
 
@@ -96,11 +116,24 @@ def tp_lm_losses(logits: torch.Tensor, tokens: torch.Tensor, comm,
     return prog.cross_entropy(logits[:, :-1], tokens[:, 1:], comm).mean(dim=(1, 2))
 
 
+def lm_grad_norm(grads: dict[str, torch.Tensor], comm,
+                 prog: LMProgram = LM_CORRECT) -> torch.Tensor:
+    """The global gradient norm of stacked ``grads``: ``prog.grad_squares`` summed over the TP
+    group (one all-reduce), square-rooted; a scalar."""
+    return reduce_scalar(prog.grad_squares(grads, comm), comm, GRAD_NORM_LABEL).sqrt()
+
+
+def clip_coefs(norm: torch.Tensor, ranks: int, clip: bool) -> list[float]:
+    """Every rank's update scale: ``min(1, MAX_GRAD_NORM / (norm + 1e-6))`` if ``clip``, else 1."""
+    return [min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if clip else 1.0] * ranks
+
+
 def tp_lm_step(p: dict[str, torch.Tensor], tokens: torch.Tensor, lm: LMConfig, comm, lr: float,
                prog: LMProgram = LM_CORRECT) -> dict:
-    """One SGD step on ``comm``'s ranks (each backpropagates its own loss): p stacked, tokens
-    ``[R, S, B]`` -> ``outputs`` ``[R, S, B, V/W]``, ``losses`` ``[R]``, ``input_grads`` (at the
-    embeddings ``[R, S, B, hidden]``), ``grads``, ``weights`` (stacked), ``ledger``."""
+    """One SGD step on ``comm``'s ranks (each backpropagates its own loss), clipped by the
+    global norm under ``prog.clip``: p stacked, tokens ``[R, S, B]`` -> ``outputs``
+    ``[R, S, B, V/W]``, ``losses`` ``[R]``, ``input_grads`` (at the embeddings
+    ``[R, S, B, hidden]``), ``grads``, ``weights`` (stacked), ``grad_norm``, ``ledger``."""
     ps = {k: t.detach().clone().requires_grad_(True) for k, t in p.items()}
     x = tp_lm_embed(tokens, ps, comm, prog)
     x.retain_grad()
@@ -108,9 +141,11 @@ def tp_lm_step(p: dict[str, torch.Tensor], tokens: torch.Tensor, lm: LMConfig, c
     losses = tp_lm_losses(logits, tokens, comm, prog)
     losses.sum().backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in ps.items()}
+    norm = lm_grad_norm(grads, comm, prog)
+    coefs = clip_coefs(norm, x.shape[0], prog.clip)
     return {"outputs": logits.detach(), "losses": losses.detach(), "input_grads": x.grad,
-            "grads": grads, "weights": sgd_ranks(ps, grads, lr, [1.0] * x.shape[0], comm),
-            "ledger": comm.ledger}
+            "grads": grads, "weights": sgd_ranks(ps, grads, lr, coefs, comm),
+            "grad_norm": float(norm), "ledger": comm.ledger}
 
 
 def gather_vocab(t: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -123,6 +158,6 @@ def gather_lm_step(step: dict, lm: LMConfig) -> dict:
     unsharded; ``loss`` ``[R]`` and ``input_grad`` ``[R, S, B, hidden]`` every rank's."""
     w = lm.block.world_size
     return {"output": gather_vocab(step["outputs"], w), "loss": step["losses"],
-            "input_grad": step["input_grads"],
+            "input_grad": step["input_grads"], "grad_norm": step["grad_norm"],
             "grads": unshard_lm_params(unstack_ranks(step["grads"]), lm),
             "weights": unshard_lm_params(unstack_ranks(step["weights"]), lm)}

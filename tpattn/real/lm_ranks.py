@@ -52,7 +52,7 @@ def lm_rank_step(lm: LMConfig, seed: int, lr: float, comm: RealRanks, device="cp
     p, tokens = lm_inputs(lm, seed)
     mine = {k: t.to(device) for k, t in stack_ranks([shard_lm_params(p, lm)[comm.rank]]).items()}
     step = tp_lm_step(mine, tokens.to(device).unsqueeze(0), lm, comm, lr)
-    return gather_step({**step, "grad_norm": None}, comm, None)
+    return gather_step(step, comm, None)
 
 
 def run_lm_rank(rank: int, plan: LMRunPlan, device: torch.device | str = "cpu",
