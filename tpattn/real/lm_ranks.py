@@ -58,8 +58,9 @@ def lm_rank_step(lm: LMConfig, seed: int, lr: float, comm: RealRanks, device="cp
 def run_lm_rank(rank: int, plan: LMRunPlan, device: torch.device | str = "cpu",
                 on_progress=None, groups: dict | None = None) -> list[dict]:
     """Every job of ``plan`` on this rank of an initialized group; on rank 0 one dict per job:
-    ``seed``, ``ledger``, ``measures`` (against the dense step, ``judge_lm``'s verdict) and
-    ``vs_simulated`` (the five differences from ``simulated_lm_job``'s step); else ``[]``."""
+    ``seed``, ``ledger``, ``grad_norm``, ``measures`` (against the dense step, ``judge_lm``'s
+    verdict), ``vs_simulated`` (the five differences from ``simulated_lm_job``'s step); else
+    ``[]``."""
     cfg = plan.jobs[0][0].block
     groups = groups or build_groups(cfg, torch.device(device).type, plan.timeout)
     out = []
@@ -71,7 +72,7 @@ def run_lm_rank(rank: int, plan: LMRunPlan, device: torch.device | str = "cpu",
         if rank == 0:
             view = gather_lm_step(step, lm)
             dense = dense_lm_job(lm, seed, plan.lr)
-            out.append({"seed": seed, "ledger": comm.ledger,
+            out.append({"seed": seed, "ledger": comm.ledger, "grad_norm": step["grad_norm"],
                         "measures": judge_lm(seed, EQUIVALENCE, lm, dense, view, plan.lr),
                         "vs_simulated": five_measures(seed, EQUIVALENCE,
                                                       gather_lm_step(simulated, lm), view)})
