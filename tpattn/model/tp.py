@@ -49,14 +49,15 @@ def vocab_parallel_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> to
 def lm_grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
     """Each rank's squared gradients summed, ``[R]`` float64: ``LM_REPLICATED`` ones on TP rank
     0 only, replicated wk/wv on the first rank of their replica group only."""
-    first = torch.tensor(comm.ranks) == 0
-    first_kv = torch.tensor([is_first_kv_copy(comm.cfg, r) for r in comm.ranks])
+    counted = {"replicated": torch.tensor(comm.ranks) == 0,
+               "kv": torch.tensor([is_first_kv_copy(comm.cfg, r) for r in comm.ranks]),
+               "sharded": torch.ones(len(comm.ranks), dtype=torch.bool)}
     squares = torch.zeros(len(comm.ranks), dtype=torch.float64)
     for key, g in grads.items():
         name = key.rsplit(".", 1)[-1]
-        s = g.double().pow(2).flatten(1).sum(1)
-        squares += s * first if name in LM_REPLICATED else s * first_kv if name in (
-            "wk", "wv") else s
+        kind = ("replicated" if name in LM_REPLICATED
+                else "kv" if name in ("wk", "wv") else "sharded")
+        squares += g.double().pow(2).flatten(1).sum(1) * counted[kind]
     return squares
 
 
