@@ -19,7 +19,8 @@ from .tp import LM_CORRECT, LMProgram, gather_lm_step, tp_lm_step
 __all__ = ["METRICS", "dense_step_fn", "tp_step_fn", "train_curve", "divergence",
            "flipped_rounding_fn", "rounding_envelope", "drift", "verdict"]
 
-#: The divergences ``divergence`` measures per step.
+#: The divergences ``divergence`` measures per step; ``verdict`` judges ``weights`` (smooth, and
+#: a gradient-only bug shows after the first update; the loss's is whole ulps of the loss).
 METRICS = ("weights", "loss")
 
 StepFn = Callable[[dict, torch.Tensor], tuple]
