@@ -76,12 +76,14 @@ PARAMETER_MEASURES = ("parameter_grad_max_abs_diff", "post_step_weight_max_abs_d
 _SIDE = {"parameter_grad_max_abs_diff": "grads", "post_step_weight_max_abs_diff": "weights"}
 
 
-def parameter_bounds(cfg: Config, dense: dict, lr: float) -> dict[str, dict[str, float]]:
+def parameter_bounds(cfg: Config, dense: dict, lr: float,
+                     terms: tuple[float, float] | None = None) -> dict[str, dict[str, float]]:
     """Each parameter's own bounds, ``{measure: {name: bound}}`` for ``PARAMETER_MEASURES``:
     gradient ``C u_acc sqrt(n) max M_p + C u (W + L) max |dL/dp|`` (``M_p``:
-    ``dense["grad_magnitudes"]``, else ``|dL/dp|``); weight after ``w' = w - lr g``:
+    ``dense["grad_magnitudes"]``, else ``|dL/dp|``; ``terms``: those two factors, default
+    ``bound_terms(cfg)``); weight after ``w' = w - lr g``:
     ``2 u_master (max |w'| + lr max |g|) + lr * grad_bound``."""
-    sums, stages = bound_terms(cfg)
+    sums, stages = bound_terms(cfg) if terms is None else terms
     g_max = {k: _max_abs(g) for k, g in dense["grads"].items()}
     m_max = {k: _max_abs(m) for k, m in dense.get("grad_magnitudes", dense["grads"]).items()}
     grad = {k: sums * m_max[k] + stages * g for k, g in g_max.items()}
@@ -97,15 +99,17 @@ def _weight_bound(cfg: Config, dense: dict, lr: float, name: str, grad_bound: fl
     return 2 * u * (_max_abs(dense["weights"][name]) + lr * g_max) + lr * grad_bound
 
 
-def auto_bounds(cfg: Config, dense: dict, lr: float, worst: dict | None = None) -> dict:
-    """One bound per measure from the dense ``one_step`` dict: ``rho`` times its max-abs
-    output, loss, input gradient; for ``PARAMETER_MEASURES`` parameter ``worst[m]``'s bound
-    (``parameter_bounds``), or the largest."""
-    return _bounds(cfg, dense, parameter_bounds(cfg, dense, lr), worst or {})
+def auto_bounds(cfg: Config, dense: dict, lr: float, worst: dict | None = None,
+                terms: tuple[float, float] | None = None) -> dict:
+    """One bound per measure from the dense ``one_step`` dict: ``rho`` (``sum(terms)``, default
+    ``relative_bound(cfg)``) times its max-abs output, loss, input gradient; for
+    ``PARAMETER_MEASURES`` parameter ``worst[m]``'s bound (``parameter_bounds``), or the largest."""
+    return _bounds(cfg, dense, parameter_bounds(cfg, dense, lr, terms), worst or {}, terms)
 
 
-def _bounds(cfg: Config, dense: dict, by_name: dict, worst: dict) -> dict:
-    rho = relative_bound(cfg)
+def _bounds(cfg: Config, dense: dict, by_name: dict, worst: dict,
+            terms: tuple[float, float] | None = None) -> dict:
+    rho = relative_bound(cfg) if terms is None else sum(terms)
     return {
         "forward_max_abs_diff": rho * _max_abs(dense["output"]),
         "loss_abs_diff": rho * _max_abs(dense["loss"]),
@@ -115,11 +119,12 @@ def _bounds(cfg: Config, dense: dict, by_name: dict, worst: dict) -> dict:
     }
 
 
-def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict,
-                  lr: float) -> tuple[dict, dict]:
+def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict, lr: float,
+                  terms: tuple[float, float] | None = None) -> tuple[dict, dict]:
     """``(metrics, bounds)`` for ``apply_auto``, ``PARAMETER_MEASURES`` for the worst parameter
-    (largest ``|dense - tp|_p / bound_p``, named in ``worst_parameter``)."""
-    by_name = parameter_bounds(cfg, dense, lr)
+    (largest ``|dense - tp|_p / bound_p``, named in ``worst_parameter``); ``terms`` as in
+    ``parameter_bounds``."""
+    by_name = parameter_bounds(cfg, dense, lr, terms)
     out, worst = dict(metrics), {}
     for m in PARAMETER_MEASURES:
         side = _SIDE[m]
@@ -127,7 +132,7 @@ def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict,
         worst[m] = max(diffs, key=lambda k: _ratio(diffs[k], by_name[m][k]))
         out[m] = diffs[worst[m]]
     out["worst_parameter"] = worst
-    return out, _bounds(cfg, dense, by_name, worst)
+    return out, _bounds(cfg, dense, by_name, worst, terms)
 
 
 def _ratio(measure: float, bound: float) -> float:

@@ -13,7 +13,9 @@ __all__ = ["SimulatedRanks", "check_op", "own_tokens", "CopyToRanks", "ReduceFro
            "reduce_norm_grad", "reduce_qk_norm_grads", "reduce_dp_grads", "replica_share",
            "reduce_loss", "reduce_scalar", "F_LABEL", "G_LABEL", "AGAIN", "DP_GRAD_LABEL",
            "LOSS_LABEL", "SP_SHARE_LABEL", "QK_NORM_GRAD_LABEL", "NORM_GRAD_LABEL",
-           "REPLICA_GRAD_LABEL", "KV_GATHER_LABEL", "KV_SCATTER_LABEL"]
+           "REPLICA_GRAD_LABEL", "KV_GATHER_LABEL", "KV_SCATTER_LABEL", "group_max",
+           "vocab_offsets", "VocabParallelCrossEntropy", "CE_MAX_LABEL", "CE_TARGET_LABEL",
+           "CE_SUM_EXP_LABEL", "at_least_float32"]
 
 #: Ledger labels (a collective applied a second time adds ``AGAIN``).
 F_LABEL = "f: all-reduce of dn"
@@ -27,6 +29,9 @@ KV_SCATTER_LABEL = "reduce-scatter of K/V activation grads"
 DP_GRAD_LABEL = "all-reduce of gradients over the DP group"
 LOSS_LABEL = "all-reduce of the logged loss"
 SP_SHARE_LABEL = "all-reduce of the loss shares over the TP group"
+CE_MAX_LABEL = "cross-entropy: the group's max of the logit maxima (all-gather, then max)"
+CE_TARGET_LABEL = "cross-entropy: all-reduce of the target logits"
+CE_SUM_EXP_LABEL = "cross-entropy: all-reduce of the sums of exponentials"
 
 
 def check_op(op: str) -> str:
@@ -97,6 +102,55 @@ class SimulatedRanks:
         if self.ledger is not None:
             self.ledger.append({"collective": collective, "phase": phase, "group": group,
                                 "label": label, "op": op})
+
+
+def group_max(t: torch.Tensor, comm, label: str, group: str = "tp") -> torch.Tensor:
+    """Every entry of ``t`` ``[R, ...]`` replaced by its group's elementwise max: an all-gather
+    (``group_cat``, so every backend has it), then the max; ledger op ``"max"``."""
+    comm.record("forward", label, "all_gather", group, "max")
+    return comm.group_cat(t.unsqueeze(1), 0, group).amax(dim=1)
+
+
+def vocab_offsets(comm, local_vocab: int) -> torch.Tensor:
+    """Each entry's first vocabulary row, ``tp_rank * local_vocab``: ``[R, 1, 1]`` int64."""
+    return (torch.tensor(comm.ranks) * local_vocab).view(-1, 1, 1)
+
+
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 if its dtype is narrower (bfloat16), else ``t`` itself."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocabulary-parallel cross-entropy: logits ``[R, S, B, V/W]`` (rank r: rows
+    ``r*V/W ..``), target ``[R, S, B]`` -> per-token loss ``[R, S, B]``, the same on every TP
+    rank; the max, target logit and sum of exponentials reduced over the group, backward local.
+    Computed in at least float32 (Megatron's ``logits.float()``), the gradient in the logits'
+    dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm):
+        ctx.dtype = logits.dtype
+        logits = at_least_float32(logits)
+        v = logits.shape[-1]
+        shifted = logits - group_max(logits.amax(-1), comm, CE_MAX_LABEL).unsqueeze(-1)
+        local = target - vocab_offsets(comm, v)
+        owned = (local >= 0) & (local < v)  # only the owner's target logit counts
+        index = torch.where(owned, local, 0).unsqueeze(-1)
+        picked = torch.where(owned, shifted.gather(-1, index).squeeze(-1), 0.0)
+        comm.record("forward", CE_TARGET_LABEL)
+        picked = comm.group_sum(picked, "tp")
+        exp = shifted.exp()
+        comm.record("forward", CE_SUM_EXP_LABEL)
+        sum_exp = comm.group_sum(exp.sum(-1), "tp")
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, owned)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, owned = ctx.saved_tensors
+        one_hot = torch.zeros_like(softmax).scatter_(-1, index, owned.unsqueeze(-1).to(softmax))
+        return ((softmax - one_hot) * grad.unsqueeze(-1)).to(ctx.dtype), None, None
 
 
 class CopyToRanks(torch.autograd.Function):

@@ -1,0 +1,55 @@
+"""``LMConfig``: the decoder LM's shape around one attention ``Config`` (frozen, validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpattn.config import Config
+
+__all__ = ["LMConfig"]
+
+#: The block options the LM does not run yet (plain TP only), with the value each must keep.
+PLAIN_BLOCK = {"sequence_parallel": False, "data_parallel": 1, "dropout": 0.0, "qk_norm": False}
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """``layers`` blocks of ``block``'s attention plus a SwiGLU MLP of width ``ffn``, a
+    vocabulary of ``vocab`` tokens, the LM head ``tied`` to the embedding or its own weight;
+    a broken rule raises ``ValueError`` naming it."""
+
+    block: Config = field(default_factory=Config)
+    vocab: int = 32
+    layers: int = 2
+    ffn: int = 48
+    tied: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block, Config):
+            raise ValueError(f"invalid LMConfig: block must be a tpattn.config.Config "
+                             f"(got {self.block!r})")
+        problems = []
+        for name in ("vocab", "layers", "ffn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be an integer >= 1 (got {value!r})")
+            elif name != "layers" and value % self.block.world_size:
+                problems.append(
+                    f"{name} must be a multiple of block.world_size, so each rank holds "
+                    f"{name} / world_size rows (got {name}={value}, "
+                    f"world_size={self.block.world_size})")
+        if not isinstance(self.tied, bool):
+            problems.append(f"tied must be True or False (got {self.tied!r})")
+        problems += _block_problems(self.block)
+        if problems:
+            raise ValueError("invalid LMConfig: " + "; ".join(problems))
+
+
+def _block_problems(block: Config) -> list[str]:
+    """The rules ``block`` breaks as the LM's block, one message each."""
+    problems = [f"block.{name} must be {value!r}: the LM runs plain TP only "
+                f"(got {getattr(block, name)!r})"
+                for name, value in PLAIN_BLOCK.items() if getattr(block, name) != value]
+    if block.seq < 2:
+        problems.append(f"block.seq must be >= 2, so a next token exists to predict "
+                        f"(got {block.seq})")
+    return problems
