@@ -15,6 +15,10 @@ from tpattn.model.config import LMConfig
     ({"ffn": -4}, "ffn must be an integer >= 1"),
     ({"ffn": 30, "block": Config(world_size=4)}, "ffn must be a multiple of block.world_size"),
     ({"tied": 1}, "tied must be True or False"),
+    ({"label_smoothing": 1.0}, "label_smoothing must be a number with 0 <= label_smoothing < 1"),
+    ({"label_smoothing": -0.1}, "label_smoothing must be a number with 0 <= label_smoothing"),
+    ({"label_smoothing": float("nan")}, "label_smoothing must be a number"),
+    ({"label_smoothing": True}, "label_smoothing must be a number"),
     ({"block": {"world_size": 2}}, "block must be a tpattn.config.Config"),
     ({"block": Config(sequence_parallel=True, seq=4)}, "block.sequence_parallel must be False"),
     ({"block": Config(data_parallel=2)}, "block.data_parallel must be 1"),
@@ -40,6 +44,7 @@ def test_every_broken_rule_is_reported_at_once():
 
 def test_the_defaults_are_valid_and_frozen():
     lm = LMConfig()
-    assert (lm.vocab, lm.layers, lm.ffn, lm.tied, lm.block) == (32, 2, 48, False, Config())
+    assert (lm.vocab, lm.layers, lm.ffn, lm.tied, lm.label_smoothing, lm.block) == (
+        32, 2, 48, False, 0.0, Config())
     with pytest.raises(AttributeError):
         lm.vocab = 64

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from tpattn.config import Config
-from tpattn.parallel.collectives import (CE_MAX_LABEL, CE_SUM_EXP_LABEL, CE_TARGET_LABEL,
+from tpattn.parallel.collectives import (CE_MAX_LABEL, CE_MEAN_LABEL, CE_SUM_EXP_LABEL,
+                                         CE_TARGET_LABEL,
                                          SimulatedRanks, VocabParallelCrossEntropy, group_max)
 
 VOCAB = 12
@@ -99,3 +100,25 @@ def test_bfloat16_logits_are_upcast_loss_float32_gradient_bfloat16(world_size):
     torch.testing.assert_close(loss[0], expected, rtol=0, atol=1e-5)
     loss.sum().backward()
     assert shards.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_label_smoothing_equals_torch_on_the_gathered_logits(world_size):
+    full, target, shards = case(world_size)
+    loss = VocabParallelCrossEntropy.apply(shards, target.expand(world_size, -1, -1),
+                                           ranks(world_size), 0.1)
+    expected = F.cross_entropy(full.reshape(-1, VOCAB), target.reshape(-1),
+                               reduction="none", label_smoothing=0.1).view(5, 3)
+    for rank in range(world_size):
+        torch.testing.assert_close(loss[rank], expected, rtol=0, atol=1e-14)
+    loss.sum().backward()  # each rank backpropagates its own copy of the loss
+    expected.sum().backward()
+    torch.testing.assert_close(torch.cat(list(shards.grad), -1), full.grad, rtol=0, atol=1e-15)
+
+
+def test_label_smoothing_adds_one_all_reduce_of_the_logit_sums():
+    ledger = []
+    _, target, shards = case(2)
+    VocabParallelCrossEntropy.apply(shards, target.expand(2, -1, -1), ranks(2, ledger), 0.1)
+    assert [e["label"] for e in ledger] == [CE_MAX_LABEL, CE_TARGET_LABEL, CE_SUM_EXP_LABEL,
+                                            CE_MEAN_LABEL]

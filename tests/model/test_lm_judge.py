@@ -71,3 +71,12 @@ def test_the_bound_is_the_blocks_with_the_lms_fan_in_and_depth():
     assert lm_fan_in(wide) == wide.vocab
     assert lm_bound_terms(wide)[0] == pytest.approx(2 * lm_bound_terms(lm)[0])
     assert lm_bound_terms(wide)[1] == lm_bound_terms(lm)[1]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_correct_tp_passes_with_label_smoothing_which_changes_the_loss(world_size, dtype):
+    lm = LMConfig(block=Config(world_size=world_size, dtype=dtype), label_smoothing=0.1)
+    assert judged(lm)["verdict"] == "pass"
+    plain = dense_lm_job(replace(lm, label_smoothing=0.0), 11, LR)["loss"]
+    assert abs(float(dense_lm_job(lm, 11, LR)["loss"]) - float(plain)) > 1e-3

@@ -1,6 +1,7 @@
 """``LMConfig``: the decoder LM's shape around one attention ``Config`` (frozen, validated)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tpattn.config import Config
@@ -14,14 +15,16 @@ PLAIN_BLOCK = {"sequence_parallel": False, "data_parallel": 1, "dropout": 0.0, "
 @dataclass(frozen=True)
 class LMConfig:
     """``layers`` blocks of ``block``'s attention plus a SwiGLU MLP of width ``ffn``, a
-    vocabulary of ``vocab`` tokens, the LM head ``tied`` to the embedding or its own weight;
-    a broken rule raises ``ValueError`` naming it."""
+    vocabulary of ``vocab`` tokens, the LM head ``tied`` to the embedding or its own weight,
+    the loss smoothed by ``label_smoothing`` (``F.cross_entropy``'s: target ``1 - a``, plus
+    ``a / vocab`` on every token); a broken rule raises ``ValueError`` naming it."""
 
     block: Config = field(default_factory=Config)
     vocab: int = 32
     layers: int = 2
     ffn: int = 48
     tied: bool = False
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, Config):
@@ -39,6 +42,7 @@ class LMConfig:
                     f"world_size={self.block.world_size})")
         if not isinstance(self.tied, bool):
             problems.append(f"tied must be True or False (got {self.tied!r})")
+        problems += _smoothing_problems(self.label_smoothing)
         problems += _block_problems(self.block)
         if problems:
             raise ValueError("invalid LMConfig: " + "; ".join(problems))
@@ -53,3 +57,12 @@ def _block_problems(block: Config) -> list[str]:
         problems.append(f"block.seq must be >= 2, so a next token exists to predict "
                         f"(got {block.seq})")
     return problems
+
+
+def _smoothing_problems(value) -> list[str]:
+    """``label_smoothing``'s broken rule, if any: a finite number with ``0 <= a < 1``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0 <= value < 1:
+        return [f"label_smoothing must be a number with 0 <= label_smoothing < 1 "
+                f"(got {value!r})"]
+    return []

@@ -37,11 +37,13 @@ def lm_forward(tokens: torch.Tensor, p: dict[str, torch.Tensor], lm: LMConfig) -
     return lm_logits(F.embedding(tokens, p["embed"]), p, lm)
 
 
-def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of position s's logits ``[S, B, V]`` against token s + 1 ``[S, B]``,
-    in at least float32 (as the vocabulary-parallel one)."""
+    label-smoothed by ``smoothing`` (``F.cross_entropy``'s), in at least float32 (as the
+    vocabulary-parallel one)."""
     logits = at_least_float32(logits[:-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[1:].reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[1:].reshape(-1),
+                           label_smoothing=smoothing)
 
 
 def dense_lm_step(tokens: torch.Tensor, base: dict[str, torch.Tensor], lm: LMConfig,
@@ -53,7 +55,7 @@ def dense_lm_step(tokens: torch.Tensor, base: dict[str, torch.Tensor], lm: LMCon
     x = F.embedding(tokens, p["embed"])
     x.retain_grad()
     logits = lm_logits(x, p, lm)
-    loss = lm_loss(logits, tokens)
+    loss = lm_loss(logits, tokens, lm.label_smoothing)
     loss.backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in p.items()}
     norm = float(sum(g.double().pow(2).sum() for g in grads.values()) ** 0.5)

@@ -13,7 +13,6 @@ from tpattn.parallel.collectives import SimulatedRanks
 from tpattn.parallel.engine import stack_ranks
 from .config import LMConfig
 from .dense import dense_lm_step
-from .params import shard_lm_params
 from .tp import LM_CORRECT, LMProgram, gather_lm_step, tp_lm_step
 
 __all__ = ["METRICS", "dense_step_fn", "tp_step_fn", "train_curve", "divergence",
@@ -45,7 +44,7 @@ def tp_step_fn(lm: LMConfig, prog: LMProgram = LM_CORRECT) -> StepFn:
 
     def step(params: dict, tokens: torch.Tensor) -> tuple:
         p = {k: t.to(lm.block.torch_dtype) for k, t in params.items()}
-        out = tp_lm_step(stack_ranks(shard_lm_params(p, lm)), tokens.expand(w, -1, -1), lm,
+        out = tp_lm_step(stack_ranks(prog.shard(p, lm)), tokens.expand(w, -1, -1), lm,
                          SimulatedRanks(lm.block), 0.0, prog)
         return float(out["losses"][0]), gather_lm_step(out, lm)["grads"]
     return step

@@ -8,7 +8,7 @@ from tpattn.parallel.collectives import SimulatedRanks
 from tpattn.parallel.engine import stack_ranks
 from .config import LMConfig
 from .dense import dense_lm_step
-from .params import init_lm_params, shard_lm_params
+from .params import init_lm_params
 from .tp import LM_CORRECT, LMProgram, tp_lm_step
 
 __all__ = ["TOKEN_SEED_OFFSET", "make_tokens", "lm_inputs", "dense_lm_job", "simulated_lm_job"]
@@ -39,9 +39,9 @@ def dense_lm_job(lm: LMConfig, seed: int, lr: float, clip: bool = False) -> dict
 
 
 def simulated_lm_job(lm: LMConfig, seed: int, lr: float, prog: LMProgram = LM_CORRECT) -> dict:
-    """``tp_lm_step`` of ``prog`` on ``SimulatedRanks`` (with a ledger) from ``lm_inputs``:
-    every rank's tensors ``[W, ...]``."""
+    """``tp_lm_step`` of ``prog`` on ``SimulatedRanks`` (with a ledger) from ``lm_inputs``
+    cut by ``prog.shard``: every rank's tensors ``[W, ...]``."""
     p, tokens = lm_inputs(lm, seed)
     w = lm.block.world_size
-    return tp_lm_step(stack_ranks(shard_lm_params(p, lm)), tokens.expand(w, -1, -1), lm,
+    return tp_lm_step(stack_ranks(prog.shard(p, lm)), tokens.expand(w, -1, -1), lm,
                       SimulatedRanks(lm.block, []), lr, prog)

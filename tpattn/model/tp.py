@@ -16,12 +16,12 @@ from tpattn.parallel.collectives import (CopyToRanks, ReduceFromRanks,
 from tpattn.parallel.engine import GRAD_NORM_LABEL, MAX_GRAD_NORM, rank_block, unstack_ranks
 from tpattn.parallel.program import CORRECT, REPLICATED, Program, sgd_ranks
 from .config import LMConfig
-from .params import head_weight, layer_params, unshard_lm_params
+from .params import head_weight, layer_params, shard_lm_params, unshard_lm_params
 
 __all__ = ["EMBED_G_LABEL", "MLP_F_LABEL", "MLP_G_LABEL", "HEAD_F_LABEL", "rank_linear",
            "vocab_parallel_lookup", "LMProgram", "LM_CORRECT", "tp_lm_embed", "rank_swiglu",
            "tp_lm_logits", "tp_lm_losses", "tp_lm_step", "gather_vocab", "gather_lm_step",
-           "LM_REPLICATED", "lm_grad_squares", "lm_grad_norm", "clip_coefs"]
+           "LM_REPLICATED", "lm_grad_squares", "global_grad_norm", "lm_grad_norm", "clip_coefs"]
 
 EMBED_G_LABEL = "g: all-reduce of the embedding partials"
 MLP_F_LABEL = "f: all-reduce of the MLP's dn"
@@ -61,12 +61,19 @@ def lm_grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
     return squares
 
 
+def global_grad_norm(grads: dict[str, torch.Tensor], comm, prog: "LMProgram") -> torch.Tensor:
+    """The global gradient norm of stacked ``grads``: ``prog.grad_squares`` summed over the TP
+    group (one all-reduce), square-rooted; a scalar."""
+    return reduce_scalar(prog.grad_squares(grads, comm), comm, GRAD_NORM_LABEL).sqrt()
+
+
 @dataclass(frozen=True)
 class LMProgram:
     """The LM's TP stages around the blocks' ``Program``; the defaults are correct TP, a bug
-    replaces one stage."""
+    replaces one stage. ``shard`` cuts the dense parameters into one dict per rank."""
 
     block: Program = CORRECT
+    shard: Callable = shard_lm_params
     embed_lookup: Callable = vocab_parallel_lookup
     embed_g: Callable = ReduceFromRanks.apply
     mlp_f: Callable = CopyToRanks.apply
@@ -74,6 +81,7 @@ class LMProgram:
     head_f: Callable = CopyToRanks.apply
     cross_entropy: Callable = VocabParallelCrossEntropy.apply
     grad_squares: Callable = lm_grad_squares
+    grad_norm: Callable = global_grad_norm
     clip: bool = False
     name: str = field(default="correct", compare=False)
 
@@ -111,22 +119,23 @@ def tp_lm_logits(x: torch.Tensor, p: dict, lm: LMConfig, comm,
 
 
 def tp_lm_losses(logits: torch.Tensor, tokens: torch.Tensor, comm,
-                 prog: LMProgram = LM_CORRECT) -> torch.Tensor:
-    """Every rank's mean next-token loss ``[R]``: logits ``[R, S, B, V/W]``, tokens
-    ``[R, S, B]``."""
-    return prog.cross_entropy(logits[:, :-1], tokens[:, 1:], comm).mean(dim=(1, 2))
+                 prog: LMProgram = LM_CORRECT, smoothing: float = 0.0) -> torch.Tensor:
+    """Every rank's mean next-token loss ``[R]``, label-smoothed by ``smoothing``: logits
+    ``[R, S, B, V/W]``, tokens ``[R, S, B]``."""
+    return prog.cross_entropy(logits[:, :-1], tokens[:, 1:], comm, smoothing).mean(dim=(1, 2))
 
 
 def lm_grad_norm(grads: dict[str, torch.Tensor], comm,
                  prog: LMProgram = LM_CORRECT) -> torch.Tensor:
-    """The global gradient norm of stacked ``grads``: ``prog.grad_squares`` summed over the TP
-    group (one all-reduce), square-rooted; a scalar."""
-    return reduce_scalar(prog.grad_squares(grads, comm), comm, GRAD_NORM_LABEL).sqrt()
+    """``prog.grad_norm`` of stacked ``grads``: a scalar (correct), or one per rank ``[R]``."""
+    return prog.grad_norm(grads, comm, prog)
 
 
 def clip_coefs(norm: torch.Tensor, ranks: int, clip: bool) -> list[float]:
-    """Every rank's update scale: ``min(1, MAX_GRAD_NORM / (norm + 1e-6))`` if ``clip``, else 1."""
-    return [min(1.0, MAX_GRAD_NORM / (float(norm) + 1e-6)) if clip else 1.0] * ranks
+    """Every rank's update scale: ``min(1, MAX_GRAD_NORM / (norm + 1e-6))`` if ``clip``, else 1;
+    ``norm`` a scalar (every rank's) or ``[ranks]`` (one each)."""
+    norms = torch.as_tensor(norm).reshape(-1).expand(ranks)
+    return [min(1.0, MAX_GRAD_NORM / (float(n) + 1e-6)) if clip else 1.0 for n in norms]
 
 
 def tp_lm_step(p: dict[str, torch.Tensor], tokens: torch.Tensor, lm: LMConfig, comm, lr: float,
@@ -139,14 +148,14 @@ def tp_lm_step(p: dict[str, torch.Tensor], tokens: torch.Tensor, lm: LMConfig, c
     x = tp_lm_embed(tokens, ps, comm, prog)
     x.retain_grad()
     logits = tp_lm_logits(x, ps, lm, comm, prog)
-    losses = tp_lm_losses(logits, tokens, comm, prog)
+    losses = tp_lm_losses(logits, tokens, comm, prog, lm.label_smoothing)
     losses.sum().backward()
     grads = {k: t.grad if t.grad is not None else torch.zeros_like(t) for k, t in ps.items()}
     norm = lm_grad_norm(grads, comm, prog)
     coefs = clip_coefs(norm, x.shape[0], prog.clip)
     return {"outputs": logits.detach(), "losses": losses.detach(), "input_grads": x.grad,
             "grads": grads, "weights": sgd_ranks(ps, grads, lr, coefs, comm),
-            "grad_norm": float(norm), "ledger": comm.ledger}
+            "grad_norm": float(norm.reshape(-1)[0]), "ledger": comm.ledger}
 
 
 def gather_vocab(t: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ __all__ = ["SimulatedRanks", "check_op", "own_tokens", "CopyToRanks", "ReduceFro
            "LOSS_LABEL", "SP_SHARE_LABEL", "QK_NORM_GRAD_LABEL", "NORM_GRAD_LABEL",
            "REPLICA_GRAD_LABEL", "KV_GATHER_LABEL", "KV_SCATTER_LABEL", "group_max",
            "vocab_offsets", "VocabParallelCrossEntropy", "CE_MAX_LABEL", "CE_TARGET_LABEL",
-           "CE_SUM_EXP_LABEL", "at_least_float32"]
+           "CE_SUM_EXP_LABEL", "CE_MEAN_LABEL", "at_least_float32", "global_mean_logit",
+           "vocab_parallel_ce"]
 
 #: Ledger labels (a collective applied a second time adds ``AGAIN``).
 F_LABEL = "f: all-reduce of dn"
@@ -32,6 +33,7 @@ SP_SHARE_LABEL = "all-reduce of the loss shares over the TP group"
 CE_MAX_LABEL = "cross-entropy: the group's max of the logit maxima (all-gather, then max)"
 CE_TARGET_LABEL = "cross-entropy: all-reduce of the target logits"
 CE_SUM_EXP_LABEL = "cross-entropy: all-reduce of the sums of exponentials"
+CE_MEAN_LABEL = "cross-entropy: all-reduce of the sums of logits (label smoothing)"
 
 
 def check_op(op: str) -> str:
@@ -121,36 +123,58 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def global_mean_logit(shifted: torch.Tensor, comm) -> tuple[torch.Tensor, int]:
+    """Each token's mean shifted logit over the whole vocabulary ``[R, S, B]`` (the slices'
+    sums all-reduced over the group, divided by ``V``), and ``V``: label smoothing's terms."""
+    vocab = shifted.shape[-1] * comm.world_size
+    comm.record("forward", CE_MEAN_LABEL)
+    return comm.group_sum(shifted.sum(-1), "tp") / vocab, vocab
+
+
+def vocab_parallel_ce(ctx, logits, target, comm, smoothing: float, mean_logit) -> torch.Tensor:
+    """``VocabParallelCrossEntropy``'s forward, label smoothing's mean logit and vocabulary
+    size from ``mean_logit(shifted, comm)``: per-token loss ``[R, S, B]``."""
+    ctx.dtype, ctx.smoothing = logits.dtype, smoothing
+    logits = at_least_float32(logits)
+    v = logits.shape[-1]
+    shifted = logits - group_max(logits.amax(-1), comm, CE_MAX_LABEL).unsqueeze(-1)
+    local = target - vocab_offsets(comm, v)
+    owned = (local >= 0) & (local < v)  # only the owner's target logit counts
+    index = torch.where(owned, local, 0).unsqueeze(-1)
+    picked = torch.where(owned, shifted.gather(-1, index).squeeze(-1), 0.0)
+    comm.record("forward", CE_TARGET_LABEL)
+    picked = comm.group_sum(picked, "tp")
+    exp = shifted.exp()
+    comm.record("forward", CE_SUM_EXP_LABEL)
+    sum_exp = comm.group_sum(exp.sum(-1), "tp")
+    ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, owned)
+    loss = sum_exp.log() - picked
+    if smoothing:  # (1 - a)(lse - z_t) + a (lse - mean z) = (lse - z_t) + a (z_t - mean z)
+        mean, ctx.vocab = mean_logit(shifted, comm)
+        loss = loss + smoothing * (picked - mean)
+    return loss
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Megatron's vocabulary-parallel cross-entropy: logits ``[R, S, B, V/W]`` (rank r: rows
     ``r*V/W ..``), target ``[R, S, B]`` -> per-token loss ``[R, S, B]``, the same on every TP
-    rank; the max, target logit and sum of exponentials reduced over the group, backward local.
-    Computed in at least float32 (Megatron's ``logits.float()``), the gradient in the logits'
-    dtype."""
+    rank; the max, target logit and sum of exponentials reduced over the group (with
+    ``smoothing`` > 0 also the sum of logits: ``F.cross_entropy``'s label smoothing over the
+    whole vocabulary), backward local. Computed in at least float32 (Megatron's
+    ``logits.float()``), the gradient in the logits' dtype."""
 
     @staticmethod
-    def forward(ctx, logits, target, comm):
-        ctx.dtype = logits.dtype
-        logits = at_least_float32(logits)
-        v = logits.shape[-1]
-        shifted = logits - group_max(logits.amax(-1), comm, CE_MAX_LABEL).unsqueeze(-1)
-        local = target - vocab_offsets(comm, v)
-        owned = (local >= 0) & (local < v)  # only the owner's target logit counts
-        index = torch.where(owned, local, 0).unsqueeze(-1)
-        picked = torch.where(owned, shifted.gather(-1, index).squeeze(-1), 0.0)
-        comm.record("forward", CE_TARGET_LABEL)
-        picked = comm.group_sum(picked, "tp")
-        exp = shifted.exp()
-        comm.record("forward", CE_SUM_EXP_LABEL)
-        sum_exp = comm.group_sum(exp.sum(-1), "tp")
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, owned)
-        return sum_exp.log() - picked
+    def forward(ctx, logits, target, comm, smoothing=0.0):
+        return vocab_parallel_ce(ctx, logits, target, comm, smoothing, global_mean_logit)
 
     @staticmethod
     def backward(ctx, grad):
         softmax, index, owned = ctx.saved_tensors
         one_hot = torch.zeros_like(softmax).scatter_(-1, index, owned.unsqueeze(-1).to(softmax))
-        return ((softmax - one_hot) * grad.unsqueeze(-1)).to(ctx.dtype), None, None
+        d = softmax - one_hot
+        if ctx.smoothing:
+            d = d + ctx.smoothing * (one_hot - 1 / ctx.vocab)
+        return (d * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
 class CopyToRanks(torch.autograd.Function):
