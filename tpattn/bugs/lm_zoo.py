@@ -2,16 +2,22 @@
 ``LM_REGISTRY``, each a substitution of one stage of the correct ``LMProgram``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from tpattn.model.config import LMConfig
+from tpattn.model.params import shard_lm_params
 from tpattn.model.tp import LM_CORRECT, LMProgram
 from tpattn.check.measures import MEASURES
+from tpattn.parallel.collectives import (VocabParallelCrossEntropy, vocab_offsets,
+                                         vocab_parallel_ce)
 from .zoo import FIDELITIES
 
 __all__ = ["LMBugMode", "LM_REGISTRY", "LM_EQUIVALENCE", "skipped_collective", "lm_program",
-           "lm_mode_names"]
+           "lm_mode_names", "GatherVocab", "ce_on_gathered_logits", "same_draw_shards",
+           "local_mean_logit", "LocalSmoothingCrossEntropy", "local_grad_norm",
+           "unmasked_lookup", "GATHER_LOGITS_LABEL", "SMOOTHING"]
 
 #: The correct LM's mode name.
 LM_EQUIVALENCE = "lm_equivalence"
@@ -26,7 +32,9 @@ def skipped_collective(t: torch.Tensor, comm, label: str = "") -> torch.Tensor:
 class LMBugMode:
     """One LM mode: ``program`` the correct ``LMProgram`` with the bug's stage substituted,
     ``citation`` the public report(s), ``fidelity`` one of ``FIDELITIES``, ``fidelity_note``
-    what the report showed and where this differs, ``fails`` the ``MEASURES`` it fails."""
+    what the report showed and where this differs, ``fails`` the ``MEASURES`` it fails,
+    ``setup`` the ``LMConfig`` fields it runs with (the bug is inert without them); its correct
+    twin (``twin``) runs with the same setup and clip."""
 
     name: str
     description: str
@@ -35,17 +43,31 @@ class LMBugMode:
     fidelity: str = "no report"
     fidelity_note: str = ""
     fails: tuple[str, ...] = ()
+    setup: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.fidelity not in FIDELITIES:
             raise ValueError(f"LMBugMode {self.name}: fidelity must be one of {FIDELITIES} "
                              f"(got {self.fidelity!r})")
+        known = {f.name for f in fields(LMConfig)} - {"block"}
+        if not set(self.setup) <= known:
+            raise ValueError(f"LMBugMode {self.name}: setup's keys must be LMConfig fields "
+                             f"{sorted(known)} (got {sorted(self.setup)})")
+
+    def config(self, lm: LMConfig) -> LMConfig:
+        """``lm`` with ``setup`` applied: the shape this mode (and its twin) runs on."""
+        return replace(lm, **self.setup)
+
+    def twin(self) -> LMProgram:
+        """The correct program this mode is compared with: ``LM_CORRECT``, clipped iff it is."""
+        return replace(LM_CORRECT, clip=self.program.clip)
 
     def as_dict(self) -> dict:
         """What ``--model lm --list-modes`` prints for this mode."""
         return {"name": self.name, "description": self.description, "citation": self.citation,
                 "fidelity": self.fidelity, "fidelity_note": self.fidelity_note,
-                "fails": list(self.fails)}
+                "fails": list(self.fails), "setup": dict(self.setup),
+                "clip": self.program.clip}
 
 
 def _bug(name: str, **stages) -> LMProgram:
@@ -56,6 +78,73 @@ def _bug(name: str, **stages) -> LMProgram:
 #: The measures a bug fails: the three of the backward and the step, or all five.
 GRADS = MEASURES[2:]
 ALL = MEASURES
+#: The loss on, after the forward: L, dX, dW, W+.
+AFTER_FORWARD = MEASURES[1:]
+#: ``ce_label_smoothing_local``'s smoothing (Megatron-LM#7464's repro uses 0.1).
+SMOOTHING = 0.1
+GATHER_LOGITS_LABEL = "all-gather of the logits along the vocabulary"
+
+
+# --- the stage substitutions, one per mode ------------------------------------------------
+
+class GatherVocab(torch.autograd.Function):
+    """Megatron's ``gather_from_tensor_model_parallel_region`` on the logits: ``[R, S, B, V/W]``
+    -> ``[R, S, B, V]`` (all-gather); backward each rank keeps its own slice."""
+
+    @staticmethod
+    def forward(ctx, logits, comm):
+        ctx.comm, ctx.v = comm, logits.shape[-1]
+        comm.record("forward", GATHER_LOGITS_LABEL, "all_gather", op=None)
+        return comm.group_cat(logits, -1, "tp")
+
+    @staticmethod
+    def backward(ctx, grad):
+        v = ctx.v
+        return torch.stack([grad[i, ..., r * v:(r + 1) * v]
+                            for i, r in enumerate(ctx.comm.ranks)]), None
+
+
+def ce_on_gathered_logits(logits, target, comm, smoothing=0.0):
+    """The bug: logits gathered to the whole vocabulary, then handed to the vocabulary-parallel
+    CE as if each rank held a slice; the sum of exponentials counts V W times: loss + log W."""
+    full = GatherVocab.apply(logits, comm)
+    return VocabParallelCrossEntropy.apply(full, target, comm, smoothing)
+
+
+def same_draw_shards(p: dict, lm: LMConfig) -> list[dict]:
+    """The bug: every rank's split weights the same draw (rank 0's slice on every rank), as
+    when each TP rank initialises its shard from the same seed."""
+    first = shard_lm_params(p, lm)[0]
+    return [dict(first) for _ in range(lm.block.world_size)]
+
+
+def local_mean_logit(shifted: torch.Tensor, comm) -> tuple[torch.Tensor, int]:
+    """The bug: label smoothing's mean logit over the rank's own slice, and its size as ``V``;
+    no all-reduce."""
+    return shifted.mean(-1), shifted.shape[-1]
+
+
+class LocalSmoothingCrossEntropy(VocabParallelCrossEntropy):
+    """``VocabParallelCrossEntropy`` with ``local_mean_logit``: every rank a different loss."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm, smoothing=0.0):
+        return vocab_parallel_ce(ctx, logits, target, comm, smoothing, local_mean_logit)
+
+
+def local_grad_norm(grads: dict, comm, prog: LMProgram) -> torch.Tensor:
+    """The bug: each rank's norm of the gradients it holds ``[R]``, no all-reduce, so each
+    rank clips by its own coefficient."""
+    return sum(g.double().pow(2).flatten(1).sum(1) for g in grads.values()).sqrt()
+
+
+def unmasked_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> torch.Tensor:
+    """The bug: ``vocab_parallel_lookup`` without zeroing the rows of tokens outside the rank's
+    slice, so every other rank adds its local row 0 to each token."""
+    v = embed.shape[1]
+    local = tokens - vocab_offsets(comm, v)
+    owned = (local >= 0) & (local < v)
+    return embed[torch.arange(embed.shape[0]).view(-1, 1, 1), torch.where(owned, local, 0)]
 
 #: name -> LMBugMode, in listing order.
 LM_REGISTRY: dict[str, LMBugMode] = {m.name: m for m in [
@@ -80,6 +169,50 @@ LM_REGISTRY: dict[str, LMBugMode] = {m.name: m for m in [
               _bug("head_input_grad_reduce_missing", head_f=skipped_collective),
               fails=GRADS, fidelity_note="the column-parallel head's missing f; no public "
               "report is cited"),
+    LMBugMode("ce_on_gathered_logits",
+              "the logits all-gathered to the whole vocabulary, then fed to the "
+              "vocabulary-parallel cross-entropy as if a slice: the loss is off by log W",
+              _bug("ce_on_gathered_logits", cross_entropy=ce_on_gathered_logits),
+              citation="NVIDIA/Megatron-LM issue 7452 (row 2)", fidelity="mechanism",
+              fails=AFTER_FORWARD,
+              fidelity_note="the report: GPTModel's labels path with gathered logits "
+              "(parallel_output=False or runtime_gather_output) gives loss + log(TP) and wrong "
+              "gradients; here the gather is a substituted CE stage, not a model flag"),
+    LMBugMode("tp_init_same_seed",
+              "every TP rank's split weights drawn from the same seed: each rank holds the "
+              "same slice", _bug("tp_init_same_seed", shard=same_draw_shards),
+              citation="modelscope/ms-swift PR 7944; InternLM/InternLM PR 405",
+              fidelity="consistent", fails=ALL,
+              fidelity_note="both PRs say only that TP-split tensors were initialised from "
+              "the same seed on every TP rank (no diff or symptom in the thread); here every "
+              "rank holds rank 0's slice of the dense draw, where a same-seed draw of a shard "
+              "gives other numbers, equal on every rank all the same"),
+    LMBugMode("ce_label_smoothing_local",
+              "label smoothing's mean log-probability and vocabulary size taken over the "
+              "rank's own slice: every rank a different loss",
+              _bug("ce_label_smoothing_local", cross_entropy=LocalSmoothingCrossEntropy.apply),
+              citation="NVIDIA/Megatron-LM issue 737; NVIDIA/Megatron-LM issue 7464 (fix: "
+              "PR 7466, open)", fidelity="mechanism", fails=AFTER_FORWARD,
+              setup={"label_smoothing": SMOOTHING},
+              fidelity_note="the reports' local mean of log-probs and local V (forward and "
+              "backward); the smoothing here is F.cross_entropy's (a / V on every token), "
+              "Megatron's is a V / (V - 1), so its local V also enters that coefficient"),
+    LMBugMode("grad_norm_local_shard",
+              "the clip coefficient from each rank's own gradient norm, not the TP group's",
+              _bug("grad_norm_local_shard", grad_norm=local_grad_norm, clip=True),
+              citation="meta-pytorch/torchrec PR 2271 (closed); huggingface/transformers "
+              "PR 36132", fidelity="consistent", fails=("post_step_weight_max_abs_diff",),
+              fidelity_note="torchrec PR 2271 clips DTensor gradients by the global norm "
+              "instead of the per-rank local norm; transformers PR 36132 saw grad norms differ "
+              "per TP rank; neither measures a step. Related: radixark/miles_diffusion PR 35 "
+              "(FSDP, only the logged norm was local)"),
+    LMBugMode("embed_mask_forgotten",
+              "the vocabulary-parallel embedding does not zero the rows of tokens outside the "
+              "rank's slice: every other rank adds its row 0",
+              _bug("embed_mask_forgotten", embed_lookup=unmasked_lookup), fails=ALL,
+              fidelity_note="no public report found: the searched threads mask the input ids "
+              "(out-of-range ids crash at TP 1) or fix the mask's dtype, none forgets the "
+              "output mask"),
 ]}
 
 

@@ -21,7 +21,8 @@ from .params import head_weight, layer_params, shard_lm_params, unshard_lm_param
 __all__ = ["EMBED_G_LABEL", "MLP_F_LABEL", "MLP_G_LABEL", "HEAD_F_LABEL", "rank_linear",
            "vocab_parallel_lookup", "LMProgram", "LM_CORRECT", "tp_lm_embed", "rank_swiglu",
            "tp_lm_logits", "tp_lm_losses", "tp_lm_step", "gather_vocab", "gather_lm_step",
-           "LM_REPLICATED", "lm_grad_squares", "global_grad_norm", "lm_grad_norm", "clip_coefs"]
+           "LM_REPLICATED", "lm_grad_squares", "lm_global_grad_norm", "lm_grad_norm",
+           "clip_coefs"]
 
 EMBED_G_LABEL = "g: all-reduce of the embedding partials"
 MLP_F_LABEL = "f: all-reduce of the MLP's dn"
@@ -61,7 +62,8 @@ def lm_grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
     return squares
 
 
-def global_grad_norm(grads: dict[str, torch.Tensor], comm, prog: "LMProgram") -> torch.Tensor:
+def lm_global_grad_norm(grads: dict[str, torch.Tensor], comm,
+                        prog: "LMProgram") -> torch.Tensor:
     """The global gradient norm of stacked ``grads``: ``prog.grad_squares`` summed over the TP
     group (one all-reduce), square-rooted; a scalar."""
     return reduce_scalar(prog.grad_squares(grads, comm), comm, GRAD_NORM_LABEL).sqrt()
@@ -81,7 +83,7 @@ class LMProgram:
     head_f: Callable = CopyToRanks.apply
     cross_entropy: Callable = VocabParallelCrossEntropy.apply
     grad_squares: Callable = lm_grad_squares
-    grad_norm: Callable = global_grad_norm
+    grad_norm: Callable = lm_global_grad_norm
     clip: bool = False
     name: str = field(default="correct", compare=False)
 
