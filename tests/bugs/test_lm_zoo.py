@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from tpattn.bugs.lm_zoo import LM_REGISTRY, LMBugMode, lm_program, local_grad_norm
+from tpattn.bugs.lm_zoo import (LM_REGISTRY, LMBugMode, lm_program, local_grad_norm,
+                                owner_only_ce)
 from tpattn.check.lm import judge_lm
 from tpattn.check.measures import MEASURES
 from tpattn.config import Config
@@ -13,7 +14,7 @@ from tpattn.model.config import LMConfig
 from tpattn.model.job import dense_lm_job, lm_inputs, simulated_lm_job
 from tpattn.model.params import shard_lm_params
 from tpattn.model.tp import LM_CORRECT, clip_coefs, gather_lm_step, lm_grad_norm
-from tpattn.parallel.collectives import SimulatedRanks
+from tpattn.parallel.collectives import SimulatedRanks, VocabParallelCrossEntropy
 from tpattn.parallel.engine import MAX_GRAD_NORM, stack_ranks
 
 SEED, LR = 3, 0.1
@@ -111,3 +112,21 @@ def test_an_unmasked_lookup_adds_every_other_rank_row_0(world_size):
     owner = (tokens // (lm.vocab // world_size)).unsqueeze(-1)  # the rank that owns each token
     others = embed[:, 0].sum(0) - embed[:, 0][owner.squeeze(-1)]
     torch.testing.assert_close(rows, p["embed"][tokens] + others, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_loss_shared_outside_autograd_gives_only_the_owner_a_gradient(world_size):
+    g = torch.Generator().manual_seed(SEED)
+    full = torch.randn(5, 3, 4 * world_size, generator=g, dtype=torch.float64)
+    target = torch.randint(4 * world_size, (5, 3), generator=g).expand(world_size, -1, -1)
+    comm = SimulatedRanks(base(world_size).block)
+    grads = []
+    for stage in (owner_only_ce, VocabParallelCrossEntropy.apply):
+        shards = torch.stack(full.chunk(world_size, -1)).requires_grad_(True)
+        loss = stage(shards, target, comm)
+        loss.sum().backward()  # each rank backpropagates its own copy
+        grads.append((loss.detach(), shards.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)  # the value is right
+    owns = (target // 4 == torch.arange(world_size).view(-1, 1, 1)).unsqueeze(-1)
+    torch.testing.assert_close(grads[0][1], torch.where(owns, grads[1][1], 0.0), rtol=0, atol=0)
+    assert (grads[1][1].masked_select(~owns) != 0).all()  # the right one is not zero there

@@ -17,7 +17,8 @@ from .zoo import FIDELITIES
 __all__ = ["LMBugMode", "LM_REGISTRY", "LM_EQUIVALENCE", "skipped_collective", "lm_program",
            "lm_mode_names", "GatherVocab", "ce_on_gathered_logits", "same_draw_shards",
            "local_mean_logit", "LocalSmoothingCrossEntropy", "local_grad_norm",
-           "unmasked_lookup", "GATHER_LOGITS_LABEL", "SMOOTHING"]
+           "unmasked_lookup", "owner_only_ce", "GATHER_LOGITS_LABEL", "SHARE_LOSS_LABEL",
+           "SMOOTHING"]
 
 #: The correct LM's mode name.
 LM_EQUIVALENCE = "lm_equivalence"
@@ -83,6 +84,7 @@ AFTER_FORWARD = MEASURES[1:]
 #: ``ce_label_smoothing_local``'s smoothing (Megatron-LM#7464's repro uses 0.1).
 SMOOTHING = 0.1
 GATHER_LOGITS_LABEL = "all-gather of the logits along the vocabulary"
+SHARE_LOSS_LABEL = "all-reduce of the target owners' token losses (outside autograd)"
 
 
 # --- the stage substitutions, one per mode ------------------------------------------------
@@ -136,6 +138,17 @@ def local_grad_norm(grads: dict, comm, prog: LMProgram) -> torch.Tensor:
     """The bug: each rank's norm of the gradients it holds ``[R]``, no all-reduce, so each
     rank clips by its own coefficient."""
     return sum(g.double().pow(2).flatten(1).sum(1) for g in grads.values()).sqrt()
+
+
+def owner_only_ce(logits, target, comm, smoothing=0.0):
+    """The bug: each token's loss kept on the rank owning its target, shared by an all-reduce
+    outside autograd: every rank's value right, its gradient only where it owns the target."""
+    loss = VocabParallelCrossEntropy.apply(logits, target, comm, smoothing)
+    local = target - vocab_offsets(comm, logits.shape[-1])
+    mine = torch.where((local >= 0) & (local < logits.shape[-1]), loss, 0.0)
+    comm.record("forward", SHARE_LOSS_LABEL)
+    shared = comm.group_sum(mine.detach(), "tp")  # like torch.distributed.all_reduce
+    return mine + (shared - mine.detach())
 
 
 def unmasked_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> torch.Tensor:
@@ -213,6 +226,15 @@ LM_REGISTRY: dict[str, LMBugMode] = {m.name: m for m in [
               fidelity_note="no public report found: the searched threads mask the input ids "
               "(out-of-range ids crash at TP 1) or fix the mask's dtype, none forgets the "
               "output mask"),
+    LMBugMode("ce_target_logit_no_autograd",
+              "each token's loss kept by its target's owner and shared by an all-reduce "
+              "outside autograd: the other slices get no gradient from it",
+              _bug("ce_target_logit_no_autograd", cross_entropy=owner_only_ce),
+              citation="modelscope/ms-swift PR 9947", fidelity="consistent", fails=GRADS,
+              fidelity_note="the PR: a manual target gather and a non-autograd TP all-reduce "
+              "gave non-owner vocabulary shards zero or wrong logit gradients, in GRPO's "
+              "log-probs; its old code is not in the thread, so the owner-only term is the "
+              "simplest reading"),
 ]}
 
 
