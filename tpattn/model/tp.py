@@ -72,7 +72,9 @@ def lm_global_grad_norm(grads: dict[str, torch.Tensor], comm,
 @dataclass(frozen=True)
 class LMProgram:
     """The LM's TP stages around the blocks' ``Program``; the defaults are correct TP, a bug
-    replaces one stage. ``shard`` cuts the dense parameters into one dict per rank."""
+    replaces one stage. ``shard(p, lm)`` cuts the dense parameters into one dict per rank;
+    ``cross_entropy(logits, target, comm, smoothing)`` is the per-token loss; ``grad_norm(grads,
+    comm, prog)`` the norm ``clip`` scales by (a scalar, or ``[R]`` one per rank)."""
 
     block: Program = CORRECT
     shard: Callable = shard_lm_params
@@ -142,10 +144,11 @@ def clip_coefs(norm: torch.Tensor, ranks: int, clip: bool) -> list[float]:
 
 def tp_lm_step(p: dict[str, torch.Tensor], tokens: torch.Tensor, lm: LMConfig, comm, lr: float,
                prog: LMProgram = LM_CORRECT) -> dict:
-    """One SGD step on ``comm``'s ranks (each backpropagates its own loss), clipped by the
-    global norm under ``prog.clip``: p stacked, tokens ``[R, S, B]`` -> ``outputs``
+    """One SGD step on ``comm``'s ranks (each backpropagates its own loss), clipped by
+    ``prog.grad_norm`` under ``prog.clip``: p stacked, tokens ``[R, S, B]`` -> ``outputs``
     ``[R, S, B, V/W]``, ``losses`` ``[R]``, ``input_grads`` (at the embeddings
-    ``[R, S, B, hidden]``), ``grads``, ``weights`` (stacked), ``grad_norm``, ``ledger``."""
+    ``[R, S, B, hidden]``), ``grads``, ``weights`` (stacked), ``grad_norm`` (rank 0's),
+    ``ledger``."""
     ps = {k: t.detach().clone().requires_grad_(True) for k, t in p.items()}
     x = tp_lm_embed(tokens, ps, comm, prog)
     x.retain_grad()
