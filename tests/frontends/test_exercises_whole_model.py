@@ -2,6 +2,7 @@
 every checked run of the dropped head f fails the same measures, the gathered-logits offset is
 log W at every token, and a lookup right but for one token is named at that token."""
 import math
+import pathlib
 
 import pytest
 import torch
@@ -32,3 +33,9 @@ def test_a_lookup_wrong_at_one_token_is_named_at_that_token():
     result = wm.check_vocab_lookup(lookup)
     assert not result.passed
     assert "token id 3" in result.message, result.message
+
+
+def test_no_solution_of_chapter_19_lives_in_the_package():
+    source = "".join(p.read_text() for p in pathlib.Path(wm.__file__).parent.glob("*.py"))
+    assert "def lookup(" not in source and "def offset(" not in source
+    assert "def check_vocab_lookup(" in source
