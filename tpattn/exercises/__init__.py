@@ -23,6 +23,8 @@ from tpattn.exercises.splitting import (check_diagnose, check_fingerprint, check
                                         check_missing_f_signature, check_missing_g_signature,
                                         check_separating_measures, check_shard_params,
                                         check_tp_mlp)
+from tpattn.exercises.whole_model import (check_gathered_ce_offset, check_head_f_measures,
+                                          check_vocab_lookup)
 
 __all__ = [
     "Result", "CHECKED_SEEDS", "CHECKED_CONFIGS", "HUNTS", "hunt_evidence",
@@ -37,4 +39,5 @@ __all__ = [
     "check_rng_resync", "check_qk_norm_grad_reduce", "check_qk_norm_hits", "check_dp_grad_sync",
     "check_logged_loss", "check_sp_gather_group", "check_sp_gather_tokens",
     "check_load_grouped_qkv", "check_loading_verdict",
+    "check_vocab_lookup", "check_head_f_measures", "check_gathered_ce_offset",
 ]
