@@ -115,7 +115,8 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
                          "JSON and exit; with --model lm the LM's")
     ap.add_argument("--diagnose", action="store_true",
                     help="add to each result a 'diagnosis': candidate causes ranked "
-                         "from observables that need no dense model")
+                         "from observables that need no dense model; with --model lm the "
+                         "tier-1 observables the run shows")
     if simulated:
         ap.add_argument("--typecheck", action="store_true",
                         help="tier 0: type-check --mode's per-rank block with spmd_types on "

@@ -15,7 +15,8 @@ from tpattn.model.tp import gather_lm_step
 from tpattn.real.lm_ranks import lm_case
 
 __all__ = ["MODELS", "LM_FLAGS", "add_lm_flags", "check_block_args", "lm_mode", "check_lm_args",
-           "lm_config", "lm_listing", "lm_result", "lm_jobs", "run_lm", "run_lm_jobs", "lm_main"]
+           "lm_config", "lm_listing", "lm_result", "lm_jobs", "run_lm", "run_lm_jobs", "lm_diagnosis",
+           "lm_main"]
 
 #: ``--model``'s choices: the attention block (the default), the decoder LM.
 MODELS = ("block", "lm")
@@ -51,19 +52,21 @@ def lm_mode(mode: str) -> str:
     return LM_EQUIVALENCE if mode == EQUIVALENCE else mode
 
 
-def check_lm_args(args: argparse.Namespace) -> None:
+def check_lm_args(args: argparse.Namespace, real: bool = False) -> None:
     """``ValueError`` naming the flag when a ``--model lm`` run is given what the LM does not
-    run: a mode outside ``LM_REGISTRY`` (and ``matrix``), ``--init``, ``--diagnose``,
-    ``--typecheck``."""
+    run: a mode outside ``LM_REGISTRY`` (and ``matrix``), ``--init``, ``--typecheck``, and on
+    real ranks (``real``) ``--diagnose``."""
     if args.mode != "matrix" and lm_mode(args.mode) not in LM_REGISTRY:
         raise ValueError(f"mode must be matrix or one of the LM's modes {lm_mode_names()} "
                          f"with --model lm (got {args.mode!r})")
     if getattr(args, "init", "seed") != "seed":
         raise ValueError(f"--init applies to --model block only: the LM draws its own "
                          f"parameters (got --init {args.init})")
-    for flag in ("diagnose", "typecheck"):
-        if getattr(args, flag, False):
-            raise ValueError(f"--{flag} applies to --model block only (got --model lm)")
+    if getattr(args, "typecheck", False):
+        raise ValueError("--typecheck applies to --model block only (got --model lm)")
+    if real and args.diagnose:
+        raise ValueError("--diagnose with --model lm observes simulated ranks: run it with "
+                         "python -m tpattn")
 
 
 def lm_config(args: argparse.Namespace, block) -> LMConfig:
@@ -104,10 +107,21 @@ def run_lm_jobs(jobs, lr: float = LR) -> list[dict]:
     return [run_lm(seed, mode, lm, lr) for lm, seed, mode in jobs]
 
 
+def lm_diagnosis(seed: int, mode: str, lm: LMConfig) -> list[dict]:
+    """``--diagnose``: the tier-1 observables (``lm_observe.lm_tier1``) of ``mode``'s run."""
+    from tpattn.diagnosis.lm_observe import lm_tier1, observe_lm
+
+    return lm_tier1(observe_lm(mode, seed, lm))
+
+
 def lm_main(args: argparse.Namespace, block) -> list[dict] | dict:
-    """``--model lm``'s JSON on simulated ranks: a list for ``--mode matrix``, else one dict
-    (``ValueError`` for bad input)."""
+    """``--model lm``'s JSON on simulated ranks: a list for ``--mode matrix``, else one dict,
+    each with ``diagnosis`` under ``--diagnose`` (``ValueError`` for bad input)."""
     check_lm_args(args)
-    results = run_lm_jobs(lm_jobs(args, lm_config(args, block)))
+    jobs = lm_jobs(args, lm_config(args, block))
+    results = run_lm_jobs(jobs)
+    if args.diagnose:
+        for result, (lm, seed, mode) in zip(results, jobs):
+            result["diagnosis"] = lm_diagnosis(seed, mode, lm)
     return results if args.mode == "matrix" else results[0]
 

@@ -79,7 +79,7 @@ def lm_distributed_main(args, torchrun: bool, rank: int, fail) -> int:
         return 0
     try:
         cfg = _config_for_processes(args, torchrun)
-        check_lm_args(args)
+        check_lm_args(args, real=True)
         plan = plan_lm_run(lm_jobs(args, lm_config(args, cfg)), timeout=args.timeout)
     except ValueError as e:
         return fail(2, e)

@@ -67,6 +67,18 @@ def test_strict_exits_1_only_when_correct_tp_fails(capsys, monkeypatch):
     assert main(["--model", "lm"]) == 0
 
 
+def test_diagnose_adds_the_tier1_observables(capsys):
+    code, out = run_cli(capsys, "--model", "lm", "--mode", "matrix", "--seeds", "11",
+                        "--diagnose")
+    assert code == 0
+    shown = {r["mode"]: [o["observable"] for o in r["diagnosis"]] for r in out}
+    assert shown[LM_EQUIVALENCE] == []
+    assert shown["mlp_input_grad_reduce_missing"] == ["replicas_differ", "ledger_short"]
+    for mode in ("embed_reduce_missing", "mlp_output_reduce_missing",
+                 "head_input_grad_reduce_missing"):
+        assert shown[mode] == ["replicas_differ", "ledger_short"], mode
+
+
 def test_list_modes_prints_the_registry(capsys):
     code, out = run_cli(capsys, "--model", "lm", "--list-modes")
     assert code == 0 and out == [m.as_dict() for m in LM_REGISTRY.values()]
@@ -88,7 +100,7 @@ BAD_INPUT = [
     (["--qk-norm"], "block.qk_norm must be False"),
     (["--dropout", "0.1"], "block.dropout must be 0.0"),
     (["--init", "fan_in"], "--init applies to --model block only"),
-    (["--diagnose"], "--diagnose applies to --model block only"),
+    (["--typecheck"], "--typecheck applies to --model block only"),
 ]
 
 

@@ -81,6 +81,7 @@ def test_self_started_ranks_print_the_simulated_lm_json(torchrun, simulated, cap
     (["--vocab", "31"], "vocab must be a multiple of block.world_size"),
     (["--sequence-parallel", "--seq", "4"], "block.sequence_parallel must be False"),
     (["--mode", "missing_output_reduce"], "mode must be matrix or one of the LM's modes"),
+    (["--diagnose"], "--diagnose with --model lm observes simulated ranks"),
 ])
 def test_bad_lm_input_on_real_ranks_is_one_line_and_exit_2(capsys, argv, needle):
     assert distributed_main(["--model", "lm", *argv], prog="tpattn.distributed") == 2
