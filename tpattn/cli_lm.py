@@ -14,9 +14,9 @@ from tpattn.model.job import dense_lm_job, simulated_lm_job
 from tpattn.model.tp import gather_lm_step
 from tpattn.real.lm_ranks import lm_case
 
-__all__ = ["MODELS", "LM_FLAGS", "add_lm_flags", "check_block_args", "lm_mode", "check_lm_args",
-           "lm_config", "lm_listing", "lm_result", "lm_jobs", "run_lm", "run_lm_jobs", "lm_diagnosis",
-           "lm_main"]
+__all__ = ["MODELS", "LM_FLAGS", "add_lm_flags", "check_block_args", "lm_mode",
+           "check_lm_args", "lm_config", "lm_listing", "lm_result", "lm_jobs", "run_lm",
+           "run_lm_jobs", "lm_diagnosis", "lm_main"]
 
 #: ``--model``'s choices: the attention block (the default), the decoder LM.
 MODELS = ("block", "lm")

@@ -21,9 +21,9 @@ from tpattn.parallel.engine import stack_ranks, unstack_ranks
 from tpattn.real.lm_ranks import lm_case
 from .observe import LEDGER_KEYS
 
-__all__ = ["LM_LEDGER_KEYS", "ROUNDING_SLACK", "observe_lm", "observe_lm_program", "differing_losses",
-           "identical_shards", "differing_replicas", "missing_collectives", "LM_TIER1",
-           "lm_tier1"]
+__all__ = ["LM_LEDGER_KEYS", "ROUNDING_SLACK", "observe_lm", "observe_lm_program",
+           "differing_losses", "identical_shards", "differing_replicas", "missing_collectives",
+           "LM_TIER1", "lm_tier1"]
 
 #: What an observed LM ledger entry keeps: ``LEDGER_KEYS`` and the stage's ``label``.
 LM_LEDGER_KEYS = LEDGER_KEYS + ("label",)
