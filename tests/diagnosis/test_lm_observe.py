@@ -34,9 +34,10 @@ def test_correct_tp_shows_no_observable(world_size, tied, dtype):
         assert shown(observe_lm(LM_EQUIVALENCE, seed, lm_at(world_size, dtype, tied))) == {}
 
 
-def local_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm) -> torch.Tensor:
-    """Each rank's loss from its own vocabulary slice alone (no all-reduce): logits
-    ``[R, S, B, V/W]``, targets ``[R, S, B]`` -> ``[R, S, B]``."""
+def local_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm,
+                        smoothing: float = 0.0) -> torch.Tensor:
+    """Each rank's loss from its own vocabulary slice alone (no all-reduce, no smoothing):
+    logits ``[R, S, B, V/W]``, targets ``[R, S, B]`` -> ``[R, S, B]``."""
     v = logits.shape[-1]
     local = targets - vocab_offsets(comm, v)
     owned = (local >= 0) & (local < v)

@@ -58,7 +58,7 @@ def observe_lm_program(prog: LMProgram, seed: int = 11, lm: LMConfig | None = No
                        lr: float = LR, shard: Callable | None = None) -> dict:
     """One step of ``prog`` on simulated ranks, each rank's shards from ``shard(p, lm)``
     (default: the program's ``shard`` stage where it has one, else ``shard_lm_params``):
-    ``setup``; ``rank_losses`` ``[W]``; ``shard_checksums`` (split weights, per rank, as
+    ``setup`` (with the losses' ``loss_dtype``); ``rank_losses`` ``[W]``; ``shard_checksums`` (split weights, per rank, as
     loaded); ``replica_checksums`` (replicated parameters, per rank, after the step) and
     ``replica_update_sizes`` (per rank ``sum |update|``); ``ledger`` and ``planned_ledger``
     (``LM_CORRECT``'s). wk/wv replicated over KV replica groups are in neither checksum."""
@@ -78,6 +78,7 @@ def observe_lm_program(prog: LMProgram, seed: int = 11, lm: LMConfig | None = No
     block = lm.block
     return {"setup": {"program": prog.name, "world_size": w, "layers": lm.layers,
                       "vocab": lm.vocab, "ffn": lm.ffn, "tied": lm.tied, "dtype": block.dtype,
+                      "loss_dtype": str(run["losses"].dtype).removeprefix("torch."),
                       "query_heads": block.query_heads, "kv_heads": block.kv_heads},
             "rank_losses": [float(x) for x in run["losses"]],
             "shard_checksums": _sums(shards, lm, "sharded"),
@@ -97,17 +98,18 @@ def observe_lm(mode: str, seed: int = 11, lm: LMConfig | None = None, lr: float 
     return obs
 
 
-def _rounding(obs: dict, scale: float) -> float:
-    """``ROUNDING_SLACK`` units of the run's dtype's rounding of a number of size ``scale``."""
-    return ROUNDING_SLACK * UNIT_ROUNDOFF[obs["setup"]["dtype"]] * scale
+def _rounding(dtype: str, scale: float) -> float:
+    """``ROUNDING_SLACK`` units of ``dtype``'s rounding of a number of size ``scale``."""
+    return ROUNDING_SLACK * UNIT_ROUNDOFF[dtype] * scale
 
 
 def differing_losses(obs: dict) -> list[str]:
-    """The ranks whose step-0 loss differs from rank 0's by more than its rounding (every
-    rank's loss comes from the same all-reduced statistics)."""
+    """The ranks whose step-0 loss differs from rank 0's by more than its rounding in the
+    losses' dtype (every rank's loss comes from the same all-reduced statistics; measured:
+    the same bits)."""
     losses = obs["rank_losses"]
     return [f"rank {r}" for r, loss in enumerate(losses)
-            if abs(loss - losses[0]) > _rounding(obs, abs(losses[0]))]
+            if abs(loss - losses[0]) > _rounding(obs["setup"]["loss_dtype"], abs(losses[0]))]
 
 
 def identical_shards(obs: dict) -> list[str]:
@@ -124,7 +126,7 @@ def differing_replicas(obs: dict) -> list[str]:
     least 10)."""
     sizes = obs["replica_update_sizes"]
     return [k for k, sums in obs["replica_checksums"].items()
-            if max(sums) - min(sums) > _rounding(obs, max(sizes[k]))]
+            if max(sums) - min(sums) > _rounding(obs["setup"]["dtype"], max(sizes[k]))]
 
 
 def missing_collectives(obs: dict) -> list[str]:
