@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, LM_REGISTRY, lm_mode_names
-from tpattn.check.core import EQUIVALENCE, LR
+from tpattn.check.core import EQUIVALENCE, LR, check_seed
 from tpattn.check.lm import judge_lm
 from tpattn.check.measures import MEASURES
 from tpattn.model.config import LMConfig
@@ -89,10 +89,12 @@ def lm_result(judged: dict) -> dict:
 
 def lm_jobs(args: argparse.Namespace, lm: LMConfig) -> list[tuple[LMConfig, int, str]]:
     """``(LMConfig, seed, mode)`` of the run: ``--mode matrix`` every LM mode (mode-major) for
-    every ``--seeds``, else ``lm_mode(--mode)`` for ``--seed``."""
+    every ``--seeds``, else ``lm_mode(--mode)`` for ``--seed`` (``ValueError`` for a seed out of
+    range)."""
     if args.mode == "matrix":
-        return [(lm, seed, mode) for mode in LM_REGISTRY for seed in args.seeds]
-    return [(lm, args.seed, lm_mode(args.mode))]
+        seeds = [check_seed(seed) for seed in args.seeds]
+        return [(lm, seed, mode) for mode in LM_REGISTRY for seed in seeds]
+    return [(lm, check_seed(args.seed), lm_mode(args.mode))]
 
 
 def run_lm(seed: int, mode: str, lm: LMConfig, lr: float = LR) -> dict:

@@ -101,6 +101,8 @@ BAD_INPUT = [
     (["--dropout", "0.1"], "block.dropout must be 0.0"),
     (["--init", "fan_in"], "--init applies to --model block only"),
     (["--typecheck"], "--typecheck applies to --model block only"),
+    (["--seed", "-1"], "seed must be an integer in [0, "),
+    (["--mode", "matrix", "--seeds", "3", "-3"], "seed must be an integer in [0, "),
 ]
 
 
