@@ -9,12 +9,13 @@ import json
 import re
 import sys
 
+from tpattn.bugs.lm_zoo import LM_EQUIVALENCE
 from tpattn.bugs.modes import modes_for, run, run_matrix
 from tpattn.check.core import ALL_MODES, EQUIVALENCE, SEEDS, SIMULATIONS, inspect_fixture
 from tpattn.config import DTYPES, KV_STRATEGIES, Config
 from tpattn.block.params import INITS
 from tpattn.check.tolerance import TOLERANCES
-from tpattn.cli_lm import add_lm_flags, check_block_args
+from tpattn.cli_lm import add_lm_flags, check_block_args, lm_listing, lm_main
 
 CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
@@ -181,9 +182,6 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
 def lm_cli(args: argparse.Namespace, ap: argparse.ArgumentParser, prog: str) -> int:
     """``--model lm`` on simulated ranks: ``--list-modes`` the LM registry, else
     ``cli_lm.lm_main``'s JSON; bad input exits 2 with one line."""
-    from tpattn.bugs.lm_zoo import LM_EQUIVALENCE
-    from tpattn.cli_lm import lm_listing, lm_main
-
     if args.list_modes:
         print(json.dumps(lm_listing(), indent=2))
         return 0
