@@ -1,6 +1,7 @@
 """The LM's tier-1 observables (``tpattn.diagnosis.lm_observe``): correct TP shows none at TP 2
 and 4, untied and tied, float32 and bfloat16; each observable is shown by a bug that makes it
-(a rank-local cross-entropy, shards loaded from one seed, a dropped f or g) and says where."""
+(a rank-local cross-entropy, a target logit cut from autograd, a lookup without its mask, shards
+loaded from one seed, a dropped f or g) and says where."""
 from dataclasses import replace
 
 import pytest
@@ -50,6 +51,46 @@ def test_losses_disagree_when_a_rank_uses_its_own_statistics(world_size):
     prog = replace(LM_CORRECT, cross_entropy=local_cross_entropy, name="local_ce")
     where = shown(observe_lm_program(prog, 11, lm_at(world_size)))["losses_disagree"]
     assert where == [f"rank {r}" for r in range(1, world_size)]
+
+
+def detached_target_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm,
+                                  smoothing: float = 0.0) -> torch.Tensor:
+    """The correct vocabulary-parallel loss whose target logit is cut from autograd: its
+    logit gradient is the softmax alone (no smoothing)."""
+    v = logits.shape[-1]
+    local = targets - vocab_offsets(comm, v)
+    owned = (local >= 0) & (local < v)
+    target = logits.gather(-1, torch.where(owned, local, 0).unsqueeze(-1)).squeeze(-1)
+    target = torch.where(owned, target, 0.0)
+    return LM_CORRECT.cross_entropy(logits, targets, comm) + target - target.detach()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_logit_grads_unbalanced_when_the_target_logit_has_no_gradient(world_size, dtype):
+    prog = replace(LM_CORRECT, cross_entropy=detached_target_cross_entropy, name="detached")
+    obs = observe_lm_program(prog, 11, lm_at(world_size, dtype))
+    n = len(obs["logit_grad_sums"]["sums"])
+    assert n == (BLOCK.seq - 1) * BLOCK.batch
+    assert shown(obs) == {"logit_grads_unbalanced": [f"{n} of {n} tokens"]}
+
+
+def unmasked_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> torch.Tensor:
+    """The lookup without its mask: a rank adds its local row 0 for a token outside its
+    slice."""
+    local = tokens - vocab_offsets(comm, embed.shape[1])
+    owned = (local >= 0) & (local < embed.shape[1])
+    return embed[torch.arange(embed.shape[0]).view(-1, 1, 1), torch.where(owned, local, 0)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_embedding_not_one_owner_when_the_lookup_forgets_its_mask(world_size):
+    prog = replace(LM_CORRECT, embed_lookup=unmasked_lookup, name="unmasked")
+    obs = observe_lm_program(prog, 11, lm_at(world_size))
+    n = BLOCK.seq * BLOCK.batch
+    assert obs["embed_owners"] == [world_size] * n
+    assert shown(obs)["embedding_not_one_owner"] == [f"{n} of {n} tokens"]
+    assert observe_lm(LM_EQUIVALENCE, 11, lm_at(world_size))["embed_owners"] == [1] * n
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
