@@ -1,6 +1,6 @@
-"""``python -m tpattn``: the original fixture's command line and JSON, plus Config flags. Exit
-0 when the run completed, 1 with ``--strict`` when an ``equivalence`` run failed, 2 for bad
-arguments (one line on stderr)."""
+"""``python -m tpattn``: the original fixture's command line and JSON, plus Config flags, and
+``--model lm`` (``tpattn.cli_lm``). Exit 0 when the run completed, 1 with ``--strict`` when an
+``equivalence`` (``lm_equivalence``) run failed, 2 for bad arguments (one line on stderr)."""
 from __future__ import annotations
 
 import argparse
@@ -9,21 +9,25 @@ import json
 import re
 import sys
 
+from tpattn.bugs.lm_zoo import LM_EQUIVALENCE
 from tpattn.bugs.modes import modes_for, run, run_matrix
 from tpattn.check.core import ALL_MODES, EQUIVALENCE, SEEDS, SIMULATIONS, inspect_fixture
 from tpattn.config import DTYPES, KV_STRATEGIES, Config
 from tpattn.block.params import INITS
 from tpattn.check.tolerance import TOLERANCES
+from tpattn.cli_lm import add_lm_flags, check_block_args, lm_listing, lm_main
 
 CLI_MODES = ("inspect",) + ALL_MODES + ("matrix",)
 _CONFIG_FLAGS = ("seq", "batch", "hidden", "query_heads", "kv_heads", "head_dim", "world_size")
 
 
 def cli_modes() -> tuple[str, ...]:
-    """``--mode``'s choices: ``CLI_MODES``, then the bug registry's others in listing order."""
+    """``--mode``'s choices: ``CLI_MODES``, then the bug registry's others in listing order,
+    then the LM's modes (``--model lm``)."""
+    from tpattn.bugs.lm_zoo import lm_mode_names
     from tpattn.bugs.zoo import mode_names
 
-    return tuple(dict.fromkeys(CLI_MODES + tuple(mode_names())))
+    return tuple(dict.fromkeys(CLI_MODES + tuple(mode_names()) + tuple(lm_mode_names())))
 
 
 def unknown_mode_message(mode: str) -> str:
@@ -84,12 +88,14 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
         "Compare a dense attention block with its tensor-parallel version on five measures "
         "(forward, loss, input grad, parameter grads, weights after one SGD step)."))
     ap.add_argument("--mode", choices=cli_modes(), default=EQUIVALENCE, metavar="MODE",
-                    help="what to run: inspect, matrix, or a mode of --list-modes "
-                         "(default: %(default)s)")
+                    help="what to run: inspect, matrix, or a mode of --list-modes; with "
+                         "--model lm: matrix or an LM mode (default: %(default)s; "
+                         "--model lm: lm_equivalence)")
     ap.add_argument("--seed", type=int, default=11, help="seed of one run (default: %(default)s)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), metavar="N",
                     help="seeds of --mode matrix (default: %(default)s)")
     _add_config_flags(ap, defaults)
+    add_lm_flags(ap)
     if simulated:
         ap.add_argument("--simulate", choices=SIMULATIONS, default=SIMULATIONS[0],
                         help="fixture: the original fixture's model (rank 0's view, the "
@@ -107,10 +113,11 @@ def build_parser(prog: str = "tpattn", simulated: bool = True) -> argparse.Argum
                              "sqrt(fan_in)) (default: %(default)s)")
     ap.add_argument("--list-modes", action="store_true",
                     help="print the bug registry (name, description, citation, needs) as "
-                         "JSON and exit")
+                         "JSON and exit; with --model lm the LM's")
     ap.add_argument("--diagnose", action="store_true",
                     help="add to each result a 'diagnosis': candidate causes ranked "
-                         "from observables that need no dense model")
+                         "from observables that need no dense model; with --model lm the "
+                         "tier-1 observables the run shows")
     if simulated:
         ap.add_argument("--typecheck", action="store_true",
                         help="tier 0: type-check --mode's per-rank block with spmd_types on "
@@ -137,10 +144,13 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
     """Run the CLI; returns the exit code."""
     ap = build_parser(prog)
     args = ap.parse_args(argv)
+    if args.model == "lm":
+        return lm_cli(args, ap, prog)
     if args.list_modes:
         print(json.dumps(modes_listing(), indent=2))
         return 0
     try:
+        check_block_args(args)
         cfg = config_from_args(args)
         if args.typecheck:
             if args.mode in ("inspect", "matrix") or args.diagnose:
@@ -169,10 +179,24 @@ def main(argv: list[str] | None = None, prog: str = "tpattn") -> int:
     return print_results(out, args.strict)
 
 
-def print_results(out, strict: bool) -> int:
-    """Print ``out`` as JSON; the exit code: 1 if ``strict`` and an equivalence run failed."""
+def lm_cli(args: argparse.Namespace, ap: argparse.ArgumentParser, prog: str) -> int:
+    """``--model lm`` on simulated ranks: ``--list-modes`` the LM registry, else
+    ``cli_lm.lm_main``'s JSON; bad input exits 2 with one line."""
+    if args.list_modes:
+        print(json.dumps(lm_listing(), indent=2))
+        return 0
+    try:
+        out = lm_main(args, config_from_args(args))
+    except ValueError as e:
+        ap.exit(2, f"{prog}: error: {e}\n")
+    return print_results(out, args.strict, LM_EQUIVALENCE)
+
+
+def print_results(out, strict: bool, correct: str = EQUIVALENCE) -> int:
+    """Print ``out`` as JSON; the exit code: 1 if ``strict`` and a ``correct`` run (correct
+    TP's mode) failed."""
     print(json.dumps(out, indent=2))
-    return int(strict and any(r["mode"] == EQUIVALENCE and not r["passed"] for r in _results(out)))
+    return int(strict and any(r["mode"] == correct and not r["passed"] for r in _results(out)))
 
 
 def _results(out) -> list[dict]:
