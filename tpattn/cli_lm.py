@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, LM_REGISTRY, lm_mode_names
+from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, LM_REGISTRY, lm_case, lm_mode_names
 from tpattn.check.core import EQUIVALENCE, LR, check_seed
 from tpattn.check.lm import judge_lm
 from tpattn.check.measures import MEASURES
 from tpattn.model.config import LMConfig
 from tpattn.model.job import dense_lm_job, simulated_lm_job
 from tpattn.model.tp import gather_lm_step
-from tpattn.real.lm_ranks import lm_case
 
 __all__ = ["MODELS", "LM_FLAGS", "add_lm_flags", "check_block_args", "lm_mode",
            "check_lm_args", "lm_config", "lm_listing", "lm_result", "lm_jobs", "run_lm",

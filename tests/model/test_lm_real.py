@@ -19,7 +19,8 @@ from tpattn.config import Config
 from tpattn.model.config import LMConfig
 from tpattn.model.job import dense_lm_job, simulated_lm_job
 from tpattn.model.tp import EMBED_G_LABEL, MLP_G_LABEL, gather_lm_step
-from tpattn.real.lm_ranks import lm_case, plan_lm_run, run_lm_distributed
+from tpattn.bugs.lm_zoo import lm_case
+from tpattn.real.lm_ranks import plan_lm_run, run_lm_distributed
 
 SEED = 11
 #: float64 bound on real vs simulated and on the five measures (observed <= 1.1e-15).

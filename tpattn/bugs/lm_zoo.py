@@ -15,7 +15,7 @@ from tpattn.parallel.collectives import (VocabParallelCrossEntropy, vocab_offset
 from .zoo import FIDELITIES
 
 __all__ = ["LMBugMode", "LM_REGISTRY", "LM_EQUIVALENCE", "skipped_collective", "lm_program",
-           "lm_mode_names", "GatherVocab", "ce_on_gathered_logits", "same_draw_shards",
+           "lm_mode_names", "lm_case", "GatherVocab", "ce_on_gathered_logits", "same_draw_shards",
            "local_mean_logit", "LocalSmoothingCrossEntropy", "local_grad_norm",
            "unmasked_lookup", "owner_only_ce", "GATHER_LOGITS_LABEL", "SHARE_LOSS_LABEL",
            "SMOOTHING"]
@@ -248,3 +248,11 @@ def lm_program(mode: str) -> LMProgram:
     if mode not in LM_REGISTRY:
         raise ValueError(f"mode must be one of the LM's modes {lm_mode_names()} (got {mode!r})")
     return LM_REGISTRY[mode].program
+
+
+def lm_case(mode: str, lm: LMConfig) -> tuple[LMConfig, LMProgram, bool]:
+    """What ``mode`` runs on ``lm``: ``(lm with the mode's setup, its LMProgram, clip)``,
+    ``clip`` whether the dense twin clips by the global gradient norm as the program does;
+    ``ValueError`` for a name not in ``LM_REGISTRY``. Every LM run derives its case here."""
+    program = lm_program(mode)
+    return LM_REGISTRY[mode].config(lm), program, program.clip

@@ -21,7 +21,7 @@ from tpattn.model.params import shard_lm_params
 from tpattn.model.tp import LM_CORRECT, LM_REPLICATED, LMProgram, tp_lm_step
 from tpattn.parallel.collectives import SimulatedRanks
 from tpattn.parallel.engine import stack_ranks, unstack_ranks
-from tpattn.real.lm_ranks import lm_case
+from tpattn.bugs.lm_zoo import lm_case
 from .observe import LEDGER_KEYS
 
 __all__ = ["LM_LEDGER_KEYS", "ROUNDING_SLACK", "observe_lm", "observe_lm_program",
@@ -94,7 +94,7 @@ def _logit_grad_sums(grad: torch.Tensor) -> dict:
 def observe_lm_program(prog: LMProgram, seed: int = 11, lm: LMConfig | None = None,
                        lr: float = LR, shard: Callable | None = None) -> dict:
     """One step of ``prog`` on simulated ranks, each rank's shards from ``shard(p, lm)``
-    (default: the program's ``shard`` stage where it has one, else ``shard_lm_params``):
+    (default: the program's ``shard`` stage):
     ``setup`` (with the losses' ``loss_dtype``); ``rank_losses`` ``[W]``; ``shard_checksums``
     (split weights, per rank, as loaded); ``replica_checksums`` (replicated parameters, per
     rank, after the step) and ``replica_update_sizes`` (per rank ``sum |update|``);
@@ -104,7 +104,7 @@ def observe_lm_program(prog: LMProgram, seed: int = 11, lm: LMConfig | None = No
     replicated over KV replica groups are in neither checksum."""
     check_seed(seed)
     lm = LMConfig() if lm is None else lm
-    shard = shard or getattr(prog, "shard", shard_lm_params)
+    shard = shard or prog.shard
     p, tokens = lm_inputs(lm, seed)
     w = lm.block.world_size
 

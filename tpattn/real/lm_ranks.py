@@ -9,29 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
-from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, lm_program
+from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, lm_case, lm_program
 from tpattn.check.core import LR, check_seed
 from tpattn.check.lm import judge_lm
 from tpattn.check.measures import five_measures
 from tpattn.model.config import LMConfig
 from tpattn.model.job import dense_lm_job, lm_inputs, simulated_lm_job
-from tpattn.model.params import shard_lm_params
 from tpattn.model.tp import LM_CORRECT, LMProgram, gather_lm_step, tp_lm_step
 from tpattn.parallel.engine import stack_ranks
 from .backend import RealRanks, build_groups, gather_step
 from .launch import DEFAULT_TIMEOUT, default_backend, run_on_ranks
 
-__all__ = ["LMRunPlan", "lm_case", "plan_lm_run", "lm_rank_step", "run_lm_rank",
+__all__ = ["LMRunPlan", "plan_lm_run", "lm_rank_step", "run_lm_rank",
            "run_lm_distributed"]
-
-
-def lm_case(mode: str, lm: LMConfig) -> tuple[LMConfig, LMProgram, bool]:
-    """What ``mode`` runs on ``lm``: ``(the LMConfig, the LMProgram, clip)``, ``clip`` whether
-    the dense twin clips by the global gradient norm as the program does; ``ValueError`` for
-    a name not in ``LM_REGISTRY``. Every LM run (CLI, simulated, real ranks) derives its case
-    here."""
-    program = lm_program(mode)
-    return lm, program, program.clip
 
 
 @dataclass(frozen=True)
@@ -76,10 +66,10 @@ def plan_lm_run(jobs, lr: float = LR, timeout: float = DEFAULT_TIMEOUT,
 def lm_rank_step(lm: LMConfig, seed: int, lr: float, comm: RealRanks, device="cpu",
                  prog: LMProgram = LM_CORRECT) -> dict:
     """This rank's ``tp_lm_step`` of ``prog`` on ``comm`` (its shard from the program's
-    ``shard`` stage where it has one, else ``shard_lm_params``), then every rank's gathered:
+    ``shard`` stage), then every rank's gathered:
     tensors ``[W, ...]`` as ``simulated_lm_job`` returns them."""
     p, tokens = lm_inputs(lm, seed)
-    shard = getattr(prog, "shard", shard_lm_params)
+    shard = prog.shard
     mine = {k: t.to(device) for k, t in stack_ranks([shard(p, lm)[comm.rank]]).items()}
     step = tp_lm_step(mine, tokens.to(device).unsqueeze(0), lm, comm, lr, prog)
     return gather_step(step, comm, None)
