@@ -8,7 +8,7 @@ import torch
 
 from tpattn.config import Config
 from tpattn.model.config import LMConfig
-from tpattn.model.envelope import (dense_step_fn, divergence, rounding_envelope, tp_step_fn,
+from tpattn.model.envelope import (assess, dense_step_fn, divergence, rounding_envelope, tp_step_fn,
                                    train_curve, verdict)
 from tpattn.model.params import init_lm_params
 from tpattn.model.tp import LM_CORRECT
@@ -79,7 +79,10 @@ def test_verdict_is_inconclusive_once_the_envelope_reaches_the_drift():
     envelope = torch.tensor([1e-4, 1e-3, 1e-2], dtype=torch.float64)
     late_bug = curve([1.01, 1.02, 1.2])
     result = verdict(dense, late_bug, envelope, 4.0)
-    assert result.startswith("inconclusive (rounding through step 2; from step 3"), result
+    assert result.startswith("rounding through step 2, inconclusive after (from step 3"), result
+    judged_late = assess(dense, late_bug, envelope, 4.0)
+    assert (judged_late["kind"], judged_late["left"], judged_late["through"]) == \
+        ("inconclusive", None, 2)
     assert verdict(dense, dense, torch.zeros(3, dtype=torch.float64), 4.0) \
         .startswith("inconclusive (the envelope is zero")
 

@@ -14,6 +14,7 @@ from tpattn.exercises.in_the_wild import (HUNTS, check_bias_once, check_dp_grad_
                                           check_qk_norm_hits, check_rng_resync,
                                           check_sp_gather_group, check_sp_gather_tokens,
                                           hunt_evidence)
+from tpattn.exercises.loss_curve import check_leaves, check_step_one
 from tpattn.exercises.real_ranks import (check_bytes_per_step, check_kv_grad_reduce,
                                          check_ledger_counts, check_missing_kv_parameters,
                                          check_norm_grad_reduce, check_real_f_and_g,
@@ -36,5 +37,5 @@ __all__ = [
     "check_forward_visible", "check_ledger_verdict", "check_hunts", "check_dropout_streams",
     "check_rng_resync", "check_qk_norm_grad_reduce", "check_qk_norm_hits", "check_dp_grad_sync",
     "check_logged_loss", "check_sp_gather_group", "check_sp_gather_tokens",
-    "check_load_grouped_qkv", "check_loading_verdict",
+    "check_load_grouped_qkv", "check_loading_verdict", "check_leaves", "check_step_one",
 ]

@@ -36,6 +36,7 @@ CHAPTERS = {n: f"chapter {n} ({title})" for n, title in enumerate((
     "the missing input-gradient reduce", "the matrix", "real ranks", "sequence parallelism",
     "fewer KV heads than ranks", "equal at scale", "your model", "the bug zoo",
     "around the block", "debugging without dense"), start=5)}
+CHAPTERS[20] = "chapter 20 (a loss curve you can trust)"
 #: Width of the text paragraph (the book's code column).
 WIDTH = 75
 
