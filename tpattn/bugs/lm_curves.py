@@ -63,7 +63,13 @@ def mode_curves(mode: str, seed: int, steps: int, dtype: str = "float32",
                 lm: LMConfig = CURVE_LM) -> dict:
     """``mode`` trained for ``steps`` SGD steps from ``seed``'s parameters and token batches
     in ``dtype``, judged against its dense run and envelope (``judge_curves``' dict, plus
-    ``mode``); the dense run and envelope are computed once per case."""
+    ``mode``); computed once per argument list, the dense run and envelope once per case
+    (remembered: never modify them)."""
+    return _mode_curves(mode, seed, steps, dtype, lm)
+
+
+@functools.lru_cache(maxsize=256)
+def _mode_curves(mode: str, seed: int, steps: int, dtype: str, lm: LMConfig) -> dict:
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16' (got {dtype!r})")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
