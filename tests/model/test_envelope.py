@@ -104,3 +104,27 @@ def test_bad_arguments_raise_value_errors_naming_the_field():
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
         rounding_envelope(dense_step_fn(lm), dense_step_fn(lm, "float64"), params, [], LR,
                           dense, k=0)
+
+
+def test_clipping_scales_the_gradients_as_the_step_scales_the_update():
+    from tpattn.model.envelope import clip_scale
+    lm = LMConfig(block=Config(world_size=2))
+    params, tokens = init_lm_params(lm, 1), torch.randint(lm.vocab, (5, 2))
+    _, plain = dense_step_fn(lm)(params, tokens)
+    _, clipped = dense_step_fn(lm, clip=True)(params, tokens)
+    norm = float(sum(g.double().pow(2).sum() for g in plain.values()) ** 0.5)
+    scale = clip_scale(norm, True)
+    assert scale < 1  # the LM's gradient norm is above MAX_GRAD_NORM here
+    assert all(torch.allclose(clipped[k], plain[k] * scale) for k in plain)
+    _, tp_clipped = tp_step_fn(lm, replace(LM_CORRECT, clip=True))(params, tokens)
+    assert all(torch.allclose(tp_clipped[k], clipped[k], atol=1e-6) for k in plain)
+    assert clip_scale(norm, False) == 1.0
+
+
+def test_assess_gives_the_kind_the_step_left_and_the_last_rounding_step():
+    dense = curve([2.0, 3.0, 4.0])
+    envelope = torch.full((3,), 1e-3, dtype=torch.float64)
+    bug = assess(dense, curve([2.0, 3.0 * 1.01, 4.0]), envelope, 4.0)
+    assert (bug["kind"], bug["left"], bug["through"]) == ("bug", 2, None)
+    same = assess(dense, dense, envelope, 4.0)
+    assert (same["kind"], same["left"], same["through"]) == ("rounding", None, 3)

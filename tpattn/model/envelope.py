@@ -16,8 +16,8 @@ from .dense import dense_lm_step
 from .params import shard_lm_params
 from .tp import LM_CORRECT, LMProgram, gather_lm_step, tp_lm_step
 
-__all__ = ["METRICS", "dense_step_fn", "tp_step_fn", "train_curve", "divergence",
-           "flipped_rounding_fn", "rounding_envelope", "drift", "assess", "verdict",
+__all__ = ["METRICS", "clip_scale", "scale_grads", "dense_step_fn", "tp_step_fn", "train_curve",
+           "divergence", "flipped_rounding_fn", "rounding_envelope", "drift", "assess", "verdict",
            "make_batches", "reference_curves", "judge_curves"]
 
 #: The divergences ``divergence`` measures per step; ``verdict`` judges ``weights`` (smooth, and
@@ -33,7 +33,7 @@ def clip_scale(norm: float, clip: bool) -> float:
     return min(1.0, MAX_GRAD_NORM / (norm + 1e-6)) if clip else 1.0
 
 
-def scaled(grads: dict, scale: float) -> dict:
+def scale_grads(grads: dict, scale: float) -> dict:
     """``grads`` times ``scale`` (the same dict when ``scale`` is 1)."""
     return grads if scale == 1.0 else {k: g * scale for k, g in grads.items()}
 
@@ -47,7 +47,7 @@ def dense_step_fn(lm: LMConfig, dtype: str | None = None, clip: bool = False) ->
     def step(params: dict, tokens: torch.Tensor) -> tuple:
         p = {k: t.to(lm.block.torch_dtype) for k, t in params.items()}
         out = dense_lm_step(tokens, p, lm, 0.0)
-        return float(out["loss"]), scaled(out["grads"], clip_scale(out["grad_norm"], clip))
+        return float(out["loss"]), scale_grads(out["grads"], clip_scale(out["grad_norm"], clip))
     return step
 
 
@@ -62,7 +62,7 @@ def tp_step_fn(lm: LMConfig, prog: LMProgram = LM_CORRECT) -> StepFn:
         out = tp_lm_step(stack_ranks(shard_lm_params(p, lm)), tokens.expand(w, -1, -1), lm,
                          SimulatedRanks(lm.block), 0.0, prog)
         grads = gather_lm_step(out, lm)["grads"]
-        return float(out["losses"][0]), scaled(grads, clip_scale(out["grad_norm"], prog.clip))
+        return float(out["losses"][0]), scale_grads(grads, clip_scale(out["grad_norm"], prog.clip))
     return step
 
 
