@@ -31,14 +31,14 @@ CURVE_STEPS = 20
 
 
 def mode_case(lm: LMConfig, mode: str) -> tuple[LMConfig, LMProgram]:
-    """``(lm, program)`` of ``mode`` of ``LM_REGISTRY``: ``lm`` after the mode's ``setup``
-    (when the entry has one: a function ``LMConfig -> LMConfig``), and its ``program``."""
+    """``(lm, program)`` of ``mode`` of ``LM_REGISTRY``: ``lm`` as the mode runs it (the
+    entry's ``config(lm)``, its setup applied, where the entry has one) and its ``program``."""
     if mode not in LM_REGISTRY:
         raise ValueError(f"mode must be one of the LM's modes {list(LM_REGISTRY)} "
                          f"(got {mode!r})")
     entry = LM_REGISTRY[mode]
-    setup = getattr(entry, "setup", None)
-    return (setup(lm) if callable(setup) else lm), entry.program
+    config = getattr(entry, "config", None)
+    return (config(lm) if callable(config) else lm), entry.program
 
 
 def training_modes() -> list[str]:

@@ -10,11 +10,11 @@ import torch
 
 from tpattn.block.sgd import master_weights, sgd_step
 from tpattn.parallel.collectives import SimulatedRanks
-from tpattn.parallel.engine import MAX_GRAD_NORM, stack_ranks
+from tpattn.parallel.engine import MAX_GRAD_NORM, stack_ranks, unstack_ranks
 from .config import LMConfig
 from .dense import dense_lm_step
-from .params import shard_lm_params
-from .tp import LM_CORRECT, LMProgram, gather_lm_step, tp_lm_step
+from .params import shard_lm_params, unshard_lm_params
+from .tp import LM_CORRECT, LMProgram, clip_coefs, lm_grad_norm, tp_lm_step
 
 __all__ = ["METRICS", "clip_scale", "scale_grads", "dense_step_fn", "tp_step_fn", "train_curve",
            "divergence", "flipped_rounding_fn", "rounding_envelope", "drift", "assess", "verdict",
@@ -53,16 +53,21 @@ def dense_step_fn(lm: LMConfig, dtype: str | None = None, clip: bool = False) ->
 
 def tp_step_fn(lm: LMConfig, prog: LMProgram = LM_CORRECT) -> StepFn:
     """``(params, tokens [S, B]) -> (rank 0's loss, unsharded grads)`` of TP ``prog`` on
-    simulated ranks, parameters sharded from the dense ones in ``lm``'s dtype; under
-    ``prog.clip`` the gradients are scaled by the program's own clipping of its norm."""
+    simulated ranks, parameters cut from the dense ones in ``lm``'s dtype by the program's
+    ``shard`` stage; under ``prog.clip`` each rank's gradients are scaled by its own clip
+    coefficient (``clip_coefs`` of the program's norm) before they are unsharded."""
     w = lm.block.world_size
+    shard = getattr(prog, "shard", shard_lm_params)
 
     def step(params: dict, tokens: torch.Tensor) -> tuple:
         p = {k: t.to(lm.block.torch_dtype) for k, t in params.items()}
-        out = tp_lm_step(stack_ranks(shard_lm_params(p, lm)), tokens.expand(w, -1, -1), lm,
-                         SimulatedRanks(lm.block), 0.0, prog)
-        grads = gather_lm_step(out, lm)["grads"]
-        return float(out["losses"][0]), scale_grads(grads, clip_scale(out["grad_norm"], prog.clip))
+        comm = SimulatedRanks(lm.block)
+        out = tp_lm_step(stack_ranks(shard(p, lm)), tokens.expand(w, -1, -1), lm, comm, 0.0,
+                         prog)
+        coefs = clip_coefs(lm_grad_norm(out["grads"], comm, prog), w, prog.clip)
+        grads = {k: torch.stack([g[r] * c for r, c in enumerate(coefs)])
+                 for k, g in out["grads"].items()} if prog.clip else out["grads"]
+        return float(out["losses"][0]), unshard_lm_params(unstack_ranks(grads), lm)
     return step
 
 
