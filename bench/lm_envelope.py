@@ -9,7 +9,9 @@ distance per step. Then, at world sizes 2 and 4, correct TP (its largest diverge
 ratio and the verdict) and every other mode of ``LM_REGISTRY`` (each through
 ``lm_curves.mode_case``: a new registry entry joins the table by itself): the step where it
 leaves margin x envelope. At W = 2 also ``g`` after the MLP times ``1 + delta`` (``SCALES``):
-the envelope's detection limit.
+the envelope's detection limit. Below float32 each verdict is completed by the float32 replay
+of the same steps (``tpattn.model.envelope.replayed``): a systematic error below bfloat16's
+rounding shows there.
 
 The TUNE cases chose ``MARGIN`` and ``K``; the HELD_OUT cases (seeds and shapes not run while
 tuning) are reported apart. The cost line compares the envelope's runs x steps with a plain
@@ -38,7 +40,7 @@ from tpattn.bugs.lm_curves import (CURVE_LR as LR, K, MARGIN, mode_case, referen
 from tpattn.bugs.lm_zoo import LM_EQUIVALENCE
 from tpattn.config import Config
 from tpattn.model.config import LMConfig
-from tpattn.model.envelope import judge_curves, make_batches
+from tpattn.model.envelope import judge_curves, make_batches, replayed
 from tpattn.model.params import init_lm_params
 from tpattn.model.tp import LM_CORRECT
 from tpattn.parallel.collectives import ReduceFromRanks
@@ -88,15 +90,27 @@ def make_lm(case: dict, world_size: int, dtype: str) -> LMConfig:
 
 
 def judge_one(lm: LMConfig, prog, seed: int, steps: int) -> dict:
-    """One judged run: its row (verdict, largest ratio, step left, seconds)."""
+    """One judged run: its row (verdict, largest ratio, step left, seconds); below float32 the
+    verdict is completed by the float32 replay of the same steps (``replayed``), and
+    ``alone`` keeps the low-precision envelope's own."""
     t0 = time.perf_counter()
     reference = reference_for(lm, prog.clip, seed, steps)  # remembered per case
     t1 = time.perf_counter()
     out = judge_curves(lm, prog, init_lm_params(lm, seed), make_batches(lm, seed, steps), LR,
                        K, MARGIN, seed, reference)
+    tp_s = time.perf_counter() - t1
+    alone = out["text"]
+    if lm.block.dtype != "float32":
+        lm32 = replace(lm, block=replace(lm.block, dtype="float32"))
+        t2 = time.perf_counter()
+        replay = judge_curves(lm32, prog, init_lm_params(lm32, seed),
+                              make_batches(lm32, seed, steps), LR, K, MARGIN, seed,
+                              reference_for(lm32, prog.clip, seed, steps))
+        out = {**out, **replayed(out, replay)}
+        t1 += time.perf_counter() - t2
     return {"max_ratio": float(out["ratio"].max()), "at": int(out["ratio"].argmax()) + 1,
             "kind": out["kind"], "left": out["left"], "through": out["through"],
-            "verdict": out["text"], "envelope_s": t1 - t0, "tp_s": time.perf_counter() - t1}
+            "verdict": out["text"], "alone": alone, "envelope_s": t1 - t0, "tp_s": tp_s}
 
 
 def run_case(case: dict, dtype: str, steps: int) -> list[dict]:
@@ -120,13 +134,17 @@ def print_rows(title: str, cases: list[dict], dtypes: dict) -> list[dict]:
         for dtype, steps in dtypes.items():
             got = run_case(case, dtype, steps)
             for r in got:
+                alone = "" if r["alone"] == r["verdict"] else \
+                    f"  [{dtype} alone: {r['alone'].split(' (')[0]}]"
                 print(f"{case['seed']:>4} {dtype:>8} {r['world_size']:>2} {r['program']:<34} "
-                      f"{r['max_ratio']:>11.3g} {r['at']:>4}  {r['verdict'][:40]}")
+                      f"{r['max_ratio']:>11.3g} {r['at']:>4}  {r['verdict'][:40]}{alone}")
             envelope_s = sum(r["envelope_s"] for r in got)
             tp_s = max(r["tp_s"] for r in got)
+            replay = "" if dtype == "float32" else \
+                f" + the float32 replay's ({1 + K} x {steps} + {K} x {steps} float64, 1 TP run)"
             print(f"{'':>4} {dtype:>8} cost: envelope {1 + K} dense runs x {steps} steps "
-                  f"+ {K} x {steps} float64 ({envelope_s:.1f} s) vs plain TP=1: "
-                  f"1 x {steps} (~{envelope_s / (1 + K + K):.1f} s); one TP run {tp_s:.1f} s")
+                  f"+ {K} x {steps} float64{replay} ({envelope_s:.1f} s) vs plain TP=1: "
+                  f"1 x {steps}; one TP run {tp_s:.1f} s")
             rows += got
     return rows
 
@@ -149,6 +167,8 @@ def mode_table(title: str, rows: list[dict]) -> None:
             text = ", ".join(f"{k} {kinds.count(k)}" for k in ("bug", "rounding", "inconclusive")
                              if kinds.count(k))
             text += f"; left at {left}" if left else ""
+            replay_only = sum(r["alone"] != r["verdict"] and r["kind"] == "bug" for r in got)
+            text += f" ({replay_only} seen only by the float32 replay)" if replay_only else ""
             text += (f"; rounding through step >= {min(through)}" if through and
                      all(t is not None for t in through) else "")
             if mode == LM_EQUIVALENCE:
@@ -169,9 +189,10 @@ def print_summary(title: str, rows: list[dict]) -> None:
           f"rounding {kinds.count('rounding')}, inconclusive {kinds.count('inconclusive')}, "
           f"bug {kinds.count('bug')} of {len(right)}")
     called_rounding = sum(r["kind"] == "rounding" for r in bugs)
+    replay_only = sum(r["alone"] != r["verdict"] and r["kind"] == "bug" for r in bugs)
     print(f"{title}: bugs min div/env {min(r['max_ratio'] for r in bugs):.2f}; judged bug "
           f"{len(caught)}/{len(bugs)}, the latest from step {first}; called rounding "
-          f"{called_rounding}")
+          f"{called_rounding}; seen only by the float32 replay {replay_only}")
     for dtype, deltas in SCALES.items():
         for d in deltas:
             got = [r["verdict"].split(" (")[0] for r in rows

@@ -128,3 +128,17 @@ def test_assess_gives_the_kind_the_step_left_and_the_last_rounding_step():
     assert (bug["kind"], bug["left"], bug["through"]) == ("bug", 2, None)
     same = assess(dense, dense, envelope, 4.0)
     assert (same["kind"], same["left"], same["through"]) == ("rounding", None, 3)
+
+
+def test_a_float32_replay_names_a_bug_its_bfloat16_envelope_hides():
+    from tpattn.model.envelope import replayed
+    inside = {"kind": "inconclusive", "left": None, "through": 16,
+              "text": "rounding through step 16, inconclusive after (reason)"}
+    caught = replayed(inside, {"kind": "bug", "left": 2, "through": None,
+                               "text": "bug from step 2"})
+    assert (caught["kind"], caught["left"], caught["through"]) == ("bug", 2, None)
+    assert caught["text"] == ("bug from step 2 in the float32 replay (inside its own envelope: "
+                              "rounding through step 16, inconclusive after)")
+    kept = replayed(inside, {"kind": "rounding", "left": None, "through": 20,
+                             "text": "rounding"})
+    assert kept["text"] == inside["text"] and kept["replay"] == "rounding"

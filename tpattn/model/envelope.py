@@ -18,7 +18,7 @@ from .tp import LM_CORRECT, LMProgram, clip_coefs, lm_grad_norm, tp_lm_step
 
 __all__ = ["METRICS", "clip_scale", "scale_grads", "dense_step_fn", "tp_step_fn", "train_curve",
            "divergence", "flipped_rounding_fn", "rounding_envelope", "drift", "assess", "verdict",
-           "make_batches", "reference_curves", "judge_curves"]
+           "replayed", "make_batches", "reference_curves", "judge_curves"]
 
 #: The divergences ``divergence`` measures per step; ``verdict`` judges ``weights`` (smooth, and
 #: a gradient-only bug shows after the first update; the loss's is whole ulps of the loss).
@@ -170,6 +170,19 @@ def verdict(dense: dict, run: dict, envelope: torch.Tensor, margin: float) -> st
     through step s, inconclusive after (reason)"`` when from step s + 1 ``margin`` x the
     envelope reaches the dense run's own ``drift``, or ``"inconclusive (reason)"``."""
     return assess(dense, run, envelope, margin)["text"]
+
+
+def replayed(low: dict, replay: dict) -> dict:
+    """A low-precision judgement (``assess``'s keys) completed by the float32 replay of the same
+    steps: where the low-precision run stayed inside its envelope but the replay leaves its own
+    (a systematic error below bfloat16's rounding), ``"bug from step n in the float32 replay"``;
+    otherwise the low-precision verdict. Either way ``replay`` holds the replay's words."""
+    if low["kind"] == "bug" or replay["kind"] != "bug":
+        return {**low, "replay": replay["text"]}
+    return {**low, "kind": "bug", "left": replay["left"], "through": None,
+            "replay": replay["text"],
+            "text": f"bug from step {replay['left']} in the float32 replay (inside its own "
+                    f"envelope: {low['text'].split(' (')[0]})"}
 
 
 def make_batches(lm: LMConfig, seed: int, steps: int) -> list[torch.Tensor]:
