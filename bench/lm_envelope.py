@@ -1,25 +1,29 @@
-"""Rounding or a bug, at step N: correct TP and three dropped collectives on the decoder LM,
-judged against a rounding envelope (``tpattn.model.envelope``), float32 and bfloat16.
+"""Rounding or a bug, at step N: correct TP and every training-changing mode of the LM's
+registry (``LM_REGISTRY``), judged against a rounding envelope (``tpattn.bugs.lm_curves``),
+float32 and bfloat16.
 
 Per case (a seed, an LM shape and a dtype) the dense run and ``K`` dense twins one rounding away
 (each step's gradient rounding error, against float64, sign-flipped at random) are trained for
-``N`` SGD steps on the same random token batches;
-the envelope is their largest relative weight distance per step. Then, at world sizes 2 and 4:
-correct TP (its largest divergence / envelope ratio and the verdict) and three bugs written here
-by substitution, each dropping one collective (``f`` before the MLP, ``g`` after it, ``g``
-after the vocabulary-parallel embedding): the step where each leaves margin x envelope. At
-W = 2 also ``g`` after the MLP times ``1 + delta`` (``SCALES``): the envelope's detection limit.
+``N`` SGD steps on the same random token batches; the envelope is their largest relative weight
+distance per step. Then, at world sizes 2 and 4, correct TP (its largest divergence / envelope
+ratio and the verdict) and every other mode of ``LM_REGISTRY`` (each through
+``lm_zoo.lm_case``: a new registry entry joins the table by itself): the step where it
+leaves margin x envelope. At W = 2 also ``g`` after the MLP times ``1 + delta`` (``SCALES``):
+the envelope's detection limit. Below float32 each verdict is completed by the float32 replay
+of the same steps (``tpattn.model.envelope.replayed``): a systematic error below bfloat16's
+rounding shows there.
 
-The TUNE cases chose ``MARGIN`` and ``K``; the HELD_OUT cases (seeds and shapes
-not run while tuning) are reported apart. The cost line compares the envelope's runs x steps
-with a plain TP=1 comparison (one dense run); each twin step also takes a float64 gradient.
+The TUNE cases chose ``MARGIN`` and ``K``; the HELD_OUT cases (seeds and shapes not run while
+tuning) are reported apart. The cost line compares the envelope's runs x steps with a plain
+TP=1 comparison (one dense run); each twin step also takes a float64 gradient.
 
-Measured (2026-12-03, 2 shared cores, one thread, 2.3 min): correct TP's largest
-divergence/envelope 1.85 tuned, 1.21 held out (margin 4); every dropped collective >= 15 from
-step 1 in bfloat16 (>= 4e5 in float32). bfloat16's own rounding reaches margin x envelope >=
-drift at steps 25-41 on three of four cases: "inconclusive" after that. The detection limit
-of a systematic error, g x (1 + delta): float32 delta 1e-5 always, 3e-6 in 3 of 4 cases;
-bfloat16 delta 0.3 always, 0.1 in 3 of 4.
+Measured (2026-12-03, 2 shared cores, one thread, ~12 min, the registry's ten bugs): correct
+TP's largest divergence/envelope 1.85 tuned, 1.21 held out; float32 always "rounding";
+bfloat16 "rounding" or "rounding through step s, inconclusive after" (s >= 27), never "bug".
+Every bug "bug" in every run (80/80 tuned, 80/80 held out), from step 1 except local label
+smoothing in bfloat16 (steps 1-15; 3 of its 16 bfloat16 runs stay inside the bfloat16
+envelope and are caught by the float32 replay from step 1). Detection limit of g x (1 +
+delta): float32 delta 1e-5 always; bfloat16 alone 0.3 always, with the replay 0.03.
 
 Usage: python bench/lm_envelope.py [--only tune|held_out] [--steps-f32 N] [--steps-bf16 N]
        python bench/lm_envelope.py --smoke
@@ -32,10 +36,12 @@ from dataclasses import replace
 
 import torch
 
+from tpattn.bugs.lm_curves import (CURVE_LR as LR, K, MARGIN, reference_for,
+                                   training_modes)
+from tpattn.bugs.lm_zoo import LM_EQUIVALENCE
 from tpattn.config import Config
 from tpattn.model.config import LMConfig
-from tpattn.model.envelope import (dense_step_fn, divergence, drift, rounding_envelope,
-                                   tp_step_fn, train_curve, verdict)
+from tpattn.model.envelope import judge_curves, make_batches, replayed
 from tpattn.model.params import init_lm_params
 from tpattn.model.tp import LM_CORRECT
 from tpattn.parallel.collectives import ReduceFromRanks
@@ -49,30 +55,14 @@ HELD_OUT = [
      "block": {"hidden": 32, "query_heads": 8, "kv_heads": 4, "head_dim": 4, "seq": 4,
                "batch": 2}},
 ]
-#: The cases the margin, K and fraction were chosen on.
+#: The cases the margin and K were chosen on.
 TUNE = [
     {"seed": 1, "lm": {}, "block": {}},
     {"seed": 2, "lm": {"vocab": 32, "layers": 2, "ffn": 32},
      "block": {"hidden": 16, "query_heads": 4, "kv_heads": 1, "head_dim": 4, "seq": 8,
                "batch": 2}},
 ]
-LR = 0.1
-K = 3
-MARGIN = 4.0
 DTYPES = {"float32": 100, "bfloat16": 50}
-
-
-def keep(t, comm, label=None):
-    """A dropped collective: ``t`` as it is, forward and backward."""
-    return t
-
-
-#: The bugs, each one collective of LM_CORRECT replaced by ``keep``.
-BUGS = {"f missing before the MLP": replace(LM_CORRECT, mlp_f=keep, name="no_mlp_f"),
-        "g missing after the MLP": replace(LM_CORRECT, mlp_g=keep, name="no_mlp_g"),
-        "g missing after the embedding": replace(LM_CORRECT, embed_g=keep, name="no_embed_g")}
-
-
 #: The detection limit: g after the MLP times (1 + delta), at W = 2, per dtype.
 SCALES = {"float32": (1e-6, 3e-6, 1e-5), "bfloat16": (0.03, 0.1, 0.3)}
 
@@ -84,11 +74,14 @@ def scaled_g(delta: float):
     return g
 
 
-def programs(world_size: int, dtype: str) -> dict:
-    """Correct TP, the bugs, and at world size 2 the scaled g's of ``SCALES``."""
-    scaled = {f"g after the MLP x (1 + {d:g})": replace(LM_CORRECT, mlp_g=scaled_g(d))
-              for d in SCALES[dtype]} if world_size == 2 else {}
-    return {"correct": LM_CORRECT, **BUGS, **scaled}
+def programs(lm: LMConfig) -> dict:
+    """name -> (lm, program): correct TP, every training-changing registry mode (through
+    ``lm_case``), and at world size 2 the scaled g's of ``SCALES``."""
+    cases = {m: lm_case(m, lm)[:2] for m in [LM_EQUIVALENCE] + training_modes()}
+    if lm.block.world_size == 2:
+        cases.update({f"g after the MLP x (1 + {d:g})":
+                      (lm, replace(LM_CORRECT, mlp_g=scaled_g(d))) for d in SCALES[lm.block.dtype]})
+    return cases
 
 
 def make_lm(case: dict, world_size: int, dtype: str) -> LMConfig:
@@ -97,75 +90,110 @@ def make_lm(case: dict, world_size: int, dtype: str) -> LMConfig:
                     **case["lm"])
 
 
-def make_batches(lm: LMConfig, seed: int, steps: int) -> list[torch.Tensor]:
-    """``steps`` random token batches ``[S, B]`` (own generator from ``seed``)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(lm.vocab, (lm.block.seq, lm.block.batch), generator=g)
-            for _ in range(steps)]
+def judge_one(lm: LMConfig, prog, seed: int, steps: int) -> dict:
+    """One judged run: its row (verdict, largest ratio, step left, seconds); below float32 the
+    verdict is completed by the float32 replay of the same steps (``replayed``), and
+    ``alone`` keeps the low-precision envelope's own."""
+    t0 = time.perf_counter()
+    reference = reference_for(lm, prog.clip, seed, steps)  # remembered per case
+    t1 = time.perf_counter()
+    out = judge_curves(lm, prog, init_lm_params(lm, seed), make_batches(lm, seed, steps), LR,
+                       K, MARGIN, seed, reference)
+    tp_s = time.perf_counter() - t1
+    alone = out["text"]
+    if lm.block.dtype != "float32":
+        lm32 = replace(lm, block=replace(lm.block, dtype="float32"))
+        t2 = time.perf_counter()
+        replay = judge_curves(lm32, prog, init_lm_params(lm32, seed),
+                              make_batches(lm32, seed, steps), LR, K, MARGIN, seed,
+                              reference_for(lm32, prog.clip, seed, steps))
+        out = {**out, **replayed(out, replay)}
+        t1 += time.perf_counter() - t2
+    return {"max_ratio": float(out["ratio"].max()), "at": int(out["ratio"].argmax()) + 1,
+            "kind": out["kind"], "left": out["left"], "through": out["through"],
+            "verdict": out["text"], "alone": alone, "envelope_s": t1 - t0, "tp_s": tp_s}
 
 
 def run_case(case: dict, dtype: str, steps: int) -> list[dict]:
-    """One case: the envelope once (the dense LM does not depend on the world size), then
-    correct TP and every bug at world sizes 2 and 4; one row per judged run."""
-    lm = make_lm(case, 2, dtype)
-    params, batches = init_lm_params(lm, case["seed"]), make_batches(lm, case["seed"], steps)
-    t0 = time.perf_counter()
-    dense = train_curve(dense_step_fn(lm), params, batches, LR)
-    envelope = rounding_envelope(dense_step_fn(lm), dense_step_fn(lm, "float64"), params,
-                                 batches, LR, dense, K, seed=case["seed"])
-    envelope_s = time.perf_counter() - t0
+    """One case: correct TP and every mode at world sizes 2 and 4; one row per judged run."""
     rows = []
     for w in (2, 4):
-        lm_w = make_lm(case, w, dtype)
-        for name, prog in programs(w, dtype).items():
-            t1 = time.perf_counter()
-            run = train_curve(tp_step_fn(lm_w, prog), params, batches, LR)
-            ratio = divergence(run, dense)["weights"] / envelope
-            rows.append({"world_size": w, "program": name, "steps": steps, "dtype": dtype,
-                         "max_ratio": float(ratio.max()), "at": int(ratio.argmax()) + 1,
-                         "verdict": verdict(dense, run, envelope, MARGIN),
-                         "tp_s": time.perf_counter() - t1, "envelope_s": envelope_s,
-                         "saturation": saturation_step(dense, envelope)})
+        for name, (lm, prog) in programs(make_lm(case, w, dtype)).items():
+            rows.append({"seed": case["seed"], "world_size": w, "program": name,
+                         "steps": steps, "dtype": dtype,
+                         **judge_one(lm, prog, case["seed"], steps)})
     return rows
-
-
-def saturation_step(dense: dict, envelope: torch.Tensor) -> int | None:
-    """The first step (from 1) where MARGIN x envelope reaches the dense run's drift."""
-    hit = (MARGIN * envelope >= drift(dense)).nonzero()
-    return int(hit[0]) + 1 if len(hit) else None
 
 
 def print_rows(title: str, cases: list[dict], dtypes: dict) -> list[dict]:
     """Runs every case in every dtype, prints one line per judged run; returns the rows."""
     print(f"\n## {title}")
-    print(f"{'case':>4} {'dtype':>8} {'W':>2} {'program':<32} {'max div/env':>11} "
-          f"{'at':>4} {'sat':>4}  verdict")
+    print(f"{'case':>4} {'dtype':>8} {'W':>2} {'program':<34} {'max div/env':>11} "
+          f"{'at':>4}  verdict")
     rows = []
     for case in cases:
         for dtype, steps in dtypes.items():
-            for r in run_case(case, dtype, steps):
-                rows.append(r)
-                print(f"{case['seed']:>4} {dtype:>8} {r['world_size']:>2} {r['program']:<32} "
-                      f"{r['max_ratio']:>11.3g} {r['at']:>4} {str(r['saturation']):>4}  "
-                      f"{r['verdict'][:44]}")
+            got = run_case(case, dtype, steps)
+            for r in got:
+                alone = "" if r["alone"] == r["verdict"] else \
+                    f"  [{dtype} alone: {r['alone'].split(' (')[0]}]"
+                print(f"{case['seed']:>4} {dtype:>8} {r['world_size']:>2} {r['program']:<34} "
+                      f"{r['max_ratio']:>11.3g} {r['at']:>4}  {r['verdict'][:40]}{alone}")
+            envelope_s = sum(r["envelope_s"] for r in got)
+            tp_s = max(r["tp_s"] for r in got)
+            replay = "" if dtype == "float32" else \
+                f" + the float32 replay's ({1 + K} x {steps} + {K} x {steps} float64, 1 TP run)"
             print(f"{'':>4} {dtype:>8} cost: envelope {1 + K} dense runs x {steps} steps "
-                  f"+ {K} x {steps} float64 ({r['envelope_s']:.1f} s) vs plain TP=1: "
-                  f"1 x {steps}; one TP run {r['tp_s']:.1f} s")
+                  f"+ {K} x {steps} float64{replay} ({envelope_s:.1f} s) vs plain TP=1: "
+                  f"1 x {steps}; one TP run {tp_s:.1f} s")
+            rows += got
     return rows
 
 
+def mode_table(title: str, rows: list[dict]) -> None:
+    """Per registry mode and dtype: its verdicts over the cases and world sizes, and the
+    latest step at which it left the envelope."""
+    modes = [LM_EQUIVALENCE] + training_modes()
+    print(f"\n{title}: per mode (runs = cases x world sizes); 'left': steps at which "
+          f"bugs left the envelope")
+    for mode in modes:
+        parts = []
+        for dtype in DTYPES:
+            got = [r for r in rows if r["program"] == mode and r["dtype"] == dtype]
+            if not got:
+                continue
+            kinds = [r["kind"] for r in got]
+            left = sorted({r["left"] for r in got if r["left"] is not None})
+            through = [r["through"] for r in got if r["kind"] == "inconclusive"]
+            text = ", ".join(f"{k} {kinds.count(k)}" for k in ("bug", "rounding", "inconclusive")
+                             if kinds.count(k))
+            text += f"; left at {left}" if left else ""
+            replay_only = sum(r["alone"] != r["verdict"] and r["kind"] == "bug" for r in got)
+            text += f" ({replay_only} seen only by the float32 replay)" if replay_only else ""
+            text += (f"; rounding through step >= {min(through)}" if through and
+                     all(t is not None for t in through) else "")
+            if mode == LM_EQUIVALENCE:
+                text += f"; max div/env {max(r['max_ratio'] for r in got):.2f}"
+            parts.append(f"{dtype} {text}")
+        print(f"  {mode:<32} " + " | ".join(parts))
+
+
 def print_summary(title: str, rows: list[dict]) -> None:
-    """One line for correct TP (largest ratio, verdicts) and one for the bugs."""
-    right = [r for r in rows if r["program"] == "correct"]
-    bugs = [r for r in rows if r["program"] in BUGS]
-    kinds = [r["verdict"].split(" ")[0] for r in right]
-    caught = [r for r in bugs if r["verdict"].startswith("bug")]
-    first = max((int(r["verdict"].split()[-1]) for r in caught), default=0)
+    """One line for correct TP (largest ratio, verdicts), one for the registry's bugs, and the
+    detection limit of the scaled g's."""
+    right = [r for r in rows if r["program"] == LM_EQUIVALENCE]
+    bugs = [r for r in rows if r["program"] in training_modes()]
+    kinds = [r["kind"] for r in right]
+    caught = [r for r in bugs if r["kind"] == "bug"]
+    first = max((r["left"] for r in caught), default=0)
     print(f"{title}: correct TP max div/env {max(r['max_ratio'] for r in right):.2f}; "
           f"rounding {kinds.count('rounding')}, inconclusive {kinds.count('inconclusive')}, "
           f"bug {kinds.count('bug')} of {len(right)}")
+    called_rounding = sum(r["kind"] == "rounding" for r in bugs)
+    replay_only = sum(r["alone"] != r["verdict"] and r["kind"] == "bug" for r in bugs)
     print(f"{title}: bugs min div/env {min(r['max_ratio'] for r in bugs):.2f}; judged bug "
-          f"{len(caught)}/{len(bugs)}, the latest from step {first}")
+          f"{len(caught)}/{len(bugs)}, the latest from step {first}; called rounding "
+          f"{called_rounding}; seen only by the float32 replay {replay_only}")
     for dtype, deltas in SCALES.items():
         for d in deltas:
             got = [r["verdict"].split(" (")[0] for r in rows
@@ -185,7 +213,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dtypes = {"float32": args.steps_f32, "bfloat16": args.steps_bf16}
     print(f"lr {LR}, K {K} flipped-rounding dense runs, margin {MARGIN}; 'at': step of the "
-          f"largest ratio; 'sat': first step where margin x envelope >= the dense run's drift")
+          f"largest ratio")
     if args.smoke:
         print_summary("smoke", print_rows("SMOKE", TUNE[:1], {"float32": 5}))
         return
@@ -193,6 +221,8 @@ def main() -> None:
                 "held_out": ("HELD OUT", HELD_OUT)}
     rows = {key: print_rows(title, cases, dtypes) for key, (title, cases) in sections.items()
             if args.only in (None, key)}
+    for key, got in rows.items():
+        mode_table(key, got)
     print()
     for key, got in rows.items():
         print_summary(key, got)

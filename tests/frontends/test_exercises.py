@@ -24,6 +24,7 @@ from tpattn.exercises import in_the_wild, real_ranks
 from tpattn.exercises.graders import EXTRA_SEEDS, mode_runs
 from tpattn.block.dense import attend_and_project
 
+from tests.exercises.test_loss_curve import WRONG_LOSS_CURVE
 from tests.wrong_answers_later import WRONG_LATER
 from tests.wrong_answers_whole_model import WRONG_WHOLE_MODEL
 
@@ -70,7 +71,7 @@ def test_every_chapter_from_5_on_has_two_exercises_and_every_checker_is_used():
     per_chapter = {}
     for nb, check, *_ in EXERCISES:
         per_chapter.setdefault(nb[:2], []).append(check)
-    assert sorted(k for k in per_chapter if k.isdigit()) == [f"{n:02d}" for n in range(5, 20)]
+    assert sorted(k for k in per_chapter if k.isdigit()) == [f"{n:02d}" for n in range(5, 21)]
     assert all(len(checks) >= 2 for checks in per_chapter.values())
     assert len(per_chapter["17"]) == 10  # two per section of "Around the block"
     used = [check for _, check, *_ in EXERCISES]
@@ -351,6 +352,7 @@ WRONG_GRADERS = [
     ("check_missing_f_parameters", lambda: ["norm", "norm", "w_q"], "'w_q' is not one of"),
 ]
 ALL_WRONG = WRONG + WRONG_LATER + WRONG_AROUND_MODEL + WRONG_GRADERS + WRONG_WHOLE_MODEL
+             + WRONG_LOSS_CURVE
 
 
 @pytest.mark.parametrize("checker, answer, expected", ALL_WRONG,

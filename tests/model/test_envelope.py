@@ -8,7 +8,7 @@ import torch
 
 from tpattn.config import Config
 from tpattn.model.config import LMConfig
-from tpattn.model.envelope import (dense_step_fn, divergence, rounding_envelope, tp_step_fn,
+from tpattn.model.envelope import (assess, dense_step_fn, divergence, rounding_envelope, tp_step_fn,
                                    train_curve, verdict)
 from tpattn.model.params import init_lm_params
 from tpattn.model.tp import LM_CORRECT
@@ -79,7 +79,10 @@ def test_verdict_is_inconclusive_once_the_envelope_reaches_the_drift():
     envelope = torch.tensor([1e-4, 1e-3, 1e-2], dtype=torch.float64)
     late_bug = curve([1.01, 1.02, 1.2])
     result = verdict(dense, late_bug, envelope, 4.0)
-    assert result.startswith("inconclusive (rounding through step 2; from step 3"), result
+    assert result.startswith("rounding through step 2, inconclusive after (from step 3"), result
+    judged_late = assess(dense, late_bug, envelope, 4.0)
+    assert (judged_late["kind"], judged_late["left"], judged_late["through"]) == \
+        ("inconclusive", None, 2)
     assert verdict(dense, dense, torch.zeros(3, dtype=torch.float64), 4.0) \
         .startswith("inconclusive (the envelope is zero")
 
@@ -101,3 +104,41 @@ def test_bad_arguments_raise_value_errors_naming_the_field():
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
         rounding_envelope(dense_step_fn(lm), dense_step_fn(lm, "float64"), params, [], LR,
                           dense, k=0)
+
+
+def test_clipping_scales_the_gradients_as_the_step_scales_the_update():
+    from tpattn.model.envelope import clip_scale
+    lm = LMConfig(block=Config(world_size=2))
+    params, tokens = init_lm_params(lm, 1), torch.randint(lm.vocab, (5, 2))
+    _, plain = dense_step_fn(lm)(params, tokens)
+    _, clipped = dense_step_fn(lm, clip=True)(params, tokens)
+    norm = float(sum(g.double().pow(2).sum() for g in plain.values()) ** 0.5)
+    scale = clip_scale(norm, True)
+    assert scale < 1  # the LM's gradient norm is above MAX_GRAD_NORM here
+    assert all(torch.allclose(clipped[k], plain[k] * scale) for k in plain)
+    _, tp_clipped = tp_step_fn(lm, replace(LM_CORRECT, clip=True))(params, tokens)
+    assert all(torch.allclose(tp_clipped[k], clipped[k], atol=1e-6) for k in plain)
+    assert clip_scale(norm, False) == 1.0
+
+
+def test_assess_gives_the_kind_the_step_left_and_the_last_rounding_step():
+    dense = curve([2.0, 3.0, 4.0])
+    envelope = torch.full((3,), 1e-3, dtype=torch.float64)
+    bug = assess(dense, curve([2.0, 3.0 * 1.01, 4.0]), envelope, 4.0)
+    assert (bug["kind"], bug["left"], bug["through"]) == ("bug", 2, None)
+    same = assess(dense, dense, envelope, 4.0)
+    assert (same["kind"], same["left"], same["through"]) == ("rounding", None, 3)
+
+
+def test_a_float32_replay_names_a_bug_its_bfloat16_envelope_hides():
+    from tpattn.model.envelope import replayed
+    inside = {"kind": "inconclusive", "left": None, "through": 16,
+              "text": "rounding through step 16, inconclusive after (reason)"}
+    caught = replayed(inside, {"kind": "bug", "left": 2, "through": None,
+                               "text": "bug from step 2"})
+    assert (caught["kind"], caught["left"], caught["through"]) == ("bug", 2, None)
+    assert caught["text"] == ("bug from step 2 in the float32 replay (inside its own envelope: "
+                              "rounding through step 16, inconclusive after)")
+    kept = replayed(inside, {"kind": "rounding", "left": None, "through": 20,
+                             "text": "rounding"})
+    assert kept["text"] == inside["text"] and kept["replay"] == "rounding"

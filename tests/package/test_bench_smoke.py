@@ -33,7 +33,9 @@ FIGURES = {
     "llama_shape.py": [rf"check: {NUMBER} s +check/floor: {NUMBER}",
                        rf"peak memory: dense step \d+ MiB, check \d+ MiB, ratio {NUMBER}"],
     "lm_envelope.py": [rf"smoke: correct TP max div/env {NUMBER}; rounding 2, inconclusive 0, "
-                       r"bug 0 of 2", r"smoke: bugs min div/env \d+\.\d+; judged bug 6/6"],
+                       r"bug 0 of 2",
+                       r"smoke: bugs min div/env \d+\.\d+; judged bug (\d+)/\1, the latest "
+                       r"from step \d+; called rounding 0"],
     "notebook_imports.py": [rf"smoke\.ipynb +{NUMBER} +{NUMBER}"],
     "notebook_times.py": [rf"smoke\.ipynb +{NUMBER} s"],
     "omp_wait.py": [rf"OMP_WAIT_POLICY=\(unset\) +wall +{NUMBER} s +CPU +{NUMBER} s",

@@ -14,6 +14,7 @@ from tpattn.exercises.in_the_wild import (HUNTS, check_bias_once, check_dp_grad_
                                           check_qk_norm_hits, check_rng_resync,
                                           check_sp_gather_group, check_sp_gather_tokens,
                                           hunt_evidence)
+from tpattn.exercises.loss_curve import check_leaves, check_step_one
 from tpattn.exercises.real_ranks import (check_bytes_per_step, check_kv_grad_reduce,
                                          check_ledger_counts, check_missing_kv_parameters,
                                          check_norm_grad_reduce, check_real_f_and_g,
@@ -40,4 +41,5 @@ __all__ = [
     "check_logged_loss", "check_sp_gather_group", "check_sp_gather_tokens",
     "check_load_grouped_qkv", "check_loading_verdict",
     "check_vocab_lookup", "check_head_f_measures", "check_gathered_ce_offset",
+    "check_leaves", "check_step_one",
 ]

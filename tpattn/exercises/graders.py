@@ -35,7 +35,8 @@ CHAPTERS = {n: f"chapter {n} ({title})" for n, title in enumerate((
     "the dense block", "head sharding", "the two reductions", "the missing output reduce",
     "the missing input-gradient reduce", "the matrix", "real ranks", "sequence parallelism",
     "fewer KV heads than ranks", "equal at scale", "your model", "the bug zoo",
-    "around the block", "debugging without dense", "the whole model"), start=5)}
+    "around the block", "debugging without dense", "the whole model",
+    "a loss curve you can trust"), start=5)}
 #: Width of the text paragraph (the book's code column).
 WIDTH = 75
 
