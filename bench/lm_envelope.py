@@ -38,7 +38,7 @@ import torch
 
 from tpattn.bugs.lm_curves import (CURVE_LR as LR, K, MARGIN, reference_for,
                                    training_modes)
-from tpattn.bugs.lm_zoo import LM_EQUIVALENCE
+from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, lm_case
 from tpattn.config import Config
 from tpattn.model.config import LMConfig
 from tpattn.model.envelope import judge_curves, make_batches, replayed

@@ -351,8 +351,8 @@ WRONG_GRADERS = [
     ("check_relative_bound", lambda cfg: True, "your bound should be a float, but it is bool"),
     ("check_missing_f_parameters", lambda: ["norm", "norm", "w_q"], "'w_q' is not one of"),
 ]
-ALL_WRONG = WRONG + WRONG_LATER + WRONG_AROUND_MODEL + WRONG_GRADERS + WRONG_WHOLE_MODEL
-             + WRONG_LOSS_CURVE
+ALL_WRONG = (WRONG + WRONG_LATER + WRONG_AROUND_MODEL + WRONG_GRADERS + WRONG_WHOLE_MODEL
+             + WRONG_LOSS_CURVE)
 
 
 @pytest.mark.parametrize("checker, answer, expected", ALL_WRONG,
