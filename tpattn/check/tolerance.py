@@ -101,9 +101,10 @@ def _weight_bound(cfg: Config, dense: dict, lr: float, name: str, grad_bound: fl
 
 def auto_bounds(cfg: Config, dense: dict, lr: float, worst: dict | None = None,
                 terms: tuple[float, float] | None = None) -> dict:
-    """One bound per measure from the dense ``one_step`` dict: ``rho`` (``sum(terms)``, default
-    ``relative_bound(cfg)``) times its max-abs output, loss, input gradient; for
-    ``PARAMETER_MEASURES`` parameter ``worst[m]``'s bound (``parameter_bounds``), or the largest."""
+    """One bound per measure from the dense ``one_step`` dict: ``rho`` (``sum(terms)``,
+    default ``relative_bound(cfg)``) times its max-abs output, loss, input gradient; for
+    ``PARAMETER_MEASURES`` parameter ``worst[m]``'s bound (``parameter_bounds``), or the
+    largest."""
     return _bounds(cfg, dense, parameter_bounds(cfg, dense, lr, terms), worst or {}, terms)
 
 
