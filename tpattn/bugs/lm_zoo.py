@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from tpattn.model.config import LMConfig
-from tpattn.model.params import shard_lm_params
-from tpattn.model.tp import LM_CORRECT, LMProgram
+from tpattn.model.params import MLP_BIAS, shard_lm_params
+from tpattn.model.tp import LM_CORRECT, MLP_G_LABEL, LMProgram
 from tpattn.check.measures import MEASURES
 from tpattn.parallel.collectives import (VocabParallelCrossEntropy, vocab_offsets,
                                          vocab_parallel_ce)
@@ -17,8 +17,8 @@ from .zoo import FIDELITIES
 __all__ = ["LMBugMode", "LM_REGISTRY", "LM_EQUIVALENCE", "skipped_collective", "lm_program",
            "lm_mode_names", "lm_case", "GatherVocab", "ce_on_gathered_logits", "same_draw_shards",
            "local_mean_logit", "LocalSmoothingCrossEntropy", "local_grad_norm",
-           "unmasked_lookup", "owner_only_ce", "GATHER_LOGITS_LABEL", "SHARE_LOSS_LABEL",
-           "SMOOTHING"]
+           "unmasked_lookup", "owner_only_ce", "scaled_bias_before_g", "GATHER_LOGITS_LABEL",
+           "SHARE_LOSS_LABEL", "SMOOTHING"]
 
 #: The correct LM's mode name.
 LM_EQUIVALENCE = "lm_equivalence"
@@ -81,6 +81,8 @@ GRADS = MEASURES[2:]
 ALL = MEASURES
 #: The loss on, after the forward: L, dX, dW, W+.
 AFTER_FORWARD = MEASURES[1:]
+#: The parameter gradients and the step only: dW, W+.
+PARAM_GRADS = MEASURES[3:]
 #: ``ce_label_smoothing_local``'s smoothing (Megatron-LM#7464's repro uses 0.1).
 SMOOTHING = 0.1
 GATHER_LOGITS_LABEL = "all-gather of the logits along the vocabulary"
@@ -159,6 +161,14 @@ def unmasked_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> torch.Te
     owned = (local >= 0) & (local < v)
     return embed[torch.arange(embed.shape[0]).view(-1, 1, 1), torch.where(owned, local, 0)]
 
+
+def scaled_bias_before_g(partial: torch.Tensor, p: dict, comm, g) -> torch.Tensor:
+    """The bug: each rank adds ``b_down / W`` ``[R, hidden]`` to its partials
+    ``[R, S, B, hidden]`` before ``g``, the division inside autograd: the sum holds one bias,
+    but each replica's bias gradient is the summed dy divided by W (nothing sums it back)."""
+    scaled = p[MLP_BIAS].unsqueeze(1).unsqueeze(1) / comm.world_size
+    return g(partial + scaled, comm, MLP_G_LABEL)
+
 #: name -> LMBugMode, in listing order.
 LM_REGISTRY: dict[str, LMBugMode] = {m.name: m for m in [
     LMBugMode(LM_EQUIVALENCE, "correct TP for the whole LM", LM_CORRECT, fidelity="correct",
@@ -235,6 +245,18 @@ LM_REGISTRY: dict[str, LMBugMode] = {m.name: m for m in [
               "gave non-owner vocabulary shards zero or wrong logit gradients, in GRPO's "
               "log-probs; its old code is not in the thread, so the owner-only term is the "
               "simplest reading"),
+    LMBugMode("row_bias_grad_scaled",
+              "the MLP's replicated down bias added as b / W on every rank before g through "
+              "autograd: the forward holds one bias, each rank's bias gradient is 1/W of it",
+              _bug("row_bias_grad_scaled", mlp_bias=scaled_bias_before_g),
+              citation="pytorch/torchtitan PR 4332 (closed, not merged); the forward from "
+              "pytorch/torchtitan PR 3781", fidelity="mechanism", fails=PARAM_GRADS,
+              setup={"mlp_bias": True},
+              fidelity_note="reported in a closed PR (not merged): the rowwise bias / "
+              "tp_degree was a differentiable division, so \"autograd also divided each local "
+              "bias gradient by `tp_degree`\"; its fix is bias + (bias / tp_degree - "
+              "bias).detach(). Here the bias is the SwiGLU down projection's, not a DTensor "
+              "Linear's"),
 ]}
 
 

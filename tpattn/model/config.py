@@ -17,7 +17,8 @@ class LMConfig:
     """``layers`` blocks of ``block``'s attention plus a SwiGLU MLP of width ``ffn``, a
     vocabulary of ``vocab`` tokens, the LM head ``tied`` to the embedding or its own weight,
     the loss smoothed by ``label_smoothing`` (``F.cross_entropy``'s: target ``1 - a``, plus
-    ``a / vocab`` on every token); a broken rule raises ``ValueError`` naming it."""
+    ``a / vocab`` on every token), the MLP's down projection with a bias ``[hidden]`` iff
+    ``mlp_bias``; a broken rule raises ``ValueError`` naming it."""
 
     block: Config = field(default_factory=Config)
     vocab: int = 32
@@ -25,6 +26,7 @@ class LMConfig:
     ffn: int = 48
     tied: bool = False
     label_smoothing: float = 0.0
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, Config):
@@ -40,8 +42,9 @@ class LMConfig:
                     f"{name} must be a multiple of block.world_size, so each rank holds "
                     f"{name} / world_size rows (got {name}={value}, "
                     f"world_size={self.block.world_size})")
-        if not isinstance(self.tied, bool):
-            problems.append(f"tied must be True or False (got {self.tied!r})")
+        for name in ("tied", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be True or False (got {getattr(self, name)!r})")
         problems += _smoothing_problems(self.label_smoothing)
         problems += _block_problems(self.block)
         if problems:

@@ -18,8 +18,10 @@ __all__ = ["swiglu", "lm_logits", "lm_forward", "lm_loss", "dense_lm_step"]
 
 
 def swiglu(n: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``down(silu(gate n) * up n)``: n ``[S, B, hidden]`` -> ``[S, B, hidden]``."""
-    return F.linear(F.silu(F.linear(n, p["w_gate"])) * F.linear(n, p["w_up"]), p["w_down"])
+    """``down(silu(gate n) * up n)`` plus down's bias ``b_down`` if ``p`` has one: n
+    ``[S, B, hidden]`` -> ``[S, B, hidden]``."""
+    h = F.silu(F.linear(n, p["w_gate"])) * F.linear(n, p["w_up"])
+    return F.linear(h, p["w_down"], p.get("b_down"))
 
 
 def lm_logits(x: torch.Tensor, p: dict[str, torch.Tensor], lm: LMConfig) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The LM's parameters: ``embed`` ``[V, hidden]``; per layer ``layers.{i}.{name}`` the block's
 (``tpattn.block.params``) and the MLP's ``mlp_norm`` ``[hidden]``, ``w_gate``, ``w_up``
-``[ffn, hidden]``, ``w_down`` ``[hidden, ffn]``; ``norm`` ``[hidden]``; ``head`` ``[V, hidden]``
-unless tied. Sharded: vocabulary rows, ffn rows of gate/up, ffn columns of down."""
+``[ffn, hidden]``, ``w_down`` ``[hidden, ffn]``, with ``mlp_bias`` also ``b_down`` ``[hidden]``;
+``norm`` ``[hidden]``; ``head`` ``[V, hidden]`` unless tied. Sharded: vocabulary rows, ffn rows
+of gate/up, ffn columns of down; norms and ``b_down`` replicated."""
 from __future__ import annotations
 
 import torch
@@ -9,16 +10,18 @@ import torch
 from tpattn.block.params import INIT_STD, PARAM_NAMES, init_params, shard_params, unshard_params
 from .config import LMConfig
 
-__all__ = ["MLP_NAMES", "LAYER_NAMES", "layer_key", "layer_params", "head_weight",
+__all__ = ["MLP_NAMES", "LAYER_NAMES", "MLP_BIAS", "layer_key", "layer_params", "head_weight",
            "init_lm_params", "shard_lm_params", "unshard_lm_params"]
 
 #: The MLP's parameters in one layer, in the order they are drawn.
 MLP_NAMES = ("mlp_norm", "w_gate", "w_up", "w_down")
 #: One layer's parameters: the attention block's, then the MLP's.
 LAYER_NAMES = PARAM_NAMES + MLP_NAMES
+#: The down projection's bias (``LMConfig.mlp_bias``), replicated on every TP rank.
+MLP_BIAS = "b_down"
 #: The dim each non-attention parameter is cut along across ranks (``None``: replicated).
 _SHARD_DIM = {"embed": 0, "head": 0, "w_gate": 0, "w_up": 0, "w_down": 1, "mlp_norm": None,
-              "norm": None}
+              "norm": None, MLP_BIAS: None}
 
 
 def layer_key(i: int, name: str) -> str:
@@ -27,8 +30,10 @@ def layer_key(i: int, name: str) -> str:
 
 
 def layer_params(p: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s parameters by their short names (``LAYER_NAMES``)."""
-    return {name: p[layer_key(i, name)] for name in LAYER_NAMES}
+    """Layer ``i``'s parameters by their short names (``LAYER_NAMES``, and ``MLP_BIAS`` if
+    ``p`` holds it)."""
+    names = LAYER_NAMES + ((MLP_BIAS,) if layer_key(i, MLP_BIAS) in p else ())
+    return {name: p[layer_key(i, name)] for name in names}
 
 
 def head_weight(p: dict[str, torch.Tensor], lm: LMConfig) -> torch.Tensor:
@@ -38,7 +43,9 @@ def head_weight(p: dict[str, torch.Tensor], lm: LMConfig) -> torch.Tensor:
 
 def init_lm_params(lm: LMConfig, seed: int) -> dict[str, torch.Tensor]:
     """Parameters from ``seed`` (own generator): matrices ``N(0, 1) * INIT_STD`` drawn in float32
-    (embed; per layer a seed for ``init_params``, gate, up, down; head), norms ones."""
+    (embed; per layer a seed for ``init_params``, gate, up, down; head), norms ones; with
+    ``mlp_bias`` every layer's ``b_down`` ``N(0, 1) * INIT_STD`` drawn last (after head), keyed
+    after its ``w_down``."""
     g = torch.Generator().manual_seed(seed)
     cfg, dtype = lm.block, lm.block.torch_dtype
 
@@ -56,7 +63,22 @@ def init_lm_params(lm: LMConfig, seed: int) -> dict[str, torch.Tensor]:
     p["norm"] = torch.ones(cfg.hidden, dtype=dtype)
     if not lm.tied:
         p["head"] = rand(lm.vocab, cfg.hidden)
+    if lm.mlp_bias:
+        biases = {layer_key(i, "w_down"): rand(cfg.hidden) for i in range(lm.layers)}
+        p = _with_biases(p, biases)
     return p
+
+
+def _with_biases(p: dict[str, torch.Tensor],
+                 biases: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``p`` with each ``biases`` entry (keyed by its layer's ``w_down``) as that layer's
+    ``MLP_BIAS``, right after the ``w_down``."""
+    out = {}
+    for key, t in p.items():
+        out[key] = t
+        if key in biases:
+            out[key.rsplit(".", 1)[0] + "." + MLP_BIAS] = biases[key]
+    return out
 
 
 def _attention_shards(p: dict[str, torch.Tensor], lm: LMConfig) -> list[dict]:

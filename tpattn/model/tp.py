@@ -16,10 +16,11 @@ from tpattn.parallel.collectives import (CopyToRanks, ReduceFromRanks,
 from tpattn.parallel.engine import GRAD_NORM_LABEL, MAX_GRAD_NORM, rank_block, unstack_ranks
 from tpattn.parallel.program import CORRECT, REPLICATED, Program, sgd_ranks
 from .config import LMConfig
-from .params import head_weight, layer_params, shard_lm_params, unshard_lm_params
+from .params import MLP_BIAS, head_weight, layer_params, shard_lm_params, unshard_lm_params
 
 __all__ = ["EMBED_G_LABEL", "MLP_F_LABEL", "MLP_G_LABEL", "HEAD_F_LABEL", "rank_linear",
-           "vocab_parallel_lookup", "LMProgram", "LM_CORRECT", "tp_lm_embed", "rank_swiglu",
+           "vocab_parallel_lookup", "mlp_bias_after_g", "LMProgram", "LM_CORRECT",
+           "tp_lm_embed", "rank_swiglu",
            "tp_lm_logits", "tp_lm_losses", "tp_lm_step", "gather_vocab", "gather_lm_step",
            "LM_REPLICATED", "lm_grad_squares", "lm_global_grad_norm", "lm_grad_norm",
            "clip_coefs"]
@@ -29,7 +30,7 @@ MLP_F_LABEL = "f: all-reduce of the MLP's dn"
 MLP_G_LABEL = "g: all-reduce of the MLP's output partials"
 HEAD_F_LABEL = "f: all-reduce of the LM head's dn"
 #: The LM's parameters every TP rank holds whole, by short name: counted once in the norm.
-LM_REPLICATED = REPLICATED + ("mlp_norm",)
+LM_REPLICATED = REPLICATED + ("mlp_norm", MLP_BIAS)
 
 
 def rank_linear(n: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -45,6 +46,14 @@ def vocab_parallel_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> to
     owned = (local >= 0) & (local < v)
     rows = embed[torch.arange(embed.shape[0]).view(-1, 1, 1), torch.where(owned, local, 0)]
     return torch.where(owned.unsqueeze(-1), rows, 0.0)
+
+
+def mlp_bias_after_g(partial: torch.Tensor, p: dict, comm, g: Callable) -> torch.Tensor:
+    """The MLP's output: ``g`` of the down projection's partials ``[R, S, B, hidden]``, plus
+    the replicated bias ``b_down`` ``[R, hidden]`` once after it if ``p`` has one (Megatron's
+    ``RowParallelLinear``: bias after the reduce)."""
+    out = g(partial, comm, MLP_G_LABEL)
+    return out + p[MLP_BIAS].unsqueeze(1).unsqueeze(1) if MLP_BIAS in p else out
 
 
 def lm_grad_squares(grads: dict[str, torch.Tensor], comm) -> torch.Tensor:
@@ -73,6 +82,8 @@ def lm_global_grad_norm(grads: dict[str, torch.Tensor], comm,
 class LMProgram:
     """The LM's TP stages around the blocks' ``Program``; the defaults are correct TP, a bug
     replaces one stage. ``shard(p, lm)`` cuts the dense parameters into one dict per rank;
+    ``mlp_bias(partial, p, comm, g)`` turns the MLP's partials into its output through the
+    ``mlp_g`` stage ``g``;
     ``cross_entropy(logits, target, comm, smoothing)`` is the per-token loss; ``grad_norm(grads,
     comm, prog)`` the norm ``clip`` scales by (a scalar, or ``[R]`` one per rank)."""
 
@@ -82,6 +93,7 @@ class LMProgram:
     embed_g: Callable = ReduceFromRanks.apply
     mlp_f: Callable = CopyToRanks.apply
     mlp_g: Callable = ReduceFromRanks.apply
+    mlp_bias: Callable = mlp_bias_after_g
     head_f: Callable = CopyToRanks.apply
     cross_entropy: Callable = VocabParallelCrossEntropy.apply
     grad_squares: Callable = lm_grad_squares
@@ -102,12 +114,13 @@ def tp_lm_embed(tokens: torch.Tensor, p: dict, comm,
 
 def rank_swiglu(x: torch.Tensor, p: dict, lm: LMConfig, comm,
                 prog: LMProgram = LM_CORRECT) -> torch.Tensor:
-    """``x + g(down(silu(gate f(n)) * up f(n)))``, ``n = RMSNorm(x)``: x ``[R, S, B, hidden]``,
-    gate/up rows and down columns of each rank's ffn slice."""
+    """``x + g(down(silu(gate f(n)) * up f(n))) (+ b_down)``, ``n = RMSNorm(x)``: x
+    ``[R, S, B, hidden]``, gate/up rows and down columns of each rank's ffn slice; g and the
+    bias through ``prog.mlp_bias``."""
     n = rms_norm(x, p["mlp_norm"].unsqueeze(1).unsqueeze(1), lm.block.eps)  # replicated
     n = prog.mlp_f(n, comm, MLP_F_LABEL)
     h = F.silu(rank_linear(n, p["w_gate"])) * rank_linear(n, p["w_up"])
-    return x + prog.mlp_g(rank_linear(h, p["w_down"]), comm, MLP_G_LABEL)
+    return x + prog.mlp_bias(rank_linear(h, p["w_down"]), p, comm, prog.mlp_g)
 
 
 def tp_lm_logits(x: torch.Tensor, p: dict, lm: LMConfig, comm,
