@@ -1,6 +1,7 @@
 """Every LM mode fails exactly the measures its registry entry names, at TP 2 and 4 (its correct
 twin, with the same setup, passes); then one test per reported mechanism."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -130,3 +131,28 @@ def test_a_loss_shared_outside_autograd_gives_only_the_owner_a_gradient(world_si
     owns = (target // 4 == torch.arange(world_size).view(-1, 1, 1)).unsqueeze(-1)
     torch.testing.assert_close(grads[0][1], torch.where(owns, grads[1][1], 0.0), rtol=0, atol=0)
     assert (grads[1][1].masked_select(~owns) != 0).all()  # the right one is not zero there
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_bias_scaled_before_g_gives_each_rank_one_wth_of_its_gradient(world_size):
+    mode = LM_REGISTRY["row_bias_grad_scaled"]
+    lm = mode.config(base(world_size))
+    dense = dense_lm_job(lm, SEED, LR)["grads"]
+    dys = []  # the gradient at each layer's MLP output [W, S, B, hidden], last layer first
+
+    def recording(partial, p, comm, g):
+        out = mode.program.mlp_bias(partial, p, comm, g)
+        out.register_hook(dys.append)
+        return out
+
+    bug = simulated_lm_job(lm, SEED, LR, replace(mode.program, mlp_bias=recording))["grads"]
+    assert len(dys) == lm.layers
+    for i, dy in zip(reversed(range(lm.layers)), dys):
+        key, right = f"layers.{i}.b_down", dense[f"layers.{i}.b_down"].expand(world_size, -1)
+        torch.testing.assert_close(bug[key] * world_size, right, rtol=0, atol=1e-14)
+        # the live check: a bias's gradient is dy summed over the tokens, on every rank
+        torch.testing.assert_close(dy.sum((1, 2)), right, rtol=0, atol=1e-14)
+        assert float((dy.sum((1, 2)) - bug[key]).abs().max()) > 1e-3
+    inert = simulated_lm_job(base(world_size), SEED, LR, mode.program)["outputs"]
+    torch.testing.assert_close(inert, simulated_lm_job(base(world_size), SEED, LR)["outputs"],
+                               rtol=0, atol=0)  # without the bias the bug has no effect

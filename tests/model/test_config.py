@@ -15,6 +15,7 @@ from tpattn.model.config import LMConfig
     ({"ffn": -4}, "ffn must be an integer >= 1"),
     ({"ffn": 30, "block": Config(world_size=4)}, "ffn must be a multiple of block.world_size"),
     ({"tied": 1}, "tied must be True or False"),
+    ({"mlp_bias": "yes"}, "mlp_bias must be True or False"),
     ({"label_smoothing": 1.0}, "label_smoothing must be a number with 0 <= label_smoothing < 1"),
     ({"label_smoothing": -0.1}, "label_smoothing must be a number with 0 <= label_smoothing"),
     ({"label_smoothing": float("nan")}, "label_smoothing must be a number"),

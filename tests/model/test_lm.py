@@ -1,5 +1,6 @@
 """The decoder LM on simulated TP ranks against its dense twin: the five measures at world sizes
-2 and 4, tied and untied, float64 and float32; the ledger; f and g dropped by substitution."""
+2 and 4, tied and untied, float64 and float32, with the MLP's bias; the ledger; f and g dropped
+by substitution."""
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from tpattn.model.dense import dense_lm_step, lm_forward
 from tpattn.model.params import (init_lm_params, layer_key, shard_lm_params,
                                  unshard_lm_params)
 from tpattn.model.tp import (EMBED_G_LABEL, HEAD_F_LABEL, LM_CORRECT, MLP_F_LABEL, MLP_G_LABEL,
-                             gather_lm_step, tp_lm_step, vocab_parallel_lookup)
+                             gather_lm_step, lm_grad_norm, tp_lm_step, vocab_parallel_lookup)
 from tpattn.parallel.collectives import (CE_MAX_LABEL, CE_SUM_EXP_LABEL, CE_TARGET_LABEL,
                                          F_LABEL, G_LABEL, SimulatedRanks)
 from tpattn.parallel.engine import GRAD_NORM_LABEL, stack_ranks
@@ -58,6 +59,27 @@ def test_tp_lm_equals_the_dense_lm_on_the_five_measures(world_size, tied, dtype)
     dense, tp = both_steps(lm)
     measures = five_measures(11, "equivalence", dense, gather_lm_step(tp, lm))
     assert {m: measures[m] for m in MEASURES if measures[m] >= TOLERANCES[dtype]} == {}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_lm_with_the_mlp_bias_equals_the_dense_lm(world_size, dtype):
+    lm = replace(make_lm(world_size, dtype), mlp_bias=True)
+    dense, tp = both_steps(lm)
+    measures = five_measures(11, "equivalence", dense, gather_lm_step(tp, lm))
+    assert {m: measures[m] for m in MEASURES if measures[m] >= TOLERANCES[dtype]} == {}
+    bias = dense["grads"][layer_key(0, "b_down")]
+    assert float(bias.abs().max()) > 1e-3  # the bias takes part in the step
+    for i in range(lm.layers):  # every rank holds the whole bias gradient
+        grads = tp["grads"][layer_key(i, "b_down")]
+        assert torch.equal(grads, grads[:1].expand_as(grads))
+    rel = TOLERANCES[dtype]
+    assert tp["grad_norm"] == pytest.approx(dense["grad_norm"], rel=rel)
+    bias_norm = lm_grad_norm({k: tp["grads"][k] for k in tp["grads"] if "b_down" in k},
+                             SimulatedRanks(lm.block))  # counted on one rank, not W
+    torch.testing.assert_close(bias_norm, sum(
+        dense["grads"][layer_key(i, "b_down")].double().pow(2).sum()
+        for i in range(lm.layers)).sqrt(), rtol=rel, atol=0)
 
 
 @pytest.mark.parametrize("block", [
@@ -135,6 +157,22 @@ def test_shards_cut_the_vocabulary_and_ffn_and_unshard_back(tied):
     assert ("head" in shards[0]) is not tied
     back = unshard_lm_params(shards, lm)
     assert list(back) == list(p) and all(torch.equal(back[k], p[k]) for k in p)
+
+
+def test_the_mlp_bias_is_replicated_follows_its_down_and_leaves_the_other_draws():
+    lm = make_lm(4)
+    plain, p = init_lm_params(lm, 5), init_lm_params(replace(lm, mlp_bias=True), 5)
+    keys = list(p)
+    for i in range(lm.layers):
+        key = layer_key(i, "b_down")
+        assert p[key].shape == (lm.block.hidden,) and float(p[key].abs().max()) > 0
+        assert keys.index(key) == keys.index(layer_key(i, "w_down")) + 1
+    assert [k for k in keys if "b_down" not in k] == list(plain)
+    assert all(torch.equal(plain[k], p[k]) for k in plain)
+    shards = shard_lm_params(p, replace(lm, mlp_bias=True))
+    assert all(torch.equal(s[layer_key(1, "b_down")], p[layer_key(1, "b_down")]) for s in shards)
+    back = unshard_lm_params(shards, replace(lm, mlp_bias=True))
+    assert list(back) == keys and all(torch.equal(back[k], p[k]) for k in p)
 
 
 def test_the_lookup_zeroes_other_ranks_tokens_and_sums_to_the_embedding():

@@ -165,7 +165,10 @@ def unmasked_lookup(tokens: torch.Tensor, embed: torch.Tensor, comm) -> torch.Te
 def scaled_bias_before_g(partial: torch.Tensor, p: dict, comm, g) -> torch.Tensor:
     """The bug: each rank adds ``b_down / W`` ``[R, hidden]`` to its partials
     ``[R, S, B, hidden]`` before ``g``, the division inside autograd: the sum holds one bias,
-    but each replica's bias gradient is the summed dy divided by W (nothing sums it back)."""
+    but each replica's bias gradient is the summed dy divided by W (nothing sums it back);
+    ``g`` of the partials alone without a bias."""
+    if MLP_BIAS not in p:
+        return g(partial, comm, MLP_G_LABEL)
     scaled = p[MLP_BIAS].unsqueeze(1).unsqueeze(1) / comm.world_size
     return g(partial + scaled, comm, MLP_G_LABEL)
 
