@@ -1,13 +1,14 @@
 """The LM's tier-1 observables (``tpattn.diagnosis.lm_observe``): correct TP shows none at TP 2
 and 4, untied and tied, float32 and bfloat16; each observable is shown by a bug that makes it
 (a rank-local cross-entropy, a target logit cut from autograd, a lookup without its mask, shards
-loaded from one seed, a dropped f or g) and says where."""
+loaded from one seed, a dropped f or g, a bias gradient scaled by 1/W) and says where; every
+LM bug shows at least one."""
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, lm_program
+from tpattn.bugs.lm_zoo import LM_EQUIVALENCE, LM_REGISTRY, lm_program
 from tpattn.config import Config
 from tpattn.diagnosis.lm_observe import (LM_TIER1, lm_tier1, observe_lm, observe_lm_program)
 from tpattn.model.config import LMConfig
@@ -33,6 +34,22 @@ def shown(obs: dict) -> dict[str, list[str]]:
 def test_correct_tp_shows_no_observable(world_size, tied, dtype):
     for seed in (11, 3):
         assert shown(observe_lm(LM_EQUIVALENCE, seed, lm_at(world_size, dtype, tied))) == {}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_bias_gradient_scaled_by_one_over_w_shows_only_there(world_size, dtype):
+    lm = replace(lm_at(world_size, dtype), mlp_bias=True)
+    assert shown(observe_lm(LM_EQUIVALENCE, 11, lm)) == {}
+    biases = ["layers.0.b_down", "layers.1.b_down"]
+    assert observe_lm(LM_EQUIVALENCE, 11, lm)["bias_grad_checks"].keys() == set(biases)
+    assert shown(observe_lm("row_bias_grad_scaled", 11, lm_at(world_size, dtype))) == {
+        "bias_grad_not_dy_sum": biases}  # the mode's setup brings the bias
+
+
+@pytest.mark.parametrize("name", [n for n in LM_REGISTRY if n != LM_EQUIVALENCE])
+def test_every_lm_bug_shows_an_observable(name):
+    assert shown(observe_lm(name, 11, lm_at(4))) != {}
 
 
 def local_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm,

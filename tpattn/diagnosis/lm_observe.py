@@ -3,8 +3,9 @@ runs one step of an LM mode on simulated ranks and returns only what each rank c
 (JSON-able; checksums are float64 sums), ``lm_tier1`` the observables it shows, each with
 where: the TP ranks' losses disagree, a split weight is the same on every rank, a replicated
 parameter differs across ranks after the step, a token's embedding comes from other ranks than
-its owner, a token's logit gradient does not sum to zero over the vocabulary, a planned
-collective is missing."""
+its owner, a token's logit gradient does not sum to zero over the vocabulary, a replicated
+bias's gradient is not its output's gradient summed over the tokens, a planned collective is
+missing."""
 from __future__ import annotations
 
 from collections import Counter
@@ -17,7 +18,7 @@ from tpattn.check.core import LR, check_seed
 from tpattn.check.tolerance import UNIT_ROUNDOFF
 from tpattn.model.config import LMConfig
 from tpattn.model.job import lm_inputs
-from tpattn.model.params import shard_lm_params
+from tpattn.model.params import MLP_BIAS, layer_key, shard_lm_params
 from tpattn.model.tp import LM_CORRECT, LM_REPLICATED, LMProgram, tp_lm_step
 from tpattn.parallel.collectives import SimulatedRanks
 from tpattn.parallel.engine import stack_ranks, unstack_ranks
@@ -26,7 +27,8 @@ from .observe import LEDGER_KEYS
 
 __all__ = ["LM_LEDGER_KEYS", "ROUNDING_SLACK", "observe_lm", "observe_lm_program",
            "differing_losses", "identical_shards", "differing_replicas", "shared_embeddings",
-           "unbalanced_logit_grads", "missing_collectives", "LM_TIER1", "lm_tier1"]
+           "unbalanced_logit_grads", "unsummed_bias_grads",
+           "missing_collectives", "LM_TIER1", "lm_tier1"]
 
 #: What an observed LM ledger entry keeps: ``LEDGER_KEYS`` and the stage's ``label``.
 LM_LEDGER_KEYS = LEDGER_KEYS + ("label",)
@@ -75,6 +77,32 @@ def _recording_lookup(lookup: Callable, store: list) -> Callable:
     return stage
 
 
+def _recording_mlp_out(stage: Callable, store: list) -> Callable:
+    """The ``mlp_bias`` stage as it is; with a bias, the gradient at its output
+    ``[R, S, B, hidden]`` (the dy the bias's gradient sums) put at the layer's forward index
+    in ``store``."""
+    def recorded(partial, p, comm, g):
+        out = stage(partial, p, comm, g)
+        if MLP_BIAS in p:
+            i = len(store)
+            store.append(None)
+            out.register_hook(lambda grad: store.__setitem__(i, grad.detach()))
+        return out
+    return recorded
+
+
+def _bias_grad_checks(grads: dict[str, torch.Tensor], dys: list) -> dict:
+    """Per layer with a bias, per rank: ``gaps`` the largest ``|bias grad - sum over tokens of
+    dy|`` (each rank's own tensors, float64) and ``sizes`` the largest ``sum |dy|``."""
+    out = {}
+    for i, dy in enumerate(dys):
+        g, d = grads[layer_key(i, MLP_BIAS)].double(), dy.double()
+        out[layer_key(i, MLP_BIAS)] = {
+            "gaps": (g - d.sum((1, 2))).abs().amax(-1).tolist(),
+            "sizes": d.abs().sum((1, 2)).amax(-1).tolist()}
+    return out
+
+
 def _owners(partials: torch.Tensor) -> list[int]:
     """Per token (flat ``[S * B]``): how many ranks' embedding partials ``[R, S, B, hidden]``
     are not all zero (one all-reduce of a 0/1 flag)."""
@@ -100,8 +128,9 @@ def observe_lm_program(prog: LMProgram, seed: int = 11, lm: LMConfig | None = No
     rank, after the step) and ``replica_update_sizes`` (per rank ``sum |update|``);
     ``embed_owners`` (per token the ranks whose embedding partial is not zero);
     ``logit_grad_sums`` (per token the logit gradient summed over the vocabulary, its
-    ``sizes`` and ``dtype``); ``ledger`` and ``planned_ledger`` (``LM_CORRECT``'s). wk/wv
-    replicated over KV replica groups are in neither checksum."""
+    ``sizes`` and ``dtype``); ``bias_grad_checks`` (``_bias_grad_checks``, empty without
+    ``mlp_bias``); ``ledger`` and ``planned_ledger`` (``LM_CORRECT``'s). wk/wv replicated over
+    KV replica groups are in neither checksum."""
     check_seed(seed)
     lm = LMConfig() if lm is None else lm
     shard = shard or prog.shard
@@ -112,9 +141,10 @@ def observe_lm_program(prog: LMProgram, seed: int = 11, lm: LMConfig | None = No
         return tp_lm_step(stack_ranks(shards), tokens.expand(w, -1, -1), lm,
                           SimulatedRanks(lm.block, []), lr, program)
 
-    shards, grads, partials = shard(p, lm), [], []
+    shards, grads, partials, dys = shard(p, lm), [], [], []
     run = step(replace(prog, cross_entropy=_recording(prog.cross_entropy, grads),
-                       embed_lookup=_recording_lookup(prog.embed_lookup, partials)), shards)
+                       embed_lookup=_recording_lookup(prog.embed_lookup, partials),
+                       mlp_bias=_recording_mlp_out(prog.mlp_bias, dys)), shards)
     plan = step(LM_CORRECT, shard_lm_params(p, lm))
     after = unstack_ranks(run["weights"])
     block = lm.block
@@ -130,6 +160,7 @@ def observe_lm_program(prog: LMProgram, seed: int = 11, lm: LMConfig | None = No
                 "replicated"),
             "embed_owners": _owners(partials[0]),
             "logit_grad_sums": _logit_grad_sums(grads[0]),
+            "bias_grad_checks": _bias_grad_checks(run["grads"], dys),
             "ledger": _ledger(run["ledger"]), "planned_ledger": _ledger(plan["ledger"])}
 
 
@@ -195,6 +226,17 @@ def unbalanced_logit_grads(obs: dict) -> list[str]:
                     for total, size in zip(grads["sums"], grads["sizes"])])
 
 
+def unsummed_bias_grads(obs: dict) -> list[str]:
+    """The biases whose gradient on some rank differs from that rank's output gradient dy
+    summed over the tokens by more than the rounding of ``sum |dy|`` in the step's dtype (a
+    bias's gradient is that sum, on every rank that adds it once; measured at TP 2 and 4:
+    correct TP at most 0.9 units of ``u * sum |dy|`` in float32 and bfloat16, a bias scaled by
+    1/W inside autograd at least 99 in bfloat16)."""
+    dtype = obs["setup"]["dtype"]
+    return [k for k, c in obs["bias_grad_checks"].items()
+            if any(gap > _rounding(dtype, size) for gap, size in zip(c["gaps"], c["sizes"]))]
+
+
 def missing_collectives(obs: dict) -> list[str]:
     """The planned collectives' labels the ledger holds fewer of than the plan, in plan order."""
     have = Counter(e["label"] for e in obs["ledger"])
@@ -216,6 +258,9 @@ LM_TIER1: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "logit_grads_unbalanced": ("the loss's gradient at a token's logits does not sum to zero "
                                "over the vocabulary (the cross-entropy's backward is not "
                                "softmax minus the target)", unbalanced_logit_grads),
+    "bias_grad_not_dy_sum": ("a replicated bias's gradient is not the gradient at its output "
+                             "summed over the tokens (a rank scaled it, e.g. bias / W inside "
+                             "autograd)", unsummed_bias_grads),
     "ledger_short": ("a collective of the plan is missing from the ledger",
                      missing_collectives),
 }
