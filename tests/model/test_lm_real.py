@@ -4,9 +4,11 @@ the real step from the simulated one below 1e-12 (measured: <= 1.1e-15; a gloo s
 partials may associate differently from ``t[0] + t[1] + ...``), the five measures against the
 dense LM below 1e-12, and rank 0's real ledger equal to the simulated ledger; bfloat16 real
 ranks pass the judged measures. Every mode of ``LM_REGISTRY`` (float64) gives on real ranks the
-simulated ranks' step and the same judged measures, so it fails on real ranks exactly the
-measures its entry names. One run per world size serves every test (process start dominates
+simulated ranks' step and the same judged measures (or, where parameters tie on the ratio to
+their bound, the same ratio), so it fails on real ranks exactly the measures its entry
+names. One run per world size serves every test (process start dominates
 the cost)."""
+import math
 from dataclasses import replace
 
 import pytest
@@ -44,6 +46,18 @@ def simulated(lm: LMConfig, seed: int, mode: str) -> dict:
     return simulated_lm_job(lm, seed, LR, prog)
 
 
+def judged_alike(got: dict, sim: dict, m: str) -> bool:
+    """Measure ``m`` of two judgements agrees below ``BOUND``, or both name a worst parameter
+    whose ratio to its bound agrees to 1e-9: parameters tied on that ratio (every ``b_down``
+    of ``row_bias_grad_scaled``: its gradient is ``1/W`` of the dense one) are picked by the
+    last bit of rounding."""
+    if abs(got[m] - sim[m]) < BOUND:
+        return True
+    worst = got.get("worst_parameter", {})
+    return m in worst and worst[m] != sim["worst_parameter"][m] and math.isclose(
+        got[m] / got["bounds"][m], sim[m] / sim["bounds"][m], rel_tol=1e-9)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def real(request):
     """``(jobs, rank 0's results)`` of one real run at this world size."""
@@ -72,7 +86,7 @@ def test_every_mode_is_judged_on_real_ranks_as_on_simulated_ranks(real):
                        gather_lm_step(simulated(lm, seed, mode), case_lm), LR)
         got = result["measures"]
         assert got["verdict"] == sim["verdict"], mode
-        assert {m: (got[m], sim[m]) for m in MEASURES if abs(got[m] - sim[m]) >= BOUND} == {}
+        assert {m: (got[m], sim[m]) for m in MEASURES if not judged_alike(got, sim, m)} == {}
         failed = tuple(m for m in MEASURES if got[m] > got["bounds"][m])
         assert failed == LM_REGISTRY[mode].fails, mode
 
