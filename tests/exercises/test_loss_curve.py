@@ -1,8 +1,6 @@
 """Chapter 20's checkers (``tpattn.exercises.loss_curve``) reject known-wrong answers with the
 message that names the mistake; ``tests/frontends/test_exercises.py`` runs them with every
 other chapter's (``WRONG_LOSS_CURVE``) and checks the reference solutions of the notebook."""
-import pytest
-
 from tpattn import exercises as ex
 
 
@@ -32,12 +30,10 @@ WRONG_LOSS_CURVE = [
 ]
 
 
-@pytest.mark.parametrize("checker, answer, expected", WRONG_LOSS_CURVE,
-                         ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG_LOSS_CURVE)])
-def test_a_known_wrong_answer_gets_its_message(checker, answer, expected):
-    result = getattr(ex, checker)(answer)
+def test_a_wrong_answer_points_to_chapter_20():
+    # every answer of WRONG_LOSS_CURVE gets its message in test_exercises.py's ALL_WRONG
+    result = ex.check_step_one(WRONG_LOSS_CURVE[-1][1])
     assert not result.passed
-    assert expected in result.message, result.message
     assert "chapter 20 (a loss curve you can trust)" in result.message
 
 
