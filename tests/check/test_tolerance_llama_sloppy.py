@@ -5,6 +5,8 @@ them (``make test-portable`` runs both under each kernel setting); and a wider w
 bounds and floors scale the same amplification."""
 from dataclasses import replace
 
+import pytest
+
 from tpattn import EQUIVALENCE
 from tpattn.block.params import init_params
 from tpattn.check.at_scale import probe_amplification

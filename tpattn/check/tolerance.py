@@ -120,17 +120,25 @@ def _bounds(cfg: Config, dense: dict, by_name: dict, worst: dict,
     }
 
 
+#: Relative gap under which two parameters' measure/bound ratios are the same fact (a bug that
+#: scales every layer's gradient alike gives ratios equal up to rounding).
+TIE = 1e-3
+
+
 def per_parameter(cfg: Config, metrics: dict, dense: dict, tp: dict, lr: float,
                   terms: tuple[float, float] | None = None) -> tuple[dict, dict]:
     """``(metrics, bounds)`` for ``apply_auto``, ``PARAMETER_MEASURES`` for the worst parameter
-    (largest ``|dense - tp|_p / bound_p``, named in ``worst_parameter``); ``terms`` as in
-    ``parameter_bounds``."""
+    (largest ``|dense - tp|_p / bound_p``; ratios within ``TIE`` of it tie, and the larger
+    difference wins, so every kernel names the same one; named in ``worst_parameter``);
+    ``terms`` as in ``parameter_bounds``."""
     by_name = parameter_bounds(cfg, dense, lr, terms)
     out, worst = dict(metrics), {}
     for m in PARAMETER_MEASURES:
         side = _SIDE[m]
         diffs = {k: max_abs_diff(dense[side][k], tp[side][k]) for k in by_name[m]}
-        worst[m] = max(diffs, key=lambda k: _ratio(diffs[k], by_name[m][k]))
+        ratios = {k: _ratio(diffs[k], by_name[m][k]) for k in diffs}
+        top = max(ratios.values())
+        worst[m] = max((k for k in diffs if ratios[k] >= top * (1 - TIE)), key=diffs.get)
         out[m] = diffs[worst[m]]
     out["worst_parameter"] = worst
     return out, _bounds(cfg, dense, by_name, worst, terms)
